@@ -1,0 +1,10 @@
+"""User-facing errors.
+
+A `UserError` is a mistake in the input (config, mesh, layout, data path), not a bug.
+The CLI prints its message as one paragraph and exits with status 2, without a
+traceback. Messages say what was wrong, what was given, and how to fix it.
+"""
+
+
+class UserError(Exception):
+    """A bad config, mesh, layout or data argument; the message is the whole story."""
