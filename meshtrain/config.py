@@ -1,0 +1,159 @@
+"""Configs: one `base()` of every key, named runs in meshtrain/configs/NAME.py.
+
+`load(name_or_path)` imports the file and calls its `get_config()`; `override`
+applies `--config.key=value` strings to the locked ConfigDict, parsing each value
+to the type of the key it replaces. Unknown keys and bad values are `UserError`s
+with a suggestion.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from meshtrain.errors import UserError
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_collections.ConfigDict:
+    """Every key meshtrain reads, with defaults. `None` model dims come from model.size."""
+    c = ml_collections.ConfigDict()
+    c.model = dict(
+        name="gpt2", size=size,
+        num_layers=None, num_heads=None, embed_dim=None, mlp_dim=None, seq_len=None,
+        vocab_size=None,     # None: from model.size (synthetic data) or the tokenizer (text)
+        vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
+        dropout=0.0, dtype="float32", param_dtype="float32",
+        remat="none", scan_layers=True,
+    )
+    c.mesh = dict(shape=mesh, dcn="")
+    c.layout = layout
+    c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
+                   log_every=10, eval_every=100, eval_steps=4)
+    c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
+                   weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+    c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
+                  split="train", val_fraction=0.05)
+    c.lock()
+    return c
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def load(name_or_path: str) -> ml_collections.ConfigDict:
+    """`gpt2_tiny_dp8` (a file in meshtrain/configs/) or a path to a .py file."""
+    path = pathlib.Path(name_or_path)
+    if not (path.suffix == ".py" and path.exists()):
+        path = CONFIG_DIR / f"{name_or_path}.py"
+    if not path.exists():
+        close = difflib.get_close_matches(name_or_path, available(), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise UserError(
+            f"Unknown config {name_or_path!r}.{hint} Pass a name from meshtrain/configs/ "
+            f"({', '.join(available())}) or a path to a .py file with get_config().")
+    spec = importlib.util.spec_from_file_location(f"meshtrain_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.lock()
+    return cfg
+
+
+def _keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in cfg.items():
+        out.extend(_keys(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"])
+    return out
+
+
+def _parse_value(key: str, old, text: str):
+    """Parses `text` to the type of `old` (the current value of `key`)."""
+    def bad(kind):
+        return UserError(f"--config.{key}={text!r}: expected {kind} (the current value is {old!r}).")
+    if isinstance(old, bool):
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise bad("true or false")
+    if isinstance(old, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise bad("an integer") from None
+    if isinstance(old, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise bad("a number") from None
+    if isinstance(old, str):
+        return text
+    if text.lower() == "none":
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
+    """Sets dotted `key` from its command-line text; unknown keys are errors."""
+    keys = _keys(cfg)
+    if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        section = key.split(".")[0]
+        listed = [k for k in keys if k.startswith(section + ".")] or keys
+        raise UserError(
+            f"Unknown config key {key!r}.{hint} Known keys{' in ' + section if listed is not keys else ''}: "
+            f"{', '.join(listed)}.")
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+        node = node[p]
+    with node.unlocked():
+        node[leaf] = _parse_value(key, node[leaf], text)
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[tuple[str, str]], dict[str, str]]:
+    """argv -> (config name, [(key, value) overrides], other --flags).
+
+    Accepts `--config.a.b=v` and `--config.a.b v`, `--noconfig.flag` for False.
+    """
+    name, overrides, flags = None, [], {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise UserError(f"Unexpected argument {arg!r}. Usage: python -m meshtrain.train "
+                            f"--config=NAME [--config.key=value ...] [--workdir=DIR]")
+        body = arg[2:]
+        flag, sep, value = body.partition("=")
+        if flag.startswith("noconfig."):
+            overrides.append((flag[len("noconfig."):], "false"))
+            continue
+        if not sep:
+            if flag.startswith("config.") and (not args or args[0].startswith("--")):
+                value = "true"  # a bare boolean flag
+            elif args:
+                value = args.pop(0)
+            else:
+                raise UserError(f"Flag --{flag} needs a value, e.g. --{flag}=VALUE.")
+        if flag == "config":
+            name = value
+        elif flag.startswith("config."):
+            overrides.append((flag[len("config."):], value))
+        else:
+            flags[flag] = value
+    if name is None:
+        raise UserError(f"No --config given. Usage: python -m meshtrain.train --config=NAME "
+                        f"[--config.key=value ...] [--workdir=DIR]; names: {', '.join(available())}.")
+    return name, overrides, flags

@@ -1,0 +1,97 @@
+"""`DataSource`: batches of token windows, split across processes, on grain.
+
+A source is two window streams (train and eval). Each stream is a grain
+`MapDataset` of window ids (position in the stream -> which window), plus a
+vectorised reader (window ids -> tokens). Global batch b of a stream holds stream
+positions b * batch_size ... (b + 1) * batch_size - 1; process p of P reads the
+contiguous rows [p * batch_size / P, (p + 1) * batch_size / P) of it. Because every
+position maps to a fixed window, a batch is the same whatever the process count,
+and resuming at step k is random access to batch k (nothing is replayed).
+"""
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import grain
+import numpy as np
+
+from meshtrain.errors import UserError
+
+# Rows per process in a pipeline: far past any run, yet small enough that the
+# stream positions computed from them stay well inside int64.
+_MAX_ROWS = 2**40
+
+# Window ids [rows] int64 -> tokens [rows, seq_len + 1] int32.
+Reader = Callable[[np.ndarray], np.ndarray]
+
+
+class DataSource:
+    """Train and eval token windows of one dataset.
+
+    Attributes:
+      vocab_size: token ids are in [0, vocab_size).
+      seq_len: each window has seq_len + 1 tokens (inputs [:-1], targets [1:]).
+      info: JSON-serialisable facts for run.json.
+      tokenizer: the text tokenizer (with `save(path)`), or None for synthetic data.
+    """
+
+    def __init__(self, *, vocab_size: int, seq_len: int, info: dict[str, Any],
+                 train_ids: grain.MapDataset, read_train: Reader,
+                 eval_ids: grain.MapDataset, read_eval: Reader,
+                 tokenizer: Any = None):
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.info = info
+        self.tokenizer = tokenizer
+        self._train = (train_ids, read_train)
+        self._eval = (eval_ids, read_eval)
+
+    def train_batches(self, batch_size: int, *, process_index: int = 0,
+                      process_count: int = 1, start_step: int = 0) -> Iterator[np.ndarray]:
+        """This process's rows of global train batches start_step, start_step + 1, ...
+
+        Yields [batch_size // process_count, seq_len + 1] int32, forever. Arguments
+        are checked at the call, not at the first next().
+        """
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        batches = _pipeline(*self._train, batch_size, process_index, process_count)
+        return (batches[step] for step in itertools.count(start_step))
+
+    def eval_batches(self, batch_size: int, num_batches: int, *, process_index: int = 0,
+                     process_count: int = 1) -> Iterator[np.ndarray]:
+        """This process's rows of held-out batches 0 .. num_batches - 1, same each call.
+
+        Yields [batch_size // process_count, seq_len + 1] int32. A text source whose
+        held-out split has fewer windows than num_batches * batch_size cycles over it.
+        """
+        batches = _pipeline(*self._eval, batch_size, process_index, process_count)
+        return (batches[step] for step in range(num_batches))
+
+
+def _pipeline(ids: grain.MapDataset, read: Reader, batch_size: int,
+              process_index: int, process_count: int) -> grain.MapDataset:
+    """Batch b of the result is process_index's rows of global batch b."""
+    local = _local_batch_size(batch_size, process_index, process_count)
+    offset = process_index * local
+
+    def position(row: int) -> int:
+        # Local row -> position in the global stream (see module docstring).
+        return (row // local) * batch_size + offset + row % local
+
+    rows = grain.MapDataset.range(_MAX_ROWS).map(position).map(lambda pos: ids[pos])
+    return rows.batch(local, batch_fn=lambda win: read(np.asarray(win, np.int64)))
+
+
+def _local_batch_size(batch_size: int, process_index: int, process_count: int) -> int:
+    """Rows per process; a global batch that does not split evenly is a UserError."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    if batch_size <= 0 or batch_size % process_count:
+        raise UserError(
+            f"The global batch size must be a positive multiple of the number of "
+            f"processes, because every process loads an equal share of each batch; "
+            f"got batch_size={batch_size} with {process_count} processes. Set the "
+            f"batch size to a multiple of {process_count} (for example "
+            f"{max(process_count, batch_size // process_count * process_count)}).")
+    return batch_size // process_count

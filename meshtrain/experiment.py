@@ -1,0 +1,151 @@
+"""Config -> mesh, layout, model, optimizer, shardings and jitted steps, in one object.
+
+The CLI, the tests, the notebooks and the benchmarks all build runs through
+`Experiment.build(cfg)`, so they exercise the same code:
+
+    exp = Experiment.build(cfg)              # validates, nothing traced yet
+    compiled = exp.compile()                 # AOT compile of the train step
+    state = exp.init_state()                 # sharded init
+    state, metrics = exp.train_step(state, exp.put_batch(batch))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain import layouts, mesh as mesh_lib, models, optim, state as state_lib, step as step_lib
+from meshtrain.data import make_source
+from meshtrain.errors import UserError
+from meshtrain.layouts import Layout
+
+
+def _axis_product(layout: Layout, mesh: Mesh, name: str) -> int:
+    """lcm over rule tables of the number of shards `name` is split into."""
+    out = 1
+    for target in layouts.rules.TARGETS:
+        axes = [a for a in layout.spec((name,), target) if a is not None]
+        flat = [x for a in axes for x in ((a,) if isinstance(a, str) else a)]
+        out = math.lcm(out, math.prod(mesh.shape[a] for a in flat))
+    return out
+
+
+def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> int:
+    """Returns the microbatch size after checking batch divisibility with the arithmetic."""
+    t = cfg.train
+    k = t.microbatches
+    if t.batch_size < 1 or k < 1:
+        raise UserError(f"train.batch_size={t.batch_size} and train.microbatches={k} must be >= 1.")
+    shards = _axis_product(layout, mesh, "batch")
+    if t.batch_size % (k * shards):
+        over = "+".join(a for a in mesh_lib.AXES if a in str(layout.spec(("batch",), "activations")))
+        raise UserError(
+            f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
+            f"= {k} x {shards} = {k * shards} (layout {layout.name!r} splits batch over "
+            f"{over or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
+    return t.batch_size // k
+
+
+@dataclasses.dataclass
+class Experiment:
+    cfg: ml_collections.ConfigDict
+    mesh: Mesh
+    layout: Layout
+    model: state_lib.ModelDef
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    shardings: state_lib.TrainState
+    grad_shardings: Any
+    source: Any
+    train_step: Callable
+    eval_step: Callable
+    batch_sharding: NamedSharding
+
+    @classmethod
+    def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
+              mesh_shape: dict | None = None) -> "Experiment":
+        """Validates `cfg` and builds everything short of tracing.
+
+        `devices` defaults to all devices; `mesh_shape` overrides cfg.mesh.shape
+        (tests use a 1-device mesh as the reference).
+        """
+        devices = list(devices if devices is not None else jax.devices())
+        shape = mesh_lib.parse_shape(mesh_shape if mesh_shape is not None else cfg.mesh.shape)
+        shape = mesh_lib.resolve_shape(shape, len(devices))
+        dcn = mesh_lib.parse_shape(cfg.mesh.dcn) if cfg.mesh.dcn else None
+        mesh = mesh_lib.make_mesh(shape, devices if dcn is None else None, dcn=dcn)
+        layout = layouts.get(cfg.layout)
+        micro = check_batch(cfg, layout, mesh)
+        if cfg.train.steps < 0:
+            raise UserError(f"train.steps={cfg.train.steps}: must be >= 0 (0 compiles and exits).")
+
+        m = cfg.model
+        dims = models.size_dims(m)
+        source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
+                             seed=cfg.train.seed)
+        vocab = source.vocab_size
+        if m.vocab_size is not None and m.vocab_size < vocab:
+            raise UserError(
+                f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({vocab} "
+                f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
+        vocab = m.vocab_size or vocab
+        model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_axis_product(layout, mesh, "vocab"))
+        model = state_lib.abstract_model(model_cfg)
+        state_lib.check_activations(model_cfg, micro, layout, mesh)
+
+        total = max(cfg.train.steps, 1)
+        tx = optim.make(cfg.optim, total, model.axes)
+        schedule = optim.schedule(cfg.optim, total)
+        shardings = state_lib.state_shardings(model, tx, layout, mesh)
+        grad_shardings = state_lib.param_shardings(model, layout, mesh, "opt_state")
+        train_step = step_lib.make_train_step(
+            model, tx, schedule, layout, mesh, shardings, grad_shardings,
+            microbatches=cfg.train.microbatches, seed=cfg.train.seed)
+        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
+        batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+        return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
+                   train_step, eval_step, batch_sharding)
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        return (self.cfg.train.batch_size, self.model.cfg.seq_len + 1)
+
+    def init_state(self) -> state_lib.TrainState:
+        return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed)
+
+    def abstract_state(self) -> state_lib.TrainState:
+        return state_lib.abstract_state(self.model, self.tx, self.shardings)
+
+    def compile(self):
+        """AOT-compiles the train step from shapes alone (nothing allocated)."""
+        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return self.train_step.lower(self.abstract_state(), batch).compile()
+
+    def put_batch(self, local_rows: np.ndarray) -> jax.Array:
+        """This process's rows [B / processes, T+1] -> a global sharded array [B, T+1]."""
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, self.batch_shape)
+
+    def train_batches(self, start_step: int = 0):
+        return self.source.train_batches(self.cfg.train.batch_size, process_index=jax.process_index(),
+                                         process_count=jax.process_count(), start_step=start_step)
+
+    def eval_batches(self):
+        return self.source.eval_batches(self.cfg.train.batch_size, self.cfg.train.eval_steps,
+                                        process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+
+    def num_params(self) -> int:
+        """Parameters of the model as defined (unpadded vocabulary): the closed form."""
+        return models.num_params(self.model.cfg)
+
+    def num_stored_params(self) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.model.shapes))

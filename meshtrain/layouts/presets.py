@@ -1,0 +1,45 @@
+"""Named layouts. Each is a string in the layout grammar (see rules.parse).
+
+Memory per device for Psi parameters with fp32 params and Adam (12 B/param live
+state), n = size of the sharding axis, and what each costs in communication:
+
+  dp       12 Psi                  all-reduce of grads (2 Psi bytes on the wire per step)
+  zero1    4 Psi + 8 Psi / n       grads reduce-scattered into optimizer shards, updated params all-gathered
+  fsdp     12 Psi / n              ZeRO-3: params all-gathered for forward and again for backward,
+                                   grads reduce-scattered (3 Psi on the wire, 1.5 x dp)
+  tp       ~12 Psi / t             Megatron: 2 all-reduces of [batch, length, embed] per layer forward,
+                                   2 in backward; no gradient all-reduce over tensor
+  dp_tp    ~12 Psi / t             tp inside, dp all-reduce of the tensor-sharded grads across data
+  fsdp_tp  ~12 Psi / (f t)         both
+The rule order matters: a mesh axis goes to the first rule that claims it.
+"""
+
+from meshtrain.errors import UserError
+from meshtrain.layouts.rules import Layout, parse
+
+_TP = "heads:tensor;mlp:tensor;vocab:tensor"
+# embed first, then mlp, then head_dim: every GPT-2 weight, bias and LayerNorm gets
+# exactly one dim sharded over fsdp, so per-device state is exactly 1/n.
+_FSDP_PARAMS = "embed:fsdp;mlp:fsdp;head_dim:fsdp"
+
+PRESETS = {
+    "dp": "batch:data",
+    "fsdp": f"batch:data+fsdp | params={_FSDP_PARAMS}",
+    "zero1": "batch:data | opt_state=embed:data;mlp:data;head_dim:data",
+    "tp": _TP,
+    "dp_tp": f"batch:data;{_TP}",
+    "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp",
+}
+
+
+def get(name_or_rules: str) -> Layout:
+    """A preset by name, or a layout written in the grammar."""
+    text = name_or_rules.strip()
+    if text in PRESETS:
+        return parse(PRESETS[text], name=text)
+    if ":" not in text:
+        raise UserError(
+            f"Unknown layout {text!r}. The presets are: {', '.join(PRESETS)}; or write "
+            f"rules in the layout grammar, e.g. 'batch:data+fsdp;heads:tensor;embed:fsdp' "
+            f"(see docs/layouts.md).")
+    return parse(text)

@@ -1,0 +1,136 @@
+"""Layouts: ordered rule tables from logical axis names to mesh axes.
+
+A layout has three rule tables:
+  params       how weights are stored (FSDP/ZeRO-3 shards them here),
+  opt_state    how optimizer moments (and gradients) are stored (ZeRO-1 shards here),
+  activations  how compute is split (batch over data, heads over tensor, ...).
+
+Resolution of one array with logical axes (n1, n2, ...) under a table:
+  for each rule (name -> mesh axes) in table order:
+      for each dim whose logical name is `name` and that is still unassigned:
+          if none of the rule's mesh axes is used by this array yet: assign them
+  dims left unassigned are replicated.
+So rule order is priority: with "batch:data+fsdp;embed:fsdp", activations
+[batch, length, embed] put fsdp on batch and replicate embed, while a weight
+[embed, mlp] puts fsdp on embed. A logical name outside the vocabulary is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.errors import UserError
+from meshtrain.layouts.vocabulary import VOCABULARY
+from meshtrain.mesh import AXES
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+TARGETS = ("params", "opt_state", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A named set of rule tables. Hashable, so it can be closed over by jit."""
+
+    name: str
+    params: Rules
+    opt_state: Rules
+    activations: Rules
+
+    def rules(self, target: str) -> Rules:
+        return getattr(self, target)
+
+    def spec(self, axes: Sequence[str | None], target: str = "params", where: str = "") -> P:
+        """Logical axes, e.g. ("embed", "mlp") -> PartitionSpec("fsdp", "tensor")."""
+        return resolve(axes, self.rules(target), where=where)
+
+    def describe(self) -> str:
+        """The layout in the string grammar (round-trips through `parse`)."""
+        parts = [f"params={format_rules(self.params)}",
+                 f"opt_state={format_rules(self.opt_state)}",
+                 f"activations={format_rules(self.activations)}"]
+        return " | ".join(parts)
+
+
+def check_names(axes: Sequence[str | None], where: str = "") -> None:
+    for name in axes:
+        if name is not None and name not in VOCABULARY:
+            at = f" on {where}" if where else ""
+            raise UserError(
+                f"Unknown logical axis name {name!r}{at} (axes {tuple(axes)}). The "
+                f"vocabulary is: {', '.join(VOCABULARY)}. Use one of these names in the "
+                f"model, or extend meshtrain/layouts/vocabulary.py deliberately.")
+
+
+def resolve(axes: Sequence[str | None], rules: Rules, where: str = "") -> P:
+    """Maps logical axes to a PartitionSpec under `rules` (see the module docstring)."""
+    check_names(axes, where)
+    assigned: list[tuple[str, ...] | None] = [None] * len(axes)
+    used: set[str] = set()
+    for name, mesh_axes in rules:
+        for i, ax in enumerate(axes):
+            if ax == name and assigned[i] is None and not used.intersection(mesh_axes):
+                assigned[i] = mesh_axes
+                used.update(mesh_axes)
+    return P(*(None if a is None else (a[0] if len(a) == 1 else a) for a in assigned))
+
+
+def format_rules(rules: Rules) -> str:
+    return ";".join(f"{name}:{'+'.join(axes)}" for name, axes in rules)
+
+
+def parse_rules(text: str, source: str) -> Rules:
+    """"batch:data+fsdp;heads:tensor" -> (("batch", ("data", "fsdp")), ("heads", ("tensor",)))."""
+    rules = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        name, sep, mesh_axes = item.partition(":")
+        name = name.strip()
+        axes = tuple(a.strip() for a in mesh_axes.split("+") if a.strip())
+        if not sep or not axes:
+            raise UserError(
+                f"Layout {source!r}: rule {item!r} is not 'logical:mesh_axis[+mesh_axis]'. "
+                f"Example: 'batch:data+fsdp;heads:tensor;embed:fsdp'.")
+        check_names((name,), where=f"layout {source!r}")
+        for a in axes:
+            if a not in AXES:
+                raise UserError(
+                    f"Layout {source!r}: rule {item!r} names mesh axis {a!r}; the mesh "
+                    f"axes are {', '.join(AXES)}.")
+        if len(set(axes)) != len(axes):
+            raise UserError(f"Layout {source!r}: rule {item!r} repeats a mesh axis.")
+        rules.append((name, axes))
+    return tuple(rules)
+
+
+def parse(text: str, name: str | None = None) -> Layout:
+    """Parses the layout grammar.
+
+      layout  := section ('|' section)*
+      section := [target '='] rule (';' rule)*        target: params | opt_state | activations
+      rule    := logical ':' mesh_axis ('+' mesh_axis)*
+
+    An unlabelled section is the table for every target; a labelled one replaces
+    it for that target. opt_state follows params unless given.
+    Example (ZeRO-1): "batch:data | opt_state=embed:data;mlp:data;head_dim:data".
+    """
+    base: Rules = ()
+    given: dict[str, Rules] = {}
+    for section in filter(None, (s.strip() for s in text.split("|"))):
+        target, sep, body = section.partition("=")
+        if sep and target.strip() in TARGETS:
+            given[target.strip()] = parse_rules(body, text)
+        elif sep:
+            raise UserError(
+                f"Layout {text!r}: section {section!r} names target {target.strip()!r}; "
+                f"the targets are {', '.join(TARGETS)} (or no 'target=' for all).")
+        else:
+            base = parse_rules(section, text)
+    params = given.get("params", base)
+    return Layout(
+        name=name or text,
+        params=params,
+        opt_state=given.get("opt_state", params),
+        activations=given.get("activations", base),
+    )

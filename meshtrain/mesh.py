@@ -1,0 +1,154 @@
+"""The device mesh: named axes in a fixed order, sized by config, simulated on CPU.
+
+Every mesh has the four axes `("data", "stage", "fsdp", "tensor")`, slowest link
+first, with size 1 where unused, so PartitionSpecs read the same on any mesh.
+A shape is written `"data:8,tensor:4"` (or a dict); one axis may be `-1`, filled
+from the device count.
+
+On a CPU-only machine the device count is whatever the mesh needs: call
+`simulate_cpu_devices(n)` before JAX starts its backend. When the count is fixed
+(real accelerators, or a count pinned with JAX_NUM_CPU_DEVICES / XLA_FLAGS, or a
+backend already started) a mismatch is an error that shows the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from meshtrain.errors import UserError
+
+AXES = ("data", "stage", "fsdp", "tensor")
+
+
+def parse_shape(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """`"data:8,tensor:4"` -> {"data": 8, "stage": 1, "fsdp": 1, "tensor": 4}.
+
+    At most one axis may be -1 (filled later by `resolve_shape`).
+    """
+    if isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        items = []
+        for part in filter(None, (p.strip() for p in str(spec).split(","))):
+            name, sep, size = part.partition(":")
+            if not sep or not re.fullmatch(r"-?\d+", size.strip()):
+                raise UserError(
+                    f"Mesh shape {spec!r}: the entry {part!r} is not 'axis:size'. "
+                    f"Write the mesh as comma-separated 'axis:size' pairs over the axes "
+                    f"{', '.join(AXES)}, e.g. 'data:8,tensor:4' (one size may be -1).")
+            items.append((name.strip(), int(size)))
+    shape = dict.fromkeys(AXES, 1)
+    seen = set()
+    for name, size in items:
+        if name not in AXES:
+            raise UserError(
+                f"Mesh shape {spec!r}: unknown axis {name!r}. The mesh axes are "
+                f"{', '.join(AXES)} (in that order, slowest link first); "
+                f"e.g. 'data:8,tensor:4'.")
+        if name in seen:
+            raise UserError(f"Mesh shape {spec!r}: axis {name!r} is given twice.")
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise UserError(
+                f"Mesh shape {spec!r}: axis {name!r} has size {size}; sizes are "
+                f"positive integers, or -1 for one axis to fill the device count.")
+        seen.add(name)
+        shape[name] = size
+    if sum(s == -1 for s in shape.values()) > 1:
+        raise UserError(f"Mesh shape {spec!r}: only one axis may be -1.")
+    return shape
+
+
+def format_shape(shape: Mapping[str, int]) -> str:
+    """{"data": 8, "stage": 1, ...} -> "data:8,stage:1,fsdp:1,tensor:4"."""
+    return ",".join(f"{a}:{shape[a]}" for a in AXES)
+
+
+def resolve_shape(shape: Mapping[str, int], num_devices: int, *, why: str = "") -> dict[str, int]:
+    """Fills a -1 axis and checks that the product equals `num_devices`.
+
+    `why` says where the device count comes from, for the error message.
+    """
+    shape = dict(shape)
+    known = math.prod(s for s in shape.values() if s != -1)
+    where = f" ({why})" if why else ""
+    free = [a for a, s in shape.items() if s == -1]
+    if free:
+        if num_devices % known:
+            raise UserError(
+                f"Mesh {format_shape(shape)}: the fixed axes multiply to {known}, which "
+                f"does not divide the {num_devices} available devices{where}, so "
+                f"{free[0]}=-1 cannot be filled. Choose sizes whose product divides "
+                f"{num_devices}.")
+        shape[free[0]] = num_devices // known
+    total = math.prod(shape.values())
+    if total != num_devices:
+        arithmetic = " x ".join(str(shape[a]) for a in AXES)
+        relation = "more" if total > num_devices else "fewer"
+        raise UserError(
+            f"Mesh {format_shape(shape)} needs {arithmetic} = {total} devices, "
+            f"{relation} than the {num_devices} available{where}. Change mesh.shape so "
+            f"the sizes multiply to {num_devices} (one axis may be -1 to fill the "
+            f"count), or run with {total} devices.")
+    return shape
+
+
+def _pinned_cpu_count() -> int | None:
+    """The CPU device count the user fixed before we could choose it, if any."""
+    if jax.config.jax_num_cpu_devices not in (None, -1):
+        return int(jax.config.jax_num_cpu_devices)
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return int(os.environ["JAX_NUM_CPU_DEVICES"])
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(flag.group(1)) if flag else None
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # no public query for this; stable since 0.4
+    return xla_bridge.backends_are_initialized()
+
+
+def simulate_cpu_devices(shape: Mapping[str, int]) -> tuple[int, str]:
+    """Makes the device count match `shape` on a CPU-only host; returns (count, source).
+
+    Must run before the JAX backend starts. On accelerators, or when the CPU count
+    was pinned, it changes nothing and returns the fixed count and why it is fixed.
+    """
+    want = math.prod(s for s in shape.values() if s != -1)
+    if _backend_started():
+        return jax.device_count(), "devices already initialised in this process"
+    pinned = _pinned_cpu_count()
+    if pinned is None:
+        jax.config.update("jax_num_cpu_devices", want)
+    devices = jax.devices()
+    if devices[0].platform != "cpu":
+        return len(jax.devices()), f"{devices[0].platform} devices on this host"
+    if pinned is not None:
+        return len(devices), "CPU device count pinned by JAX_NUM_CPU_DEVICES or XLA_FLAGS"
+    return len(devices), "simulated CPU devices"
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
+              dcn: Mapping[str, int] | None = None) -> Mesh:
+    """A Mesh with axes AXES in Auto mode (XLA propagates shardings).
+
+    `dcn` gives the inter-host factor of each axis for multi-host runs: the axis
+    size is then dcn x ici, with the slow DCN factor outermost.
+    """
+    sizes = tuple(shape[a] for a in AXES)
+    auto = (AxisType.Auto,) * len(AXES)
+    if dcn and math.prod(dcn.values()) > 1:
+        from jax.experimental import mesh_utils
+        dcn_sizes = tuple(dcn.get(a, 1) for a in AXES)
+        ici_sizes = tuple(s // d for s, d in zip(sizes, dcn_sizes))
+        grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices=devices)
+        return Mesh(grid, AXES, axis_types=auto)
+    if devices is not None:
+        return Mesh(np.asarray(devices).reshape(sizes), AXES, axis_types=auto)
+    return jax.make_mesh(sizes, AXES, axis_types=auto)

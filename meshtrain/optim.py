@@ -1,0 +1,49 @@
+"""AdamW with warmup + cosine (or constant) schedule, clipping and a decay mask.
+
+Weight decay applies to matrices and embeddings only: parameters with at least two
+logical axes besides the stacked `layers`/`stage` axes. Biases and LayerNorm
+parameters are not decayed (as in GPT-2 / nanoGPT).
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import optax
+
+from meshtrain.errors import UserError
+
+SCHEDULES = ("cosine", "constant")
+_STACK_AXES = ("layers", "stage")
+
+
+def schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to optim.lr, then cosine to optim.min_lr at total_steps."""
+    if o.schedule not in SCHEDULES:
+        raise UserError(f"optim.schedule={o.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise UserError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0.")
+    warmup = max(0, min(int(o.warmup_steps), total_steps))
+    if o.schedule == "constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, o.lr, max(warmup, 1)), optax.constant_schedule(o.lr)], [warmup])
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=o.min_lr)
+
+
+def decay_mask(axes_tree) -> dict:
+    """True for parameters that get weight decay. `axes_tree` mirrors params with axis tuples."""
+    return jax.tree.map(lambda axes: sum(a not in _STACK_AXES for a in axes) >= 2,
+                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def make(o: ml_collections.ConfigDict, total_steps: int, axes_tree) -> optax.GradientTransformation:
+    if o.name != "adamw":
+        raise UserError(f"optim.name={o.name!r}: the optimizers are: adamw.")
+    parts = []
+    if o.grad_clip and o.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(o.grad_clip))
+    parts.append(optax.adamw(schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, mask=decay_mask(axes_tree)))
+    return optax.chain(*parts)

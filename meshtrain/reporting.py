@@ -1,0 +1,111 @@
+"""What a run writes: run.json, metrics.jsonl, TensorBoard events, and progress lines.
+
+Only process 0 writes files. FLOPs follow the llm.c convention (6 N + 6 L D T per
+token: causal attention, tied embedding counted once); MFU divides by the dense
+bf16 peak of the device when it is known, and is null otherwise (e.g. on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+
+from meshtrain.models import GPT2Config, num_params
+
+# Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
+              "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12}
+
+
+def flops_per_token(cfg: GPT2Config) -> float:
+    """Training FLOPs per token, llm.c accounting: 6 N + 6 L D T."""
+    return 6.0 * num_params(cfg) + 6.0 * cfg.num_layers * cfg.embed_dim * cfg.seq_len
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def memory_report(compiled) -> dict:
+    """Per-device bytes from the compiled step (see docs/benchmarks.md for caveats)."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    out["peak_estimate"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class RunLog:
+    """Writes the run's outputs under `workdir` (process 0 only) and prints progress."""
+
+    def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
+                 flops_per_step: float, peak_per_device: float | None, num_devices: int):
+        self.enabled = jax.process_index() == 0
+        self.dir = pathlib.Path(workdir) if workdir else None
+        self.total = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_step
+        self.peak = None if peak_per_device is None else peak_per_device * num_devices
+        self.started = time.perf_counter()
+        self.tb = None
+        if self.enabled and self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+            from tensorboardX import SummaryWriter  # imported lazily: slow to import
+            self.tb = SummaryWriter(str(self.dir / "tb"))
+        else:
+            self.metrics = None
+
+    def write_run(self, info: dict) -> None:
+        if self.enabled and self.dir:
+            (self.dir / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+    def log_train(self, step: int, metrics: dict, step_time: float) -> dict:
+        """Records one logged step; `step_time` is the mean seconds per step since the last log."""
+        tokens_per_s = self.tokens_per_step / step_time
+        mfu = None if self.peak is None else self.flops_per_step / step_time / self.peak
+        row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+               "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
+               "step_time_s": step_time, "mfu": mfu}
+        self._write(row)
+        remaining = (self.total - step) * step_time
+        mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
+        self.say(f"step {step:>{len(str(self.total))}}/{self.total} ({100 * step / max(self.total, 1):3.0f}%)"
+                 f" | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f}"
+                 f" | {tokens_per_s:,.0f} tok/s | {1e3 * step_time:.1f} ms/step{mfu_text}"
+                 f" | ETA {format_duration(remaining)}")
+        return row
+
+    def log_eval(self, step: int, eval_loss: float) -> None:
+        self._write({"step": step, "eval_loss": eval_loss})
+        self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}")
+
+    def _write(self, row: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,143 @@
+"""Train state: abstract shapes -> logical axes -> shardings -> sharded init.
+
+Nothing here materialises the full model on the host: the model is built
+abstractly with `nnx.eval_shape`, the layout turns each parameter's logical axes
+into a NamedSharding, and `jax.jit(init, out_shardings=...)` creates every array
+directly in its shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain.errors import UserError
+from meshtrain.layouts import Layout
+from meshtrain.models import GPT2, GPT2Config
+
+# Where a logical dim's size comes from, for error messages.
+SIZE_KEYS = {
+    "batch": "train.batch_size / train.microbatches", "length": "model.seq_len",
+    "embed": "model.embed_dim", "heads": "model.num_heads",
+    "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim",
+    "vocab": "the padded vocabulary", "layers": "model.num_layers", "stage": "the stage count",
+}
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array   # [] int32
+    params: Any       # nested dict of arrays, as nnx.State.to_pure_dict()
+    opt_state: Any    # optax state over params
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """What the step needs to rebuild the model from a params dict inside jit."""
+
+    cfg: GPT2Config
+    graphdef: Any
+    shapes: Any   # params dict of ShapeDtypeStruct
+    axes: Any     # params dict of logical-axis tuples
+
+    def bind(self, params) -> GPT2:
+        return nnx.merge(self.graphdef, params)
+
+    def init_params(self, seed: int):
+        return nnx.state(GPT2(self.cfg, nnx.Rngs(seed))).to_pure_dict()
+
+
+def is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def abstract_model(cfg: GPT2Config) -> ModelDef:
+    model = nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    axes: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = axes
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = tuple(var.get_metadata()["out_sharding"])
+    return ModelDef(cfg, graphdef, state.to_pure_dict(), axes)
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str) -> None:
+    """Every sharded dim must split evenly over its mesh axes; else say which and why."""
+    for size, name, mesh_axes in zip(shape, axes, tuple(spec) + (None,) * len(shape)):
+        if mesh_axes is None:
+            continue
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        parts = math.prod(mesh.shape[a] for a in mesh_axes)
+        if size % parts:
+            over = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh_axes)
+            raise UserError(
+                f"{SIZE_KEYS.get(name, name)} = {size} is not divisible by {parts}: layout "
+                f"{layout.name!r} splits {name!r} over mesh axes {over} (first seen on {where}, "
+                f"shape {tuple(shape)}). Use a mesh whose {'+'.join(mesh_axes)} size divides "
+                f"{size}, change the model size, or use a layout that does not split {name!r}.")
+
+
+def param_shardings(model: ModelDef, layout: Layout, mesh: Mesh, target: str):
+    """params dict of NamedSharding under `layout.<target>` rules; checks divisibility."""
+    def one(path, shape, axes):
+        where = f"parameter {path_str(path)}"
+        spec = layout.spec(axes, target, where=where)
+        check_divisible(shape.shape, axes, spec, mesh, layout, where)
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, model.shapes, model.axes)
+
+
+def check_activations(cfg: GPT2Config, micro_batch: int, layout: Layout, mesh: Mesh) -> None:
+    """Divisibility of the activations the model constrains, before any tracing."""
+    b, t, d, h, e, f, v = (micro_batch, cfg.seq_len, cfg.embed_dim, cfg.num_heads, cfg.head_dim,
+                           cfg.mlp_dim, cfg.padded_vocab_size)
+    for shape, axes in (((b, t, d), ("batch", "length", "embed")),
+                        ((b, t, h, e), ("batch", "length", "heads", "head_dim")),
+                        ((b, t, f), ("batch", "length", "mlp")),
+                        ((b, t, v), ("batch", "length", "vocab"))):
+        spec = layout.spec(axes, "activations")
+        check_divisible(shape, axes, spec, mesh, layout, f"activation {axes}")
+
+
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout,
+                    mesh: Mesh) -> TrainState:
+    """TrainState of NamedShardings: params by the params rules, moments by opt_state rules."""
+    params = param_shardings(model, layout, mesh, "params")
+    moments = param_shardings(model, layout, mesh, "opt_state")
+    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    replicated = NamedSharding(mesh, P())
+    opt = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, moments,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(step=replicated, params=params, opt_state=opt)
+
+
+def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState,
+               seed: int) -> TrainState:
+    """Creates the state directly in its shards (no host copy of the full model)."""
+    def init():
+        params = model.init_params(seed)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs with shardings, for compiling without allocating."""
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=model.shapes,
+                        opt_state=jax.eval_shape(tx.init, model.shapes))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)

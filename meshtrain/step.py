@@ -1,0 +1,98 @@
+"""The training and eval steps: pure functions, jitted with shardings and donation.
+
+    train_step(state, tokens [B, T+1] int32) -> (state, {"loss", "grad_norm", "lr"})
+
+With train.microbatches = k the batch is cut into k microbatches of B/k rows and
+gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is
+the full-batch mean loss, so k changes memory, not the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain.layouts import Layout
+from meshtrain.state import ModelDef, TrainState
+
+
+def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
+    """The model's `constrain(x, axes)` hook: pins activations to the layout."""
+    def constrain(x, axes):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec(axes, "activations")))
+    return constrain
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token loss in float32."""
+    logits = logits_btv.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
+
+
+def make_loss_fn(model: ModelDef, constrain: Callable) -> Callable:
+    def loss_fn(params, tokens_bt1, key):
+        inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+        logits = model.bind(params)(inputs, constrain, key)
+        return cross_entropy(logits, targets)
+    return loss_fn
+
+
+def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
+                    microbatches: int, seed: int) -> Callable:
+    """Returns the jitted step.
+
+    `shardings` is the TrainState of NamedShardings; `grad_shardings` (params-shaped)
+    is where gradients are reduced to: the optimizer moments' shardings, so under
+    FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them.
+    """
+    constrain = make_constrain(layout, mesh)
+    loss_fn = make_loss_fn(model, constrain)
+    grad_fn = jax.value_and_grad(loss_fn)
+    batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+    micro_sharding = NamedSharding(mesh, layout.spec((None, "batch", None), "activations"))
+    dropout_on = model.cfg.dropout > 0
+
+    def grads_and_loss(params, tokens, key):
+        if microbatches == 1:
+            loss, grads = grad_fn(params, tokens, key)
+            return grads, loss
+        b, t1 = tokens.shape
+        # Row i*k + j goes to microbatch j, so every device keeps its own rows.
+        micro = tokens.reshape(b // microbatches, microbatches, t1).swapaxes(0, 1)
+        micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+        keys = None if key is None else jax.random.split(key, microbatches)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+
+        def body(acc, xs):
+            mb, k = xs
+            loss, grads = grad_fn(params, mb, k)
+            return jax.tree.map(jnp.add, acc, (grads, loss)), None
+        (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, keys))
+        return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
+
+    def train_step(state: TrainState, tokens: jax.Array):
+        key = jax.random.fold_in(jax.random.key(seed), state.step) if dropout_on else None
+        grads, loss = grads_and_loss(state.params, tokens, key)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(train_step, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+
+
+def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
+    """eval_step(params, tokens [B, T+1]) -> mean loss (no dropout)."""
+    loss_fn = make_loss_fn(model, make_constrain(layout, mesh))
+    batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+    return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
+                   in_shardings=(param_shardings, batch_sharding),
+                   out_shardings=NamedSharding(mesh, P()))
