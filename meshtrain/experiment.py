@@ -55,6 +55,39 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> i
     return t.batch_size // k
 
 
+def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.ModelDef, Any]:
+    """Every check that needs no devices: layout, batch, model dims, divisibility, data.
+
+    `mesh` may be a jax.sharding.AbstractMesh, so a 32-device config can be checked
+    on a laptop without simulating its devices.
+    """
+    layout = layouts.get(cfg.layout)
+    micro = check_batch(cfg, layout, mesh)
+    if cfg.train.steps < 0:
+        raise UserError(f"train.steps={cfg.train.steps}: must be >= 0 (0 compiles and exits).")
+    m = cfg.model
+    dims = models.size_dims(m)
+    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
+                         seed=cfg.train.seed)
+    vocab = source.vocab_size
+    if m.vocab_size is not None and m.vocab_size < vocab:
+        raise UserError(
+            f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({vocab} "
+            f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
+    vocab = m.vocab_size or vocab
+    model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_axis_product(layout, mesh, "vocab"))
+    model = state_lib.abstract_model(model_cfg)
+    state_lib.check_activations(model_cfg, micro, layout, mesh)
+    for target in ("params", "opt_state"):
+        state_lib.param_shardings(model, layout, mesh, target)  # raises on indivisible dims
+    optim.schedule(cfg.optim, max(cfg.train.steps, 1))
+    return layout, model, source
+
+
+def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
+    return jax.sharding.AbstractMesh(tuple(shape[a] for a in mesh_lib.AXES), mesh_lib.AXES)
+
+
 @dataclasses.dataclass
 class Experiment:
     cfg: ml_collections.ConfigDict
@@ -83,24 +116,7 @@ class Experiment:
         shape = mesh_lib.resolve_shape(shape, len(devices))
         dcn = mesh_lib.parse_shape(cfg.mesh.dcn) if cfg.mesh.dcn else None
         mesh = mesh_lib.make_mesh(shape, devices if dcn is None else None, dcn=dcn)
-        layout = layouts.get(cfg.layout)
-        micro = check_batch(cfg, layout, mesh)
-        if cfg.train.steps < 0:
-            raise UserError(f"train.steps={cfg.train.steps}: must be >= 0 (0 compiles and exits).")
-
-        m = cfg.model
-        dims = models.size_dims(m)
-        source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
-                             seed=cfg.train.seed)
-        vocab = source.vocab_size
-        if m.vocab_size is not None and m.vocab_size < vocab:
-            raise UserError(
-                f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({vocab} "
-                f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
-        vocab = m.vocab_size or vocab
-        model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_axis_product(layout, mesh, "vocab"))
-        model = state_lib.abstract_model(model_cfg)
-        state_lib.check_activations(model_cfg, micro, layout, mesh)
+        layout, model, source = validate(cfg, mesh)
 
         total = max(cfg.train.steps, 1)
         tx = optim.make(cfg.optim, total, model.axes)

@@ -52,7 +52,7 @@ class ModelDef:
         return nnx.merge(self.graphdef, params)
 
     def init_params(self, seed: int):
-        return nnx.state(GPT2(self.cfg, nnx.Rngs(seed))).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(GPT2(self.cfg, nnx.Rngs(seed))))
 
 
 def is_axes(x) -> bool:
@@ -68,7 +68,7 @@ def abstract_model(cfg: GPT2Config) -> ModelDef:
         for k in path[:-1]:
             node = node.setdefault(k, {})
         node[path[-1]] = tuple(var.get_metadata()["out_sharding"])
-    return ModelDef(cfg, graphdef, state.to_pure_dict(), axes)
+    return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), axes)
 
 
 def path_str(path) -> str:
