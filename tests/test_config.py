@@ -1,0 +1,115 @@
+"""Configs: every shipped config loads and validates; overrides; validation messages."""
+
+import re
+
+import pytest
+
+from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.errors import UserError
+from meshtrain.experiment import abstract_mesh, validate
+
+NAMES = config_lib.available()
+PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor"}
+
+
+def test_the_issue_configs_exist():
+    for name in ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
+                 "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_small_dp8", "gpt2_medium_dp8_tp4",
+                 "gpt2_medium_fsdp8_tp4", "gpt2_large_fsdp32"]:
+        assert name in NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_name_matches_mesh_and_validates(name):
+    """gpt2_medium_dp8_tp4 must be GPT-2 medium on data=8 x tensor=4, and so on."""
+    cfg = config_lib.load(name)
+    model, size, *parts = name.split("_")
+    assert (cfg.model.name, cfg.model.size) == (model, size)
+    expected = dict.fromkeys(mesh_lib.AXES, 1)
+    for part in parts:
+        if part.startswith("zero"):
+            assert cfg.layout == part, f"{name}: layout should be {part}"
+            continue
+        kind, n = re.fullmatch(r"([a-z]+)(\d+)", part).groups()
+        expected[PART_AXIS[kind]] = int(n)
+    shape = mesh_lib.parse_shape(cfg.mesh.shape)
+    assert shape == expected, f"{name}: mesh {cfg.mesh.shape} does not match the name"
+    validate(cfg, abstract_mesh(shape))
+
+
+def test_override_types_and_unknown_keys():
+    cfg = config_lib.load("gpt2_tiny_dp8")
+    config_lib.override(cfg, "train.steps", "7")
+    config_lib.override(cfg, "optim.lr", "1e-3")
+    config_lib.override(cfg, "model.scan_layers", "false")
+    config_lib.override(cfg, "model.num_layers", "3")
+    assert (cfg.train.steps, cfg.optim.lr, cfg.model.scan_layers, cfg.model.num_layers) == (7, 1e-3, False, 3)
+    with pytest.raises(UserError, match=r"Unknown config key 'train.stpes'. Did you mean train.steps"):
+        config_lib.override(cfg, "train.stpes", "3")
+    with pytest.raises(UserError, match=r"--config.train.steps='many': expected an integer"):
+        config_lib.override(cfg, "train.steps", "many")
+
+
+def test_unknown_config_name_lists_names():
+    with pytest.raises(UserError, match=r"Unknown config 'gpt2_tiny_dp9'. Did you mean .*gpt2_tiny_dp8"):
+        config_lib.load("gpt2_tiny_dp9")
+
+
+def test_parse_args_forms():
+    name, overrides, flags = config_lib.parse_args(
+        ["--config=gpt2_tiny_dp8", "--config.train.steps", "5", "--noconfig.model.scan_layers",
+         "--workdir=w"])
+    assert name == "gpt2_tiny_dp8"
+    assert overrides == [("train.steps", "5"), ("model.scan_layers", "false")]
+    assert flags == {"workdir": "w"}
+
+
+def check(name, mesh, message, **overrides):
+    cfg = config_lib.load(name)
+    for k, v in overrides.items():
+        config_lib.override(cfg, k, str(v))
+    with pytest.raises(UserError) as e:
+        validate(cfg, abstract_mesh(mesh_lib.parse_shape(mesh)))
+    assert re.search(message, str(e.value)), str(e.value)
+
+
+def test_heads_not_divisible_by_tensor():
+    check("gpt2_tiny_dp2_tp4", "tensor:8",
+          r"model.num_heads = 4 is not divisible by 8: layout 'dp_tp' splits 'heads' over mesh axes tensor=8")
+
+
+def test_mlp_not_divisible_by_tensor():
+    check("gpt2_tiny_dp2_tp4", "data:2,tensor:4", r"model.mlp_dim = 250 is not divisible by 4",
+          **{"model.mlp_dim": 250})
+
+
+def test_batch_not_divisible():
+    check("gpt2_tiny_dp8", "data:8", r"train.batch_size=20 must be divisible by train.microbatches x "
+          r"batch shards = 2 x 8 = 16", **{"train.batch_size": 20, "train.microbatches": 2})
+
+
+def test_embed_not_divisible_by_heads():
+    check("gpt2_tiny_dp8", "data:8", r"model.embed_dim=64 is not divisible by model.num_heads=5",
+          **{"model.num_heads": 5})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("model.remat", "some", r"model.remat='some' is not a remat policy. Choose one of: none, full, save_dots"),
+    ("model.dtype", "fp8", r"model.dtype='fp8': choose one of float32, bfloat16, float16"),
+    ("model.size", "huge", r"model.size='huge' is not a GPT-2 size; choose one of tiny, small"),
+    ("optim.schedule", "step", r"optim.schedule='step': choose one of cosine, constant"),
+    ("layout", "batch:data;foo:tensor", r"Unknown logical axis name 'foo'"),
+    ("layout", "dpp", r"Unknown layout 'dpp'. The presets are"),
+    ("data.kind", "csv", r"Unknown data.kind 'csv'"),
+])
+def test_validation_messages(key, value, message):
+    cfg = config_lib.load("gpt2_tiny_dp8")
+    config_lib.override(cfg, key, value)
+    with pytest.raises(UserError, match=message):
+        validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+
+
+def test_vocab_smaller_than_tokenizer(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 2000)
+    check("gpt2_tiny_dp8", "data:8", r"model.vocab_size=100 is smaller than the data's vocabulary \(256",
+          **{"data.kind": "text", "data.path": str(tmp_path / "a.txt"), "model.vocab_size": 100})

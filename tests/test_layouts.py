@@ -1,0 +1,78 @@
+"""Layout grammar, strict resolution, and golden sharding tables per preset."""
+
+import os
+import pathlib
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshtrain import layouts
+from meshtrain.errors import UserError
+from meshtrain.layouts.tables import sharding_table
+from meshtrain.models import model_config
+from meshtrain.state import abstract_model
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+def test_grammar_and_priority():
+    lay = layouts.parse("batch:data+fsdp;heads:tensor;embed:fsdp")
+    assert lay.params == lay.activations == lay.opt_state
+    # batch claims fsdp first, so embed stays replicated in activations ...
+    assert lay.spec(("batch", "length", "embed"), "activations") == P(("data", "fsdp"), None, None)
+    # ... while a weight with no batch dim gets fsdp on embed.
+    assert lay.spec(("embed", "heads"), "params") == P("fsdp", "tensor")
+    assert lay.spec(("layers", "embed"), "params") == P(None, "fsdp")
+
+
+def test_sections_override_targets():
+    lay = layouts.parse("batch:data | opt_state=embed:data;mlp:data")
+    assert lay.spec(("embed", "mlp"), "params") == P(None, None)
+    assert lay.spec(("embed", "mlp"), "opt_state") == P("data", None)
+    assert lay.spec(("batch", "embed"), "activations") == P("data", None)
+
+
+def test_describe_round_trips():
+    for name in layouts.PRESETS:
+        lay = layouts.get(name)
+        again = layouts.parse(lay.describe(), name=name)
+        assert again == lay
+
+
+@pytest.mark.parametrize("text, words", [
+    ("batch:data;embd:fsdp", ["'embd'", "vocabulary", "embed"]),
+    ("batch:dta", ["'dta'", "data, stage, fsdp, tensor"]),
+    ("batch;heads:tensor", ["not 'logical:mesh_axis"]),
+    ("grads=batch:data", ["'grads'", "params, opt_state, activations"]),
+    ("nonsense", ["Unknown layout 'nonsense'", "dp, fsdp, zero1, tp, dp_tp, fsdp_tp"]),
+    ("batch:data+data", ["repeats a mesh axis"]),
+])
+def test_bad_layouts_say_why(text, words):
+    with pytest.raises(UserError) as e:
+        layouts.get(text)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_logical_name_in_model_is_an_error():
+    with pytest.raises(UserError, match="Unknown logical axis name 'hidden'.*batch, length, embed"):
+        layouts.get("dp").spec(("batch", "hidden"), "activations", where="parameter foo")
+
+
+def test_unruled_name_is_replicated_on_purpose():
+    assert layouts.get("dp").spec(("vocab", "embed")) == P(None, None)
+
+
+@pytest.mark.parametrize("preset", list(layouts.PRESETS))
+def test_golden_tables(preset, make_config):
+    cfg = make_config("gpt2_tiny_dp8")
+    model = abstract_model(model_config(cfg.model, vocab_size=256))
+    table = sharding_table(model.axes, layouts.get(preset))
+    path = GOLDEN / f"{preset}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(table)
+    assert path.exists(), f"missing {path}; run UPDATE_GOLDEN=1 pytest tests/test_layouts.py"
+    assert table == path.read_text(), (
+        f"sharding table for {preset!r} changed; review the diff and regenerate with "
+        f"UPDATE_GOLDEN=1 pytest tests/test_layouts.py")
