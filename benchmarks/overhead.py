@@ -1,0 +1,211 @@
+"""meshtrain's train step vs a bare-JAX step with the same math and shardings.
+
+    .venv/bin/python benchmarks/overhead.py [--config gpt2_tiny_dp2_tp4] [--pairs 60]
+        [--warmup 5] [--devices 8] [--config.key=value ...]
+
+The bare step is written here from scratch in plain jax.numpy over the params dict
+meshtrain stores (no flax, no meshtrain model code). It reuses only what is not
+framework: the optax transformation and lr schedule (`exp.tx`, `exp.schedule`), the
+shardings (`exp.shardings`, `exp.grad_shardings`, `exp.batch_sharding`) and the
+layout's activation specs, so it pins the residual stream at the places gpt2.py
+does and the two programs compile to the same collectives.
+
+It prints: the loss / grad-norm / param agreement after one step from the same state
+and batch; flops and collective counts of both compiled executables; then the median
+of N paired, alternated step-time ratios meshtrain/bare (A6 goal: <= 1.05).
+Fake CPU devices share the machine's cores, so only ratios taken in one process,
+interleaved, are meaningful (shared/reference/performance.md section 5.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+BTD = ("batch", "length", "embed")
+BTHE = ("batch", "length", "heads", "head_dim")
+BTF = ("batch", "length", "mlp")
+BTV = ("batch", "length", "vocab")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def make_bare_step(exp):
+    """Plain-JAX GPT-2 train step over exp's params dict; same signature as exp.train_step
+    except that the state is a tuple (step [], params, opt_state)."""
+    cfg = exp.model.cfg
+    dt = jnp.dtype(cfg.dtype)
+
+    def pin(x, axes):  # the same with_sharding_constraint as meshtrain's `constrain`
+        spec = exp.layout.spec(axes, "activations")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(exp.mesh, spec))
+
+    def layer_norm(x, p):  # [B, T, D] -> [B, T, D], statistics in float32
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]).astype(x.dtype)
+
+    def block(x, p):  # x [B, T, D]; p: one layer's slice of params["blocks"]
+        a, m = p["attn"], p["mlp"]
+        h = layer_norm(x, p["ln1"])
+        qkv = jnp.einsum("btd,dkhe->btkhe", h, a["w_qkv"].astype(dt)) + a["b_qkv"].astype(dt)  # [B,T,3,H,E]
+        q, k, v = (pin(qkv[:, :, i], BTHE) for i in range(3))                                # [B,T,H,E]
+        o = pin(jax.nn.dot_product_attention(q, k, v, is_causal=True), BTHE)                 # [B,T,H,E]
+        x = pin(x + (jnp.einsum("bthe,hed->btd", o, a["w_out"].astype(dt)) + a["b_out"].astype(dt)), BTD)
+        h = layer_norm(x, p["ln2"])
+        f = pin(jax.nn.gelu(h @ m["w_fc"].astype(dt) + m["b_fc"].astype(dt), approximate=True), BTF)  # [B,T,F]
+        x = pin(x + (f @ m["w_proj"].astype(dt) + m["b_proj"].astype(dt)), BTD)
+        return x, None
+
+    def loss_fn(params, tokens):  # tokens [B, T+1] int32 -> mean next-token loss []
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]                        # [B, T]
+        t = inputs.shape[1]
+        x = jnp.take(params["wte"], inputs, axis=0) + params["wpe"][:t]        # [B, T, D]
+        x = pin(x.astype(dt), BTD)
+        x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
+        x = layer_norm(x, params["ln_f"])
+        logits = jnp.einsum("btd,vd->btv", x, params["wte"].astype(dt))        # [B, T, V] tied
+        if cfg.padded_vocab_size > cfg.vocab_size:
+            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(dt).min)
+        logits = pin(logits, BTV).astype(jnp.float32)
+        logz = jax.nn.logsumexp(logits, axis=-1)                               # [B, T]
+        gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return (logz - gold).mean()
+
+    def step(state, tokens):
+        n, params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        grads = jax.lax.with_sharding_constraint(grads, exp.grad_shardings)
+        updates, opt_state = exp.tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        grad_norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": exp.schedule(n)}
+        return (n + 1, params, opt_state), metrics
+
+    sh = exp.shardings
+    state_sh = (sh.step, sh.params, sh.opt_state)
+    return jax.jit(step, in_shardings=(state_sh, exp.batch_sharding),
+                   out_shardings=(state_sh, NamedSharding(exp.mesh, P())), donate_argnums=(0,))
+
+
+def as_tuple(state):
+    return (state.step, state.params, state.opt_state)
+
+
+def program_summary(compiled) -> tuple[float, dict[str, int]]:
+    """(flops, {collective kind: op count}) of a compiled executable. Ops inside a
+    while body (the layer scan) are counted once, on both sides alike."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    counts = collections.Counter()
+    for kind, _ in re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(-start)?\(", compiled.as_text()):
+        counts[kind] += 1  # `X-start(` counts once; its `X-done(` does not match
+    return float(cost.get("flops", float("nan"))), {k: counts[k] for k in COLLECTIVES}
+
+
+def rel(a, b) -> float:
+    a, b = float(a), float(b)
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def timed(fn, state, batch):
+    t0 = time.perf_counter()
+    state, metrics = fn(state, batch)
+    jax.block_until_ready((state, metrics))
+    return state, metrics, time.perf_counter() - t0
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="gpt2_tiny_dp2_tp4")
+    ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (ignored on accelerators)")
+    args, rest = ap.parse_known_args(argv)
+    jax.config.update("jax_num_cpu_devices", args.devices)  # before any JAX operation
+
+    from meshtrain import config as config_lib
+    from meshtrain.experiment import Experiment
+
+    _, overrides, flags = config_lib.parse_args(["--config", args.config, *rest])
+    if flags:
+        ap.error(f"unknown flags: {', '.join('--' + f for f in flags)}")
+    cfg = config_lib.load(args.config)
+    for key, value in overrides:
+        config_lib.override(cfg, key, value)
+    exp = Experiment.build(cfg)
+    m = exp.model.cfg
+    unsupported = {"model.dropout": m.dropout != 0, "model.remat": m.remat != "none",
+                   "model.scan_layers": not m.scan_layers, "train.microbatches": cfg.train.microbatches != 1}
+    if any(unsupported.values()):
+        sys.exit(f"the bare step implements dropout=0, remat=none, scan_layers, microbatches=1 "
+                 f"only; change {', '.join(k for k, v in unsupported.items() if v)}")
+    bare_step = make_bare_step(exp)
+
+    print(f"config {args.config}: mesh {dict(exp.mesh.shape)}, layout {exp.layout.name!r}, "
+          f"{jax.device_count()} x {jax.devices()[0].platform} devices, jax {jax.__version__}")
+    print(f"model L={m.num_layers} D={m.embed_dim} H={m.num_heads} F={m.mlp_dim} V={m.padded_vocab_size} "
+          f"T={m.seq_len}, batch {exp.batch_shape}, dtype {m.dtype}")
+
+    batches = exp.train_batches()
+    rows = [next(batches) for _ in range(4)]
+    tokens = [exp.put_batch(r) for r in rows]  # [B, T+1] int32, sharded like the step expects
+
+    # The two programs, compiled ahead of time from the same arguments.
+    mt_state, bare_state = exp.init_state(), as_tuple(exp.init_state())  # two copies: steps donate
+    summaries = {}
+    for name, fn, state in (("meshtrain", exp.train_step, mt_state), ("bare", bare_step, bare_state)):
+        t0 = time.perf_counter()
+        compiled = fn.lower(state, tokens[0]).compile()
+        summaries[name] = program_summary(compiled)
+        print(f"{name:>9}: compile {time.perf_counter() - t0:.2f} s, flops {summaries[name][0]:.4g}, "
+              f"collectives {summaries[name][1]}")
+    flops_m, flops_b = summaries["meshtrain"][0], summaries["bare"][0]
+    same_coll = summaries["meshtrain"][1] == summaries["bare"][1]
+    print(f"flops ratio meshtrain/bare {flops_m / flops_b:.4f}; collective counts equal: {same_coll}")
+
+    # Correctness: one step each from the same initial state and batch.
+    mt_state, mt_metrics, _ = timed(exp.train_step, mt_state, tokens[0])
+    bare_state, bare_metrics, _ = timed(bare_step, bare_state, tokens[0])
+    d_loss = rel(mt_metrics["loss"], bare_metrics["loss"])
+    d_norm = rel(mt_metrics["grad_norm"], bare_metrics["grad_norm"])
+    d_param = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+                  for a, b in zip(jax.tree.leaves(mt_state.params), jax.tree.leaves(bare_state[1])))
+    print(f"step 1: loss meshtrain {float(mt_metrics['loss']):.7f} bare {float(bare_metrics['loss']):.7f} "
+          f"rel diff {d_loss:.2e}; grad_norm rel diff {d_norm:.2e}; params max rel diff {d_param:.2e}")
+
+    # Warm-up, then alternate A/B, blocking after every step.
+    for i in range(args.warmup):
+        mt_state, _, _ = timed(exp.train_step, mt_state, tokens[i % len(tokens)])
+        bare_state, _, _ = timed(bare_step, bare_state, tokens[i % len(tokens)])
+    t_mt, t_bare = [], []
+    for i in range(args.pairs):
+        batch = tokens[i % len(tokens)]
+        mt_state, mt_metrics, dt_m = timed(exp.train_step, mt_state, batch)
+        bare_state, bare_metrics, dt_b = timed(bare_step, bare_state, batch)
+        t_mt.append(dt_m)
+        t_bare.append(dt_b)
+    ratios = sorted(a / b for a, b in zip(t_mt, t_bare))
+    q1, med, q3 = (float(np.percentile(ratios, q)) for q in (25, 50, 75))
+    print(f"after {1 + args.warmup + args.pairs} steps: loss meshtrain {float(mt_metrics['loss']):.6f} "
+          f"bare {float(bare_metrics['loss']):.6f}")
+    print(f"step time over {args.pairs} pairs: meshtrain {1e3 * statistics.median(t_mt):.2f} ms, "
+          f"bare {1e3 * statistics.median(t_bare):.2f} ms (medians)")
+    print(f"RESULT {args.config}: median ratio meshtrain/bare = {med:.4f} (IQR {q1:.4f}-{q3:.4f}), "
+          f"{'within' if med <= 1.05 else 'ABOVE'} the 1.05 goal; flops equal: "
+          f"{rel(flops_m, flops_b) < 0.01}; collectives equal: {same_coll}; loss rel diff {d_loss:.1e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

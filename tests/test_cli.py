@@ -1,0 +1,72 @@
+"""The command line, run as users run it: a short training run, compile-only, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env=None, timeout=600):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "meshtrain.train", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout)
+
+
+def test_short_run_writes_run_json_and_metrics(tmp_path):
+    w = tmp_path / "w"
+    r = run_cli("--config=gpt2_tiny_dp2_tp4", f"--workdir={w}", "--config.train.steps=20",
+                "--config.train.log_every=5", "--config.train.eval_every=10")
+    assert r.returncode == 0, r.stderr
+    assert "ETA" in r.stdout and "tok/s" in r.stdout
+    run = json.loads((w / "run.json").read_text())
+    assert run["device_count"] == 8 and run["process_count"] == 1
+    assert run["mesh"]["shape"] == {"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}
+    assert run["num_params"] == 124_672 and run["config"]["layout"] == "dp_tp"
+    assert run["data"]["entropy_rate"] > 0 and run["compiled_memory_per_device"]["argument"] > 0
+    rows = [json.loads(line) for line in (w / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20] and [r["step"] for r in evals] == [10, 20]
+    for row in train:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"} <= row.keys()
+        assert row["mfu"] is None  # no known peak on CPU
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (w / "tb").iterdir())
+
+
+@pytest.mark.slow
+def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
+    r = run_cli("--config=gpt2_medium_dp8_tp4", "--config.train.steps=0", f"--workdir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["device_count"] == 32 and run["num_params"] == 354_823_168
+    # Megatron split of 355M over tensor=4: 12 bytes x ~89.6M params per device.
+    assert 1000 < run["compiled_memory_per_device"]["argument"] / 2**20 < 1050
+    assert not (tmp_path / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:4"], {"JAX_NUM_CPU_DEVICES": "8"},
+     "needs 4 x 1 x 1 x 1 = 4 devices, fewer than the 8 available (CPU device count pinned"),
+    (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:16"], {"JAX_NUM_CPU_DEVICES": "8"},
+     "needs 16 x 1 x 1 x 1 = 16 devices, more than the 8 available"),
+    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=tensor:8"], {},
+     "model.num_heads = 4 is not divisible by 8"),
+    (["--config=gpt2_tiny_dp8", "--config.train.stpes=3"], {}, "Unknown config key 'train.stpes'"),
+    (["--config=gpt2_tiny_dp8", "--config.layout=dpp"], {}, "Unknown layout 'dpp'"),
+    (["--config=gpt2_tiny_dp8", "--config.layout=batch:data;hidden:tensor"], {},
+     "Unknown logical axis name 'hidden'"),
+    (["--config=gpt2_tiny_dp9"], {}, "Unknown config 'gpt2_tiny_dp9'"),
+    (["--config=gpt2_tiny_dp8", "--config.data.kind=text", "--config.data.path=no/such.txt"], {},
+     "no/such.txt"),
+])
+def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
+    r = run_cli(*args, env=env, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert message in r.stderr, r.stderr
+    paragraph = r.stderr.strip()
+    assert paragraph.startswith("meshtrain: error:") and "\n\n" not in paragraph

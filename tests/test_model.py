@@ -1,0 +1,101 @@
+"""GPT-2: parameter counts against the closed form, and forward-pass invariants."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain.models import GPT2, GPT2Config, model_config, num_params
+from meshtrain.models.sizes import GPT2_SIZES
+from meshtrain.state import abstract_model
+from meshtrain import config as config_lib
+
+
+def cfg_for(size, **kw):
+    cfg = config_lib.base(size=size)
+    vocab = GPT2_SIZES[size][4]
+    mc = model_config(cfg.model, vocab_size=vocab)
+    return dataclasses.replace(mc, **kw)
+
+
+@pytest.mark.parametrize("size, expected", [
+    ("small", 124_439_808),   # Radford et al. / nanoGPT, vocab 50257
+    ("medium", 354_823_168),
+    ("large", 774_030_080),
+    ("xl", 1_557_611_200),
+])
+def test_param_counts_match_closed_form(size, expected):
+    cfg = cfg_for(size)
+    assert num_params(cfg) == expected
+    # The stored model, built abstractly: unpadded rows equal the closed form exactly.
+    model = abstract_model(dataclasses.replace(cfg, padded_vocab_size=cfg.vocab_size))
+    stored = sum(math.prod(s.shape) for s in jax.tree.leaves(model.shapes))
+    assert stored == expected
+    assert cfg.padded_vocab_size == 50304  # 50257 padded to a multiple of 128
+
+
+def tiny(**kw):
+    return dataclasses.replace(cfg_for("tiny"), seq_len=16, **kw)
+
+
+def loss_and_grads(cfg, tokens):
+    model = GPT2(cfg, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
+
+
+@pytest.mark.parametrize("variant", [dict(scan_layers=False), dict(remat="full"), dict(remat="save_dots")])
+def test_scan_unrolled_and_remat_are_the_same_function(variant):
+    ref_loss, ref_grads = loss_and_grads(tiny(), TOKENS)
+    loss, grads = loss_and_grads(tiny(**variant), TOKENS)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_vocab_padding_is_inert():
+    """Padded rows start at zero, are masked out of the logits and get no gradient."""
+    ref_loss, ref_grads = loss_and_grads(tiny(), TOKENS)
+    loss, grads = loss_and_grads(tiny(padded_vocab_size=384), TOKENS)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert np.all(grads["wte"][256:] == 0)
+    np.testing.assert_allclose(grads["wte"][:256], ref_grads["wte"], rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    cfg = tiny(dtype="bfloat16")
+    model = GPT2(cfg, nnx.Rngs(0))
+    assert model.wte[...].dtype == jnp.float32
+    logits = model(TOKENS[:, :-1])
+    assert logits.dtype == jnp.bfloat16
+    ref = GPT2(tiny(), nnx.Rngs(0))(TOKENS[:, :-1])
+    np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.05)
+
+
+def test_every_parameter_has_logical_axes():
+    model = abstract_model(tiny())
+    flat = jax.tree_util.tree_leaves_with_path(model.axes, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(model.shapes)
+    assert len(flat) == len(shapes) == 16
+    for (_, axes), shape in zip(flat, shapes):
+        assert len(axes) == len(shape.shape)
+
+
+def test_dropout_changes_with_key_only_in_training():
+    cfg = tiny(dropout=0.1)
+    model = GPT2(cfg, nnx.Rngs(0))
+    x = TOKENS[:, :-1]
+    a, b = model(x, key=jax.random.key(0)), model(x, key=jax.random.key(1))
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(model(x), model(x))
