@@ -1,14 +1,12 @@
-"""meshtrain's train step vs a bare-JAX step with the same math and shardings.
+"""python benchmarks/overhead.py [--config gpt2_tiny_dp2_tp4] [--pairs 60] [--warmup 5] [--devices 8] [--config.key=value ...]
 
-    .venv/bin/python benchmarks/overhead.py [--config gpt2_tiny_dp2_tp4] [--pairs 60]
-        [--warmup 5] [--devices 8] [--config.key=value ...]
-
-The bare step is written here from scratch in plain jax.numpy over the params dict
-meshtrain stores (no flax, no meshtrain model code). It reuses only what is not
-framework: the optax transformation and lr schedule (`exp.tx`, `exp.schedule`), the
-shardings (`exp.shardings`, `exp.grad_shardings`, `exp.batch_sharding`) and the
-layout's activation specs, so it pins the residual stream at the places gpt2.py
-does and the two programs compile to the same collectives.
+meshtrain's train step vs a bare-JAX step with the same math and shardings, timed
+alternately in one process. The bare step is written here from scratch in plain
+jax.numpy over the params dict meshtrain stores (no flax, no meshtrain model code).
+It reuses only what is not framework: the optax transformation and lr schedule
+(`exp.tx`, `exp.schedule`), the shardings (`exp.shardings`, `exp.grad_shardings`,
+`exp.batch_sharding`) and the layout's activation specs, so it pins activations at
+the places gpt2.py does and the two programs compile to the same collectives.
 
 It prints: the loss / grad-norm / param agreement after one step from the same state
 and batch; flops and collective counts of both compiled executables; then the median
@@ -103,15 +101,18 @@ def as_tuple(state):
     return (state.step, state.params, state.opt_state)
 
 
-def program_summary(compiled) -> tuple[float, dict[str, int]]:
-    """(flops, {collective kind: op count}) of a compiled executable. Ops inside a
-    while body (the layer scan) are counted once, on both sides alike."""
+def program_summary(compiled) -> tuple[float, dict[str, int], collections.Counter]:
+    """(flops, {collective kind: op count}, {opcode: count}) of a compiled executable.
+    Ops inside a while body (the layer scan) are counted once, on both sides alike."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    text = compiled.as_text()
     counts = collections.Counter()
-    for kind, _ in re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(-start)?\(", compiled.as_text()):
+    for kind, _ in re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(-start)?\(", text):
         counts[kind] += 1  # `X-start(` counts once; its `X-done(` does not match
-    return float(cost.get("flops", float("nan"))), {k: counts[k] for k in COLLECTIVES}
+    # `%name = f32[..]{..} opcode(` or `%name = (f32[..], ..) opcode(`: every instruction.
+    opcodes = collections.Counter(re.findall(r"=\s*(?:\([^=]*\)|\S+)\s+([a-z][a-z0-9-]*)\(", text))
+    return float(cost.get("flops", float("nan"))), {k: counts[k] for k in COLLECTIVES}, opcodes
 
 
 def rel(a, b) -> float:
@@ -120,6 +121,7 @@ def rel(a, b) -> float:
 
 
 def timed(fn, state, batch):
+    """One step, blocked on: (state, metrics, wall seconds)."""
     t0 = time.perf_counter()
     state, metrics = fn(state, batch)
     jax.block_until_ready((state, metrics))
@@ -127,7 +129,7 @@ def timed(fn, state, batch):
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description="meshtrain train step vs a bare-JAX step (A6).")
     ap.add_argument("--config", default="gpt2_tiny_dp2_tp4")
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
@@ -170,14 +172,16 @@ def main(argv: list[str]) -> None:
         compiled = fn.lower(state, tokens[0]).compile()
         summaries[name] = program_summary(compiled)
         print(f"{name:>9}: compile {time.perf_counter() - t0:.2f} s, flops {summaries[name][0]:.4g}, "
-              f"collectives {summaries[name][1]}")
-    flops_m, flops_b = summaries["meshtrain"][0], summaries["bare"][0]
-    same_coll = summaries["meshtrain"][1] == summaries["bare"][1]
-    print(f"flops ratio meshtrain/bare {flops_m / flops_b:.4f}; collective counts equal: {same_coll}")
+              f"{sum(summaries[name][2].values())} HLO instructions, collectives {summaries[name][1]}")
+    (flops_m, coll_m, ops_m), (flops_b, coll_b, ops_b) = summaries["meshtrain"], summaries["bare"]
+    same_coll, same_ops = coll_m == coll_b, ops_m == ops_b
+    print(f"flops ratio meshtrain/bare {flops_m / flops_b:.4f}; collective counts equal: {same_coll}; "
+          f"instruction counts by opcode equal: {same_ops}"
+          + ("" if same_ops else f" (meshtrain extra {dict(ops_m - ops_b)}, bare extra {dict(ops_b - ops_m)})"))
 
     # Correctness: one step each from the same initial state and batch.
-    mt_state, mt_metrics, _ = timed(exp.train_step, mt_state, tokens[0])
-    bare_state, bare_metrics, _ = timed(bare_step, bare_state, tokens[0])
+    mt_state, mt_metrics, *_ = timed(exp.train_step, mt_state, tokens[0])
+    bare_state, bare_metrics, *_ = timed(bare_step, bare_state, tokens[0])
     d_loss = rel(mt_metrics["loss"], bare_metrics["loss"])
     d_norm = rel(mt_metrics["grad_norm"], bare_metrics["grad_norm"])
     d_param = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
@@ -187,8 +191,8 @@ def main(argv: list[str]) -> None:
 
     # Warm-up, then alternate A/B, blocking after every step.
     for i in range(args.warmup):
-        mt_state, _, _ = timed(exp.train_step, mt_state, tokens[i % len(tokens)])
-        bare_state, _, _ = timed(bare_step, bare_state, tokens[i % len(tokens)])
+        mt_state, *_ = timed(exp.train_step, mt_state, tokens[i % len(tokens)])
+        bare_state, *_ = timed(bare_step, bare_state, tokens[i % len(tokens)])
     t_mt, t_bare = [], []
     for i in range(args.pairs):
         batch = tokens[i % len(tokens)]
@@ -204,7 +208,8 @@ def main(argv: list[str]) -> None:
           f"bare {1e3 * statistics.median(t_bare):.2f} ms (medians)")
     print(f"RESULT {args.config}: median ratio meshtrain/bare = {med:.4f} (IQR {q1:.4f}-{q3:.4f}), "
           f"{'within' if med <= 1.05 else 'ABOVE'} the 1.05 goal; flops equal: "
-          f"{rel(flops_m, flops_b) < 0.01}; collectives equal: {same_coll}; loss rel diff {d_loss:.1e}")
+          f"{rel(flops_m, flops_b) < 0.01}; collectives equal: {same_coll}; opcodes equal: {same_ops}; "
+          f"loss rel diff {d_loss:.1e}")
 
 
 if __name__ == "__main__":
