@@ -63,8 +63,14 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
     """
     layout = layouts.get(cfg.layout)
     micro = check_batch(cfg, layout, mesh)
-    if cfg.train.steps < 0:
-        raise UserError(f"train.steps={cfg.train.steps}: must be >= 0 (0 compiles and exits).")
+    t = cfg.train
+    if t.steps < 0:
+        raise UserError(f"train.steps={t.steps}: must be >= 0 (0 compiles and exits).")
+    if t.log_every < 1 or t.eval_every < 0 or (t.eval_every and t.eval_steps < 1):
+        raise UserError(
+            f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
+            f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
+            f"eval_steps >= 1 when eval is on.")
     m = cfg.model
     dims = models.size_dims(m)
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],

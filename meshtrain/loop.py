@@ -28,21 +28,26 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None) -> list[
     batches = exp.train_batches(start_step=start)
     rows, pending = [], None
     last_time, last_step = time.perf_counter(), start
+
+    def flush():
+        nonlocal pending, last_time, last_step
+        step, metrics, now = pending
+        rows.append(log.log_train(step, jax.device_get(metrics), (now - last_time) / (step - last_step)))
+        last_time, last_step, pending = now, step, None
+
     for step in range(start + 1, t.steps + 1):
         state, metrics = compiled_step(state, exp.put_batch(next(batches)))
         if pending is not None:  # the previous log step: read now that this step is queued
-            rows.append(_log(log, *pending, last_time, last_step))
-            last_time, last_step = pending[2], pending[0]
-            pending = None
+            flush()
         if step % t.log_every == 0 or step == t.steps:
             jax.block_until_ready(metrics)
             pending = (step, metrics, time.perf_counter())
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            if pending is not None:
+                flush()
             log.log_eval(step, evaluate(exp, state.params))
+            # Eval time is not training time: restart the clock for tokens/s and ETA.
+            last_time, last_step = time.perf_counter(), step
     if pending is not None:
-        rows.append(_log(log, *pending, last_time, last_step))
+        flush()
     return rows
-
-
-def _log(log: RunLog, step: int, metrics, now: float, last_time: float, last_step: int) -> dict:
-    return log.log_train(step, jax.device_get(metrics), (now - last_time) / (step - last_step))
