@@ -106,13 +106,14 @@ def program_summary(compiled) -> tuple[float, dict[str, int], collections.Counte
     Ops inside a while body (the layer scan) are counted once, on both sides alike."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    text = compiled.as_text()
-    counts = collections.Counter()
-    for kind, _ in re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(-start)?\(", text):
-        counts[kind] += 1  # `X-start(` counts once; its `X-done(` does not match
-    # `%name = f32[..]{..} opcode(` or `%name = (f32[..], ..) opcode(`: every instruction.
-    opcodes = collections.Counter(re.findall(r"=\s*(?:\([^=]*\)|\S+)\s+([a-z][a-z0-9-]*)\(", text))
-    return float(cost.get("flops", float("nan"))), {k: counts[k] for k in COLLECTIVES}, opcodes
+    opcodes = collections.Counter()
+    for line in compiled.as_text().splitlines():  # `[ROOT] %name = SHAPE opcode(operands), attrs`
+        if re.match(r"\s*(ROOT )?%\S+ = ", line):
+            rhs = re.sub(r"/\*.*?\*/", "", line.split(" = ", 1)[1])  # drop `/*index=5*/` comments
+            opcodes[re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs).group(1)] += 1
+    # An async collective is `X-start` + `X-done`: count the start only.
+    collectives = {k: opcodes[k] + opcodes[k + "-start"] for k in COLLECTIVES}
+    return float(cost.get("flops", float("nan"))), collectives, opcodes
 
 
 def rel(a, b) -> float:

@@ -43,6 +43,18 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     return c
 
 
+def gpt2_pretraining(size: str, mesh: str, layout: str, *, lr: float,
+                     remat: str = "none") -> ml_collections.ConfigDict:
+    """base() with the settings of a real GPT-2 run: bf16 compute (params and Adam state
+    stay float32), 64 x 1024 tokens a step, 700 warmup steps, cosine to lr / 10."""
+    c = base(size=size, mesh=mesh, layout=layout)
+    c.model.dtype = "bfloat16"
+    c.model.remat = remat
+    c.train.update(steps=20_000, batch_size=64, log_every=50, eval_every=1000, eval_steps=20)
+    c.optim.update(lr=lr, min_lr=lr / 10, warmup_steps=700)
+    return c
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
 

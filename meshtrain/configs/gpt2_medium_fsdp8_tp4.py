@@ -7,13 +7,8 @@ Compile-only check of the layout on any machine (simulated devices on CPU):
     python -m meshtrain.train --config=gpt2_medium_fsdp8_tp4 --config.train.steps=0
 """
 
-from meshtrain.config import base
+from meshtrain.config import gpt2_pretraining
 
 
 def get_config():
-    c = base(size="medium", mesh="fsdp:8,tensor:4", layout="fsdp_tp")
-    c.model.dtype = "bfloat16"  # compute; params and Adam state stay float32
-    c.model.remat = "none"
-    c.train.update(steps=20_000, batch_size=64, log_every=50, eval_every=1000, eval_steps=20)
-    c.optim.update(lr=3e-4, min_lr=3e-4 / 10, warmup_steps=700)
-    return c
+    return gpt2_pretraining(size="medium", mesh="fsdp:8,tensor:4", layout="fsdp_tp", lr=3e-4)
