@@ -114,6 +114,13 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def _has_accelerator_plugin() -> bool:
+    """Whether a GPU/TPU PJRT plugin is installed (checked without starting a backend)."""
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin", "libtpu"))
+
+
 def simulate_cpu_devices(shape: Mapping[str, int]) -> tuple[int, str]:
     """Makes the device count match `shape` on a CPU-only host; returns (count, source).
 
@@ -124,6 +131,11 @@ def simulate_cpu_devices(shape: Mapping[str, int]) -> tuple[int, str]:
     if _backend_started():
         return jax.device_count(), "devices already initialised in this process"
     pinned = _pinned_cpu_count()
+    if pinned is None and -1 in shape.values() and not _has_accelerator_plugin():
+        raise UserError(
+            f"Mesh {format_shape(shape)} has an axis of size -1, but on a CPU-only host the "
+            f"device count is simulated to fit the mesh, so there is nothing to fill it from. "
+            f"Give every axis a size, or pin the count, e.g. JAX_NUM_CPU_DEVICES=8.")
     if pinned is None:
         jax.config.update("jax_num_cpu_devices", want)
     devices = jax.devices()

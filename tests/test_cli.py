@@ -48,6 +48,13 @@ def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert not (tmp_path / "metrics.jsonl").read_text()
 
 
+def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
+    r = run_cli("--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=data:-1,tensor:4",
+                "--config.train.steps=0", f"--workdir={tmp_path}", env={"JAX_NUM_CPU_DEVICES": "8"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["mesh"]["shape"]["data"] == 2
+
+
 @pytest.mark.parametrize("args, env, message", [
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:4"], {"JAX_NUM_CPU_DEVICES": "8"},
      "needs 4 x 1 x 1 x 1 = 4 devices, fewer than the 8 available (CPU device count pinned"),
@@ -60,6 +67,8 @@ def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
     (["--config=gpt2_tiny_dp8", "--config.layout=batch:data;hidden:tensor"], {},
      "Unknown logical axis name 'hidden'"),
     (["--config=gpt2_tiny_dp9"], {}, "Unknown config 'gpt2_tiny_dp9'"),
+    (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:-1"], {},
+     "has an axis of size -1, but on a CPU-only host"),
     (["--config=gpt2_tiny_dp8", "--config.data.kind=text", "--config.data.path=no/such.txt"], {},
      "no/such.txt"),
 ])

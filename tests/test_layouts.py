@@ -46,6 +46,8 @@ def test_describe_round_trips():
     ("grads=batch:data", ["'grads'", "params, opt_state, activations"]),
     ("nonsense", ["Unknown layout 'nonsense'", "dp, fsdp, zero1, tp, dp_tp, fsdp_tp"]),
     ("batch:data+data", ["repeats a mesh axis"]),
+    ("batch:data | heads:tensor", ["two sections for all targets"]),
+    ("batch:data | params=embed:fsdp | params=mlp:fsdp", ["two sections for params"]),
 ])
 def test_bad_layouts_say_why(text, words):
     with pytest.raises(UserError) as e:

@@ -1,12 +1,13 @@
 """Named layouts. Each is a string in the layout grammar (see rules.parse).
 
 Memory per device for Psi parameters with fp32 params and Adam (12 B/param live
-state), n = size of the sharding axis, and what each costs in communication:
+state), n = size of the sharding axis, and what each costs in communication
+(wire elements per device per step; x4 bytes in fp32):
 
-  dp       12 Psi                  all-reduce of grads (2 Psi bytes on the wire per step)
+  dp       12 Psi                  all-reduce of grads, 2 (n-1)/n Psi
   zero1    4 Psi + 8 Psi / n       grads reduce-scattered into optimizer shards, updated params all-gathered
   fsdp     12 Psi / n              ZeRO-3: params all-gathered for forward and again for backward,
-                                   grads reduce-scattered (3 Psi on the wire, 1.5 x dp)
+                                   grads reduce-scattered, 3 (n-1)/n Psi (1.5 x dp)
   tp       ~12 Psi / t             Megatron: 2 all-reduces of [batch, length, embed] per layer forward,
                                    2 in backward; no gradient all-reduce over tensor
   dp_tp    ~12 Psi / t             tp inside, dp all-reduce of the tensor-sharded grads across data

@@ -119,14 +119,17 @@ def parse(text: str, name: str | None = None) -> Layout:
     given: dict[str, Rules] = {}
     for section in filter(None, (s.strip() for s in text.split("|"))):
         target, sep, body = section.partition("=")
-        if sep and target.strip() in TARGETS:
-            given[target.strip()] = parse_rules(body, text)
-        elif sep:
+        target = target.strip() if sep else "all targets"
+        if sep and target not in TARGETS:
             raise UserError(
-                f"Layout {text!r}: section {section!r} names target {target.strip()!r}; "
+                f"Layout {text!r}: section {section!r} names target {target!r}; "
                 f"the targets are {', '.join(TARGETS)} (or no 'target=' for all).")
-        else:
-            base = parse_rules(section, text)
+        if target in given:
+            raise UserError(
+                f"Layout {text!r}: two sections for {target}; the second would silently replace "
+                f"the first. Join their rules with ';' in one section.")
+        given[target] = parse_rules(body if sep else section, text)
+    base = given.pop("all targets", base)
     params = given.get("params", base)
     return Layout(
         name=name or text,

@@ -175,12 +175,15 @@ class GPT2(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         t = tokens_bt.shape[1]
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        x_btd = jnp.take(self.wte[...], tokens_bt, axis=0) + self.wpe[...][:t]
+        # The table as compute wants it (gathered over FSDP, split over vocab under
+        # TP), used for both the lookup and the tied output projection.
+        wte_vd = constrain(self.wte[...], ("vocab", "embed"))
+        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
         x_btd = _dropout(x_btd.astype(dt), cfg.dropout, keys[0])
         x_btd = constrain(x_btd, ("batch", "length", "embed"))
         x_btd = self._run_blocks(x_btd, constrain, keys[1])
         x_btd = self.ln_f(x_btd)
-        logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.wte[...].astype(dt))
+        logits_btv = jnp.einsum("btd,vd->btv", x_btd, wte_vd.astype(dt))
         if cfg.padded_vocab_size > cfg.vocab_size:
             real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
             logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
