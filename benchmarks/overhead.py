@@ -1,4 +1,5 @@
-"""python benchmarks/overhead.py [--config gpt2_tiny_dp2_tp4] [--pairs 60] [--warmup 5] [--devices 8] [--config.key=value ...]
+"""python benchmarks/overhead.py [--config gpt2_tiny_dp2_tp4] [--pairs 60] [--warmup 5]
+                                [--devices 8] [--config.key=value ...]
 
 meshtrain's train step vs a bare-JAX step with the same math and shardings, timed
 alternately in one process. The bare step is written here from scratch in plain
@@ -68,11 +69,12 @@ def make_bare_step(exp):
     def loss_fn(params, tokens):  # tokens [B, T+1] int32 -> mean next-token loss []
         inputs, targets = tokens[:, :-1], tokens[:, 1:]                        # [B, T]
         t = inputs.shape[1]
-        x = jnp.take(params["wte"], inputs, axis=0) + params["wpe"][:t]        # [B, T, D]
+        wte = pin(params["wte"], ("vocab", "embed"))  # [V, D] as compute wants it, as gpt2.py pins it
+        x = jnp.take(wte, inputs, axis=0) + params["wpe"][:t]                  # [B, T, D]
         x = pin(x.astype(dt), BTD)
         x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
         x = layer_norm(x, params["ln_f"])
-        logits = jnp.einsum("btd,vd->btv", x, params["wte"].astype(dt))        # [B, T, V] tied
+        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dt))                 # [B, T, V] tied
         if cfg.padded_vocab_size > cfg.vocab_size:
             real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(dt).min)
@@ -101,19 +103,23 @@ def as_tuple(state):
     return (state.step, state.params, state.opt_state)
 
 
-def program_summary(compiled) -> tuple[float, dict[str, int], collections.Counter]:
-    """(flops, {collective kind: op count}, {opcode: count}) of a compiled executable.
-    Ops inside a while body (the layer scan) are counted once, on both sides alike."""
+def program_summary(compiled) -> tuple[float, dict[str, int], collections.Counter, collections.Counter]:
+    """flops, {collective kind: count}, {opcode: count} and {(collective, result shape): count}
+    of a compiled executable. Ops inside a while body (the layer scan) appear once in the
+    text (cost_analysis counts them once too), on both sides alike."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    opcodes = collections.Counter()
+    opcodes, signatures = collections.Counter(), collections.Counter()
     for line in compiled.as_text().splitlines():  # `[ROOT] %name = SHAPE opcode(operands), attrs`
         if re.match(r"\s*(ROOT )?%\S+ = ", line):
             rhs = re.sub(r"/\*.*?\*/", "", line.split(" = ", 1)[1])  # drop `/*index=5*/` comments
-            opcodes[re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs).group(1)] += 1
+            op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs)
+            opcodes[op.group(1)] += 1
+            if op.group(1) in COLLECTIVES or op.group(1)[:-len("-start")] in COLLECTIVES:
+                signatures[op.group(1), rhs[:op.start()].strip()] += 1  # shape = bytes moved
     # An async collective is `X-start` + `X-done`: count the start only.
     collectives = {k: opcodes[k] + opcodes[k + "-start"] for k in COLLECTIVES}
-    return float(cost.get("flops", float("nan"))), collectives, opcodes
+    return float(cost.get("flops", float("nan"))), collectives, opcodes, signatures
 
 
 def rel(a, b) -> float:
@@ -174,9 +180,10 @@ def main(argv: list[str]) -> None:
         summaries[name] = program_summary(compiled)
         print(f"{name:>9}: compile {time.perf_counter() - t0:.2f} s, flops {summaries[name][0]:.4g}, "
               f"{sum(summaries[name][2].values())} HLO instructions, collectives {summaries[name][1]}")
-    (flops_m, coll_m, ops_m), (flops_b, coll_b, ops_b) = summaries["meshtrain"], summaries["bare"]
-    same_coll, same_ops = coll_m == coll_b, ops_m == ops_b
-    print(f"flops ratio meshtrain/bare {flops_m / flops_b:.4f}; collective counts equal: {same_coll}; "
+    (flops_m, _, ops_m, sig_m), (flops_b, _, ops_b, sig_b) = summaries["meshtrain"], summaries["bare"]
+    same_coll, same_ops = sig_m == sig_b, ops_m == ops_b
+    print(f"flops ratio meshtrain/bare {flops_m / flops_b:.4f}; "
+          f"collectives (kind and shape) equal: {same_coll}; "
           f"instruction counts by opcode equal: {same_ops}"
           + ("" if same_ops else f" (meshtrain extra {dict(ops_m - ops_b)}, bare extra {dict(ops_b - ops_m)})"))
 
