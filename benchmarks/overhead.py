@@ -13,7 +13,7 @@ It prints: the loss / grad-norm / param agreement after one step from the same s
 and batch; flops and collective counts of both compiled executables; then the median
 of N paired, alternated step-time ratios meshtrain/bare (A6 goal: <= 1.05).
 Fake CPU devices share the machine's cores, so only ratios taken in one process,
-interleaved, are meaningful (shared/reference/performance.md section 5.3).
+interleaved, are meaningful (separate processes vary by about 20% here).
 """
 
 from __future__ import annotations
