@@ -29,13 +29,17 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 
 
+def _mesh_axes(layout: Layout, name: str, target: str) -> tuple[str, ...]:
+    """The mesh axes a lone logical dim `name` is split over under `target` rules."""
+    (entry,) = layout.spec((name,), target) or (None,)
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def _axis_product(layout: Layout, mesh: Mesh, name: str) -> int:
     """lcm over rule tables of the number of shards `name` is split into."""
     out = 1
     for target in layouts.rules.TARGETS:
-        axes = [a for a in layout.spec((name,), target) if a is not None]
-        flat = [x for a in axes for x in ((a,) if isinstance(a, str) else a)]
-        out = math.lcm(out, math.prod(mesh.shape[a] for a in flat))
+        out = math.lcm(out, math.prod(mesh.shape[a] for a in _mesh_axes(layout, name, target)))
     return out
 
 
@@ -47,7 +51,7 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> i
         raise UserError(f"train.batch_size={t.batch_size} and train.microbatches={k} must be >= 1.")
     shards = _axis_product(layout, mesh, "batch")
     if t.batch_size % (k * shards):
-        over = "+".join(a for a in mesh_lib.AXES if a in str(layout.spec(("batch",), "activations")))
+        over = "+".join(_mesh_axes(layout, "batch", "activations"))
         raise UserError(
             f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
             f"= {k} x {shards} = {k * shards} (layout {layout.name!r} splits batch over "

@@ -55,10 +55,6 @@ class ModelDef:
         return nnx.to_pure_dict(nnx.state(GPT2(self.cfg, nnx.Rngs(seed))))
 
 
-def is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
-
-
 def abstract_model(cfg: GPT2Config) -> ModelDef:
     model = nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)

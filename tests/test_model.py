@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.models import GPT2, GPT2Config, model_config, num_params
+from meshtrain.models import GPT2, model_config, num_params
 from meshtrain.models.sizes import GPT2_SIZES
 from meshtrain.state import abstract_model
 from meshtrain import config as config_lib
