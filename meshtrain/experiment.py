@@ -27,20 +27,18 @@ from meshtrain import layouts, mesh as mesh_lib, models, optim, state as state_l
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
+from meshtrain.layouts.rules import mesh_axes_of
 
 
-def _mesh_axes(layout: Layout, name: str, target: str) -> tuple[str, ...]:
-    """The mesh axes a lone logical dim `name` is split over under `target` rules."""
-    (entry,) = layout.spec((name,), target) or (None,)
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+def _shards(layout: Layout, mesh: Mesh, name: str, target: str) -> tuple[int, tuple[str, ...]]:
+    """How many pieces a lone logical dim `name` is split into under `target`, and over what."""
+    axes = mesh_axes_of(layout.spec((name,), target)[0])
+    return math.prod(mesh.shape[a] for a in axes), axes
 
 
-def _axis_product(layout: Layout, mesh: Mesh, name: str) -> int:
-    """lcm over rule tables of the number of shards `name` is split into."""
-    out = 1
-    for target in layouts.rules.TARGETS:
-        out = math.lcm(out, math.prod(mesh.shape[a] for a in _mesh_axes(layout, name, target)))
-    return out
+def _vocab_shards(layout: Layout, mesh: Mesh) -> int:
+    """lcm over the rule tables: the table must split evenly wherever it is sharded."""
+    return math.lcm(*(_shards(layout, mesh, "vocab", t)[0] for t in layouts.rules.TARGETS))
 
 
 def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> int:
@@ -49,13 +47,12 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> i
     k = t.microbatches
     if t.batch_size < 1 or k < 1:
         raise UserError(f"train.batch_size={t.batch_size} and train.microbatches={k} must be >= 1.")
-    shards = _axis_product(layout, mesh, "batch")
+    shards, over = _shards(layout, mesh, "batch", "activations")
     if t.batch_size % (k * shards):
-        over = "+".join(_mesh_axes(layout, "batch", "activations"))
         raise UserError(
             f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
             f"= {k} x {shards} = {k * shards} (layout {layout.name!r} splits batch over "
-            f"{over or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
+            f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
     return t.batch_size // k
 
 
@@ -85,7 +82,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
             f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({vocab} "
             f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
     vocab = m.vocab_size or vocab
-    model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_axis_product(layout, mesh, "vocab"))
+    model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh))
     model = state_lib.abstract_model(model_cfg)
     state_lib.check_activations(model_cfg, micro, layout, mesh)
     for target in ("params", "opt_state"):
@@ -129,10 +126,12 @@ class Experiment:
         layout, model, source = validate(cfg, mesh)
 
         total = max(cfg.train.steps, 1)
-        tx = optim.make(cfg.optim, total, model.axes)
         schedule = optim.schedule(cfg.optim, total)
-        shardings = state_lib.state_shardings(model, tx, layout, mesh)
+        tx = optim.make(cfg.optim, schedule, model.axes)
+        # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = state_lib.param_shardings(model, layout, mesh, "opt_state")
+        shardings = state_lib.state_shardings(
+            model, tx, state_lib.param_shardings(model, layout, mesh, "params"), grad_shardings, mesh)
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings,
             microbatches=cfg.train.microbatches, seed=cfg.train.seed)

@@ -38,12 +38,13 @@ def decay_mask(axes_tree) -> dict:
                         axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make(o: ml_collections.ConfigDict, total_steps: int, axes_tree) -> optax.GradientTransformation:
+def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> optax.GradientTransformation:
+    """AdamW following the `lr` schedule (see `schedule`), with clipping and the decay mask."""
     if o.name != "adamw":
         raise UserError(f"optim.name={o.name!r}: the optimizers are: adamw.")
     parts = []
     if o.grad_clip and o.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(o.grad_clip))
-    parts.append(optax.adamw(schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
+    parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps,
                              weight_decay=o.weight_decay, mask=decay_mask(axes_tree)))
     return optax.chain(*parts)

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
+from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import GPT2, GPT2Config
 
 # Where a logical dim's size comes from, for error messages.
@@ -73,10 +74,10 @@ def path_str(path) -> str:
 
 def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str) -> None:
     """Every sharded dim must split evenly over its mesh axes; else say which and why."""
-    for size, name, mesh_axes in zip(shape, axes, tuple(spec) + (None,) * len(shape)):
-        if mesh_axes is None:
+    for size, name, entry in zip(shape, axes, tuple(spec) + (None,) * len(shape)):
+        mesh_axes = mesh_axes_of(entry)
+        if not mesh_axes:
             continue
-        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
         parts = math.prod(mesh.shape[a] for a in mesh_axes)
         if size % parts:
             over = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh_axes)
@@ -109,11 +110,10 @@ def check_activations(cfg: GPT2Config, micro_batch: int, layout: Layout, mesh: M
         check_divisible(shape, axes, spec, mesh, layout, f"activation {axes}")
 
 
-def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout,
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, moments,
                     mesh: Mesh) -> TrainState:
-    """TrainState of NamedShardings: params by the params rules, moments by opt_state rules."""
-    params = param_shardings(model, layout, mesh, "params")
-    moments = param_shardings(model, layout, mesh, "opt_state")
+    """TrainState of NamedShardings from params-shaped shardings of the params and of the
+    optimizer moments (`param_shardings` under the params and opt_state rules)."""
     abstract_opt = jax.eval_shape(tx.init, model.shapes)
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(

@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from meshtrain.experiment import Experiment
+from meshtrain.layouts.rules import mesh_axes_of
 
 
 def state_bytes(exp):
@@ -54,6 +55,6 @@ def test_tensor_parallel_state_matches_sharded_leaves(make_config):
     exp = Experiment.build(make_config("gpt2_tiny_dp2_tp4"))
     expected = 0
     for shape, sharding in zip(jax.tree.leaves(exp.model.shapes), jax.tree.leaves(exp.shardings.params)):
-        shards = math.prod(exp.mesh.shape[a] for s in sharding.spec if s for a in ((s,) if isinstance(s, str) else s))
+        shards = math.prod(exp.mesh.shape[a] for s in sharding.spec for a in mesh_axes_of(s))
         expected += 3 * 4 * math.prod(shape.shape) // shards
     assert state_bytes(exp) == expected

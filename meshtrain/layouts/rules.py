@@ -54,6 +54,13 @@ class Layout:
         return " | ".join(parts)
 
 
+def mesh_axes_of(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry -> the mesh axes it names: None -> (), "x" -> ("x",)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def check_names(axes: Sequence[str | None], where: str = "") -> None:
     for name in axes:
         if name is not None and name not in VOCABULARY:
