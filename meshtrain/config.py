@@ -35,6 +35,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     c.layout = layout
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4)
+    # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.
+    c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1)
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
                    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",

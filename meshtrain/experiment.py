@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import layouts, mesh as mesh_lib, models, optim, state as state_lib, step as step_lib
+from meshtrain import layouts, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -41,7 +41,8 @@ def _vocab_shards(layout: Layout, mesh: Mesh) -> int:
     return math.lcm(*(_shards(layout, mesh, "vocab", t)[0] for t in layouts.rules.TARGETS))
 
 
-def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> int:
+def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
+                pipe: pipeline.Pipeline | None = None) -> int:
     """Returns the microbatch size after checking batch divisibility with the arithmetic."""
     t = cfg.train
     k = t.microbatches
@@ -53,7 +54,30 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh) -> i
             f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
             f"= {k} x {shards} = {k * shards} (layout {layout.name!r} splits batch over "
             f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
+    if pipe is not None:
+        m = pipe.microbatches
+        inner, over = _shards(layout.without("stage"), mesh, "batch", "activations")
+        if t.batch_size % (k * m * inner):
+            raise UserError(
+                f"train.batch_size={t.batch_size} must be divisible by train.microbatches x "
+                f"pipeline.microbatches x batch shards in a stage = {k} x {m} x {inner} = "
+                f"{k * m * inner} (inside the pipeline, layout {layout.name!r} splits batch over "
+                f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of "
+                f"{math.lcm(k * m * inner, k * shards)}, or fewer pipeline microbatches.")
     return t.batch_size // k
+
+
+def check_stage_rules(layout: Layout, pipe: pipeline.Pipeline | None) -> None:
+    """A pipelined run needs the params' `stage` dim on the `stage` mesh axis in every table."""
+    if pipe is None:
+        return
+    for target in layouts.rules.TARGETS:
+        if mesh_axes_of(layout.spec(("stage",), target)[0]) != ("stage",):
+            raise UserError(
+                f"Layout {layout.name!r} does not put the logical axis 'stage' on the mesh axis "
+                f"'stage' in its {target} rules, but the run is pipelined (pipeline.microbatches="
+                f"{pipe.microbatches}). Use a pipeline layout ({', '.join(layouts.PIPELINE_PRESETS)}) "
+                f"or begin every table with 'stage:stage'.")
 
 
 def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.ModelDef, Any]:
@@ -63,7 +87,11 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
     on a laptop without simulating its devices.
     """
     layout = layouts.get(cfg.layout)
-    micro = check_batch(cfg, layout, mesh)
+    m = cfg.model
+    dims = models.size_dims(m)
+    pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"])
+    check_stage_rules(layout, pipe)
+    micro = check_batch(cfg, layout, mesh, pipe)
     t = cfg.train
     if t.steps < 0:
         raise UserError(f"train.steps={t.steps}: must be >= 0 (0 compiles and exits).")
@@ -72,8 +100,6 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
             f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
             f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
             f"eval_steps >= 1 when eval is on.")
-    m = cfg.model
-    dims = models.size_dims(m)
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
                          seed=cfg.train.seed)
     vocab = source.vocab_size
@@ -83,8 +109,10 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
             f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
     vocab = m.vocab_size or vocab
     model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh))
-    model = state_lib.abstract_model(model_cfg)
+    model = state_lib.abstract_model(model_cfg, pipe)
     state_lib.check_activations(model_cfg, micro, layout, mesh)
+    if pipe is not None:
+        state_lib.check_activations(model_cfg, micro // pipe.microbatches, layout.without("stage"), mesh)
     for target in ("params", "opt_state"):
         state_lib.param_shardings(model, layout, mesh, target)  # raises on indivisible dims
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))

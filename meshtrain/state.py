@@ -23,6 +23,7 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import GPT2, GPT2Config
+from meshtrain.pipeline import Pipeline, stage_axes, stage_shape, to_stages
 
 # Where a logical dim's size comes from, for error messages.
 SIZE_KEYS = {
@@ -48,15 +49,21 @@ class ModelDef:
     graphdef: Any
     shapes: Any   # params dict of ShapeDtypeStruct
     axes: Any     # params dict of logical-axis tuples
+    # When set, params["blocks"] are stored [stage, layers per stage, ...] (pipeline.to_stages).
+    pipeline: Pipeline | None = None
 
     def bind(self, params) -> GPT2:
         return nnx.merge(self.graphdef, params)
 
     def init_params(self, seed: int):
-        return nnx.to_pure_dict(nnx.state(GPT2(self.cfg, nnx.Rngs(seed))))
+        """The model's initial params; the same values under any pipeline, only reordered."""
+        params = nnx.to_pure_dict(nnx.state(GPT2(self.cfg, nnx.Rngs(seed))))
+        if self.pipeline is not None:
+            params["blocks"] = to_stages(params["blocks"], self.pipeline)
+        return params
 
 
-def abstract_model(cfg: GPT2Config) -> ModelDef:
+def abstract_model(cfg: GPT2Config, pipeline: Pipeline | None = None) -> ModelDef:
     model = nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     axes: dict = {}
@@ -65,7 +72,12 @@ def abstract_model(cfg: GPT2Config) -> ModelDef:
         for k in path[:-1]:
             node = node.setdefault(k, {})
         node[path[-1]] = tuple(var.get_metadata()["out_sharding"])
-    return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), axes)
+    shapes = nnx.to_pure_dict(state)
+    if pipeline is not None:
+        is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+        axes["blocks"] = jax.tree.map(stage_axes, axes["blocks"], is_leaf=is_axes)
+        shapes["blocks"] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes["blocks"])
+    return ModelDef(cfg, graphdef, shapes, axes, pipeline)
 
 
 def path_str(path) -> str:

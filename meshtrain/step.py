@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshtrain import pipeline
 from meshtrain.layouts import Layout
 from meshtrain.state import ModelDef, TrainState
 
@@ -33,10 +34,17 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
 
 
-def make_loss_fn(model: ModelDef, constrain: Callable) -> Callable:
+def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
+    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set."""
+    constrain = make_constrain(layout, mesh)
+    run_layers = None
+    if model.pipeline is not None:
+        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes["blocks"],
+                                          scan_layers=model.cfg.scan_layers)
+
     def loss_fn(params, tokens_bt1, key):
         inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-        logits = model.bind(params)(inputs, constrain, key)
+        logits = model.bind(params)(inputs, constrain, key, run_layers)
         return cross_entropy(logits, targets)
     return loss_fn
 
@@ -50,8 +58,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     is where gradients are reduced to: the optimizer moments' shardings, so under
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them.
     """
-    constrain = make_constrain(layout, mesh)
-    loss_fn = make_loss_fn(model, constrain)
+    loss_fn = make_loss_fn(model, layout, mesh)
     grad_fn = jax.value_and_grad(loss_fn)
     batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
     micro_sharding = NamedSharding(mesh, layout.spec((None, "batch", None), "activations"))
@@ -91,7 +98,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
     """eval_step(params, tokens [B, T+1]) -> mean loss (no dropout)."""
-    loss_fn = make_loss_fn(model, make_constrain(layout, mesh))
+    loss_fn = make_loss_fn(model, layout, mesh)
     batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
     return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
                    in_shardings=(param_shardings, batch_sharding),

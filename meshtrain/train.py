@@ -53,8 +53,16 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "compile_time_s": compile_s,
         "compiled_memory_per_device": compiled_memory,
         "data": exp.source.info,
+        "pipeline": _pipeline_info(exp.model.pipeline),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
+
+
+def _pipeline_info(pipe) -> dict | None:
+    if pipe is None:
+        return None
+    return {"stages": pipe.stages, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
+            "ticks": pipe.ticks, "bubble": pipe.bubble}
 
 
 def run(argv: list[str]) -> int:
@@ -75,7 +83,7 @@ def run(argv: list[str]) -> int:
 
     import jax
 
-    from meshtrain import reporting
+    from meshtrain import pipeline, reporting
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
 
@@ -86,6 +94,12 @@ def run(argv: list[str]) -> int:
     say(f"mesh: {mesh_lib.format_shape(exp.mesh.shape)} | layout {exp.layout.name}: {exp.layout.describe()}")
     say(f"model: {exp.num_params():,} parameters (closed form), vocab {exp.model.cfg.vocab_size} "
         f"padded to {exp.model.cfg.padded_vocab_size}")
+    pipe = exp.model.pipeline
+    if pipe is not None:
+        say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
+            f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
+    for warning in pipeline.warnings_for(pipe):
+        print(f"meshtrain: warning: {warning}", file=sys.stderr)
     t0 = time.perf_counter()
     compiled = exp.compile()
     compile_s = time.perf_counter() - t0

@@ -21,7 +21,7 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     state = exp.init_state()
     batches = exp.train_batches()
     first = exp.put_batch(next(batches))
-    loss_fn = step_lib.make_loss_fn(exp.model, step_lib.make_constrain(exp.layout, exp.mesh))
+    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
     grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None)),
                       in_shardings=(exp.shardings.params, exp.batch_sharding))
     grads = jax.device_get(grad_fn(state.params, first))

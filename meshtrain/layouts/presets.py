@@ -13,6 +13,13 @@ state), n = size of the sharding axis, and what each costs in communication
   dp_tp    ~12 Psi / t             tp inside, dp all-reduce of the tensor-sharded grads across data
   fsdp_tp  ~12 Psi / (f t)         both
 The rule order matters: a mesh axis goes to the first rule that claims it.
+
+Pipeline presets (`*_pp*`) add `stage:stage` in front of every table, so the
+stacked block params [stage, layers, ...] live on their stage's devices, and add
+`stage` to `batch` in the activations: outside the pipeline (embedding, logits,
+loss) the stage devices split the batch instead of all computing the same head.
+`stage` comes last in `batch`, so dropping it inside the pipeline is an
+all-gather over `stage` of contiguous rows, not a shuffle.
 """
 
 from meshtrain.errors import UserError
@@ -30,7 +37,13 @@ PRESETS = {
     "tp": _TP,
     "dp_tp": f"batch:data;{_TP}",
     "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp",
+    "dp_pp": "stage:stage;batch:data+stage",
+    "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_FSDP_PARAMS}",
+    "zero1_pp": "stage:stage;batch:data+stage | opt_state=stage:stage;embed:data;mlp:data;head_dim:data",
+    "dp_pp_tp": f"stage:stage;batch:data+stage;{_TP}",
+    "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP};embed:fsdp",
 }
+PIPELINE_PRESETS = tuple(name for name in PRESETS if "pp" in name)
 
 
 def get(name_or_rules: str) -> Layout:

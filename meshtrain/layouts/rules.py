@@ -46,6 +46,15 @@ class Layout:
         """Logical axes, e.g. ("embed", "mlp") -> PartitionSpec("fsdp", "tensor")."""
         return resolve(axes, self.rules(target), where=where)
 
+    def without(self, mesh_axis: str) -> "Layout":
+        """The layout with `mesh_axis` struck from every rule (emptied rules dropped).
+        Inside a pipeline stage the `stage` axis is already taken by the vmapped dim."""
+        def strip(rules: Rules) -> Rules:
+            kept = ((n, tuple(a for a in axes if a != mesh_axis)) for n, axes in rules)
+            return tuple((n, axes) for n, axes in kept if axes)
+        return Layout(f"{self.name} without {mesh_axis}", strip(self.params),
+                      strip(self.opt_state), strip(self.activations))
+
     def describe(self) -> str:
         """The layout in the string grammar (round-trips through `parse`)."""
         parts = [f"params={format_rules(self.params)}",

@@ -6,7 +6,9 @@ caller passes in (identity by default). The model knows nothing of meshes.
 
 Blocks are stored stacked: each block parameter has a leading `layers` axis, and
 the forward pass runs the block `num_layers` times, by `lax.scan` (one compiled
-body) or unrolled (`scan_layers=False`); both read the same parameters.
+body) or unrolled (`scan_layers=False`); both read the same parameters. A caller
+may take over that pass with `run_layers` (meshtrain/pipeline.py does, to run the
+stack as pipeline stages); the model does not know how its layers are scheduled.
 
 Shapes: B batch, T length, D embed, H heads, E head_dim, F mlp, V vocab (padded),
 L layers.
@@ -26,6 +28,9 @@ from meshtrain.models import remat
 
 Axes = tuple[str | None, ...]
 Constrain = Callable[[jax.Array, Axes], jax.Array]
+# run_layers(make_layer, stacked params, x [B, T, D], key) -> [B, T, D], where
+# make_layer(constrain) -> layer(x, one layer's params, key) -> x.
+RunLayers = Callable[..., jax.Array]
 
 
 def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
@@ -169,8 +174,12 @@ class GPT2(nnx.Module):
         self.ln_f = LayerNorm(cfg)
 
     def __call__(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
-                 key: jax.Array | None = None) -> jax.Array:
-        """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype."""
+                 key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
+        """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype.
+
+        `run_layers` replaces the sequential pass over the block stack (the pipeline
+        passes its schedule here); the default runs the layers in order.
+        """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         t = tokens_bt.shape[1]
@@ -181,7 +190,7 @@ class GPT2(nnx.Module):
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
         x_btd = _dropout(x_btd.astype(dt), cfg.dropout, keys[0])
         x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        x_btd = self._run_blocks(x_btd, constrain, keys[1])
+        x_btd = self._run_blocks(x_btd, constrain, keys[1], run_layers)
         x_btd = self.ln_f(x_btd)
         logits_btv = jnp.einsum("btd,vd->btv", x_btd, wte_vd.astype(dt))
         if cfg.padded_vocab_size > cfg.vocab_size:
@@ -189,20 +198,34 @@ class GPT2(nnx.Module):
             logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
         return constrain(logits_btv, ("batch", "length", "vocab"))
 
-    def _run_blocks(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None) -> jax.Array:
+    def _run_blocks(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
+                    run_layers: RunLayers | None) -> jax.Array:
         graphdef, stacked = nnx.split(self.blocks)
-        n = self.cfg.num_layers
-        keys = None if key is None else jax.random.split(key, n)
+        stacked = nnx.to_pure_dict(stacked)
+        remat_policy = self.cfg.remat
 
-        def layer(x, params_and_key):
-            params, k = params_and_key
-            return nnx.merge(graphdef, params)(x, constrain, k), None
+        def make_layer(constrain: Constrain):
+            def layer(x, params, k):
+                return nnx.merge(graphdef, params)(x, constrain, k)
+            return remat.wrap(layer, remat_policy)
 
-        layer = remat.wrap(layer, self.cfg.remat)
-        if self.cfg.scan_layers:
-            x_btd, _ = jax.lax.scan(layer, x_btd, (stacked, keys))
-            return x_btd
-        for i in range(n):
-            sliced = jax.tree.map(lambda a: a[i], (stacked, keys))
-            x_btd, _ = layer(x_btd, sliced)
-        return x_btd
+        if run_layers is not None:
+            return run_layers(make_layer, stacked, x_btd, key)
+        keys = None if key is None else jax.random.split(key, self.cfg.num_layers)
+        return run_stack(make_layer(constrain), stacked, x_btd, keys, scan=self.cfg.scan_layers)
+
+
+def run_stack(layer: Callable, stacked, x: jax.Array, keys: jax.Array | None, *,
+              scan: bool = True) -> jax.Array:
+    """x -> layer(...layer(layer(x, stacked[0], keys[0]), stacked[1], keys[1])...).
+
+    `stacked` is a params dict whose leaves have a leading layer dim n; `keys` is [n]
+    or None. One compiled body under `lax.scan`, or unrolled.
+    """
+    if scan:
+        x, _ = jax.lax.scan(lambda c, pk: (layer(c, *pk), None), x, (stacked, keys))
+        return x
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n):
+        x = layer(x, *jax.tree.map(lambda a: a[i], (stacked, keys)))
+    return x

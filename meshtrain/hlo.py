@@ -1,0 +1,156 @@
+"""What a compiled program communicates: collectives per step, loops counted.
+
+`compiled.as_text()` is the per-device program after SPMD partitioning. A
+collective inside a `while` body (a `lax.scan`) appears once in the text but runs
+once per iteration, so each computation is weighted by how often it runs: the
+product of the `known_trip_count`s of the loops around it.
+
+    stats = collectives(exp.compile())
+    stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
+
+`wire` is the ring-algorithm bytes each device sends: all-reduce 2(n-1)/n x S,
+all-gather and all-to-all (n-1)/n x S (S = result), reduce-scatter (n-1) x S
+(S = result = input / n), for a group of n devices; collective-permute S times
+the share of devices that send (every device runs the op; some only receive).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass
+class Collective:
+    count: int = 0      # executions per step
+    bytes: int = 0      # result bytes per step, summed over executions
+    wire: float = 0.0   # bytes sent per device per step (ring algorithms)
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of an HLO shape, e.g. `f32[4,128]{1,0}` or a tuple `(f32[2], bf16[3,3])`."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in DTYPE_BYTES:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * DTYPE_BYTES[dtype]
+    return total
+
+
+def group_size(attrs: str) -> int:
+    """Devices per replica group: `{{0,1},{2,3}}` -> 2, iota `[2,4]<=[8]` -> 4,
+    mesh `mesh['axis_0'=2,'axis_1'=4] ... {'axis_1'}` -> 4."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)?(?: \{('[^}]*)\})?", attrs)
+    if m:  # the group spans the listed axes, or the whole mesh when none are listed
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        axes = re.findall(r"'([^']+)'", m.group(2) or "") or list(sizes)
+        return int(np.prod([sizes[a] for a in axes]))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    return 1
+
+
+def _senders(attrs: str, devices: int) -> float:
+    """Share of the devices that send in a collective-permute."""
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    pairs = len(re.findall(r"\{\d+,\d+", m.group(1) + "}")) if m else devices
+    return min(1.0, pairs / max(devices, 1))
+
+
+def _wire(kind: str, nbytes: int, n: int) -> float:
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind in ("all-gather", "all-to-all"):
+        return (n - 1) / n * nbytes
+    if kind == "reduce-scatter":
+        return (n - 1) * nbytes
+    return float(nbytes)  # collective-permute
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How often each computation runs per execution of the entry computation."""
+    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            for role, targets in _CALLED.findall(line):
+                factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                for t in re.findall(r"%([^,}\s]+)", targets):
+                    calls[name].append((t, factor))
+    mult: dict[str, int] = collections.Counter()
+
+    def visit(name: str, m: int) -> None:
+        mult[name] += m
+        for child, factor in calls.get(name, ()):
+            visit(child, m * factor)
+    visit(entry, 1)
+    return mult
+
+
+def collectives(compiled_or_text) -> dict[str, Collective]:
+    """Per-step collectives of a compiled program, by kind (see the module docstring)."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    comps, entry = _computations(text)
+    mult = _multiplicities(comps, entry)
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    devices = int(partitions.group(1)) if partitions else 1
+    out = {k: Collective() for k in KINDS}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or not mult.get(name):
+                continue
+            rhs = re.sub(r"/\*.*?\*/", "", m.group(1))
+            op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs)
+            kind = op.group(1).removesuffix("-start") if op else ""
+            if kind not in KINDS or (op.group(1).endswith("-done")):
+                continue
+            shape = rhs[:op.start()]
+            if op.group(1).endswith("-start"):  # async: (operand, result); count the result
+                shape = " ".join(_SHAPE.findall(shape)[-1])
+                shape = shape.replace(" ", "[", 1) + "]"
+            nbytes = shape_bytes(shape)
+            c = out[kind]
+            c.count += mult[name]
+            c.bytes += mult[name] * nbytes
+            wire = _wire(kind, nbytes, group_size(rhs))
+            if kind == "collective-permute":
+                wire *= _senders(rhs, devices)
+            c.wire += mult[name] * wire
+    return out

@@ -1,0 +1,276 @@
+"""Pipeline parallelism as scan-over-stages (GPipe and circular), in one SPMD program.
+
+The layer stack is cut into S = mesh `stage` stages. Block parameters are stored
+`[S, L/S, ...]` with logical axes `("stage", "layers", ...)`, so the layout puts
+stage s's layers on the devices at position s of the `stage` mesh axis. The model
+code is unchanged: it hands its layer function to `run_layers`, which runs every
+stage at once with `vmap` over the stage axis and moves activations between
+stages with `jnp.roll` (a collective-permute). Backward comes from autodiff.
+
+With `repeats` = r > 1 (circular schedule) the stack is cut into r*S chunks of
+Lc = L/(r*S) layers; chunk v = i*S + s (repeat i, stage s) lives on stage s, so a
+device holds r non-adjacent chunks and a microbatch goes round the stages r times.
+
+The schedule, for M microbatches in groups of S (r = 1 is GPipe, any M):
+
+    buf = zeros[S, mb, T, D]                       # one microbatch slot per stage
+    for t in range(r*M + S - 1):                   # lax.scan over ticks
+        for s in stages, at once (vmap):
+            w = t - s                              # work items stage s has started
+            g, i, j = w // (r*S), (w // S) % r, w % S
+            m = g*S + j                            # microbatch, in repeat i
+            x = input[m] if (s == 0 and i == 0) else buf[s - 1 mod S]   # the roll
+            buf[s] = chunk(i*S + s)(x)             # bubble when w < 0 or w >= r*M
+        out[m] = buf[S-1]  when stage S-1 finished repeat r-1 of microbatch m
+
+Stage s-1's output of item w arrives at stage s one tick later with the same w;
+stage S-1's output of repeat i wraps to stage 0 exactly S ticks after it left
+it, as repeat i+1 of the same microbatch: why M must be a multiple of S when
+r > 1. Bubble ticks compute on zeros and their results are never read. Of the
+r*M + S - 1 ticks each stage is idle S - 1, so the wasted fraction of the
+pipelined work is (S - 1) / (r*M + S - 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain.errors import UserError
+from meshtrain.layouts import Layout
+from meshtrain.layouts.rules import mesh_axes_of
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    stages: int        # S: size of the `stage` mesh axis
+    microbatches: int  # M: microbatches per pipelined batch
+    repeats: int = 1   # r: chunks per stage (1: GPipe, >1: circular)
+    # Benchmarks unroll the tick loop so that cost_analysis counts every tick.
+    unroll: bool = False
+
+    @property
+    def ticks(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the pipelined work that is idle (wasted in this SPMD form)."""
+        return (self.stages - 1) / self.ticks
+
+
+def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
+    """cfg.pipeline and the mesh's `stage` size -> a Pipeline, or None when off.
+
+    The pipeline is on when pipeline.microbatches > 0; a `stage` axis > 1 needs it.
+    """
+    if p.schedule not in SCHEDULES:
+        raise UserError(f"pipeline.schedule={p.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    m, r = p.microbatches, p.repeats
+    if m < 0 or r < 1:
+        raise UserError(f"pipeline.microbatches={m} and pipeline.repeats={r}: microbatches must be "
+                        f">= 0 (0 turns the pipeline off) and repeats >= 1.")
+    if m == 0:
+        if stages > 1:
+            raise UserError(
+                f"The mesh has stage={stages} but pipeline.microbatches=0 (pipeline off). Set "
+                f"pipeline.microbatches=M, e.g. M={4 * stages}: the bubble is (S-1)/(M+S-1) = "
+                f"{(stages - 1) / (5 * stages - 1):.1%} at M = 4 x S.")
+        return None
+    if p.schedule == "gpipe" and r != 1:
+        raise UserError(f"pipeline.repeats={r} needs pipeline.schedule=circular (gpipe runs each "
+                        f"stage's layers once per microbatch).")
+    if p.schedule == "circular" and r < 2:
+        raise UserError("pipeline.schedule=circular with pipeline.repeats=1 is gpipe; set "
+                        "pipeline.repeats >= 2 (chunks per stage) or use schedule=gpipe.")
+    if num_layers % (stages * r):
+        raise UserError(
+            f"model.num_layers={num_layers} is not divisible by stages x repeats = {stages} x {r} "
+            f"= {stages * r}: each of the {stages * r} chunks must hold the same number of layers. "
+            f"Use a layer count that is a multiple of {stages * r}, or change the stage axis or "
+            f"pipeline.repeats.")
+    if r > 1 and m % stages:
+        raise UserError(
+            f"pipeline.microbatches={m} is not a multiple of stage={stages}: the circular schedule "
+            f"sends microbatches round the stages in groups of S. Use M = "
+            f"{-(-m // stages) * stages} (or schedule=gpipe).")
+    return Pipeline(stages=stages, microbatches=m, repeats=r)
+
+
+def warnings_for(pipe: Pipeline | None) -> list[str]:
+    if pipe is None or pipe.microbatches >= pipe.stages:
+        return []
+    return [f"pipeline.microbatches={pipe.microbatches} < stage={pipe.stages}: the bubble "
+            f"(S-1)/(r*M+S-1) = {pipe.bubble:.0%} of the pipelined work dominates; use M >= "
+            f"{4 * pipe.stages} (bubble {(pipe.stages - 1) / (4 * pipe.stages * pipe.repeats + pipe.stages - 1):.0%})."]
+
+
+# --- storage: [L, ...] in model layer order <-> [S, L/S, ...] in stage order -------------
+
+def to_stages(blocks, pipe: Pipeline):
+    """Model-ordered stacks [L, ...] -> [S, r*Lc, ...]; row (s, i*Lc + k) is layer (i*S + s)*Lc + k."""
+    s, r = pipe.stages, pipe.repeats
+
+    def one(a):
+        lc = a.shape[0] // (s * r)
+        return a.reshape(r, s, lc, *a.shape[1:]).swapaxes(0, 1).reshape(s, r * lc, *a.shape[1:])
+    return jax.tree.map(one, blocks)
+
+
+def from_stages(blocks, pipe: Pipeline):
+    """The inverse of `to_stages`: [S, r*Lc, ...] -> [L, ...] in model layer order."""
+    s, r = pipe.stages, pipe.repeats
+
+    def one(a):
+        lc = a.shape[1] // r
+        return a.reshape(s, r, lc, *a.shape[2:]).swapaxes(0, 1).reshape(s * r * lc, *a.shape[2:])
+    return jax.tree.map(one, blocks)
+
+
+def stage_axes(axes: tuple) -> tuple:
+    """("layers", ...) -> ("stage", "layers", ...)."""
+    assert axes[0] == "layers", axes
+    return ("stage", *axes)
+
+
+def stage_shape(shape: jax.ShapeDtypeStruct, pipe: Pipeline) -> jax.ShapeDtypeStruct:
+    n, *rest = shape.shape
+    return jax.ShapeDtypeStruct((pipe.stages, n // pipe.stages, *rest), shape.dtype)
+
+
+# --- the schedule --------------------------------------------------------------------
+
+def schedule(pipe: Pipeline, t, xp=jnp):
+    """Tick t -> per stage [S]: (valid, repeat i, microbatch m) of the item it runs.
+
+    `xp` is jnp inside the step, np for tables and tests.
+    """
+    s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
+    w = t - xp.arange(s)
+    valid = (w >= 0) & (w < r * m)
+    w = xp.clip(w, 0, r * m - 1)
+    return valid, (w // s) % r, (w // (r * s)) * s + w % s
+
+
+def schedule_table(pipe: Pipeline) -> str:
+    """The schedule as text: a row per tick, a column per stage, `m` or `m.i` (repeat i)
+    for the microbatch a stage runs, `.` for a bubble."""
+    rows = [" tick | " + " ".join(f"s{s:<4}" for s in range(pipe.stages))]
+    for t in range(pipe.ticks):
+        valid, i, m = schedule(pipe, t, np)
+        cells = [(f"{mm}" if pipe.repeats == 1 else f"{mm}.{ii}") if v else "." for v, ii, mm in zip(valid, i, m)]
+        rows.append(f"{t:5d} | " + " ".join(f"{c:<5}" for c in cells))
+    return "\n".join(rows)
+
+
+def output_ticks(pipe: Pipeline) -> np.ndarray:
+    """[M]: the tick at which stage S-1 finishes microbatch m's last repeat."""
+    s, r = pipe.stages, pipe.repeats
+    m = np.arange(pipe.microbatches)
+    return s - 1 + (m // s) * r * s + (r - 1) * s + m % s
+
+
+def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
+                scan_layers: bool = True) -> Callable:
+    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for GPT2.__call__.
+
+    `stacked` holds the block params [S, r*Lc, ...]; `make_layer(constrain)` returns
+    layer(x [b, T, D], one layer's params, key) -> x.
+
+    Two vmaps make the per-device program explicit: over stages (mesh axis `stage`)
+    and over the n batch shards of a microbatch (the mesh axes the layout splits
+    `batch` over inside a stage, e.g. data+fsdp). Each batch shard gets its own
+    copy of the stage weights [n, S, r, Lc, ...], made once per step, so weight
+    gradients accumulate per shard over all ticks and are reduced across shards
+    once, when autodiff transposes that copy, instead of once per tick. The layers
+    see the layout without those mesh axes; the vmaps put them back.
+    """
+    from meshtrain.models.gpt2 import run_stack
+    s, r, n_micro = pipe.stages, pipe.repeats, pipe.microbatches
+    batch_axes = mesh_axes_of(layout.without("stage").spec(("batch",), "activations")[0])
+    n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    inner = layout
+    for axis in ("stage", *batch_axes):
+        inner = inner.without(axis)
+
+    def sharding(*spec):
+        return NamedSharding(mesh, P(*spec))
+
+    def pin(x, axes):  # as compute wants it under the full layout
+        return jax.lax.with_sharding_constraint(x, sharding(*layout.spec(axes, "activations")))
+
+    def inner_constrain(x, axes):
+        return jax.lax.with_sharding_constraint(x, sharding(*inner.spec(axes, "activations")))
+
+    shard = batch_axes or None
+    btd = inner.spec(("batch", "length", "embed"), "activations")
+    buf_spec = sharding("stage", shard, *btd[1:])          # [S, mb, T, D]
+    inputs_spec = sharding("stage", None, shard, *btd[1:])  # [S, M, mb, T, D]
+
+    def run_layers(make_layer, stacked, x_btd, key):
+        layer = make_layer(inner_constrain)
+        b, t, d = x_btd.shape
+        mb = b // n_micro
+        # Row i*M + j -> microbatch j, so each batch shard keeps its own rows. Only
+        # stage 0 reads inputs: they sit in its slot of a stage-sharded buffer, so the
+        # per-tick read and its gradient stay on the device.
+        x_mbtd = x_btd.reshape(mb, n_micro, t, d).swapaxes(0, 1)
+        first_slot = (jnp.arange(s) == 0)[:, None, None, None, None]
+        inputs = jax.lax.with_sharding_constraint(
+            jnp.where(first_slot, x_mbtd[None], jnp.zeros_like(x_mbtd[None])), inputs_spec)
+        # Weights as compute wants them, once per step (under FSDP: one all-gather, and
+        # transposed, one reduce-scatter), then one copy per batch shard.
+        stacked = jax.tree.map(pin, stacked, blocks_axes)
+
+        def per_shard(a, axes):
+            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
+            spec = layout.spec(axes, "activations")
+            a = jnp.broadcast_to(a[None], (n_shards, *a.shape))
+            return jax.lax.with_sharding_constraint(a, sharding(shard, spec[0], None, *spec[1:]))
+        weights = jax.tree.map(per_shard, stacked, blocks_axes)
+        keys = None
+        if key is not None:  # one key per model layer, laid out like the params
+            num_layers = s * jax.tree.leaves(stacked)[0].shape[1]
+            keys = to_stages(jax.random.split(key, num_layers), pipe).reshape(s, r, -1)
+
+        def shard_fn(w, k, x, shard_index):  # one stage, one batch shard: x [mb/n, T, D]
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
+            return run_stack(layer, w, x, k, scan=scan_layers)
+
+        def stage_fn(w, k, i, m, x):  # w [n, r, Lc, ...], x [mb, T, D]
+            w = jax.tree.map(lambda a: a[:, i], w)
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k[i], m)
+            x = x.reshape(n_shards, mb // n_shards, t, d)
+            y = jax.vmap(shard_fn, (0, None, 0, 0), spmd_axis_name=shard)(
+                w, k, x, jnp.arange(n_shards))
+            return y.reshape(mb, t, d)
+
+        def tick(buf, t_now):
+            _, i, m = schedule(pipe, t_now)
+            m0 = (t_now // (r * s)) * s + t_now % s  # stage 0's microbatch, as a scalar
+            fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.minimum(m0, n_micro - 1), 1, keepdims=False)
+            first = ((jnp.arange(s) == 0) & (i == 0))[:, None, None, None]
+            buf = jnp.where(first, fresh, jnp.roll(buf, 1, axis=0))
+            buf = jax.vmap(stage_fn, (1, 0, 0, 0, 0), spmd_axis_name="stage")(weights, keys, i, m, buf)
+            buf = jax.lax.with_sharding_constraint(buf, buf_spec)
+            return buf, buf
+
+        buf0 = jax.lax.with_sharding_constraint(jnp.zeros((s, mb, t, d), x_btd.dtype), buf_spec)
+        _, ys = jax.lax.scan(tick, buf0, jnp.arange(pipe.ticks),
+                             unroll=pipe.ticks if pipe.unroll else 1)
+        # ys [ticks, S, mb, T, D] stays where each stage wrote it; only the last stage's
+        # finished microbatches leave it.
+        ys = jax.lax.with_sharding_constraint(ys, sharding(None, *buf_spec.spec))
+        out = ys[output_ticks(pipe), s - 1]  # [M, mb, T, D]
+        return out.swapaxes(0, 1).reshape(b, t, d)
+
+    return run_layers
