@@ -162,11 +162,11 @@ def schedule(pipe: Pipeline, t, xp=jnp):
 def schedule_table(pipe: Pipeline) -> str:
     """The schedule as text: a row per tick, a column per stage, `m` or `m.i` (repeat i)
     for the microbatch a stage runs, `.` for a bubble."""
-    rows = [" tick | " + " ".join(f"s{s:<4}" for s in range(pipe.stages))]
+    rows = [(" tick | " + " ".join(f"s{s:<4}" for s in range(pipe.stages))).rstrip()]
     for t in range(pipe.ticks):
         valid, i, m = schedule(pipe, t, np)
         cells = [(f"{mm}" if pipe.repeats == 1 else f"{mm}.{ii}") if v else "." for v, ii, mm in zip(valid, i, m)]
-        rows.append(f"{t:5d} | " + " ".join(f"{c:<5}" for c in cells))
+        rows.append((f"{t:5d} | " + " ".join(f"{c:<5}" for c in cells)).rstrip())
     return "\n".join(rows)
 
 

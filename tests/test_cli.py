@@ -48,6 +48,27 @@ def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert not (tmp_path / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
+def test_compile_only_pipelined_gpt2_medium_on_32_simulated_devices(tmp_path):
+    r = run_cli("--config=gpt2_medium_dp2_pp4_tp4", "--config.train.steps=0", f"--workdir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "Involuntary" not in r.stderr  # no resharding by full replication
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["device_count"] == 32 and run["num_params"] == 354_823_168
+    assert run["mesh"]["shape"] == {"data": 2, "stage": 4, "fsdp": 1, "tensor": 4}
+    assert run["pipeline"] == {"stages": 4, "microbatches": 16, "repeats": 1, "ticks": 19,
+                               "bubble": 3 / 19}
+    # Blocks split 16 ways (stage x tensor); wte, wpe and LayerNorms only over tensor or not at all.
+    assert 370 < run["compiled_memory_per_device"]["argument"] / 2**20 < 380
+
+
+def test_pipeline_warns_when_microbatches_are_few(tmp_path):
+    r = run_cli("--config=gpt2_tiny_pp4_dp2", "--config.pipeline.microbatches=2", "--config.train.steps=0")
+    assert r.returncode == 0, r.stderr
+    assert "meshtrain: warning: pipeline.microbatches=2 < stage=4" in r.stderr
+    assert "pipeline: 4 stages x 1 repeat(s), 2 microbatches, 5 ticks, bubble" in r.stdout
+
+
 def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
     r = run_cli("--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=data:-1,tensor:4",
                 "--config.train.steps=0", f"--workdir={tmp_path}", env={"JAX_NUM_CPU_DEVICES": "8"})

@@ -15,7 +15,9 @@ PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor"}
 def test_the_issue_configs_exist():
     for name in ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
                  "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_small_dp8", "gpt2_medium_dp8_tp4",
-                 "gpt2_medium_fsdp8_tp4", "gpt2_large_fsdp32"]:
+                 "gpt2_medium_fsdp8_tp4", "gpt2_large_fsdp32", "gpt2_tiny_pp2_dp4",
+                 "gpt2_tiny_dp2_pp2_tp2", "gpt2_tiny_pp4_dp2", "gpt2_tiny_pp4_dp2_circular",
+                 "gpt2_medium_dp2_pp4_tp4"]:
         assert name in NAMES
 
 
@@ -29,6 +31,9 @@ def test_name_matches_mesh_and_validates(name):
     for part in parts:
         if part.startswith("zero"):
             assert cfg.layout == part, f"{name}: layout should be {part}"
+            continue
+        if part == "circular":
+            assert cfg.pipeline.schedule == "circular" and cfg.pipeline.repeats > 1, name
             continue
         kind, n = re.fullmatch(r"([a-z]+)(\d+)", part).groups()
         expected[PART_AXIS[kind]] = int(n)
@@ -113,3 +118,41 @@ def test_vocab_smaller_than_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 2000)
     check("gpt2_tiny_dp8", "data:8", r"model.vocab_size=100 is smaller than the data's vocabulary \(256",
           **{"data.kind": "text", "data.path": str(tmp_path / "a.txt"), "model.vocab_size": 100})
+
+
+@pytest.mark.parametrize("name, mesh, message, overrides", [
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"model.num_layers=3 is not divisible by stages x repeats "
+     r"= 2 x 1 = 2", {"model.num_layers": 3}),
+    ("gpt2_tiny_pp4_dp2_circular", "data:2,stage:4", r"model.num_layers=12 is not divisible by stages "
+     r"x repeats = 4 x 2 = 8", {"model.num_layers": 12}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"train.batch_size=32 must be divisible by "
+     r"train.microbatches x pipeline.microbatches x batch shards in a stage = 1 x 16 x 4 = 64",
+     {"pipeline.microbatches": 16}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"The mesh has stage=2 but pipeline.microbatches=0",
+     {"pipeline.microbatches": 0}),
+    ("gpt2_tiny_pp4_dp2_circular", "data:2,stage:4", r"pipeline.microbatches=6 is not a multiple of "
+     r"stage=4: the circular schedule .* Use M = 8", {"pipeline.microbatches": 6}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.repeats=2 needs pipeline.schedule=circular",
+     {"pipeline.repeats": 2}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"schedule=circular with pipeline.repeats=1 is gpipe",
+     {"pipeline.schedule": "circular"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.schedule='1f1b': choose one of gpipe, circular",
+     {"pipeline.schedule": "1f1b"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"Layout 'dp' does not put the logical axis 'stage' on the "
+     r"mesh axis 'stage' in its params rules.*Use a pipeline layout \(dp_pp, fsdp_pp", {"layout": "dp"}),
+])
+def test_pipeline_validation(name, mesh, message, overrides):
+    check(name, mesh, message, **overrides)
+
+
+def test_few_microbatches_warn():
+    from meshtrain import pipeline
+    cfg = config_lib.load("gpt2_tiny_pp4_dp2")
+    config_lib.override(cfg, "pipeline.microbatches", "2")
+    _, model, _ = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+    (warning,) = pipeline.warnings_for(model.pipeline)
+    assert re.search(r"pipeline.microbatches=2 < stage=4: the bubble \(S-1\)/\(r\*M\+S-1\) = 60% "
+                     r"of the pipelined work dominates; use M >= 16", warning), warning
+    config_lib.override(cfg, "pipeline.microbatches", "4")
+    _, model, _ = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+    assert pipeline.warnings_for(model.pipeline) == []

@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import step as step_lib
+from meshtrain import pipeline, step as step_lib
 from meshtrain.experiment import Experiment
 
 LAYOUTS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
-           "gpt2_tiny_dp2_fsdp2_tp2"]
+           "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_tiny_dp2_pp2_tp2", "gpt2_tiny_pp2_dp4"]
 STEPS = 20
 
 
@@ -25,6 +25,8 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None)),
                       in_shardings=(exp.shardings.params, exp.batch_sharding))
     grads = jax.device_get(grad_fn(state.params, first))
+    if exp.model.pipeline is not None:  # compare in model layer order
+        grads["blocks"] = pipeline.from_stages(grads["blocks"], exp.model.pipeline)
     losses = []
     state, metrics = exp.train_step(state, first)
     losses.append(float(metrics["loss"]))

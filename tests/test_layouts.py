@@ -10,6 +10,7 @@ from meshtrain import layouts
 from meshtrain.errors import UserError
 from meshtrain.layouts.tables import sharding_table
 from meshtrain.models import model_config
+from meshtrain.pipeline import Pipeline
 from meshtrain.state import abstract_model
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -68,7 +69,9 @@ def test_unruled_name_is_replicated_on_purpose():
 @pytest.mark.parametrize("preset", list(layouts.PRESETS))
 def test_golden_tables(preset, make_config):
     cfg = make_config("gpt2_tiny_dp8")
-    model = abstract_model(model_config(cfg.model, vocab_size=256))
+    # Pipeline presets are shown on stage-stacked blocks [stage, layers, ...].
+    pipe = Pipeline(stages=2, microbatches=2) if preset in layouts.PIPELINE_PRESETS else None
+    model = abstract_model(model_config(cfg.model, vocab_size=256), pipe)
     table = sharding_table(model.axes, layouts.get(preset))
     path = GOLDEN / f"{preset}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
