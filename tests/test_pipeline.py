@@ -163,3 +163,15 @@ def test_hlo_collectives_count_loop_iterations():
     assert stats["all-reduce"].count == 6
     assert stats["all-reduce"].bytes == 6 * 4 * 4
     assert stats["all-reduce"].wire == pytest.approx(6 * 2 * 7 / 8 * 16)
+
+
+def test_dropout_inside_the_pipeline_is_deterministic_per_key(make_config):
+    exp = Experiment.build(make_config("gpt2_tiny_pp2_dp4", **{"model.dropout": 0.2}))
+    params = exp.init_state().params
+    batch = exp.put_batch(next(exp.train_batches()))
+    loss_fn = jax.jit(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh))
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    losses = [float(loss_fn(params, batch, k)) for k in (k1, k1, k2, None)]
+    assert np.isfinite(losses).all()
+    assert losses[0] == losses[1]           # same key, same masks
+    assert len(set(losses[1:])) == 3        # another key, or none, changes the loss
