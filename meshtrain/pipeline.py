@@ -203,9 +203,6 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     def sharding(*spec):
         return NamedSharding(mesh, P(*spec))
 
-    def pin(x, axes):  # as compute wants it under the full layout
-        return jax.lax.with_sharding_constraint(x, sharding(*layout.spec(axes, "activations")))
-
     def inner_constrain(x, axes):
         return jax.lax.with_sharding_constraint(x, sharding(*inner.spec(axes, "activations")))
 
@@ -225,15 +222,13 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
         first_slot = (jnp.arange(s) == 0)[:, None, None, None, None]
         inputs = jax.lax.with_sharding_constraint(
             jnp.where(first_slot, x_mbtd[None], jnp.zeros_like(x_mbtd[None])), inputs_spec)
-        # Weights as compute wants them, once per step (under FSDP: one all-gather, and
-        # transposed, one reduce-scatter), then one copy per batch shard.
-        stacked = jax.tree.map(pin, stacked, blocks_axes)
-
-        def per_shard(a, axes):
+        # Weights as compute wants them, one copy per batch shard, made once per step:
+        # under FSDP this is the one all-gather (and, transposed, the one reduce-scatter).
+        def per_shard(a, axes):  # [S, r*Lc, ...] -> [n, S, r, Lc, ...]
             a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
-            spec = layout.spec(axes, "activations")
+            rest = inner.spec(axes[2:], "activations")
             a = jnp.broadcast_to(a[None], (n_shards, *a.shape))
-            return jax.lax.with_sharding_constraint(a, sharding(shard, spec[0], None, *spec[1:]))
+            return jax.lax.with_sharding_constraint(a, sharding(shard, "stage", None, None, *rest))
         weights = jax.tree.map(per_shard, stacked, blocks_axes)
         keys = None
         if key is not None:  # one key per model layer, laid out like the params
