@@ -6,23 +6,25 @@ The pipeline bubble, memory and communication, read from compiled programs (no t
 In the SPMD form every stage computes on every tick, so the bubble is not idle time
 but wasted FLOPs: a stage computes on zeros while it waits. For each (M, r) this
 compiles the train step of a GPT-2 tiny with `--layers` layers on a `stage:S` mesh
-of fake CPU devices, with the tick loop and the layers unrolled so that
-`cost_analysis` counts every tick (it counts a while body once), and compares:
+of fake CPU devices and compares the work all S devices execute with the useful work:
 
-    executed  E    = flops per device x S, pipelined over S stages
-    useful    U_M  = flops of the same program with one stage (same M, r; no bubble)
-    head etc. U_nb = flops outside the layers (unpipelined step at L and L/2 layers)
-    measured bubble = (E - U_M) / (E - U_nb)   wasted share of the layer work
-    formula         = (S - 1) / (r*M + S - 1)
+    formula            (S - 1) / (r*M + S - 1)
+    matmul bubble      (E - U) / (E - U_head)   from matmul FLOPs (meshtrain.hlo.dot_flops,
+                       loop trip counts included): E = per-device x S, pipelined;
+                       U = one-stage program, same M and r (no bubble); U_head = the
+                       matmuls outside the layers (unpipelined step at L and L/2 layers)
+    cost_analysis      the same from `compiled.cost_analysis()["flops"]`, with the tick
+                       loop and the layers unrolled (cost_analysis counts a while body
+                       once), so element-wise work counts too
 
-U_M, not the unpipelined step, is the useful work: XLA spends a few percent more
-element-wise FLOPs on a batch cut into M microbatches than on the whole batch (its
-fusion choices depend on the shapes), with or without stages. That cost of
-microbatching is reported on its own, as U_M / U - 1.
+Element-wise FLOP counts move by a few percent with XLA's fusion choices, which depend
+on the shapes: the one-stage program with M microbatches already costs several percent
+more than the unpipelined step (column "microbatching cost"), with no stage at all.
+The matmul count has no such noise, and it is the work that takes the time.
 
 It also reports, from the normal (rolled) program, the per-device peak memory
 estimate (temp + arguments + outputs - aliased) and the collectives per step by
-kind (meshtrain.hlo, loop trip counts included). Results: docs/benchmarks.md.
+kind (meshtrain.hlo.collectives, loop trip counts included). Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 
 import jax
 
@@ -78,36 +79,35 @@ def main(argv: list[str]) -> None:
 
     def unpipelined(layers):
         exp = Experiment.build(make_config(layers, args.batch, "data:1", "dp"), devices=one)
-        return flops(exp, unroll=False)
-    u_full, u_half = unpipelined(args.layers), unpipelined(args.layers // 2)
-    u_nonblock = u_full - 2 * (u_full - u_half)
-    print(f"unpipelined step (1 device): {u_full:.4e} flops, {1 - u_nonblock / u_full:.1%} of them "
-          f"in the {args.layers} layers", flush=True)
+        return hlo.dot_flops(exp.compile()), flops(exp, unroll=False)
+    (d_full, c_full), (d_half, c_half) = unpipelined(args.layers), unpipelined(args.layers // 2)
+    d_head, c_head = d_full - 2 * (d_full - d_half), c_full - 2 * (c_full - c_half)
+    print(f"unpipelined step (1 device): {d_full:.4e} matmul flops, {1 - d_head / d_full:.1%} of "
+          f"them in the {args.layers} layers; cost_analysis {c_full:.4e}", flush=True)
 
-    header = ("| S | r | M | ticks | formula (S-1)/(rM+S-1) | measured bubble | microbatching cost | "
-              "peak MiB/device | collective-permute | all-reduce | all-gather | compile s |")
+    header = ("| S | r | M | ticks | formula (S-1)/(rM+S-1) | matmul bubble | cost_analysis bubble | "
+              "microbatching cost | peak MiB/device | collective-permute | all-reduce | all-gather |")
     rows = [header, "|---" * (header.count("|") - 1) + "|"]
     for r in (int(x) for x in args.repeats.split(",")):
         for m in (int(x) for x in args.microbatches.split(",")):
-            t0 = time.perf_counter()
             one_stage = Experiment.build(make_config(args.layers, args.batch, "data:1", "dp_pp", m, r),
                                          devices=one)
-            u_m = flops(one_stage, unroll=True)
             exp = Experiment.build(make_config(args.layers, args.batch, f"stage:{s}", "dp_pp", m, r),
                                    devices=jax.devices()[:s])
-            pipe = exp.model.pipeline
-            executed = flops(exp, unroll=True) * s
             compiled = exp.compile()
+            d_exec, d_useful = hlo.dot_flops(compiled) * s, hlo.dot_flops(one_stage.compile())
+            c_exec, c_useful = flops(exp, unroll=True) * s, flops(one_stage, unroll=True)
             peak = reporting.memory_report(compiled)["peak_estimate"] / 2**20
             coll = hlo.collectives(compiled)
-            measured = (executed - u_m) / (executed - u_nonblock)
 
             def fmt(kind):
                 c = coll[kind]
                 return f"{c.count} x, {c.bytes / 2**20:.2f} MiB" if c.count else "0"
-            rows.append(f"| {s} | {r} | {m} | {pipe.ticks} | {pipe.bubble:.1%} | {measured:.1%} | "
-                        f"{u_m / u_full - 1:+.1%} | {peak:.1f} | {fmt('collective-permute')} | "
-                        f"{fmt('all-reduce')} | {fmt('all-gather')} | {time.perf_counter() - t0:.0f} |")
+            rows.append(
+                f"| {s} | {r} | {m} | {exp.model.pipeline.ticks} | {exp.model.pipeline.bubble:.1%} | "
+                f"{(d_exec - d_useful) / (d_exec - d_head):.1%} | "
+                f"{(c_exec - c_useful) / (c_exec - c_head):.1%} | {c_useful / c_full - 1:+.1%} | "
+                f"{peak:.1f} | {fmt('collective-permute')} | {fmt('all-reduce')} | {fmt('all-gather')} |")
             print(rows[-1], flush=True)
     print("\n".join(rows))
 

@@ -7,6 +7,7 @@ product of the `known_trip_count`s of the loops around it.
 
     stats = collectives(exp.compile())
     stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
+    dot_flops(exp.compile())  # matmul FLOPs per step per device, loops counted
 
 `wire` is the ring-algorithm bytes each device sends: all-reduce 2(n-1)/n x S,
 all-gather and all-to-all (n-1)/n x S (S = result), reduce-scatter (n-1) x S
@@ -154,3 +155,33 @@ def collectives(compiled_or_text) -> dict[str, Collective]:
                 wire *= _senders(rhs, devices)
             c.wire += mult[name] * wire
     return out
+
+
+def _dims(shape: str) -> list[int]:
+    m = _SHAPE.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def dot_flops(compiled_or_text) -> float:
+    """Matmul FLOPs one device runs per step: 2 x |result| x |contracted dims| per `dot`,
+    weighted by loop trip counts. Unlike cost_analysis, it ignores element-wise work
+    (whose count moves with XLA's fusion choices) and counts every loop iteration."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    comps, entry = _computations(text)
+    mult = _multiplicities(comps, entry)
+    total = 0.0
+    for name, lines in comps.items():
+        shapes = {}
+        for line in lines:
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)
+            if not m:
+                continue
+            shapes[m.group(1)] = m.group(2).split(" ")[0]
+            op = re.search(r"\sdot\(%([^,\s)]+)", m.group(2))
+            if not op or not mult.get(name):
+                continue
+            lhs = _dims(shapes.get(op.group(1), ""))
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+            k = int(np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i])) if contracting else 1
+            total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * k
+    return total

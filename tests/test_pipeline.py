@@ -175,3 +175,21 @@ def test_dropout_inside_the_pipeline_is_deterministic_per_key(make_config):
     assert np.isfinite(losses).all()
     assert losses[0] == losses[1]           # same key, same masks
     assert len(set(losses[1:])) == 3        # another key, or none, changes the loss
+
+
+def test_wasted_matmul_flops_equal_the_bubble_formula(make_config):
+    """The SPMD bubble is wasted work: the matmul FLOPs all stages execute exceed the
+    useful ones (the one-stage program) by exactly (S-1)/(r*M+S-1) of the layer work."""
+    def matmuls(mesh, layout, layers, m=0, r=1, devices=1):
+        cfg = make_config("gpt2_tiny_dp8", **{
+            "mesh.shape": mesh, "layout": layout, "model.num_layers": layers,
+            "pipeline.microbatches": m, "pipeline.repeats": r,
+            "pipeline.schedule": "circular" if r > 1 else "gpipe"})
+        exp = Experiment.build(cfg, devices=jax.devices()[:devices])
+        return hlo.dot_flops(exp.compile()) * devices
+    full, half = matmuls("data:1", "dp", 4), matmuls("data:1", "dp", 2)
+    head = full - 2 * (full - half)
+    useful = matmuls("data:1", "dp_pp", 4, m=2, r=2)
+    executed = matmuls("stage:2", "dp_pp", 4, m=2, r=2, devices=2)
+    assert useful == full  # microbatching adds no matmul work
+    assert (executed - useful) / (executed - head) == pytest.approx(Pipeline(2, 2, 2).bubble, rel=1e-6)
