@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.models.gpt2 import run_stack
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -192,7 +193,6 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     once, when autodiff transposes that copy, instead of once per tick. The layers
     see the layout without those mesh axes; the vmaps put them back.
     """
-    from meshtrain.models.gpt2 import run_stack
     s, r, n_micro = pipe.stages, pipe.repeats, pipe.microbatches
     batch_axes = mesh_axes_of(layout.without("stage").spec(("batch",), "activations")[0])
     n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
