@@ -28,7 +28,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")  # name, the rest
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -137,7 +137,7 @@ def collectives(compiled_or_text) -> dict[str, Collective]:
             m = _INSTRUCTION.match(line)
             if not m or not mult.get(name):
                 continue
-            rhs = re.sub(r"/\*.*?\*/", "", m.group(1))
+            rhs = re.sub(r"/\*.*?\*/", "", m.group(2))
             op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs)
             kind = op.group(1).removesuffix("-start") if op else ""
             if kind not in KINDS or (op.group(1).endswith("-done")):
@@ -173,7 +173,7 @@ def dot_flops(compiled_or_text) -> float:
     for name, lines in comps.items():
         shapes = {}
         for line in lines:
-            m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)
+            m = _INSTRUCTION.match(line)
             if not m:
                 continue
             shapes[m.group(1)] = m.group(2).split(" ")[0]
