@@ -39,8 +39,11 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1)
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
                    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+    # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain
+    # worker processes, prefetch is batches read ahead by threads.
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
-                  split="train", val_fraction=0.05)
+                  split="train", eval_split="validation", feature="", cache_dir="",
+                  val_fraction=0.05, random_offsets=False, workers=0, prefetch=2)
     c.lock()
     return c
 

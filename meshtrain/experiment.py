@@ -188,8 +188,10 @@ class Experiment:
         return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, self.batch_shape)
 
     def train_batches(self, start_step: int = 0):
+        d = self.cfg.data
         return self.source.train_batches(self.cfg.train.batch_size, process_index=jax.process_index(),
-                                         process_count=jax.process_count(), start_step=start_step)
+                                         process_count=jax.process_count(), start_step=start_step,
+                                         workers=d.workers, prefetch=d.prefetch)
 
     def eval_batches(self):
         return self.source.eval_batches(self.cfg.train.batch_size, self.cfg.train.eval_steps,

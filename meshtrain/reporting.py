@@ -14,6 +14,7 @@ import time
 import jax
 
 from meshtrain.models import GPT2Config, num_params
+from meshtrain.progress import format_duration
 
 # Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
@@ -38,13 +39,6 @@ def memory_report(compiled) -> dict:
     out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
     out["peak_estimate"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 class RunLog:

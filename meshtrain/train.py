@@ -58,6 +58,18 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
     }
 
 
+def _data_line(info: dict, vocab: int, windows: int) -> str:
+    """What the run reads, and how far into it the run goes."""
+    if "best_loss" in info:
+        return (f"data: {info['kind']}, best possible loss {info['best_loss']:.4f} "
+                f"(log vocab = {math.log(vocab):.4f})")
+    what = info.get("name") or info.get("path")
+    return (f"data: {info['kind']} {what} | tokenizer {info['tokenizer']} ({info['vocab_size']} ids, "
+            f"log vocab = {math.log(vocab):.4f}) | train {info['train_tokens']:,} tokens, "
+            f"eval {info['val_tokens']:,} | this run reads {windows / max(info['train_windows'], 1):.2f} "
+            f"epochs{' of random-offset windows' if info.get('random_offsets') else ''}")
+
+
 def _pipeline_info(pipe) -> dict | None:
     if pipe is None:
         return None
@@ -118,10 +130,7 @@ def run(argv: list[str]) -> int:
         say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
         log.close()
         return 0
-    best = exp.source.info.get("best_loss")
-    if best is not None:
-        say(f"data: {exp.source.info['kind']}, best possible loss {best:.4f} "
-            f"(log vocab = {math.log(m.vocab_size):.4f})")
+    say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
     try:
         train_loop(exp, compiled, log)
     finally:

@@ -3,8 +3,10 @@
 Kinds:
   synthetic: a Markov chain with a known entropy rate (`info["best_loss"]`), so a
     loss curve has a floor to be judged against. Vocabulary from the model config.
-  text: a local text file (or glob), tokenized by bytes or characters; the
-    tokenizer decides the vocabulary and the trainer reads `source.vocab_size`.
+  text: local text files (a path or glob), tokenized in memory at startup.
+  tfds: a TFDS ArrayRecord dataset: one written by `python -m meshtrain.data.prepare`
+    (tokens stored), or a catalog one such as lm1b (tokenized once, then cached).
+For text and tfds the tokenizer decides the vocabulary (`source.vocab_size`).
 """
 
 import numbers
@@ -17,7 +19,7 @@ from meshtrain.errors import UserError
 
 __all__ = ["DataSource", "KINDS", "TOKENIZERS", "load_tokenizer", "make_source"]
 
-KINDS = ("synthetic", "text")
+KINDS = ("synthetic", "text", "tfds")
 
 # The synthetic chain's vocabulary when the model config leaves it at -1 (or None).
 DEFAULT_SYNTHETIC_VOCAB = 256
@@ -28,7 +30,8 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int) -> DataSo
 
     Args:
       data_cfg: ConfigDict with kind, path, tokenizer, name, data_dir, split,
-        val_fraction (only the keys of the chosen kind are read).
+        eval_split, feature, cache_dir, val_fraction, random_offsets (only the keys
+        of the chosen kind are read).
       vocab_size: the model config's vocabulary; the synthetic chain's size (-1
         or None means 256). Ignored by text sources, whose tokenizer decides.
       seq_len: tokens per training example; windows hold seq_len + 1 tokens.
@@ -44,16 +47,15 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int) -> DataSo
     if kind == "text":
         return make_text_source(
             data_cfg.get("path"), tokenizer=data_cfg.get("tokenizer", "byte"),
-            val_fraction=data_cfg.get("val_fraction", 0.1), seq_len=seq_len, seed=seed)
+            val_fraction=data_cfg.get("val_fraction", 0.1), seq_len=seq_len, seed=seed,
+            random_offsets=bool(data_cfg.get("random_offsets", False)))
     if kind == "tfds":
-        raise UserError(
-            f"data.kind 'tfds' is not available yet: TensorFlow Datasets input arrives "
-            f"with the data issue. The kinds that work now are: {', '.join(KINDS)}. "
-            f"Set data.kind to one of them (for example 'text' with data.path).")
+        from meshtrain.data.tfds_source import make_tfds_source  # lazy: imports TFDS
+        return make_tfds_source(data_cfg, seq_len=seq_len, seed=seed)
     raise UserError(
         f"Unknown data.kind {kind!r}. Known kinds: {', '.join(KINDS)} ('synthetic' "
-        f"is a Markov chain with a known best loss; 'text' reads data.path). Set "
-        f"data.kind to one of them.")
+        f"is a Markov chain with a known best loss; 'text' reads data.path; 'tfds' reads "
+        f"data.name from data.data_dir). Set data.kind to one of them.")
 
 
 def _check_synthetic_vocab(vocab: int) -> None:

@@ -9,7 +9,8 @@ position maps to a fixed window, a batch is the same whatever the process count,
 and resuming at step k is random access to batch k (nothing is replayed).
 """
 
-import itertools
+import hashlib
+import json
 from typing import Any, Callable, Iterator
 
 import grain
@@ -47,16 +48,26 @@ class DataSource:
         self._eval = (eval_ids, read_eval)
 
     def train_batches(self, batch_size: int, *, process_index: int = 0,
-                      process_count: int = 1, start_step: int = 0) -> Iterator[np.ndarray]:
+                      process_count: int = 1, start_step: int = 0, workers: int = 0,
+                      prefetch: int = 2) -> "BatchIterator":
         """This process's rows of global train batches start_step, start_step + 1, ...
 
-        Yields [batch_size // process_count, seq_len + 1] int32, forever. Arguments
-        are checked at the call, not at the first next().
+        Yields [batch_size // process_count, seq_len + 1] int32, forever. `workers`
+        > 0 reads in that many grain worker processes; `prefetch` batches are read
+        ahead by threads. Arguments are checked at the call, not at the first next().
         """
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        batches = _pipeline(*self._train, batch_size, process_index, process_count)
-        return (batches[step] for step in itertools.count(start_step))
+        return BatchIterator(self, batch_size, process_index, process_count,
+                             start_step * batch_size, workers, prefetch)
+
+    def fingerprint(self) -> str:
+        """Names the window stream (data, tokenizer, seq_len, seed, offsets mode)."""
+        keys = ("kind", "name", "path", "splits", "tokenizer", "vocab_size", "seed",
+                "train_tokens", "random_offsets", "window_stride")
+        ident = {k: self.info.get(k) for k in keys}
+        ident["seq_len"] = self.seq_len
+        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def eval_batches(self, batch_size: int, num_batches: int, *, process_index: int = 0,
                      process_count: int = 1) -> Iterator[np.ndarray]:
@@ -69,11 +80,63 @@ class DataSource:
         return (batches[step] for step in range(num_batches))
 
 
+class BatchIterator:
+    """This process's rows of consecutive global batches, with a small saved state.
+
+    The state is the stream position of the next global batch (windows consumed
+    by all processes), so it is one JSON object for every process and restores
+    under any process count (and under another batch size, which starts the next
+    batch at the same window). `get_state()` / `set_state()` follow grain's
+    iterator protocol; `next` after `set_state(s)` gives what the unbroken
+    iterator gave after `get_state()` returned s.
+    """
+
+    def __init__(self, source: DataSource, batch_size: int, process_index: int,
+                 process_count: int, position: int, workers: int, prefetch: int):
+        _local_batch_size(batch_size, process_index, process_count)  # check now
+        self._source = source
+        self._args = (batch_size, process_index, process_count)
+        self._workers, self._prefetch = workers, prefetch
+        self.batch_size = batch_size
+        self._start(position)
+
+    def _start(self, position: int) -> None:
+        self.position = position
+        ds = _pipeline(*self._source._train, *self._args, start=position)
+        # Threads read `prefetch` batches ahead of the consumer (0: read on next()).
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=self._prefetch,
+                                                  prefetch_buffer_size=self._prefetch))
+        if self._workers:
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers))
+        self._it = iter(it)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        batch = next(self._it)
+        self.position += self.batch_size
+        return batch
+
+    def get_state(self) -> dict:
+        return {"position": self.position, "stream": self._source.fingerprint()}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("stream") != self._source.fingerprint():
+            raise UserError(
+                f"The saved data state belongs to another window stream (fingerprint "
+                f"{state.get('stream')!r}; this run's is {self._source.fingerprint()!r}): the "
+                f"dataset, tokenizer, seq_len, seed or data.random_offsets changed. Restore "
+                f"with the settings the state was saved with, or start the data afresh.")
+        self._start(int(state["position"]))
+
+
 def _pipeline(ids: grain.MapDataset, read: Reader, batch_size: int,
-              process_index: int, process_count: int) -> grain.MapDataset:
-    """Batch b of the result is process_index's rows of global batch b."""
+              process_index: int, process_count: int, start: int = 0) -> grain.MapDataset:
+    """Batch b of the result is process_index's rows of the global batch at stream
+    position start + b * batch_size."""
     local = _local_batch_size(batch_size, process_index, process_count)
-    offset = process_index * local
+    offset = start + process_index * local
 
     def position(row: int) -> int:
         # Local row -> position in the global stream (see module docstring).

@@ -1,9 +1,17 @@
-"""Tokenizers for local text: UTF-8 bytes, or the characters of the corpus.
+"""Tokenizers: text <-> int32 ids, with an end-of-text id that joins documents.
 
-Both turn text into int32 ids and back, vectorised with numpy so a large corpus
-encodes in about the time it takes to read. A tokenizer saves itself as JSON
-(`save(path)`, `load_tokenizer(path)`) so a later run (or a sampler) can reuse the
-exact vocabulary of a training run.
+Specs (the value of `data.tokenizer` and of `prepare --tokenizer`):
+  byte      UTF-8 bytes: ids 0..255 are the bytes, 256 is end of text (257 ids).
+  char      one id per character of the corpus (sorted), then end of text.
+  bpe:PATH  a Hugging Face `tokenizer.json` (meshtrain.data.subword).
+  bpe       only for `prepare --train_bpe=N`, which trains one on the corpus.
+  gpt2      tiktoken's GPT-2 encoding, from files already on disk; `gpt2:DIR`
+            reads `vocab.bpe` and `encoder.json` from DIR.
+
+Every tokenizer has `name`, `vocab_size` (end of text included), `eot_id`,
+`encode(text) -> [n] int32` (never adds special ids), `encode_batch(texts)`,
+`decode(ids)`, `to_json()`, `save(path)` and `describe()`. A saved tokenizer
+(`load_tokenizer(path)`) gives the same ids, so a dataset carries its tokenizer.
 """
 
 import json
@@ -13,26 +21,32 @@ import numpy as np
 
 from meshtrain.errors import UserError
 
-TOKENIZERS = ("byte", "char")
+TOKENIZERS = ("byte", "char", "bpe:PATH", "gpt2", "gpt2:DIR")
 
 
 class ByteTokenizer:
-    """UTF-8 bytes; vocabulary 256. Any byte sequence is valid input to decode."""
+    """UTF-8 bytes 0..255, end of text 256; vocabulary 257."""
 
     name = "byte"
-    vocab_size = 256
+    vocab_size = 257
+    eot_id = 256
 
     def encode(self, text: str) -> np.ndarray:
         """str -> [n_bytes] int32."""
-        return self.encode_bytes(text.encode("utf-8"))
+        # surrogateescape: text decoded with it (any bytes) encodes back to the same bytes.
+        return self.encode_bytes(text.encode("utf-8", errors="surrogateescape"))
 
     def encode_bytes(self, data: bytes) -> np.ndarray:
         """Raw bytes (any encoding) -> [n_bytes] int32."""
         return np.frombuffer(data, np.uint8).astype(np.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids) -> str:
-        """[n] ints -> str; sampled ids may not be valid UTF-8, so bad bytes become U+FFFD."""
-        return np.asarray(ids, np.uint8).tobytes().decode("utf-8", errors="replace")
+        """[n] ints -> str; end of text is dropped, invalid UTF-8 becomes U+FFFD."""
+        ids = np.asarray(ids)
+        return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def to_json(self) -> dict:
         return {"kind": self.name}
@@ -40,9 +54,12 @@ class ByteTokenizer:
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
 
+    def describe(self) -> str:
+        return "byte (256 bytes + end of text = 257 ids)"
+
 
 class CharTokenizer:
-    """One id per character; the vocabulary is the sorted set of corpus characters."""
+    """One id per character, sorted by code point; end of text is the last id."""
 
     name = "char"
 
@@ -59,60 +76,106 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        return len(self.chars) + 1
+
+    @property
+    def eot_id(self) -> int:
         return len(self.chars)
 
     def encode(self, text: str) -> np.ndarray:
         """str -> [n_chars] int32; characters outside the vocabulary are a UserError."""
         points = _code_points(text)
-        ids = np.searchsorted(self._points, points)
-        ids = np.minimum(ids, len(self._points) - 1)
+        ids = np.minimum(np.searchsorted(self._points, points), len(self._points) - 1)
         unknown = self._points[ids] != points
         if unknown.any():
             missing = sorted(set(text[i] for i in np.flatnonzero(unknown)[:1000]))
             raise UserError(
                 f"The text has characters that the char vocabulary lacks: "
                 f"{''.join(missing)[:40]!r} ({len(missing)} distinct). The vocabulary "
-                f"has {self.vocab_size} characters, from the corpus it was built on. "
+                f"has {len(self.chars)} characters, from the corpus it was built on. "
                 f"Build the vocabulary from a corpus that includes these characters, "
                 f"or use the byte tokenizer, which encodes any text.")
         return ids.astype(np.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids) -> str:
-        """[n] ints in [0, vocab_size) -> str."""
-        ids = np.asarray(ids, np.int64)
-        return "".join(self.chars[i] for i in ids)
+        """[n] ints in [0, vocab_size) -> str; end of text is dropped."""
+        return "".join(self.chars[i] for i in np.asarray(ids, np.int64) if i < len(self.chars))
 
     def to_json(self) -> dict:
         return {"kind": self.name, "chars": self.chars}
 
     def save(self, path) -> None:
-        # ensure_ascii keeps the file readable anywhere; json escapes round-trip.
+        # json escapes non-ASCII characters, so the file reads back exactly anywhere.
         Path(path).write_text(json.dumps(self.to_json()))
 
+    def describe(self) -> str:
+        return f"char ({len(self.chars)} characters + end of text = {self.vocab_size} ids)"
 
-def load_tokenizer(path):
-    """A tokenizer saved by `save(path)`."""
-    spec = json.loads(Path(path).read_text())
-    kind = spec.get("kind")
+
+def check_tokenizer_spec(spec) -> str:
+    """The spec, if its form is known (files are checked when loaded); else a UserError."""
+    ok = isinstance(spec, str) and (
+        spec in ("byte", "char", "gpt2") or
+        (spec.startswith(("bpe:", "gpt2:")) and spec.split(":", 1)[1] != ""))
+    if not ok:
+        raise UserError(
+            f"Unknown tokenizer {spec!r} in data.tokenizer. Known tokenizers: 'byte' "
+            f"(UTF-8 bytes, 257 ids), 'char' (the corpus's characters), 'bpe:PATH' (a "
+            f"Hugging Face tokenizer.json; `python -m meshtrain.data.prepare "
+            f"--train_bpe=N` trains one) and 'gpt2' or 'gpt2:DIR' (tiktoken's GPT-2 "
+            f"encoding from files on disk). Set data.tokenizer to one of them.")
+    return spec
+
+
+def make_tokenizer(spec: str, corpus_text: str | None = None):
+    """The tokenizer `spec` names; 'char' builds its vocabulary from `corpus_text`."""
+    check_tokenizer_spec(spec)
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "char":
+        if not corpus_text:
+            raise ValueError("the char tokenizer needs the corpus text to build its vocabulary")
+        return CharTokenizer.from_text(corpus_text)
+    from meshtrain.data import subword  # lazy: tokenizers and tiktoken import slowly
+    kind, _, arg = spec.partition(":")
+    if kind == "bpe":
+        return subword.BPETokenizer.from_file(arg)
+    return subword.GPT2Tokenizer.load(arg or None)
+
+
+def from_json(spec: dict, where: str):
+    """The tokenizer a `to_json()` dict (or a Hugging Face tokenizer.json) describes."""
+    kind = spec.get("kind") if isinstance(spec, dict) else None
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer(spec["chars"])
+    if kind == "gpt2":
+        from meshtrain.data import subword
+        return subword.GPT2Tokenizer.load(spec.get("dir"))
+    if isinstance(spec, dict) and "model" in spec:
+        from meshtrain.data import subword
+        return subword.BPETokenizer.from_file(where)
     raise UserError(
-        f"The tokenizer file {str(path)!r} names kind {kind!r}, which is not a known "
-        f"tokenizer. Known tokenizers: {', '.join(TOKENIZERS)}. Point to a file "
-        f"written by a tokenizer's save().")
+        f"The tokenizer file {where!r} is neither a meshtrain tokenizer (a JSON object with "
+        f"'kind' byte, char or gpt2) nor a Hugging Face tokenizer.json. Point to a file "
+        f"written by a tokenizer's save(), or by `python -m meshtrain.data.prepare`.")
 
 
-def check_tokenizer_name(name) -> str:
-    """The name, if it is a known tokenizer; else a UserError listing the known ones."""
-    if name not in TOKENIZERS:
+def load_tokenizer(path):
+    """A tokenizer saved by `save(path)`, or any Hugging Face tokenizer.json."""
+    path = Path(path)
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
         raise UserError(
-            f"Unknown tokenizer {name!r} in data.tokenizer. Known tokenizers: "
-            f"{', '.join(TOKENIZERS)} ('byte' encodes UTF-8 bytes with a vocabulary "
-            f"of 256; 'char' uses the set of characters in the corpus). Set "
-            f"data.tokenizer to one of them.")
-    return name
+            f"Could not read the tokenizer file {str(path)!r}: {e}. It should be the "
+            f"tokenizer.json that `python -m meshtrain.data.prepare` writes beside a "
+            f"dataset; prepare the dataset again if it is missing or damaged.") from None
+    return from_json(spec, str(path))
 
 
 def _code_points(text: str) -> np.ndarray:

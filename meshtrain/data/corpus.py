@@ -1,0 +1,165 @@
+"""A local text corpus: files (a path or a glob), documents, and the held-out cut.
+
+Documents: each file is one document, or, with a separator (for example
+"<|endoftext|>" or "\\n\\n"), each non-empty piece of a file between separators.
+A token stream is the documents in order, each followed by the tokenizer's end of
+text id, so no window is padded and a model sees where documents end.
+
+Held-out split: the files, in sorted order, form one byte stream; the last
+`val_fraction` of its bytes are held out, cut at a line break (else a character
+boundary) inside the file the cut falls in. One file splits like nanoGPT's
+Shakespeare (its tail is the validation text); many files give whole files to
+the validation split, plus at most one tail.
+"""
+
+import glob
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from meshtrain.errors import UserError
+
+_GLOB_CHARS = "*?["
+
+# Documents tokenized per encode_batch call: large enough for the subword
+# tokenizers' threads to help, small enough to keep memory flat.
+_ENCODE_GROUP = 256
+
+
+def resolve_paths(path, key: str = "data.path") -> list[Path]:
+    """The files `path` names: itself, or the sorted matches of a glob.
+
+    `key` names the setting in errors (data.path for training, --input for prepare).
+    """
+    if path is None or str(path) == "":
+        raise UserError(
+            f"{key} is not set. Set {key} to a text file (or a glob such as "
+            f"'corpus/*.txt').")
+    text = os.path.expanduser(str(path))
+    if any(c in text for c in _GLOB_CHARS):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True))
+        files = [f for f in files if f.is_file()]
+    else:
+        if Path(text).is_dir():
+            raise UserError(
+                f"{key} {str(path)!r} is a directory; it must name a text file or a glob "
+                f"of files. To use the files in it, pass a glob such as "
+                f"{os.path.join(str(path), '*.txt')!r}.")
+        files = [Path(text)] if Path(text).is_file() else []
+    if not files:
+        raise UserError(
+            f"{key} {str(path)!r} matches no file (it resolves to "
+            f"{os.path.abspath(text)!r}; relative paths are taken from the working "
+            f"directory, {os.getcwd()!r}). Check the spelling, pass an absolute path, "
+            f"or run from the directory the path is relative to.")
+    return files
+
+
+class Corpus:
+    """Files, their sizes, and the byte offset where the held-out split begins.
+
+    Attributes:
+      files: sorted paths; sizes: bytes of each; total: sum of sizes.
+      cut: global byte offset of the first held-out byte (0 < cut < total).
+    """
+
+    def __init__(self, path, *, val_fraction, separator: str | None = None,
+                 key: str = "data.path", strict_utf8: bool = True):
+        self.files = resolve_paths(path, key)
+        self.path = str(path)
+        self.separator = separator or None
+        self.strict_utf8 = strict_utf8
+        self.sizes = [f.stat().st_size for f in self.files]
+        self.total = sum(self.sizes)
+        if self.total == 0:
+            raise UserError(
+                f"{key} {self.path!r} holds no text: {len(self.files)} file(s), all empty. "
+                f"Point {key} at non-empty text files.")
+        self.val_fraction = check_val_fraction(val_fraction)
+        self.cut = self._find_cut()
+
+    def documents(self, split: str) -> Iterator[str]:
+        """The documents of 'train' or 'validation', in order, as str."""
+        lo, hi = (0, self.cut) if split == "train" else (self.cut, self.total)
+        start = 0
+        for f, size in zip(self.files, self.sizes):
+            a, b = max(lo, start) - start, min(hi, start + size) - start
+            start += size
+            if a >= b:
+                continue
+            text = self._decode(f.read_bytes()[a:b], f)
+            pieces = text.split(self.separator) if self.separator else [text]
+            yield from (p for p in pieces if p)
+
+    def text(self) -> str:
+        """All documents, both splits, joined; for vocabularies built from the corpus."""
+        return "".join(self._decode(f.read_bytes(), f) for f in self.files)
+
+    def tokens(self, tok, split: str, progress=None) -> Iterator[np.ndarray]:
+        """Each document of `split` encoded, end of text appended; [n_i + 1] int32."""
+        group: list[str] = []
+        for doc in self.documents(split):
+            group.append(doc)
+            if len(group) == _ENCODE_GROUP:
+                yield from _encode_group(tok, group, progress)
+                group = []
+        yield from _encode_group(tok, group, progress)
+
+    def info(self) -> dict:
+        return {"files": len(self.files), "bytes": self.total, "val_bytes": self.total - self.cut,
+                "doc_separator": self.separator}
+
+    def _find_cut(self) -> int:
+        want = self.total - int(round(self.total * self.val_fraction))
+        start = 0
+        for f, size in zip(self.files, self.sizes):
+            if start + size > want:
+                break
+            start += size
+        data = f.read_bytes()
+        local = want - start
+        newline = data.rfind(b"\n", 0, local)
+        if newline >= 0 and local - newline < max(1024, len(data) // 100):
+            local = newline + 1  # a line break near the cut: hold out whole lines
+        while 0 < local < len(data) and (data[local] & 0xC0) == 0x80:
+            local -= 1  # never cut a UTF-8 character in two
+        cut = start + local
+        if not 0 < cut < self.total:
+            raise UserError(
+                f"data.val_fraction={self.val_fraction:g} leaves "
+                f"{'no training' if cut <= 0 else 'no held-out'} text in {self.path!r} "
+                f"({self.total} bytes). Use a larger corpus or a val_fraction nearer 0.1.")
+        return cut
+
+    def _decode(self, data: bytes, file: Path) -> str:
+        if not self.strict_utf8:
+            # surrogateescape keeps any byte sequence, so byte tokens round-trip exactly.
+            return data.decode("utf-8", errors="surrogateescape")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"{str(file)!r} is not valid UTF-8 ({e.reason} at byte {e.start}). "
+                f"Convert the file to UTF-8, or use the byte tokenizer, which accepts "
+                f"any bytes.") from None
+
+
+def _encode_group(tok, docs: list[str], progress) -> Iterator[np.ndarray]:
+    if not docs:
+        return
+    for doc, ids in zip(docs, tok.encode_batch(docs)):
+        if progress is not None:
+            progress(len(doc.encode("utf-8", errors="surrogateescape")))
+        yield np.append(np.asarray(ids, np.int32), np.int32(tok.eot_id))
+
+
+def check_val_fraction(val_fraction) -> float:
+    ok = isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
+    if not ok or not 0 < val_fraction < 1:
+        raise UserError(
+            f"The validation fraction must be a number strictly between 0 and 1 (the "
+            f"share of the corpus held out at its end for eval); got {val_fraction!r}. "
+            f"Set it to, for example, 0.1.")
+    return float(val_fraction)

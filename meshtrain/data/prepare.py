@@ -1,0 +1,120 @@
+"""Turn local text into a TFDS ArrayRecord dataset of token ids, offline.
+
+    python -m meshtrain.data.prepare --input='corpus/*.txt' --name=mytext \\
+        --data_dir=~/tensorflow_datasets --tokenizer=char [--val_fraction=0.05]
+    python -m meshtrain.data.prepare ... --tokenizer=bpe --train_bpe=2048
+
+Then train on it with --config.data.kind=tfds --config.data.name=mytext
+--config.data.data_dir=DIR. Needs neither TensorFlow nor network. The format is
+described in meshtrain/data/token_dataset.py and docs/data.md.
+"""
+
+import argparse
+import sys
+import time
+
+from meshtrain.data.corpus import Corpus
+from meshtrain.data.tokenizers import check_tokenizer_spec, make_tokenizer
+from meshtrain.errors import UserError
+from meshtrain.progress import Progress, format_duration
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m meshtrain.data.prepare",
+        description="Tokenize local text into a TFDS ArrayRecord dataset (train and "
+                    "validation splits, tokenizer saved beside it), offline.")
+    p.add_argument("--input", required=True, help="a text file or a glob, e.g. 'data/*.txt'")
+    p.add_argument("--name", required=True, help="dataset name (lower snake case)")
+    p.add_argument("--data_dir", required=True, help="TFDS data directory to write into")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte | char | bpe:PATH | bpe (with --train_bpe) | gpt2 | gpt2:DIR")
+    p.add_argument("--train_bpe", type=int, default=0, metavar="VOCAB_SIZE",
+                   help="train a byte-level BPE of this vocabulary on the training split")
+    p.add_argument("--val_fraction", type=float, default=0.05,
+                   help="share of the corpus (its tail) held out as the validation split")
+    p.add_argument("--doc_separator", default="",
+                   help="split files into documents at this string (default: a file is a "
+                        "document); backslash escapes such as \\n are understood")
+    p.add_argument("--record_tokens", type=int, default=4096, help="tokens per record")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    return p.parse_args(argv)
+
+
+def run(argv: list[str]) -> int:
+    from meshtrain.data import token_dataset  # imports TFDS: after argument errors
+
+    args = parse(argv)
+    token_dataset.check_name(args.name)
+    spec = _tokenizer_spec(args)
+    if args.record_tokens < 1:
+        raise UserError(f"--record_tokens={args.record_tokens}: must be >= 1 (4096 is a good size).")
+    out = token_dataset.dataset_dir(args.data_dir, args.name)
+    if out.exists() and not args.overwrite:
+        raise UserError(
+            f"A dataset already exists at {str(out)!r}. Pass --overwrite to replace it, or "
+            f"choose another --name.")
+    separator = args.doc_separator.encode().decode("unicode_escape") or None
+    corpus = Corpus(args.input, val_fraction=args.val_fraction, separator=separator,
+                    key="--input", strict_utf8=spec != "byte")
+    started = time.perf_counter()
+    tok = _build_tokenizer(spec, args, corpus)
+    print(f"prepare: {len(corpus.files)} file(s), {corpus.total:,} bytes; tokenizer "
+          f"{tok.describe()}; validation = last {args.val_fraction:g} of the bytes",
+          file=sys.stderr)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    bar = Progress("tokenize", corpus.total)
+    meta = token_dataset.write_token_dataset(
+        args.name, args.data_dir, tok,
+        {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
+         for split in token_dataset.SPLITS},
+        record_tokens=args.record_tokens,
+        extra_metadata={"source": {"input": args.input, **corpus.info()}})
+    bar.close()
+    n = meta["num_tokens"]
+    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
+          f"train {n['train']:,} tokens ({meta['num_documents']['train']:,} documents), "
+          f"validation {n['validation']:,} tokens; vocab {tok.vocab_size}.\n"
+          f"train with: python -m meshtrain.train --config=gpt2_tiny_dp8 "
+          f"--config.data.kind=tfds --config.data.name={args.name} "
+          f"--config.data.data_dir={args.data_dir}")
+    return 0
+
+
+def _tokenizer_spec(args) -> str:
+    if args.train_bpe:
+        if args.tokenizer not in ("bpe", "byte"):
+            raise UserError(
+                f"--train_bpe trains a new BPE tokenizer, but --tokenizer={args.tokenizer!r} "
+                f"names another. Pass --tokenizer=bpe (or leave it out) with --train_bpe.")
+        return "bpe"
+    if args.tokenizer == "bpe":
+        raise UserError(
+            "--tokenizer=bpe needs either a tokenizer file (--tokenizer=bpe:PATH, a Hugging "
+            "Face tokenizer.json) or a vocabulary size to train one (--train_bpe=2048).")
+    return check_tokenizer_spec(args.tokenizer)
+
+
+def _build_tokenizer(spec: str, args, corpus: Corpus):
+    if spec == "bpe":
+        from meshtrain.data.subword import train_bpe
+        t = time.perf_counter()
+        tok = train_bpe(corpus.documents("train"), args.train_bpe)
+        print(f"prepare: trained a byte-level BPE of {tok.vocab_size} ids on the training "
+              f"split in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        return tok
+    return make_tokenizer(spec, corpus.text() if spec == "char" else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"meshtrain.data.prepare: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

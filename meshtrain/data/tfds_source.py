@@ -1,0 +1,192 @@
+"""data.kind = 'tfds': TFDS datasets read through `tfds.data_source` (ArrayRecord).
+
+Two kinds of dataset are read:
+  * meshtrain token datasets (meshtrain/data/token_dataset.py, written by
+    `python -m meshtrain.data.prepare`): the tokenizer comes with the dataset and
+    windows are read straight from the records.
+  * any other prepared ArrayRecord dataset (lm1b, c4, ...): records are documents
+    whose `data.feature` is text (tokenized with `data.tokenizer`) or token ids.
+    The first run tokenizes the two splits once, with a progress bar, into a
+    meshtrain token dataset in `data.cache_dir` (default: data.data_dir) named
+    NAME__FEATURE_SPLIT_EVALSPLIT_TOKENIZER; later runs read that. On several
+    processes, process 0 writes it while the others wait.
+
+Nothing here downloads: a catalog dataset must already be prepared as
+ArrayRecord under data.data_dir (TensorFlow is needed only for that step).
+"""
+
+import hashlib
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from meshtrain.data import token_dataset
+from meshtrain.data.source import DataSource
+from meshtrain.data.tokenizers import check_tokenizer_spec, load_tokenizer, make_tokenizer
+from meshtrain.data.windows import RecordStream, stream_source
+from meshtrain.errors import UserError
+from meshtrain.progress import Progress
+
+
+def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
+    name, data_dir = data_cfg.get("name"), data_cfg.get("data_dir") or None
+    split, eval_split = data_cfg.get("split") or "train", data_cfg.get("eval_split") or "validation"
+    builder = open_builder(name, data_dir)
+    meta = dict(builder.info.metadata or {})
+    if meta.get("format") != token_dataset.FORMAT:
+        builder = _converted(builder, data_cfg, split, eval_split)
+        meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
+    _check_splits(builder, (split, eval_split))
+    tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
+    sources = tfds.data_source(builder.name, data_dir=str(Path(str(builder.data_dir)).parents[1]))
+    train, val = (_stream(sources[s], meta, s, builder) for s in (split, eval_split))
+    info = {"kind": "tfds", "name": builder.name, "data_dir": str(builder.data_dir),
+            "splits": [split, eval_split], "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "record_tokens": meta["record_tokens"]}
+    return stream_source(train, val, seq_len=seq_len, seed=seed,
+                         random_offsets=bool(data_cfg.get("random_offsets", False)),
+                         vocab_size=tok.vocab_size, info=info, tokenizer=tok,
+                         where=f"TFDS dataset {builder.name!r}")
+
+
+def open_builder(name, data_dir):
+    """The TFDS builder of a prepared dataset; a UserError if it is not there."""
+    if not name:
+        raise UserError(
+            "data.kind is 'tfds' but data.name is not set. Set data.name to a TFDS dataset "
+            "(one written by `python -m meshtrain.data.prepare --name=NAME`, or a catalog "
+            "dataset such as lm1b prepared as ArrayRecord) and data.data_dir to its directory.")
+    where = data_dir or "the default TFDS data directory (~/tensorflow_datasets)"
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # tfds raises several types; all mean "not found" here
+        raise UserError(
+            f"TFDS dataset {name!r} was not found in {where}: {_first_line(e)}. Datasets "
+            f"there: {_listing(data_dir)}. Check data.name and data.data_dir, or create it "
+            f"with `python -m meshtrain.data.prepare --name={name} --data_dir=DIR "
+            f"--input=...`.") from None
+    files = list(Path(str(builder.data_dir)).glob("*.array_record*")) if Path(
+        str(builder.data_dir)).is_dir() else []
+    if not files:
+        raise UserError(
+            f"TFDS dataset {name!r} is not prepared as ArrayRecord in {where} (looked in "
+            f"{str(builder.data_dir)!r}). meshtrain reads prepared ArrayRecord data and never "
+            f"downloads. Prepare it where TensorFlow and network are available (`tfds build "
+            f"{name} --file_format=array_record --data_dir=DIR`) and copy DIR here, or make "
+            f"your own with `python -m meshtrain.data.prepare`.")
+    return builder
+
+
+def _check_splits(builder, splits) -> None:
+    have = list(builder.info.splits.keys())
+    for s in splits:
+        if s not in have:
+            raise UserError(
+                f"TFDS dataset {builder.name!r} has no split {s!r}; its splits are {have}. "
+                f"Set data.split (training) and data.eval_split (held out) to two of them.")
+
+
+def _stream(source, meta: dict, split: str, builder) -> RecordStream:
+    n, r = int(meta["num_tokens"][split]), int(meta["record_tokens"])
+    # Records must be in stream order; the short last record is a cheap witness.
+    if len(source) != math.ceil(n / r) or len(source[len(source) - 1][token_dataset.FEATURE]) != \
+            n - (len(source) - 1) * r:
+        raise UserError(
+            f"TFDS dataset {builder.name!r} split {split!r} is damaged: metadata.json says "
+            f"{n} tokens in records of {r} ({math.ceil(n / r)} records, in stream order), but "
+            f"there are {len(source)}, or the last is not the short one. Prepare it again "
+            f"(prepare --overwrite).")
+    return RecordStream(source, token_dataset.FEATURE, r, n)
+
+
+# --- other TFDS datasets: tokenized once into a token dataset ---------------------
+
+def _converted(builder, data_cfg, split: str, eval_split: str):
+    """The token dataset made from `builder`'s documents, written on first use."""
+    _check_splits(builder, (split, eval_split))
+    feature = data_cfg.get("feature") or "text"
+    features = builder.info.features
+    if feature not in features.keys():
+        raise UserError(
+            f"TFDS dataset {builder.name!r} has no feature {feature!r}; its features are "
+            f"{sorted(features.keys())}. Set data.feature to the text (or token id) field.")
+    spec = check_tokenizer_spec(data_cfg.get("tokenizer") or "byte")
+    if spec == "char":
+        raise UserError(
+            f"The char tokenizer builds its vocabulary from a whole local corpus, so it "
+            f"cannot tokenize TFDS dataset {builder.name!r} on the fly. Use data.tokenizer "
+            f"= byte, bpe:PATH or gpt2.")
+    name = _cache_name(builder, feature, split, eval_split, spec)
+    cache = data_cfg.get("cache_dir") or str(Path(str(builder.data_dir)).parents[1])
+    if not token_dataset.dataset_dir(cache, name).exists():
+        _convert(builder, feature, {"train": split, "validation": eval_split}, spec, name, cache)
+    return open_builder(name, cache)
+
+
+def _convert(builder, feature: str, splits: dict, spec: str, name: str, cache: str) -> None:
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        tok = make_tokenizer(spec)
+        sources = tfds.data_source(builder.name, data_dir=str(Path(str(builder.data_dir)).parents[1]))
+        bar = Progress(f"tokenize {builder.name}", sum(len(sources[s]) for s in splits.values()),
+                       unit=" docs")
+        docs = {ours: (lambda s=theirs: _documents(sources[s], feature, tok, bar.update))
+                for ours, theirs in splits.items()}
+        token_dataset.write_token_dataset(
+            name, cache, tok, docs,
+            extra_metadata={"source": {"tfds": builder.name, "feature": feature, "splits": splits}})
+        bar.close()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"meshtrain tokenized {name}")
+
+
+def _documents(source, feature: str, tok, progress, group: int = 512):
+    """Records -> token arrays ending in end of text, read `group` records at a time."""
+    for start in range(0, len(source), group):
+        recs = source.__getitems__(list(range(start, min(start + group, len(source)))))
+        values = [r[feature] for r in recs]
+        if values and isinstance(values[0], (bytes, str)):
+            texts = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
+                     for v in values]
+            ids = tok.encode_batch(texts)
+        else:
+            ids = [np.asarray(v).reshape(-1) for v in values]
+            _check_ids(ids, tok)
+        progress(len(values))
+        for doc in ids:
+            yield np.append(np.asarray(doc, np.int32), np.int32(tok.eot_id))
+
+
+def _check_ids(ids, tok) -> None:
+    top = max((int(a.max()) for a in ids if a.size), default=0)
+    if top >= tok.vocab_size:
+        raise UserError(
+            f"The dataset's token ids reach {top}, beyond the {tok.vocab_size} ids of "
+            f"data.tokenizer ({tok.describe()}). Set data.tokenizer to the tokenizer the "
+            f"dataset was made with.")
+
+
+def _cache_name(builder, feature, split, eval_split, spec) -> str:
+    tag = spec
+    if spec.startswith("bpe:"):
+        tag = "bpe_" + hashlib.sha1(Path(spec[4:]).read_bytes()).hexdigest()[:10] if Path(
+            spec[4:]).is_file() else "bpe"
+    raw = f"{builder.name}__{feature}_{split}_{eval_split}_{tag}".lower()
+    return re.sub(r"[^a-z0-9_]", "_", raw)
+
+
+def _listing(data_dir) -> str:
+    root = Path(data_dir).expanduser() if data_dir else Path("~/tensorflow_datasets").expanduser()
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "downloads") \
+        if root.is_dir() else []
+    return ", ".join(names) if names else f"none ({str(root)!r} is empty or missing)"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

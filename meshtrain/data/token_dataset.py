@@ -1,0 +1,137 @@
+"""meshtrain's token datasets: TFDS ArrayRecord datasets of pre-tokenized text.
+
+Layout of DATA_DIR/NAME/1.0.0/ (what `tfds.data_source(NAME, data_dir=DATA_DIR)`
+reads, with no TensorFlow and no registered builder):
+  NAME-{train,validation}.array_record-*   the records
+  dataset_info.json, features.json         TFDS's description of them
+  metadata.json                            FORMAT, tokenizer summary, token counts
+  tokenizer.json                           the tokenizer (load_tokenizer reads it)
+
+A split's token stream is its documents in order, each followed by end of text.
+Record k of a split holds stream tokens [k*R, (k+1)*R) in feature "tokens"
+(uint16 when the vocabulary fits, else int32; raw bytes, so reading is a
+frombuffer), R = record_tokens; only the last record is shorter. A window at any
+token offset is then one or two record reads, whatever seq_len is.
+"""
+
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from meshtrain.errors import UserError
+
+FORMAT = "meshtrain.tokens/1"
+FEATURE = "tokens"
+VERSION = "1.0.0"
+DEFAULT_RECORD_TOKENS = 4096
+SPLITS = ("train", "validation")
+
+# TFDS dataset names: lower snake case, starting with a letter.
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def check_name(name) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise UserError(
+            f"Dataset name {name!r} is not a valid TFDS name: it must be lower snake case "
+            f"starting with a letter (letters a-z, digits, underscores), e.g. 'my_text'.")
+    return name
+
+
+def dataset_dir(data_dir, name: str) -> Path:
+    return Path(data_dir).expanduser() / name / VERSION
+
+
+def write_token_dataset(name: str, data_dir, tokenizer,
+                        documents: dict[str, Callable[[], Iterable[np.ndarray]]], *,
+                        record_tokens: int = DEFAULT_RECORD_TOKENS,
+                        extra_metadata: dict | None = None) -> dict:
+    """Writes the dataset; returns its metadata.
+
+    Args:
+      documents: split -> a function returning that split's documents as int
+        arrays [n_i], each already ending in end of text (Corpus.tokens).
+      extra_metadata: JSON facts kept in metadata.json (e.g. the source files).
+
+    TFDS writes into an `incomplete.*` directory and renames it when every split
+    is done, so an interrupted run leaves no dataset that looks finished.
+    """
+    check_name(name)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    metadata = _TokenMetadata(
+        tokenizer, format=FORMAT, feature=FEATURE, record_tokens=record_tokens,
+        tokenizer={"name": tokenizer.name, "describe": tokenizer.describe()},
+        vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id, dtype=np.dtype(dtype).name,
+        num_tokens={}, num_documents={}, **(extra_metadata or {}))
+
+    class TokenDataset(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version(globals()["VERSION"])
+        # TFDS looks for checksum files beside the builder's module; there are none
+        # (nothing is downloaded), and meshtrain is a namespace package it cannot walk.
+        code_path = None
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                # Records stay in stream order (record k = tokens [k*R, (k+1)*R)):
+                # keys are written as given instead of hashed.
+                disable_shuffling=True,
+                description=f"Token ids of local text ({tokenizer.describe()}), written by "
+                            f"meshtrain.data.prepare in {FORMAT}.",
+                features=tfds.features.FeaturesDict({FEATURE: tfds.features.Tensor(
+                    shape=(None,), dtype=dtype, encoding=tfds.features.Encoding.BYTES)}),
+                metadata=metadata)
+
+        def _split_generators(self, dl_manager):
+            return {split: self._generate_examples(split) for split in documents}
+
+        def _generate_examples(self, split):
+            counts = {"tokens": 0, "documents": 0}
+            for k, chunk in enumerate(_records(documents[split](), record_tokens, counts)):
+                yield k, {FEATURE: chunk.astype(dtype)}
+            metadata["num_tokens"][split] = counts["tokens"]
+            metadata["num_documents"][split] = counts["documents"]
+
+    TokenDataset.name = name
+    tfds.disable_progress_bar()  # the caller shows one progress bar over the input
+    TokenDataset(data_dir=str(Path(data_dir).expanduser()),
+                 file_format="array_record").download_and_prepare()
+    return dict(metadata)
+
+
+def _records(docs: Iterable[np.ndarray], size: int, counts: dict):
+    """Chunks of exactly `size` tokens of the concatenated docs, then the rest."""
+    buf: list[np.ndarray] = []
+    held = 0
+    for doc in docs:
+        counts["tokens"] += len(doc)
+        counts["documents"] += 1
+        buf.append(doc)
+        held += len(doc)
+        if held >= size:
+            flat = np.concatenate(buf)
+            whole = len(flat) // size * size
+            yield from flat[:whole].reshape(-1, size)
+            buf, held = [flat[whole:]], len(flat) - whole
+    if held:
+        yield np.concatenate(buf)
+
+
+class _TokenMetadata(tfds.core.MetadataDict):
+    """tfds metadata that also writes tokenizer.json beside metadata.json.
+
+    TFDS saves metadata after every split is generated, into the directory it
+    renames at the end, so the token counts are filled in and the tokenizer
+    commits atomically with the records.
+    """
+
+    def __init__(self, tokenizer_object, **kw):
+        super().__init__(**kw)
+        self._tokenizer = tokenizer_object
+
+    def save_metadata(self, data_dir):
+        super().save_metadata(data_dir)
+        self._tokenizer.save(Path(str(data_dir)) / "tokenizer.json")
