@@ -116,7 +116,7 @@ def test_validation_messages(key, value, message):
 
 def test_vocab_smaller_than_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 2000)
-    check("gpt2_tiny_dp8", "data:8", r"model.vocab_size=100 is smaller than the data's vocabulary \(256",
+    check("gpt2_tiny_dp8", "data:8", r"model.vocab_size=100 is smaller than the data's vocabulary \(257",
           **{"data.kind": "text", "data.path": str(tmp_path / "a.txt"), "model.vocab_size": 100})
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain.data import load_tokenizer, make_source
 from meshtrain.data.synthetic import MarkovChain
-from meshtrain.data.text import num_windows
+from meshtrain.data.windows import num_windows
 from meshtrain.data.tokenizers import ByteTokenizer, CharTokenizer
 from meshtrain.errors import UserError
 
@@ -153,14 +153,16 @@ def test_byte_round_trip():
     tok = ByteTokenizer()
     ids = tok.encode(TEXT)
     assert ids.dtype == np.int32 and len(ids) == len(TEXT.encode("utf-8"))
-    assert tok.decode(ids) == TEXT
+    assert tok.decode(np.append(ids, tok.eot_id)) == TEXT and tok.vocab_size == 257
+    raw = bytes(range(256))  # not UTF-8: survives the corpus's surrogateescape decode
+    assert bytes(tok.encode(raw.decode("utf-8", "surrogateescape")).astype(np.uint8)) == raw
 
 
 def test_char_round_trip_and_reload(tmp_path):
     tok = CharTokenizer.from_text(TEXT)
     ids = tok.encode(TEXT)
-    assert ids.dtype == np.int32 and tok.vocab_size == len(set(TEXT))
-    assert tok.decode(ids) == TEXT
+    assert ids.dtype == np.int32 and tok.vocab_size == len(set(TEXT)) + 1
+    assert tok.eot_id == len(set(TEXT)) and tok.decode(np.append(ids, tok.eot_id)) == TEXT
     assert list(tok.chars) == sorted(set(TEXT))
     tok.save(tmp_path / "vocab.json")
     again = load_tokenizer(tmp_path / "vocab.json")
@@ -185,14 +187,23 @@ def _text(path, tokenizer="byte", val_fraction=0.25, seq_len=SEQ, seed=0):
 CORPUS = "".join(f"line {i}: the quick brown fox — {i * i}\n" for i in range(60))
 
 
+def _streams(text: str, val_fraction=0.25):
+    """The expected byte-token streams: the cut falls on a line break near the fraction."""
+    data = text.encode("utf-8")
+    want = len(data) - round(len(data) * val_fraction)
+    cut = data.rfind(b"\n", 0, want) + 1
+    eot = np.array([256], np.int32)
+    as_ids = lambda b: np.frombuffer(b, np.uint8).astype(np.int32)  # noqa: E731
+    return np.concatenate([as_ids(data[:cut]), eot]), np.concatenate([as_ids(data[cut:]), eot])
+
+
 def test_text_split_and_windows(tmp_path):
     source = _text(_write(tmp_path, CORPUS))
-    tokens = np.frombuffer(CORPUS.encode("utf-8"), np.uint8).astype(np.int32)
-    n_val = round(len(tokens) * 0.25)
-    train, val = tokens[:-n_val], tokens[-n_val:]
+    train, val = _streams(CORPUS)
     info = source.info
-    assert source.vocab_size == 256 and info["tokenizer"] == "byte"
+    assert source.vocab_size == 257 and info["tokenizer"] == "byte" and info["eot_id"] == 256
     assert (info["train_tokens"], info["val_tokens"]) == (len(train), len(val))
+    assert abs(len(val) - 0.25 * len(CORPUS.encode())) < 50  # within a line of the fraction
     n_train = num_windows(len(train), SEQ)
     assert info["train_windows"] == n_train == (len(train) - 1) // SEQ
     # One epoch of train windows: every window once, each an exact stride-SEQ slice.
@@ -206,6 +217,43 @@ def test_text_split_and_windows(tmp_path):
         np.testing.assert_array_equal(row, val[i * SEQ: i * SEQ + SEQ + 1])
 
 
+def test_documents_are_joined_with_end_of_text(tmp_path):
+    files = {"a.txt": "first document\n" * 5, "b.txt": "second one\n" * 5, "c.txt": "third\n" * 40}
+    for name, text in files.items():
+        _write(tmp_path, text, name)
+    source = _text(tmp_path / "*.txt", val_fraction=0.5, seq_len=4)
+    total = sum(len(t) for t in files.values())
+    assert total - round(total * 0.5) == 130 + 55  # the cut falls in c.txt, on line 10 ...
+    c_train = "third\n" * 9  # ... so it moves back to the line break before it
+    as_ids = lambda t: list(t.encode())  # noqa: E731
+    train = as_ids(files["a.txt"]) + [256] + as_ids(files["b.txt"]) + [256] + as_ids(c_train) + [256]
+    assert source.info["train_tokens"] == len(train)
+    rows = np.concatenate(_take(source.train_batches(1), source.info["train_windows"]))
+    train = np.array(train)
+    assert {r.tobytes() for r in rows} == {train[i * 4: i * 4 + 5].astype(np.int32).tobytes()
+                                          for i in range(len(rows))}
+
+
+def test_random_offset_windows(tmp_path):
+    path = _write(tmp_path, CORPUS)
+    source = _text(path, seed=3)
+    cfg = _cfg(kind="text", path=str(path), val_fraction=0.25, random_offsets=True)
+    rand = make_source(cfg, vocab_size=-1, seq_len=SEQ, seed=3)
+    train, _ = _streams(CORPUS)
+    rows = np.concatenate(_take(rand.train_batches(8), 50))
+    starts = set()
+    for row in rows:  # every row is a contiguous slice of the train stream
+        hits = [i for i in range(len(train) - SEQ) if np.array_equal(train[i: i + SEQ + 1], row)]
+        assert hits
+        starts.add(hits[0])
+    assert len({s % SEQ for s in starts}) > SEQ // 2  # not on the stride grid
+    again = np.concatenate(_take(make_source(cfg, vocab_size=-1, seq_len=SEQ, seed=3)
+                                 .train_batches(8), 50))
+    np.testing.assert_array_equal(rows, again)
+    assert rand.fingerprint() != source.fingerprint()
+    assert rand.info["random_offsets"] and rand.info["window_stride"] is None
+
+
 def test_text_shuffle_is_seeded_and_reshuffled(tmp_path):
     path = _write(tmp_path, CORPUS)
     a = np.concatenate(_take(_text(path).train_batches(4), 10))
@@ -217,6 +265,7 @@ def test_text_shuffle_is_seeded_and_reshuffled(tmp_path):
     first, second = (np.concatenate(_take(_text(path).train_batches(1, start_step=s), n))
                      for s in (0, n))
     assert not np.array_equal(first, second)  # each epoch is reshuffled
+    assert {r.tobytes() for r in first} == {r.tobytes() for r in second}  # same windows
 
 
 def test_text_process_split_and_resume(tmp_path):
@@ -227,6 +276,35 @@ def test_text_process_split_and_resume(tmp_path):
     for b in range(3):
         np.testing.assert_array_equal(np.concatenate([parts[0][b], parts[1][b]]), full[b])
     np.testing.assert_array_equal(next(source.train_batches(4, start_step=2)), full[2])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_iterator_state_restores_the_stream(tmp_path, prefetch):
+    source = _text(_write(tmp_path, CORPUS))
+    epoch = source.info["train_windows"] // 4 + 1  # run across an epoch boundary
+    it = source.train_batches(4, prefetch=prefetch)
+    _take(it, epoch - 1)
+    state = json.loads(json.dumps(it.get_state()))  # it survives JSON
+    unbroken = _take(it, 4)
+    resumed = source.train_batches(4, prefetch=prefetch)
+    resumed.set_state(state)
+    for a, b in zip(unbroken, _take(resumed, 4)):
+        np.testing.assert_array_equal(a, b)
+    assert state == {"position": 4 * (epoch - 1), "stream": source.fingerprint()}
+    # A state from another stream is refused with the reason.
+    other = _text(_write(tmp_path, CORPUS), seed=1).train_batches(4)
+    with pytest.raises(UserError, match="another window stream"):
+        other.set_state(state)
+
+
+def test_state_restores_under_another_batch_size(tmp_path):
+    source = _text(_write(tmp_path, CORPUS))
+    it = source.train_batches(4)
+    _take(it, 3)
+    rest = np.concatenate(_take(it, 2))
+    resized = source.train_batches(8)
+    resized.set_state(it.get_state() | {"position": 12})
+    np.testing.assert_array_equal(next(resized), rest)
 
 
 def test_text_eval_cycles(tmp_path):
@@ -240,14 +318,13 @@ def test_char_text_source_and_glob(tmp_path):
     _write(tmp_path, CORPUS[:900], "b.txt")
     _write(tmp_path, CORPUS[900:], "a.txt")
     source = _text(tmp_path / "*.txt", tokenizer="char")
-    text = CORPUS[900:] + CORPUS[:900]  # sorted order: a.txt then b.txt
     assert source.info["files"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
-    assert source.vocab_size == len(set(CORPUS))
-    ids = source.tokenizer.encode(text)
+    assert source.vocab_size == len(set(CORPUS)) + 1 == source.tokenizer.eot_id + 1
+    # The held-out tail is the end of b.txt, then end of text.
     row = next(source.eval_batches(1, 1))[0]
     n_val = source.info["val_tokens"]
-    np.testing.assert_array_equal(row, ids[len(ids) - n_val:][: SEQ + 1])
-    assert source.tokenizer.decode(row) == text[len(ids) - n_val:][: SEQ + 1]
+    tail = CORPUS[:900][len(CORPUS[:900]) - (n_val - 1):]
+    assert source.tokenizer.decode(row) == (tail)[: SEQ + 1]
 
 
 # --- user errors ---------------------------------------------------------------
@@ -273,20 +350,18 @@ def test_bad_val_fraction(tmp_path, bad):
 
 
 def test_too_short(tmp_path):
-    path = _write(tmp_path, "x" * 100)
-    with pytest.raises(UserError, match=r"75 tokens.*seq_len \+ 1 = 81"):
+    path = _write(tmp_path, "x" * 100)  # no line break: the cut is at byte 75
+    with pytest.raises(UserError, match=r"training.*76 tokens.*seq_len \+ 1 = 81"):
         _text(path, seq_len=80)
-    with pytest.raises(UserError, match=r"held-out.*25 tokens.*seq_len \+ 1 = 30"):
+    with pytest.raises(UserError, match=r"held-out.*26 tokens.*seq_len \+ 1 = 30"):
         _text(path, seq_len=29)
 
 
 def test_unknown_tokenizer(tmp_path):
-    with pytest.raises(UserError, match="'wordpiece'.*byte, char"):
+    with pytest.raises(UserError, match="'wordpiece'.*'byte'.*'char'.*'bpe:PATH'.*'gpt2'"):
         _text(_write(tmp_path, CORPUS), tokenizer="wordpiece")
 
 
 def test_unknown_kind():
-    with pytest.raises(UserError, match="'parquet'.*synthetic, text"):
+    with pytest.raises(UserError, match="'parquet'.*synthetic, text, tfds"):
         make_source(_cfg(kind="parquet"), vocab_size=-1, seq_len=SEQ, seed=0)
-    with pytest.raises(UserError, match="'tfds'.*synthetic, text"):
-        make_source(_cfg(kind="tfds"), vocab_size=-1, seq_len=SEQ, seed=0)

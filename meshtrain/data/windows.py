@@ -98,7 +98,7 @@ def stream_source(train, val, *, seq_len: int, seed: int, random_offsets: bool,
                 f"Use a larger corpus, a smaller model.seq_len, or a validation fraction "
                 f"that leaves both splits at least {seq_len + 1} tokens.")
     n_train, n_val = num_windows(train.num_tokens, seq_len), num_windows(val.num_tokens, seq_len)
-    info = dict(info, train_tokens=train.num_tokens, val_tokens=val.num_tokens,
+    info = dict(info, seed=seed, train_tokens=train.num_tokens, val_tokens=val.num_tokens,
                 train_windows=n_train, val_windows=n_val, random_offsets=bool(random_offsets),
                 window_stride=None if random_offsets else seq_len)
     if random_offsets:
