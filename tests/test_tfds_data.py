@@ -90,6 +90,21 @@ def test_bpe_trained_by_prepare(tmp_path):
     assert batch.max() < 300 and "quick brown" in source.tokenizer.decode(batch.ravel())
 
 
+@pytest.mark.slow
+def test_worker_processes_give_the_same_batches_and_state(char_dataset):
+    source = make_source(_cfg(data_dir=str(char_dataset / "d")), vocab_size=-1, seq_len=SEQ, seed=0)
+    want = _take(source.train_batches(8), 12)
+    it = source.train_batches(8, workers=2, prefetch=2)
+    got = _take(it, 6)
+    state = it.get_state()
+    resumed = source.train_batches(8, workers=1)
+    resumed.set_state(state)
+    got += _take(resumed, 6)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    assert state["position"] == 6 * 8
+
+
 def _text_dataset(data_dir: Path):
     """A TFDS dataset of the catalog kind: records are documents with a text feature."""
     class Sentences(tfds.core.GeneratorBasedBuilder, skip_registration=True):

@@ -58,10 +58,10 @@ def run(argv: list[str]) -> int:
     corpus = Corpus(args.input, val_fraction=args.val_fraction, separator=separator,
                     key="--input", strict_utf8=spec != "byte")
     started = time.perf_counter()
+    print(f"prepare: {len(corpus.files)} file(s), {corpus.total:,} bytes; validation = the "
+          f"last {args.val_fraction:g} of the bytes", file=sys.stderr)
     tok = _build_tokenizer(spec, args, corpus)
-    print(f"prepare: {len(corpus.files)} file(s), {corpus.total:,} bytes; tokenizer "
-          f"{tok.describe()}; validation = last {args.val_fraction:g} of the bytes",
-          file=sys.stderr)
+    print(f"prepare: tokenizer {tok.describe()}", file=sys.stderr)
     if out.exists():
         import shutil
         shutil.rmtree(out)
@@ -75,7 +75,7 @@ def run(argv: list[str]) -> int:
     bar.close()
     n = meta["num_tokens"]
     print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
-          f"train {n['train']:,} tokens ({meta['num_documents']['train']:,} documents), "
+          f"train {n['train']:,} tokens ({meta['num_documents']['train']:,} document(s)), "
           f"validation {n['validation']:,} tokens; vocab {tok.vocab_size}.\n"
           f"train with: python -m meshtrain.train --config=gpt2_tiny_dp8 "
           f"--config.data.kind=tfds --config.data.name={args.name} "

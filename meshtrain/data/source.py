@@ -107,6 +107,7 @@ class BatchIterator:
         it = ds.to_iter_dataset(grain.ReadOptions(num_threads=self._prefetch,
                                                   prefetch_buffer_size=self._prefetch))
         if self._workers:
+            _absl_flags_parsed()
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers))
         self._it = iter(it)
 
@@ -129,6 +130,15 @@ class BatchIterator:
                 f"dataset, tokenizer, seq_len, seed or data.random_offsets changed. Restore "
                 f"with the settings the state was saved with, or start the data afresh.")
         self._start(int(state["position"]))
+
+
+def _absl_flags_parsed() -> None:
+    """grain's worker processes read an absl flag, which fails unless flags were
+    parsed (google/grain#1355, fixed after grain 0.2.18); meshtrain parses its own
+    command line, so mark absl's as parsed."""
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def _pipeline(ids: grain.MapDataset, read: Reader, batch_size: int,

@@ -73,6 +73,14 @@ def write_token_dataset(name: str, data_dir, tokenizer,
         # (nothing is downloaded), and meshtrain is a namespace package it cannot walk.
         code_path = None
 
+        # TFDS prints "Downloading and preparing ..." lines; nothing is downloaded,
+        # and prepare prints its own progress and summary.
+        def _log_download_bytes(self):
+            pass
+
+        def _log_download_done(self):
+            pass
+
         def _info(self):
             return tfds.core.DatasetInfo(
                 builder=self,
