@@ -17,6 +17,7 @@ ArrayRecord under data.data_dir (TensorFlow is needed only for that step).
 
 import hashlib
 import math
+import os
 import re
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
         meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
     _check_splits(builder, (split, eval_split))
     tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
-    sources = tfds.data_source(builder.name, data_dir=str(Path(str(builder.data_dir)).parents[1]))
+    sources = builder.as_data_source()
     train, val = (_stream(sources[s], meta, s, builder) for s in (split, eval_split))
     info = {"kind": "tfds", "name": builder.name, "data_dir": str(builder.data_dir),
             "splits": [split, eval_split], "tokenizer": tok.name,
@@ -120,8 +121,9 @@ def _converted(builder, data_cfg, split: str, eval_split: str):
             f"The char tokenizer builds its vocabulary from a whole local corpus, so it "
             f"cannot tokenize TFDS dataset {builder.name!r} on the fly. Use data.tokenizer "
             f"= byte, bpe:PATH or gpt2.")
-    name = _cache_name(builder, feature, split, eval_split, spec)
-    cache = data_cfg.get("cache_dir") or str(Path(str(builder.data_dir)).parents[1])
+    name = _cache_name(data_cfg.get("name"), feature, split, eval_split, spec)
+    cache = data_cfg.get("cache_dir") or data_cfg.get("data_dir") or os.environ.get(
+        "TFDS_DATA_DIR", "~/tensorflow_datasets")
     if not token_dataset.dataset_dir(cache, name).exists():
         _convert(builder, feature, {"train": split, "validation": eval_split}, spec, name, cache)
     return open_builder(name, cache)
@@ -133,7 +135,7 @@ def _convert(builder, feature: str, splits: dict, spec: str, name: str, cache: s
 
     if jax.process_index() == 0:
         tok = make_tokenizer(spec)
-        sources = tfds.data_source(builder.name, data_dir=str(Path(str(builder.data_dir)).parents[1]))
+        sources = builder.as_data_source()
         bar = Progress(f"tokenize {builder.name}", sum(len(sources[s]) for s in splits.values()),
                        unit=" docs")
         docs = {ours: (lambda s=theirs: _documents(sources[s], feature, tok, bar.update))
@@ -172,12 +174,13 @@ def _check_ids(ids, tok) -> None:
             f"dataset was made with.")
 
 
-def _cache_name(builder, feature, split, eval_split, spec) -> str:
+def _cache_name(dataset: str, feature, split, eval_split, spec) -> str:
+    """A TFDS name for the tokenized copy; 'c4/en:3.1.0' and its config stay distinct."""
     tag = spec
     if spec.startswith("bpe:"):
         tag = "bpe_" + hashlib.sha1(Path(spec[4:]).read_bytes()).hexdigest()[:10] if Path(
             spec[4:]).is_file() else "bpe"
-    raw = f"{builder.name}__{feature}_{split}_{eval_split}_{tag}".lower()
+    raw = f"{dataset}__{feature}_{split}_{eval_split}_{tag}".lower()
     return re.sub(r"[^a-z0-9_]", "_", raw)
 
 
