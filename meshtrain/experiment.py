@@ -100,6 +100,12 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
             f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
             f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
             f"eval_steps >= 1 when eval is on.")
+    d = cfg.data
+    if d.workers < 0 or d.prefetch < 0:
+        raise UserError(
+            f"data.workers={d.workers}, data.prefetch={d.prefetch}: both must be >= 0 (workers "
+            f"is grain worker processes, 0 reads in this process; prefetch is batches read "
+            f"ahead, 0 reads on demand).")
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
                          seed=cfg.train.seed)
     vocab = source.vocab_size

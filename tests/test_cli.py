@@ -92,6 +92,9 @@ def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
      "has an axis of size -1, but on a CPU-only host"),
     (["--config=gpt2_tiny_dp8", "--config.data.kind=text", "--config.data.path=no/such.txt"], {},
      "no/such.txt"),
+    (["--config=gpt2_tiny_dp8", "--config.data.kind=tfds", "--config.data.name=nosuch",
+      "--config.data.data_dir=no/such/dir"], {}, "'nosuch' was not found in no/such/dir"),
+    (["--config=gpt2_tiny_dp8", "--config.data.workers=-1"], {}, "data.workers=-1"),
 ])
 def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
     r = run_cli(*args, env=env, timeout=120)

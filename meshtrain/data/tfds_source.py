@@ -19,6 +19,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,11 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
         meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
     _check_splits(builder, (split, eval_split))
     tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
+    asked = data_cfg.get("tokenizer") or "byte"
+    if asked not in ("byte", tok.name) and "source" in meta and "tfds" not in meta["source"]:
+        # 'byte' is the default, so only a tokenizer set on purpose is worth a word.
+        print(f"meshtrain: warning: data.tokenizer={asked!r} is not used: TFDS dataset "
+              f"{builder.name!r} carries its own tokenizer ({tok.describe()}).", file=sys.stderr)
     sources = builder.as_data_source()
     train, val = (_stream(sources[s], meta, s, builder) for s in (split, eval_split))
     info = {"kind": "tfds", "name": builder.name, "data_dir": str(builder.data_dir),
