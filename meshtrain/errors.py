@@ -8,3 +8,13 @@ traceback. Messages say what was wrong, what was given, and how to fix it.
 
 class UserError(Exception):
     """A bad config, mesh, layout or data argument; the message is the whole story."""
+
+
+def run_command(run, argv, prog: str) -> int:
+    """`run(argv)`'s exit status; a UserError becomes `PROG: error: MESSAGE` and status 2."""
+    import sys
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

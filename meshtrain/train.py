@@ -16,7 +16,7 @@ import sys
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, run_command
 
 FLAGS = ("workdir",)
 
@@ -139,11 +139,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except UserError as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(run, argv, "meshtrain")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import time
 
 from meshtrain.data.corpus import Corpus
 from meshtrain.data.tokenizers import check_tokenizer_spec, make_tokenizer
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, run_command
 from meshtrain.progress import Progress, format_duration
 
 
@@ -109,11 +109,7 @@ def _build_tokenizer(spec: str, args, corpus: Corpus):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except UserError as e:
-        print(f"meshtrain.data.prepare: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(run, argv, "meshtrain.data.prepare")
 
 
 if __name__ == "__main__":
