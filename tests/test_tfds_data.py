@@ -82,6 +82,17 @@ def test_tfds_windows_equal_the_text_source(char_dataset, random_offsets):
     assert from_tfds.info["train_tokens"] == from_text.info["train_tokens"]
 
 
+def test_doc_separator_makes_documents(tmp_path):
+    text = "".join(f"paragraph {i}\nstill paragraph {i}\n\n" for i in range(30))
+    assert _prepare(tmp_path, "--doc_separator=\\n\\n", text=text) == 0
+    meta = json.loads((tmp_path / "d" / "corpus" / "1.0.0" / "metadata.json").read_text())
+    assert sum(meta["num_documents"].values()) in (30, 31)  # the cut may split one in two
+    ds = tfds.data_source("corpus", data_dir=str(tmp_path / "d"))
+    train = np.concatenate([ds["train"][k]["tokens"] for k in range(len(ds["train"]))])
+    assert (train == 256).sum() == meta["num_documents"]["train"]
+    assert b"\n\n" not in bytes(train[train < 256].astype(np.uint8))  # separators dropped
+
+
 def test_bpe_trained_by_prepare(tmp_path):
     assert _prepare(tmp_path, "--tokenizer=bpe", "--train_bpe=300") == 0
     source = make_source(_cfg(data_dir=str(tmp_path / "d")), vocab_size=-1, seq_len=SEQ, seed=0)
