@@ -80,8 +80,11 @@ class Corpus:
         self.val_fraction = check_val_fraction(val_fraction)
         self.cut = self._find_cut()
 
-    def documents(self, split: str) -> Iterator[str]:
-        """The documents of 'train' or 'validation', in order, as str."""
+    def documents(self, split: str, progress=None) -> Iterator[str]:
+        """The documents of 'train' or 'validation', in order, as str.
+
+        `progress(n)` is called with the bytes of each file slice as it is read.
+        """
         lo, hi = (0, self.cut) if split == "train" else (self.cut, self.total)
         start = 0
         for f, size in zip(self.files, self.sizes):
@@ -90,6 +93,8 @@ class Corpus:
             if a >= b:
                 continue
             text = self._decode(f.read_bytes()[a:b], f)
+            if progress is not None:
+                progress(b - a)
             pieces = text.split(self.separator) if self.separator else [text]
             yield from (p for p in pieces if p)
 
@@ -100,12 +105,12 @@ class Corpus:
     def tokens(self, tok, split: str, progress=None) -> Iterator[np.ndarray]:
         """Each document of `split` encoded, end of text appended; [n_i + 1] int32."""
         group: list[str] = []
-        for doc in self.documents(split):
+        for doc in self.documents(split, progress):
             group.append(doc)
             if len(group) == _ENCODE_GROUP:
-                yield from _encode_group(tok, group, progress)
+                yield from _encode_group(tok, group)
                 group = []
-        yield from _encode_group(tok, group, progress)
+        yield from _encode_group(tok, group)
 
     def info(self) -> dict:
         return {"files": len(self.files), "bytes": self.total, "val_bytes": self.total - self.cut,
@@ -146,12 +151,10 @@ class Corpus:
                 f"any bytes.") from None
 
 
-def _encode_group(tok, docs: list[str], progress) -> Iterator[np.ndarray]:
+def _encode_group(tok, docs: list[str]) -> Iterator[np.ndarray]:
     if not docs:
         return
-    for doc, ids in zip(docs, tok.encode_batch(docs)):
-        if progress is not None:
-            progress(len(doc.encode("utf-8", errors="surrogateescape")))
+    for ids in tok.encode_batch(docs):
         yield np.append(np.asarray(ids, np.int32), np.int32(tok.eot_id))
 
 

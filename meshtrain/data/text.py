@@ -12,7 +12,7 @@ import numpy as np
 from meshtrain.data.corpus import Corpus
 from meshtrain.data.source import DataSource
 from meshtrain.data.tokenizers import check_tokenizer_spec, make_tokenizer
-from meshtrain.data.windows import ArrayStream, stream_source
+from meshtrain.data.windows import ArrayStream, stream_source, token_dtype
 
 
 def make_text_source(path, *, tokenizer: str, val_fraction, seq_len: int, seed: int,
@@ -29,8 +29,3 @@ def make_text_source(path, *, tokenizer: str, val_fraction, seq_len: int, seed: 
     return stream_source(train, val, seq_len=seq_len, seed=seed, random_offsets=random_offsets,
                          vocab_size=tok.vocab_size, info=info, tokenizer=tok,
                          where=f"data.path {str(path)!r}")
-
-
-def token_dtype(vocab_size: int):
-    """The narrowest unsigned dtype that holds ids < vocab_size (half the bytes of int32)."""
-    return np.uint16 if vocab_size <= 1 << 16 else np.uint32

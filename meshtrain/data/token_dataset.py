@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import numpy as np
 import tensorflow_datasets as tfds
 
+from meshtrain.data.windows import token_dtype
 from meshtrain.errors import UserError
 
 FORMAT = "meshtrain.tokens/1"
@@ -60,7 +61,7 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     is done, so an interrupted run leaves no dataset that looks finished.
     """
     check_name(name)
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    dtype = token_dtype(tokenizer.vocab_size)
     metadata = _TokenMetadata(
         tokenizer, format=FORMAT, feature=FEATURE, record_tokens=record_tokens,
         tokenizer={"name": tokenizer.name, "describe": tokenizer.describe()},

@@ -64,6 +64,11 @@ class RecordStream:
         return out
 
 
+def token_dtype(vocab_size: int):
+    """uint16 when ids < vocab_size fit (half the bytes), else int32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.int32
+
+
 def num_windows(n_tokens: int, seq_len: int) -> int:
     """Strided windows of seq_len + 1 tokens in n_tokens tokens."""
     return max(0, (n_tokens - 1) // seq_len)
