@@ -33,8 +33,15 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     )
     c.mesh = dict(shape=mesh, dcn="")
     c.layout = layout
+    # nonfinite: "crash" stops at a step with a non-finite loss or gradient, "skip" leaves
+    # params and optimizer state unchanged (at most max_skips steps in a row). stop_at > 0
+    # ends the run after that step with a checkpoint; the lr schedule still spans steps.
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
-                   log_every=10, eval_every=100, eval_steps=4)
+                   log_every=10, eval_every=100, eval_steps=4,
+                   nonfinite="crash", max_skips=10, stop_at=0)
+    # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
+    # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
+    c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}
     # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.
     c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1)
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",

@@ -100,6 +100,17 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
             f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
             f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
             f"eval_steps >= 1 when eval is on.")
+    if t.nonfinite not in step_lib.NONFINITE_POLICIES or t.max_skips < 1:
+        raise UserError(
+            f"train.nonfinite={t.nonfinite!r}, train.max_skips={t.max_skips}: nonfinite must be one "
+            f"of {', '.join(step_lib.NONFINITE_POLICIES)} and max_skips >= 1.")
+    if not 0 <= t.stop_at <= t.steps:
+        raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep < 0:
+        raise UserError(f"checkpoint.every={c.every}, checkpoint.keep={c.keep}: both must be >= 0 "
+                        f"(every=0 saves only at the end, at train.stop_at and on SIGTERM; keep=0 "
+                        f"keeps every checkpoint).")
     d = cfg.data
     if d.workers < 0 or d.prefetch < 0:
         raise UserError(
@@ -168,7 +179,7 @@ class Experiment:
             model, tx, state_lib.param_shardings(model, layout, mesh, "params"), grad_shardings, mesh)
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings,
-            microbatches=cfg.train.microbatches, seed=cfg.train.seed)
+            microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
         batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,

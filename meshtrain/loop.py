@@ -1,18 +1,25 @@
-"""The training loop: batches in, metrics out, eval on a schedule.
+"""The training loop: batches in, metrics out, eval and checkpoints on a schedule.
 
-The host reads metrics only at log steps, and after the next step has been
-dispatched, so the device is never idle waiting for Python.
+The host reads each step's results after the next step has been dispatched, so
+the device is never idle waiting for Python: the non-finite check of step k and
+its log line happen while step k+1 runs. A checkpoint or eval at step k first
+finishes those checks, so no checkpoint holds a state past a crash-policy failure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import numpy as np
 
+from meshtrain.checkpoint import Checkpointer
+from meshtrain.errors import RunFailed
 from meshtrain.experiment import Experiment
+from meshtrain.preemption import Preemption
 from meshtrain.reporting import RunLog
+from meshtrain.step import nonfinite_names
 
 
 def evaluate(exp: Experiment, params) -> float:
@@ -20,34 +27,98 @@ def evaluate(exp: Experiment, params) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None) -> list[dict]:
-    """Runs cfg.train.steps steps; returns the logged rows. `compiled_step` is exp.compile()."""
+@dataclasses.dataclass
+class NonfiniteGuard:
+    """Applies train.nonfinite to each step's metrics["nonfinite"] (-1, or the first bad value)."""
+
+    policy: str
+    max_skips: int
+    names: list[str]
+    log: RunLog
+    skipped: int = 0    # steps skipped in this run and the runs it resumed
+    in_a_row: int = 0
+
+    def check(self, step: int, metrics: dict) -> None:
+        bad = int(jax.device_get(metrics["nonfinite"]))
+        if bad < 0:
+            self.in_a_row = 0
+            return
+        what = f"step {step}: non-finite {self.names[bad]} (loss {float(jax.device_get(metrics['loss']))})"
+        if self.policy == "crash":
+            raise RunFailed(f"{what}. Stopped (train.nonfinite=crash); checkpoints hold only steps "
+                            f"before it. Use train.nonfinite=skip to skip such steps, or lower "
+                            f"optim.lr.")
+        self.skipped += 1
+        self.in_a_row += 1
+        self.log.warn(f"{what}; skipped, params and optimizer state unchanged "
+                      f"({self.in_a_row} in a row, {self.skipped} in all).")
+        if self.in_a_row >= self.max_skips:
+            raise RunFailed(f"{self.in_a_row} steps in a row were non-finite, up to {what}. Stopped "
+                            f"(train.max_skips={self.max_skips}); params are those of step "
+                            f"{step - self.in_a_row}.")
+
+
+def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
+               checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
+               run_summary: dict | None = None) -> list[dict]:
+    """Runs to train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
+
+    Returns the logged rows. `compiled_step` is exp.compile(). With a checkpointer it
+    saves every checkpoint.every steps, at the last step, and on SIGTERM (then stops).
+    """
     t = exp.cfg.train
     state = exp.init_state() if state is None else state
     start = int(jax.device_get(state.step))
+    end = t.stop_at or t.steps
     batches = exp.train_batches(start_step=start)
+    if resume_meta is not None:
+        batches.set_state(resume_meta["data"])
+    guard = NonfiniteGuard(t.nonfinite, t.max_skips, nonfinite_names(exp.model), log,
+                           skipped=(resume_meta or {}).get("skipped", 0))
+    preemption = Preemption()
     rows, pending = [], None
     last_time, last_step = time.perf_counter(), start
 
-    def flush():
-        nonlocal pending, last_time, last_step
-        step, metrics, now = pending
-        rows.append(log.log_train(step, jax.device_get(metrics), (now - last_time) / (step - last_step)))
-        last_time, last_step, pending = now, step, None
+    def finish(record):
+        """Non-finite check and (on log steps) the log line of a dispatched step."""
+        nonlocal last_time, last_step
+        step, metrics, now = record
+        guard.check(step, metrics)
+        if now is not None:
+            rows.append(log.log_train(step, jax.device_get(metrics), (now - last_time) / (step - last_step),
+                                      skipped=guard.skipped))
+            last_time, last_step = now, step
 
-    for step in range(start + 1, t.steps + 1):
-        state, metrics = compiled_step(state, exp.put_batch(next(batches)))
-        if pending is not None:  # the previous log step: read now that this step is queued
-            flush()
-        if step % t.log_every == 0 or step == t.steps:
-            jax.block_until_ready(metrics)
-            pending = (step, metrics, time.perf_counter())
-        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            if pending is not None:
-                flush()
-            log.log_eval(step, evaluate(exp, state.params))
-            # Eval time is not training time: restart the clock for tokens/s and ETA.
-            last_time, last_step = time.perf_counter(), step
-    if pending is not None:
-        flush()
+    try:
+        for step in range(start + 1, end + 1):
+            state, metrics = compiled_step(state, exp.put_batch(next(batches)))
+            if pending is not None:  # the previous step: read now that this one is queued
+                finish(pending)
+            pending = (step, metrics, None)
+            if step % t.log_every == 0 or step == end:
+                jax.block_until_ready(metrics)
+                pending = (step, metrics, time.perf_counter())
+            stop = preemption.reached(step)
+            save = checkpointer is not None and (stop or step == end or checkpointer.due(step))
+            evaluate_now = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
+            if save or evaluate_now:
+                finish(pending)
+                pending = None
+            if save:
+                checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
+                                                "skipped": guard.skipped, "run": run_summary or {}})
+            if evaluate_now:
+                log.log_eval(step, evaluate(exp, state.params))
+                # Eval time is not training time: restart the clock for tokens/s and ETA.
+                last_time, last_step = time.perf_counter(), step
+            if stop:
+                saved = f"saved step {step} in {checkpointer.dir}" if checkpointer else "no checkpoint dir, nothing saved"
+                log.say(f"preempted (SIGTERM) at step {step}: {saved}; rerun the same command to resume.")
+                break
+            if checkpointer is not None and step % t.log_every == 0:
+                checkpointer.check_errors()  # a failed background save stops the run early
+        if pending is not None:
+            finish(pending)
+    finally:
+        preemption.close()
     return rows

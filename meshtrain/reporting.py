@@ -8,7 +8,9 @@ bf16 peak of the device when it is known, and is null otherwise (e.g. on CPU).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -45,7 +47,11 @@ class RunLog:
     """Writes the run's outputs under `workdir` (process 0 only) and prints progress."""
 
     def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
-                 flops_per_step: float, peak_per_device: float | None, num_devices: int):
+                 flops_per_step: float, peak_per_device: float | None, num_devices: int,
+                 resume_step: int | None = None):
+        """`resume_step`: the checkpoint this run continues from. Rows the earlier run
+        logged after it are dropped (this run logs those steps again), so metrics.jsonl
+        reads as one run; TensorBoard purges them the same way."""
         self.enabled = jax.process_index() == 0
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
@@ -56,23 +62,24 @@ class RunLog:
         self.tb = None
         if self.enabled and self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
             from tensorboardX import SummaryWriter  # imported lazily: slow to import
-            self.tb = SummaryWriter(str(self.dir / "tb"))
-        else:
-            self.metrics = None
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
+        self.resume_step = resume_step
+        self.metrics = None  # opened at the first row, so a compile-only run leaves it alone
 
     def write_run(self, info: dict) -> None:
         if self.enabled and self.dir:
             (self.dir / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
-    def log_train(self, step: int, metrics: dict, step_time: float) -> dict:
-        """Records one logged step; `step_time` is the mean seconds per step since the last log."""
+    def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
+        """Records one logged step; `step_time` is the mean seconds per step since the last
+        log; `skipped` counts the steps skipped for non-finite values so far."""
         tokens_per_s = self.tokens_per_step / step_time
         mfu = None if self.peak is None else self.flops_per_step / step_time / self.peak
         row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
-               "step_time_s": step_time, "mfu": mfu}
+               "step_time_s": step_time, "mfu": mfu, "skipped": skipped}
         self._write(row)
         remaining = (self.total - step) * step_time
         mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
@@ -86,7 +93,17 @@ class RunLog:
         self._write({"step": step, "eval_loss": eval_loss})
         self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}")
 
+    def _open_metrics(self):
+        path = self.dir / "metrics.jsonl"
+        if self.resume_step is not None and path.exists():
+            keep_rows_up_to(path, self.resume_step)
+        elif path.exists():  # a fresh start in a used workdir: keep the old rows apart
+            path.replace(path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
+        return open(path, "a", buffering=1)
+
     def _write(self, row: dict) -> None:
+        if self.metrics is None and self.enabled and self.dir:
+            self.metrics = self._open_metrics()
         if self.metrics is not None:
             self.metrics.write(json.dumps(row) + "\n")
         if self.tb is not None:
@@ -98,8 +115,21 @@ class RunLog:
         if self.enabled:
             print(line, flush=True)
 
+    def warn(self, line: str) -> None:
+        if self.enabled:
+            print(f"meshtrain: warning: {line}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def keep_rows_up_to(path: pathlib.Path, step: int) -> None:
+    """Rewrites a metrics.jsonl without the rows after `step` (atomically: a crash keeps the old file)."""
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    os.replace(tmp, path)

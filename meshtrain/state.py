@@ -37,6 +37,7 @@ SIZE_KEYS = {
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array   # [] int32
+    rng: jax.Array    # [2] uint32: key data of the run's base PRNG key (dropout folds in the step)
     params: Any       # nested dict of arrays, as nnx.State.to_pure_dict()
     opt_state: Any    # optax state over params
 
@@ -131,7 +132,12 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, m
     opt = optax.tree_map_params(
         tx, lambda _, s: s, abstract_opt, moments,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
-    return TrainState(step=replicated, params=params, opt_state=opt)
+    return TrainState(step=replicated, rng=replicated, params=params, opt_state=opt)
+
+
+def base_key_data(seed) -> jax.Array:
+    """[2] uint32: raw data of the run's PRNG key, kept in the state so a checkpoint carries it."""
+    return jax.random.key_data(jax.random.key(seed))
 
 
 def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState,
@@ -139,13 +145,14 @@ def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: Tra
     """Creates the state directly in its shards (no host copy of the full model)."""
     def init():
         params = model.init_params(seed)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return TrainState(step=jnp.zeros((), jnp.int32), rng=base_key_data(seed), params=params,
+                          opt_state=tx.init(params))
     return jax.jit(init, out_shardings=shardings)()
 
 
 def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """ShapeDtypeStructs with shardings, for compiling without allocating."""
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=model.shapes,
-                        opt_state=jax.eval_shape(tx.init, model.shapes))
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), rng=jax.eval_shape(base_key_data, 0),
+                        params=model.shapes, opt_state=jax.eval_shape(tx.init, model.shapes))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import pipeline
 from meshtrain.layouts import Layout
-from meshtrain.state import ModelDef, TrainState
+from meshtrain.state import ModelDef, TrainState, path_str
 
 
 def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
@@ -49,10 +49,29 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     return loss_fn
 
 
+NONFINITE_POLICIES = ("crash", "skip")
+
+
+def first_nonfinite(loss: jax.Array, grads) -> jax.Array:
+    """[] int32: -1 if the loss and every gradient are finite, else the first bad index."""
+    finite = jnp.stack([jnp.isfinite(loss)] + [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    return jnp.where(jnp.all(finite), -1, jnp.argmin(finite)).astype(jnp.int32)
+
+
+def nonfinite_names(model: ModelDef) -> list[str]:
+    """What metrics["nonfinite"] indexes: "loss", then "gradient of PATH" per parameter."""
+    paths = jax.tree_util.tree_flatten_with_path(model.shapes)[0]
+    return ["loss"] + [f"gradient of {path_str(p)}" for p, _ in paths]
+
+
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
-                    microbatches: int, seed: int) -> Callable:
+                    microbatches: int, nonfinite: str = "crash") -> Callable:
     """Returns the jitted step.
+
+    metrics["nonfinite"] is -1 on a good step, else the index into
+    `nonfinite_names(model)` of the first non-finite value (the loss, then the
+    gradient leaves). With nonfinite="skip" such a step changes only the step counter.
 
     `shardings` is the TrainState of NamedShardings; `grad_shardings` (params-shaped)
     is where gradients are reduced to: the optimizer moments' shardings, so under
@@ -83,13 +102,18 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
 
     def train_step(state: TrainState, tokens: jax.Array):
-        key = jax.random.fold_in(jax.random.key(seed), state.step) if dropout_on else None
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
         grads, loss = grads_and_loss(state.params, tokens, key)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        bad = first_nonfinite(loss, grads)
+        if nonfinite == "skip":  # a bad step leaves params and optimizer state as they were
+            params, opt_state = jax.tree.map(lambda old, new: jnp.where(bad < 0, new, old),
+                                             (state.params, state.opt_state), (params, opt_state))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+                   "nonfinite": bad}
+        return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state), metrics
 
     replicated = NamedSharding(mesh, P())
     return jax.jit(train_step, in_shardings=(shardings, batch_sharding),

@@ -22,9 +22,13 @@ FLAGS = ("workdir",)
 
 
 def _maybe_initialize_distributed() -> None:
-    """Multi-process launches (SLURM, or an explicit coordinator) join one JAX runtime."""
+    """Multi-process launches join one JAX runtime: SLURM (detected by JAX), or local
+    processes given JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
     import jax
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    if os.environ.get("JAX_NUM_PROCESSES"):
+        jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                                   process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize()
 
 
@@ -95,7 +99,7 @@ def run(argv: list[str]) -> int:
 
     import jax
 
-    from meshtrain import pipeline, reporting
+    from meshtrain import checkpoint as checkpoint_lib, pipeline, reporting
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
 
@@ -112,30 +116,91 @@ def run(argv: list[str]) -> int:
             f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
     for warning in pipeline.warnings_for(pipe):
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
-    t0 = time.perf_counter()
-    compiled = exp.compile()
-    compile_s = time.perf_counter() - t0
-    memory = reporting.memory_report(compiled)
-    say(f"compiled train step in {compile_s:.1f}s; per device: "
-        + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in memory.items()))
-
     workdir = flags.get("workdir")
-    m = exp.model.cfg
-    tokens_per_step = cfg.train.batch_size * m.seq_len
-    log = reporting.RunLog(workdir, cfg.train.steps, tokens_per_step,
-                           reporting.flops_per_token(m) * tokens_per_step,
-                           reporting.peak_flops(jax.devices()[0]), jax.device_count())
-    log.write_run(_run_info(name, exp, memory, compile_s, source))
-    if cfg.train.steps == 0:
-        say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
-        log.close()
-        return 0
-    say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
+    locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
+    checkpointer, log = None, None
     try:
-        train_loop(exp, compiled, log)
+        checkpointer, resume_step, saved_run = open_checkpoints(cfg, exp, workdir, say)
+        if resume_step is not None and resume_step >= (cfg.train.stop_at or cfg.train.steps):
+            say(f"checkpoint step {resume_step} is already at train.stop_at/train.steps "
+                f"({cfg.train.stop_at or cfg.train.steps}): nothing to train.")
+            return 0
+        t0 = time.perf_counter()
+        compiled = exp.compile()
+        compile_s = time.perf_counter() - t0
+        memory = reporting.memory_report(compiled)
+        say(f"compiled train step in {compile_s:.1f}s; per device: "
+            + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in memory.items()))
+
+        m = exp.model.cfg
+        tokens_per_step = cfg.train.batch_size * m.seq_len
+        log = reporting.RunLog(workdir, cfg.train.steps, tokens_per_step,
+                               reporting.flops_per_token(m) * tokens_per_step,
+                               reporting.peak_flops(jax.devices()[0]), jax.device_count(),
+                               resume_step=resume_step)
+        info = _run_info(name, exp, memory, compile_s, source)
+        info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
+                              "resumed_from_step": resume_step, "saved_by": saved_run}
+        log.write_run(info)
+        if cfg.train.steps == 0:
+            say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
+            return 0
+        say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
+        state, meta = None, None
+        if resume_step is not None:
+            state, meta = checkpointer.restore(resume_step, exp.abstract_state())
+        train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
+                   run_summary=checkpoint_lib.run_summary(exp))
+        if checkpointer is not None:
+            checkpointer.wait()
     finally:
-        log.close()
+        if checkpointer is not None:
+            checkpointer.close()
+        if log is not None:
+            log.close()
+        for lock in locks:
+            lock.release()
     return 0
+
+
+def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
+    """Process 0 locks the workdir, and the checkpoint dir when it lies elsewhere."""
+    import jax
+
+    from meshtrain.lock import DirectoryLock
+    if jax.process_index() != 0:
+        return []
+    locks = [DirectoryLock(workdir, "workdir")] if workdir else []
+    if ckpt_dir and not (workdir and os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)):
+        locks.append(DirectoryLock(ckpt_dir, "checkpoint directory"))
+    return locks
+
+
+def open_checkpoints(cfg, exp, workdir: str | None, say):
+    """(Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
+    from meshtrain import checkpoint as checkpoint_lib
+    ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
+    c = cfg.checkpoint
+    if ckpt_dir is None or cfg.train.steps == 0:
+        if cfg.train.steps:
+            say("checkpoints: off (give --workdir or checkpoint.dir to save and resume)")
+        return None, None, None
+    checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, every=c.every, keep=c.keep, use_async=c["async"])
+    every = f"every {c.every} steps" if c.every else "at the end"
+    say(f"checkpoints: {checkpointer.dir}, {every} and on SIGTERM, keep "
+        f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
+    step = checkpointer.latest_step()
+    if step is None:
+        return checkpointer, None, None
+    saved = checkpointer.check_fits(step, exp.abstract_state()).get("run", {})
+    say(f"resuming from step {step} ({checkpointer.where(step)}, saved under layout "
+        f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
+    for key in ("steps", "batch_size"):
+        if key in saved and saved[key] != cfg.train[key]:
+            print(f"meshtrain: warning: train.{key} is {cfg.train[key]}, the checkpoint's run had "
+                  f"{saved[key]}" + (": the lr schedule now spans the new length."
+                                     if key == "steps" else "."), file=sys.stderr)
+    return checkpointer, step, saved
 
 
 def main(argv: list[str] | None = None) -> int:

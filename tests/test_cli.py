@@ -45,7 +45,7 @@ def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert run["device_count"] == 32 and run["num_params"] == 354_823_168
     # Megatron split of 355M over tensor=4: 12 bytes x ~89.6M params per device.
     assert 1000 < run["compiled_memory_per_device"]["argument"] / 2**20 < 1050
-    assert not (tmp_path / "metrics.jsonl").read_text()
+    assert not (tmp_path / "metrics.jsonl").exists()  # compile-only logs no rows
 
 
 @pytest.mark.slow

@@ -22,9 +22,11 @@ def state_bytes(exp):
     compiled = exp.compile()
     args = compiled.memory_analysis().argument_size_in_bytes
     batch = math.prod(exp.batch_shape) * 4 // exp.mesh.shape["data"] // exp.mesh.shape["fsdp"]
-    # Replicated int32 counters: TrainState.step, Adam's count, the lr schedule's count.
-    scalars = sum(4 for leaf in jax.tree.leaves(exp.abstract_state()) if leaf.shape == ())
-    return args - batch - scalars
+    # Replicated: the int32 counters (TrainState.step, Adam's count, the lr schedule's
+    # count) and the [2] uint32 PRNG key data.
+    state = exp.abstract_state()
+    small = sum(4 for leaf in jax.tree.leaves(state) if leaf.shape == ()) + state.rng.size * 4
+    return args - batch - small
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,224 @@
+"""Checkpoints: Orbax saves (async by default), atomic commit, restore into the current layout.
+
+    DIR/step_N/state   the TrainState (step, rng, params, opt_state): OCDBT arrays
+    DIR/step_N/meta    JSON: the data iterator state, the skipped-step count, and what
+                       the run was (layout, mesh, pipeline, model dims), for messages
+
+Commit: Orbax writes step_N.orbax-checkpoint-tmp-* and renames it to step_N once
+every item is written, so `kill -9` at any moment leaves committed steps plus at
+most one tmp directory, which the next start ignores and removes. A directory
+named like a step but lacking Orbax's commit files (a partial copy, something
+foreign) is moved to DIR/ignored/ with a warning: Orbax would otherwise count it
+as the latest step and silently refuse every older save.
+
+Restore reads into the current run's ShapeDtypeStructs, shardings included, so a
+checkpoint moves to another layout or mesh and every restored array carries the
+requested sharding. Shapes and dtypes are compared first, so a mismatch names
+the leaf and both shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshtrain.errors import RunFailed, UserError
+from meshtrain.lock import LOCK_NAME
+
+STEP_PREFIX = "step"
+STEP_NAME = re.compile(rf"{STEP_PREFIX}_(\d+)")
+# What Orbax has written by the time it renames a step into place.
+COMMIT_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "meta/metadata")
+IGNORED = "ignored"
+
+
+def warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"meshtrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def set_aside_uncommitted(directory: pathlib.Path) -> list[str]:
+    """Moves step-named entries without Orbax's commit files to DIR/ignored/; returns their names."""
+    moved = []
+    for entry in sorted(directory.iterdir()):
+        if not STEP_NAME.fullmatch(entry.name):
+            continue  # tmp dirs (Orbax removes them), the lock, foreign files: not steps
+        if entry.is_dir() and all((entry / f).exists() for f in COMMIT_FILES):
+            continue
+        target = directory / IGNORED / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(exist_ok=True)
+        entry.rename(target)
+        moved.append(entry.name)
+    return moved
+
+
+def key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flat_leaves(tree) -> dict[str, object]:
+    """{"params/blocks/attn/w_qkv": leaf, ...}: one naming for saved metadata and live state."""
+    return {"/".join(key_name(k) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def describe(leaf) -> str:
+    return f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
+
+
+def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
+    """Raises a UserError naming the first leaf whose saved shape or dtype differs from `target`."""
+    saved, wanted = flat_leaves(saved_tree), flat_leaves(target)
+    problems = [f"{k}: saved {describe(saved[k])}, this run has {describe(wanted[k])}"
+                for k in sorted(saved.keys() & wanted.keys())
+                if describe(saved[k]) != describe(wanted[k])]
+    problems += [f"{k}: not in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+    problems += [f"{k}: in the checkpoint, not in this run" for k in sorted(saved.keys() - wanted.keys())]
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    origin = ""
+    if saved_run:
+        origin = (f" It was saved by a run with model {saved_run.get('model')}, layout "
+                  f"{saved_run.get('layout')!r}, pipeline {saved_run.get('pipeline')}.")
+    raise UserError(
+        f"The checkpoint {where} does not fit this run: {problems[0]}{more}.{origin} Resume with "
+        f"the model settings it was saved with, or start fresh with another --workdir or "
+        f"checkpoint.dir.")
+
+
+class Checkpointer:
+    """An Orbax CheckpointManager with meshtrain's rules: commit checks, errors that surface."""
+
+    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int, use_async: bool):
+        # Orbax wants absolute paths; a relative checkpoint.dir is relative to where we start.
+        self.dir = pathlib.Path(directory).absolute()
+        self.every = every
+        found = []
+        if jax.process_index() == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            found = sorted(e.name for e in self.dir.iterdir() if e.name not in (LOCK_NAME, IGNORED))
+            moved = set_aside_uncommitted(self.dir)
+            if moved:
+                warn(f"{self.dir} held {', '.join(moved)}, named like checkpoints but not committed "
+                     f"ones (a partial copy or foreign files); moved to {self.dir / IGNORED}.")
+        if jax.process_count() > 1:  # nobody lists steps before process 0 has set junk aside
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("meshtrain checkpoint directory checked")
+        # Orbax logs every save at INFO through absl; keep the run's output readable.
+        logging.getLogger("absl").setLevel(logging.WARNING)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep or None, step_prefix=STEP_PREFIX, cleanup_tmp_directories=True,
+            enable_async_checkpointing=use_async, create=True)
+        # Handlers named up front, so a fresh process can read a checkpoint's metadata.
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers=handlers)
+        self.last_saved = self.manager.latest_step()
+        if found and self.last_saved is None:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            warn(f"{self.dir} holds no committed checkpoint (found {shown}: unfinished saves or "
+                 f"foreign files); starting fresh. Unfinished saves are removed, the rest is left alone.")
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def where(self, step: int) -> str:
+        return str(self.dir / f"{STEP_PREFIX}_{step}")
+
+    def read_meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+    def check_fits(self, step: int, target) -> dict:
+        """Compares the saved shapes and dtypes with `target` (abstract TrainState); returns meta."""
+        meta = self.read_meta(step)
+        saved = self.manager.item_metadata(step)["state"]
+        check_fits(getattr(saved, "tree", saved), target, self.where(step), meta.get("run"))
+        return meta
+
+    def restore(self, step: int, target):
+        """(TrainState in target's shardings, meta). `target` is exp.abstract_state()."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        return restored.state, restored.meta
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Starts saving `state` as step `step` (returns once the arrays are copied off the
+        device when async); raises RunFailed if this or an earlier async save failed."""
+        if step == self.last_saved:
+            return
+        self.check_errors()
+        try:
+            started = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - any failure to write is the same story
+            raise self.failed(step, e) from e
+        if not started:
+            raise RunFailed(f"Orbax declined to save step {step} in {self.dir} (its latest step is "
+                            f"{self.manager.latest_step()}); nothing was written.")
+        self.last_saved = step
+
+    def check_errors(self) -> None:
+        """Raises RunFailed if a background save has failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self.failed(self.last_saved, e) from e
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed; raises RunFailed if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self.failed(self.last_saved, e) from e
+        self.check_errors()
+
+    def failed(self, step, error: Exception) -> RunFailed:
+        try:
+            latest = self.manager.latest_step()
+        except Exception:  # noqa: BLE001 - the directory itself may be what broke
+            latest = "unknown"
+        return RunFailed(f"Saving checkpoint step {step} in {self.dir} failed: "
+                         f"{type(error).__name__}: {error}. The last committed step is {latest}; "
+                         f"rerunning the same command resumes from it.")
+
+    def close(self) -> None:
+        """Waits for the last save, then releases Orbax's threads; raises RunFailed on failure."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def checkpoint_dir(cfg, workdir: str | None) -> str | None:
+    """checkpoint.dir, else WORKDIR/checkpoints, else None (no checkpoints)."""
+    if cfg.checkpoint.dir:
+        return cfg.checkpoint.dir
+    return os.path.join(workdir, "checkpoints") if workdir else None
+
+
+def run_summary(exp) -> dict:
+    """What a checkpoint records about the run that saved it (meta["run"])."""
+    m, t = exp.model.cfg, exp.cfg.train
+    pipe = exp.model.pipeline
+    return {
+        "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
+        "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
+        "model": (f"{m.num_layers} layers, {m.num_heads} heads, embed {m.embed_dim}, mlp {m.mlp_dim}, "
+                  f"vocab {m.padded_vocab_size}, seq_len {m.seq_len}, params {m.param_dtype}"),
+        "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
