@@ -80,11 +80,13 @@ def describe(leaf) -> str:
 def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
     """Raises a UserError naming the first leaf whose saved shape or dtype differs from `target`."""
     saved, wanted = flat_leaves(saved_tree), flat_leaves(target)
+    order = lambda k: (not k.startswith("params/"), k)  # noqa: E731 - parameters first
     problems = [f"{k}: saved {describe(saved[k])}, this run has {describe(wanted[k])}"
-                for k in sorted(saved.keys() & wanted.keys())
+                for k in sorted(saved.keys() & wanted.keys(), key=order)
                 if describe(saved[k]) != describe(wanted[k])]
-    problems += [f"{k}: not in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
-    problems += [f"{k}: in the checkpoint, not in this run" for k in sorted(saved.keys() - wanted.keys())]
+    problems += [f"{k}: not in the checkpoint" for k in sorted(wanted.keys() - saved.keys(), key=order)]
+    problems += [f"{k}: in the checkpoint, not in this run"
+                 for k in sorted(saved.keys() - wanted.keys(), key=order)]
     if not problems:
         return
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -9,6 +9,7 @@ finishes those checks, so no checkpoint holds a state past a crash-policy failur
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -19,7 +20,7 @@ from meshtrain.errors import RunFailed
 from meshtrain.experiment import Experiment
 from meshtrain.preemption import Preemption
 from meshtrain.reporting import RunLog
-from meshtrain.step import nonfinite_names
+from meshtrain.step import gradient_names
 
 
 def evaluate(exp: Experiment, params) -> float:
@@ -29,21 +30,23 @@ def evaluate(exp: Experiment, params) -> float:
 
 @dataclasses.dataclass
 class NonfiniteGuard:
-    """Applies train.nonfinite to each step's metrics["nonfinite"] (-1, or the first bad value)."""
+    """Applies train.nonfinite to a step's loss and its non-finite gradient count."""
 
     policy: str
     max_skips: int
-    names: list[str]
+    names: list[str]    # gradient leaf paths, as step.gradient_names
     log: RunLog
     skipped: int = 0    # steps skipped in this run and the runs it resumed
     in_a_row: int = 0
 
     def check(self, step: int, metrics: dict) -> None:
-        bad = int(jax.device_get(metrics["nonfinite"]))
-        if bad < 0:
+        loss, count, first = (x.item() for x in jax.device_get(
+            (metrics["loss"], metrics["nonfinite_grads"], metrics["first_nonfinite"])))
+        if math.isfinite(loss) and count == 0:
             self.in_a_row = 0
             return
-        what = f"step {step}: non-finite {self.names[bad]} (loss {float(jax.device_get(metrics['loss']))})"
+        what = (f"step {step}: loss {loss}, {count} of {len(self.names)} gradient leaves non-finite"
+                + (f" (first: {self.names[first]})" if count else ""))
         if self.policy == "crash":
             raise RunFailed(f"{what}. Stopped (train.nonfinite=crash); checkpoints hold only steps "
                             f"before it. Use train.nonfinite=skip to skip such steps, or lower "
@@ -53,9 +56,9 @@ class NonfiniteGuard:
         self.log.warn(f"{what}; skipped, params and optimizer state unchanged "
                       f"({self.in_a_row} in a row, {self.skipped} in all).")
         if self.in_a_row >= self.max_skips:
-            raise RunFailed(f"{self.in_a_row} steps in a row were non-finite, up to {what}. Stopped "
-                            f"(train.max_skips={self.max_skips}); params are those of step "
-                            f"{step - self.in_a_row}.")
+            raise RunFailed(f"{self.in_a_row} steps in a row were non-finite, the last {what}. "
+                            f"Stopped (train.max_skips={self.max_skips}); params are those of "
+                            f"step {step - self.in_a_row}.")
 
 
 def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
@@ -73,7 +76,7 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
     batches = exp.train_batches(start_step=start)
     if resume_meta is not None:
         batches.set_state(resume_meta["data"])
-    guard = NonfiniteGuard(t.nonfinite, t.max_skips, nonfinite_names(exp.model), log,
+    guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model), log,
                            skipped=(resume_meta or {}).get("skipped", 0))
     preemption = Preemption()
     rows, pending = [], None

@@ -52,16 +52,17 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
 NONFINITE_POLICIES = ("crash", "skip")
 
 
-def first_nonfinite(loss: jax.Array, grads) -> jax.Array:
-    """[] int32: -1 if the loss and every gradient are finite, else the first bad index."""
-    finite = jnp.stack([jnp.isfinite(loss)] + [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-    return jnp.where(jnp.all(finite), -1, jnp.argmin(finite)).astype(jnp.int32)
+def nonfinite_grads(grads) -> tuple[jax.Array, jax.Array]:
+    """([] int32 count, [] int32 index of the first) of gradient leaves holding a NaN or Inf;
+    the index is -1 when there is none. Leaves are in `gradient_names` order."""
+    finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    count = jnp.sum(~finite).astype(jnp.int32)
+    return count, jnp.where(count > 0, jnp.argmin(finite), -1).astype(jnp.int32)
 
 
-def nonfinite_names(model: ModelDef) -> list[str]:
-    """What metrics["nonfinite"] indexes: "loss", then "gradient of PATH" per parameter."""
-    paths = jax.tree_util.tree_flatten_with_path(model.shapes)[0]
-    return ["loss"] + [f"gradient of {path_str(p)}" for p, _ in paths]
+def gradient_names(model: ModelDef) -> list[str]:
+    """The parameter paths that metrics["first_nonfinite"] indexes."""
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(model.shapes)[0]]
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -69,9 +70,10 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     microbatches: int, nonfinite: str = "crash") -> Callable:
     """Returns the jitted step.
 
-    metrics["nonfinite"] is -1 on a good step, else the index into
-    `nonfinite_names(model)` of the first non-finite value (the loss, then the
-    gradient leaves). With nonfinite="skip" such a step changes only the step counter.
+    metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
+    metrics["first_nonfinite"] indexes `gradient_names(model)` (-1: none). With
+    nonfinite="skip", a step with a non-finite loss or gradient changes only the
+    step counter.
 
     `shardings` is the TrainState of NamedShardings; `grad_shardings` (params-shaped)
     is where gradients are reduced to: the optimizer moments' shardings, so under
@@ -107,12 +109,13 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        bad = first_nonfinite(loss, grads)
+        count, first = nonfinite_grads(grads)
         if nonfinite == "skip":  # a bad step leaves params and optimizer state as they were
-            params, opt_state = jax.tree.map(lambda old, new: jnp.where(bad < 0, new, old),
+            good = jnp.isfinite(loss) & (count == 0)
+            params, opt_state = jax.tree.map(lambda old, new: jnp.where(good, new, old),
                                              (state.params, state.opt_state), (params, opt_state))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
-                   "nonfinite": bad}
+                   "nonfinite_grads": count, "first_nonfinite": first}
         return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state), metrics
 
     replicated = NamedSharding(mesh, P())

@@ -95,6 +95,11 @@ def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
     (["--config=gpt2_tiny_dp8", "--config.data.kind=tfds", "--config.data.name=nosuch",
       "--config.data.data_dir=no/such/dir"], {}, "'nosuch' was not found in no/such/dir"),
     (["--config=gpt2_tiny_dp8", "--config.data.workers=-1"], {}, "data.workers=-1"),
+    (["--config=gpt2_tiny_dp8", "--config.train.nonfinite=ignore"], {},
+     "train.nonfinite='ignore', train.max_skips=10: nonfinite must be one of crash, skip"),
+    (["--config=gpt2_tiny_dp8", "--config.train.stop_at=400"], {},
+     "train.stop_at=400: must be between 0 (off) and train.steps=300"),
+    (["--config=gpt2_tiny_dp8", "--config.checkpoint.every=-5"], {}, "checkpoint.every=-5"),
 ])
 def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
     r = run_cli(*args, env=env, timeout=120)

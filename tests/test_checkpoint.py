@@ -1,0 +1,172 @@
+"""Checkpoints through the CLI, in this process: exact resume, restore onto another layout
+or mesh, shape and dtype mismatches, unfinished or foreign files, the workdir lock.
+
+The kill and signal tests, which need their own processes, are in test_preemption.py.
+"""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import checkpoint as checkpoint_lib, config as config_lib, reporting
+from meshtrain.experiment import Experiment
+from meshtrain.lock import DirectoryLock
+from meshtrain.loop import train_loop
+from meshtrain.train import main
+
+RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
+       "--config.checkpoint.every=0"]
+
+
+def train(name, workdir, *extra):
+    return main([f"--config={name}", *RUN, *extra, f"--workdir={workdir}"])
+
+
+def losses(workdir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def committed(workdir) -> list[str]:
+    return sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
+def build(name, **overrides):
+    cfg = config_lib.load(name)
+    for k, v in {"train.steps": 20, **overrides}.items():
+        config_lib.override(cfg, k, str(v))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """20 steps of gpt2_tiny_dp8 in one go."""
+    w = tmp_path_factory.mktemp("straight")
+    assert train("gpt2_tiny_dp8", w) == 0
+    return w
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory):
+    """The same run stopped after step 10 (train.stop_at keeps the 20-step lr schedule)."""
+    w = tmp_path_factory.mktemp("half")
+    assert train("gpt2_tiny_dp8", w, "--config.train.stop_at=10") == 0
+    return w
+
+
+def copy(src, tmp_path):
+    dst = tmp_path / "w"
+    shutil.copytree(src, dst)
+    (dst / "meshtrain.lock").unlink()
+    return dst
+
+
+def test_ten_steps_exit_ten_more_equal_twenty_straight_bitwise(straight, half, tmp_path, capsys):
+    assert committed(half) == ["step_10"] and sorted(losses(half)) == list(range(1, 11))
+    w = copy(half, tmp_path)
+    capsys.readouterr()
+    assert train("gpt2_tiny_dp8", w) == 0
+    assert "resuming from step 10" in capsys.readouterr().out
+    a, b = losses(straight), losses(w)
+    assert sorted(b) == list(range(1, 21))  # one run's rows: no duplicates, nothing lost
+    assert {s: x.hex() for s, x in a.items()} == {s: x.hex() for s, x in b.items()}
+    # The final states agree bit for bit too: params, moments, counters, PRNG key.
+    exp = Experiment.build(build("gpt2_tiny_dp8"))
+    finals = []
+    for d in (straight, w):
+        ck = checkpoint_lib.Checkpointer(d / "checkpoints", every=0, keep=3, use_async=False)
+        state, meta = ck.restore(20, exp.abstract_state())
+        ck.close()
+        finals.append((jax.device_get(state), meta["data"]))
+    jax.tree.map(np.testing.assert_array_equal, finals[0][0], finals[1][0])
+    assert finals[0][1] == finals[1][1]
+
+
+def restore_both(ckpt_dir, exp_a, exp_b, step=10):
+    ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
+    try:
+        return ck.restore(step, exp_a.abstract_state()), ck.restore(step, exp_b.abstract_state())
+    finally:
+        ck.close()
+
+
+def assert_same_values_requested_shardings(a, b, exp_b):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+    for leaf, want in zip(jax.tree.leaves(b), jax.tree.leaves(exp_b.shardings)):
+        assert leaf.sharding == want
+
+
+def test_dp8_checkpoint_continues_under_dp2_tp4(straight, half, tmp_path, capsys):
+    w = copy(half, tmp_path)
+    dp8, tp = Experiment.build(build("gpt2_tiny_dp8")), Experiment.build(build("gpt2_tiny_dp2_tp4"))
+    (a, _), (b, _) = restore_both(w / "checkpoints", dp8, tp)
+    assert b.params["blocks"]["mlp"]["w_fc"].sharding.spec != a.params["blocks"]["mlp"]["w_fc"].sharding.spec
+    assert_same_values_requested_shardings(a, b, tp)
+
+    capsys.readouterr()
+    assert train("gpt2_tiny_dp2_tp4", w) == 0
+    assert "saved under layout 'dp'" in capsys.readouterr().out
+    ref, got = losses(straight), losses(w)
+    np.testing.assert_allclose([got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)], rtol=1e-5)
+
+
+def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
+    w = tmp_path / "fsdp8"
+    assert train("gpt2_tiny_fsdp8", w, "--config.train.stop_at=10") == 0
+    fsdp8 = Experiment.build(build("gpt2_tiny_fsdp8"))
+    fsdp4 = Experiment.build(build("gpt2_tiny_fsdp8", **{"mesh.shape": "fsdp:4", "train.log_every": 1}),
+                             devices=jax.devices()[:4])
+    (a, _), (b, meta) = restore_both(w / "checkpoints", fsdp8, fsdp4)
+    assert_same_values_requested_shardings(a, b, fsdp4)
+    wte = b.params["wte"]
+    assert len(wte.sharding.device_set) == 4 and {s.data.shape for s in wte.addressable_shards} == {(256, 16)}
+
+    fsdp4.cfg.unlock()
+    fsdp4.cfg.train.stop_at = 13
+    log = reporting.RunLog(None, 20, 1, 1.0, None, 4)
+    rows = train_loop(fsdp4, fsdp4.compile(), log, b, resume_meta=meta)
+    ref = losses(straight)
+    np.testing.assert_allclose([r["loss"] for r in rows], [ref[s] for s in (11, 12, 13)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("override, first", [
+    ("--config.model.embed_dim=128", "params/blocks/attn/b_out: saved (2, 64) float32, this run has (2, 128) float32"),
+    ("--config.model.param_dtype=bfloat16", "params/blocks/attn/b_out: saved (2, 64) float32, this run has (2, 64) bfloat16"),
+])
+def test_checkpoint_that_does_not_fit_names_the_leaf_and_both_shapes(half, tmp_path, capsys, override, first):
+    w = copy(half, tmp_path)
+    assert train("gpt2_tiny_dp8", w, override) == 2
+    err = capsys.readouterr().err
+    assert f"step_10 does not fit this run: {first} (and " in err, err
+    assert "layout 'dp'" in err and "Traceback" not in err
+
+
+def test_unfinished_and_foreign_files_mean_a_fresh_start_with_a_warning(tmp_path, capsys):
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_5.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)  # killed mid-save
+    (ckpt / "step_5.orbax-checkpoint-tmp-1700000000" / "state").mkdir()
+    (ckpt / "step_7").mkdir()  # named like a step, never committed (a partial copy)
+    (ckpt / "step_7" / "state").mkdir()
+    (ckpt / "notes.txt").write_text("not ours")
+    (ckpt / "step_3.orbax-checkpoint-tmp-1").mkdir()  # a stale tmp of the step we will save
+    assert train("gpt2_tiny_dp8", tmp_path, "--config.train.steps=3") == 0
+    err = capsys.readouterr().err
+    assert "holds no committed checkpoint" in err and "step_7" in err
+    assert sorted(losses(tmp_path)) == [1, 2, 3]  # started at step 1
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == ["ignored", "notes.txt", "step_3"], names  # tmp dirs gone, step_7 set aside
+    assert [p.name.split("-")[0] for p in (ckpt / "ignored").iterdir()] == ["step_7"]
+
+
+def test_a_second_run_on_a_locked_workdir_refuses_to_start(tmp_path, capsys):
+    holder = DirectoryLock(tmp_path, "workdir")
+    try:
+        assert train("gpt2_tiny_dp8", tmp_path) == 2
+    finally:
+        holder.release()
+    err = capsys.readouterr().err
+    assert "is in use by another run (pid" in err and "another --workdir" in err
+    assert not (tmp_path / "checkpoints").exists()
