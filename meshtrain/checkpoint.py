@@ -45,13 +45,22 @@ def warn(message: str) -> None:
         print(f"meshtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+def is_committed(entry: pathlib.Path) -> bool:
+    return entry.is_dir() and all((entry / f).exists() for f in COMMIT_FILES)
+
+
+def committed_steps(directory: pathlib.Path) -> list[int]:
+    return sorted(int(m.group(1)) for e in directory.iterdir()
+                  if (m := STEP_NAME.fullmatch(e.name)) and is_committed(e))
+
+
 def set_aside_uncommitted(directory: pathlib.Path) -> list[str]:
     """Moves step-named entries without Orbax's commit files to DIR/ignored/; returns their names."""
     moved = []
     for entry in sorted(directory.iterdir()):
         if not STEP_NAME.fullmatch(entry.name):
             continue  # tmp dirs (Orbax removes them), the lock, foreign files: not steps
-        if entry.is_dir() and all((entry / f).exists() for f in COMMIT_FILES):
+        if is_committed(entry):
             continue
         target = directory / IGNORED / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         target.parent.mkdir(exist_ok=True)
@@ -162,7 +171,9 @@ class Checkpointer:
         device when async); raises RunFailed if this or an earlier async save failed."""
         if step == self.last_saved:
             return
-        self.check_errors()
+        # Orbax's save waits for the previous one anyway; waiting here first lets a failure
+        # of that save be reported under its own step.
+        self.wait()
         try:
             started = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -189,9 +200,10 @@ class Checkpointer:
         self.check_errors()
 
     def failed(self, step, error: Exception) -> RunFailed:
+        # From the disk: Orbax lists a step as soon as its save starts.
         try:
-            latest = self.manager.latest_step()
-        except Exception:  # noqa: BLE001 - the directory itself may be what broke
+            latest = max(committed_steps(self.dir), default=None)
+        except OSError:  # the directory itself may be what broke
             latest = "unknown"
         return RunFailed(f"Saving checkpoint step {step} in {self.dir} failed: "
                          f"{type(error).__name__}: {error}. The last committed step is {latest}; "

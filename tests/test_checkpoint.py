@@ -170,3 +170,27 @@ def test_a_second_run_on_a_locked_workdir_refuses_to_start(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is in use by another run (pid" in err and "another --workdir" in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+class FailingWrite:
+    """An Orbax future whose background write fails, as a full or vanished disk would."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device (injected)")
+
+
+def test_a_failed_async_save_stops_the_run_with_a_nonzero_exit(tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+    write = ocp.StandardCheckpointHandler.async_save
+
+    async def failing(self, directory, *args, **kwargs):
+        futures = await write(self, directory, *args, **kwargs)
+        return [*(futures or []), FailingWrite()]
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
+    assert train("gpt2_tiny_dp8", tmp_path, "--config.checkpoint.every=5") == 1
+    err = capsys.readouterr().err
+    assert "meshtrain: error: Saving checkpoint step 5 in" in err, err
+    assert "No space left on device (injected)" in err and "The last committed step is None" in err
+    assert max(losses(tmp_path)) < 20  # stopped early instead of training on without checkpoints
+    assert not (tmp_path / "checkpoints" / "step_5").exists()
