@@ -148,7 +148,7 @@ def run(argv: list[str]) -> int:
         say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
         state, meta = None, None
         if resume_step is not None:
-            state, meta = checkpointer.restore(resume_step, exp.abstract_state())
+            state, meta = checkpointer.restore(resume_step, exp)
         train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
                    run_summary=checkpoint_lib.run_summary(exp))
         if checkpointer is not None:
@@ -192,7 +192,7 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
     step = checkpointer.latest_step()
     if step is None:
         return checkpointer, None, None
-    saved = checkpointer.check_fits(step, exp.abstract_state()).get("run", {})
+    saved = checkpointer.check_fits(step, exp).get("run", {})
     say(f"resuming from step {step} ({checkpointer.where(step)}, saved under layout "
         f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
     for key in ("steps", "batch_size"):

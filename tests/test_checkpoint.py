@@ -15,6 +15,7 @@ from meshtrain import checkpoint as checkpoint_lib, config as config_lib, report
 from meshtrain.experiment import Experiment
 from meshtrain.lock import DirectoryLock
 from meshtrain.loop import train_loop
+from meshtrain.pipeline import from_stages
 from meshtrain.train import main
 
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
@@ -78,7 +79,7 @@ def test_ten_steps_exit_ten_more_equal_twenty_straight_bitwise(straight, half, t
     finals = []
     for d in (straight, w):
         ck = checkpoint_lib.Checkpointer(d / "checkpoints", every=0, keep=3, use_async=False)
-        state, meta = ck.restore(20, exp.abstract_state())
+        state, meta = ck.restore(20, exp)
         ck.close()
         finals.append((jax.device_get(state), meta["data"]))
     jax.tree.map(np.testing.assert_array_equal, finals[0][0], finals[1][0])
@@ -88,14 +89,17 @@ def test_ten_steps_exit_ten_more_equal_twenty_straight_bitwise(straight, half, t
 def restore_both(ckpt_dir, exp_a, exp_b, step=10):
     ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
     try:
-        return ck.restore(step, exp_a.abstract_state()), ck.restore(step, exp_b.abstract_state())
+        return ck.restore(step, exp_a), ck.restore(step, exp_b)
     finally:
         ck.close()
 
 
-def assert_same_values_requested_shardings(a, b, exp_b):
+def assert_same_values(a, b):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
-    for leaf, want in zip(jax.tree.leaves(b), jax.tree.leaves(exp_b.shardings)):
+
+
+def assert_requested_shardings(state, exp):
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings), strict=True):
         assert leaf.sharding == want
 
 
@@ -104,7 +108,8 @@ def test_dp8_checkpoint_continues_under_dp2_tp4(straight, half, tmp_path, capsys
     dp8, tp = Experiment.build(build("gpt2_tiny_dp8")), Experiment.build(build("gpt2_tiny_dp2_tp4"))
     (a, _), (b, _) = restore_both(w / "checkpoints", dp8, tp)
     assert b.params["blocks"]["mlp"]["w_fc"].sharding.spec != a.params["blocks"]["mlp"]["w_fc"].sharding.spec
-    assert_same_values_requested_shardings(a, b, tp)
+    assert_same_values(a, b)
+    assert_requested_shardings(b, tp)
 
     capsys.readouterr()
     assert train("gpt2_tiny_dp2_tp4", w) == 0
@@ -120,7 +125,8 @@ def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
     fsdp4 = Experiment.build(build("gpt2_tiny_fsdp8", **{"mesh.shape": "fsdp:4", "train.log_every": 1}),
                              devices=jax.devices()[:4])
     (a, _), (b, meta) = restore_both(w / "checkpoints", fsdp8, fsdp4)
-    assert_same_values_requested_shardings(a, b, fsdp4)
+    assert_same_values(a, b)
+    assert_requested_shardings(b, fsdp4)
     wte = b.params["wte"]
     assert len(wte.sharding.device_set) == 4 and {s.data.shape for s in wte.addressable_shards} == {(256, 16)}
 
@@ -130,6 +136,38 @@ def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
     rows = train_loop(fsdp4, fsdp4.compile(), log, b, resume_meta=meta)
     ref = losses(straight)
     np.testing.assert_allclose([r["loss"] for r in rows], [ref[s] for s in (11, 12, 13)], rtol=1e-5)
+
+
+def test_dp8_checkpoint_continues_in_a_pipeline(straight, half, tmp_path):
+    """Blocks saved as [L, ...] are restacked into [stage, L/stage, ...], moments too."""
+    w = copy(half, tmp_path)
+    dp8, pp = Experiment.build(build("gpt2_tiny_dp8")), Experiment.build(build("gpt2_tiny_pp2_dp4"))
+    (a, _), (b, _) = restore_both(w / "checkpoints", dp8, pp)
+    assert b.params["blocks"]["mlp"]["w_fc"].shape == (2, 1, 64, 256)
+    unstaged = jax.tree_util.tree_map_with_path(
+        lambda p, x: from_stages(x, pp.model.pipeline) if "'blocks'" in jax.tree_util.keystr(p) else x,
+        jax.device_get(b))
+    assert_same_values(a, unstaged)
+    assert_requested_shardings(b, pp)
+
+    assert train("gpt2_tiny_pp2_dp4", w) == 0
+    ref, got = losses(straight), losses(w)
+    np.testing.assert_allclose([got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)], rtol=1e-4)
+
+
+def test_circular_pipeline_checkpoint_restores_unpipelined(tmp_path):
+    w = tmp_path / "circular"
+    assert train("gpt2_tiny_pp4_dp2_circular", w, "--config.train.stop_at=2") == 0
+    circ = Experiment.build(build("gpt2_tiny_pp4_dp2_circular"))
+    flat = Experiment.build(build("gpt2_tiny_pp4_dp2_circular", **{
+        "mesh.shape": "data:8", "layout": "dp", "pipeline.microbatches": 0}))
+    (a, _), (b, _) = restore_both(w / "checkpoints", circ, flat, step=2)
+    assert b.opt_state[1][0].mu["blocks"]["attn"]["w_qkv"].shape[0] == 8  # layers in model order
+    restacked = jax.tree_util.tree_map_with_path(
+        lambda p, x: from_stages(x, circ.model.pipeline) if "'blocks'" in jax.tree_util.keystr(p) else x,
+        jax.device_get(a))
+    assert_same_values(restacked, b)
+    assert_requested_shardings(b, flat)
 
 
 @pytest.mark.parametrize("override, first", [
