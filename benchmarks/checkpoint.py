@@ -20,18 +20,23 @@ fresh temporary directory each time:
                     for sync the save is over, so this is a control)
     lost per save   save() blocks + (step after save - step): training time one save costs
 
-Every figure is the median over --repeats. The training loop (meshtrain/loop.py) does the
-same: `checkpointer.save(step, state, meta)` on the state a step returned, then the next
-step, which donates that state. The "donated" column says whether that next step could
-reuse the saved state's buffers. On CPU Orbax's "copy off the device" is `np.asarray`,
-a view of the buffer rather than a copy; while the background write holds such views
-the next step silently does not donate, so it allocates a second state (and the saved
-values stay intact). Timings on a shared CPU are noisy; compare rows of one run only.
+Every figure is the median over --repeats. The page cache is flushed (os.sync) before
+each timed phase: in a real run the previous save is long on disk by the next one.
+
+The training loop (meshtrain/loop.py) has the same pattern: `checkpointer.save(step,
+state, meta)` on the state a step returned, then the next step, which donates that state.
+The "donated" column says whether that next step could reuse the saved state's buffers.
+On CPU Orbax's "copy off the device" is `np.asarray`, a view of the buffer rather than a
+copy; while the background write holds such views the next step silently does not
+donate, so it allocates a second state (the saved values stay intact). A control step
+with such views held and no save running separates that cost from the write's
+competition for the cores. Timings on a shared CPU are noisy; compare rows of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -41,6 +46,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +57,23 @@ FULL = dict(config="gpt2_small_dp8", repeats=3, batch_size=2, seq_len=128)
 
 def tree_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def settle() -> None:
+    """Flushes what earlier saves left in the page cache. Otherwise the kernel writes it back
+    during the next timed phase, or throttles the next save once dirty pages pass its limit;
+    a real run saves every thousand steps or so and never meets its previous save's pages."""
+    if hasattr(os, "sync"):
+        os.sync()
+
+
+def quiet_explicit_waits() -> None:
+    """Orbax adds the time spent in an explicit wait() to its "Waiting for previous save to
+    complete took N seconds" warning at the next save(), though that save did not wait. The
+    benchmark waits explicitly between its saves (the training loop does not), so the
+    warning would report commit times as blocking; they are measured here instead."""
+    logging.getLogger("absl").addFilter(
+        lambda record: "Waiting for previous save" not in record.getMessage())
 
 
 class Bench:
@@ -91,12 +114,19 @@ class Bench:
             try:
                 # Commit time alone: save() then wait(), nothing else running.
                 self.step()
+                settle()
                 t0 = time.perf_counter()
                 self.save(ckpt)
                 ckpt.wait()
                 commit = time.perf_counter() - t0
-                # The training loop's pattern: step, save its state, next step at once.
+                settle()
                 plain, _ = self.step()
+                # Control: a step whose input cannot be donated (numpy views of it held, as
+                # an async save holds them on CPU), with no save running.
+                views = [np.asarray(x) for x in jax.tree.leaves(self.state)]
+                held, _ = self.step()
+                del views
+                # The training loop's pattern: step, save its state, next step at once.
                 blocks = self.save(ckpt)
                 after, donated = self.step()
                 t0 = time.perf_counter()
@@ -106,7 +136,7 @@ class Bench:
                 ckpt.close()
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        return dict(blocks=blocks, commit=commit, plain=plain, after=after,
+        return dict(blocks=blocks, commit=commit, plain=plain, held=held, after=after,
                     lost=blocks + after - plain, tail=tail, donated=float(donated))
 
 
@@ -150,6 +180,7 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 1)  # before any JAX operation: mesh data:1
 
     import orbax.checkpoint as ocp
+    quiet_explicit_waits()
     exp, compiled, tokens = build(args)
     bench = Bench(exp, compiled, tokens, args.dir)
     m = exp.model.cfg
@@ -198,6 +229,9 @@ def main() -> None:
           f"({med('sync', 'blocks'):.3f} s / {med('async', 'blocks'):.3f} s); "
           f"training time lost per save sync/async: "
           f"{med('sync', 'lost'):.2f} s / {med('async', 'lost'):.2f} s")
+    held = statistics.median(row["held"] for rows in results.values() for row in rows)
+    print(f"control, no save: a step whose input state is held by numpy views (not donated, "
+          f"so it allocates a new state) takes {held:.3f} s (median of all repeats and modes)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ checkpoint together. Either way the loop asks `reached(step)` after every step.
 from __future__ import annotations
 
 import signal
+import threading
 
 import jax
 
@@ -19,7 +20,9 @@ class Preemption:
         self.requested = False
         self.multiprocess = jax.process_count() > 1
         self.previous = None
-        if not self.multiprocess:
+        # Python lets only the main thread install handlers; a loop run from another
+        # thread (a notebook's background job) keeps the default SIGTERM.
+        if not self.multiprocess and threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
