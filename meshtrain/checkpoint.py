@@ -23,7 +23,6 @@ import logging
 import os
 import pathlib
 import re
-import sys
 import time
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshtrain import restage
-from meshtrain.errors import RunFailed, UserError
+from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.lock import LOCK_NAME
 
 STEP_PREFIX = "step"
@@ -39,11 +38,6 @@ STEP_NAME = re.compile(rf"{STEP_PREFIX}_(\d+)")
 # What Orbax has written by the time it renames a step into place.
 COMMIT_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "meta/metadata")
 IGNORED = "ignored"
-
-
-def warn(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"meshtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def is_committed(entry: pathlib.Path) -> bool:

@@ -17,6 +17,15 @@ class RunFailed(Exception):
     """Training stopped on purpose: the message says at which step, why, and what is saved."""
 
 
+def warn(message: str) -> None:
+    """`meshtrain: warning: MESSAGE` on stderr, once per run (process 0 only)."""
+    import sys
+
+    import jax
+    if jax.process_index() == 0:
+        print(f"meshtrain: warning: {message}", file=sys.stderr, flush=True)
+
+
 def run_command(run, argv, prog: str) -> int:
     """`run(argv)`'s exit status; a UserError becomes `PROG: error: MESSAGE` and status 2,
     a RunFailed the same message and status 1."""

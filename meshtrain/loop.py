@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshtrain.checkpoint import Checkpointer
-from meshtrain.errors import RunFailed
+from meshtrain.errors import RunFailed, warn
 from meshtrain.experiment import Experiment
 from meshtrain.preemption import Preemption
 from meshtrain.reporting import RunLog
@@ -35,7 +35,6 @@ class NonfiniteGuard:
     policy: str
     max_skips: int
     names: list[str]    # gradient leaf paths, as step.gradient_names
-    log: RunLog
     skipped: int = 0    # steps skipped in this run and the runs it resumed
     in_a_row: int = 0
 
@@ -53,7 +52,7 @@ class NonfiniteGuard:
                             f"optim.lr.")
         self.skipped += 1
         self.in_a_row += 1
-        self.log.warn(f"{what}; skipped, params and optimizer state unchanged "
+        warn(f"{what}; skipped, params and optimizer state unchanged "
                       f"({self.in_a_row} in a row, {self.skipped} in all).")
         if self.in_a_row >= self.max_skips:
             raise RunFailed(f"{self.in_a_row} steps in a row were non-finite, the last {what}. "
@@ -76,7 +75,7 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
     batches = exp.train_batches(start_step=start)
     if resume_meta is not None:
         batches.set_state(resume_meta["data"])
-    guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model), log,
+    guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model),
                            skipped=(resume_meta or {}).get("skipped", 0))
     preemption = Preemption()
     rows, pending = [], None

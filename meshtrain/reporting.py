@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import sys
 import time
 
 import jax
@@ -114,10 +113,6 @@ class RunLog:
     def say(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
-
-    def warn(self, line: str) -> None:
-        if self.enabled:
-            print(f"meshtrain: warning: {line}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError, run_command
+from meshtrain.errors import UserError, run_command, warn
 
 FLAGS = ("workdir",)
 
@@ -115,7 +115,7 @@ def run(argv: list[str]) -> int:
         say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
             f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
     for warning in pipeline.warnings_for(pipe):
-        print(f"meshtrain: warning: {warning}", file=sys.stderr)
+        warn(warning)
     workdir = flags.get("workdir")
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log = None, None
@@ -151,11 +151,9 @@ def run(argv: list[str]) -> int:
             state, meta = checkpointer.restore(resume_step, exp)
         train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
                    run_summary=checkpoint_lib.run_summary(exp))
-        if checkpointer is not None:
-            checkpointer.wait()
     finally:
         if checkpointer is not None:
-            checkpointer.close()
+            checkpointer.close()  # waits for the last save; a failed one raises RunFailed
         if log is not None:
             log.close()
         for lock in locks:
@@ -192,14 +190,17 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
     step = checkpointer.latest_step()
     if step is None:
         return checkpointer, None, None
-    saved = checkpointer.check_fits(step, exp).get("run", {})
+    try:
+        saved = checkpointer.check_fits(step, exp).get("run", {})
+    except BaseException:
+        checkpointer.close()  # the caller never gets it to close
+        raise
     say(f"resuming from step {step} ({checkpointer.where(step)}, saved under layout "
         f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
     for key in ("steps", "batch_size"):
         if key in saved and saved[key] != cfg.train[key]:
-            print(f"meshtrain: warning: train.{key} is {cfg.train[key]}, the checkpoint's run had "
-                  f"{saved[key]}" + (": the lr schedule now spans the new length."
-                                     if key == "steps" else "."), file=sys.stderr)
+            warn(f"train.{key} is {cfg.train[key]}, the checkpoint's run had {saved[key]}"
+                 + (": the lr schedule now spans the new length." if key == "steps" else "."))
     return checkpointer, step, saved
 
 

@@ -190,10 +190,14 @@ def test_unfinished_and_foreign_files_mean_a_fresh_start_with_a_warning(tmp_path
     (ckpt / "step_7" / "state").mkdir()
     (ckpt / "notes.txt").write_text("not ours")
     (ckpt / "step_3.orbax-checkpoint-tmp-1").mkdir()  # a stale tmp of the step we will save
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')  # an older run's rows
     assert train("gpt2_tiny_dp8", tmp_path, "--config.train.steps=3") == 0
     err = capsys.readouterr().err
     assert "holds no committed checkpoint" in err and "step_7" in err
-    assert sorted(losses(tmp_path)) == [1, 2, 3]  # started at step 1
+    assert sorted(losses(tmp_path)) == [1, 2, 3]  # started at step 1, in a metrics file of its own
+    (old,) = tmp_path.glob("metrics.*.jsonl")
+    assert old.read_text() == '{"step": 7, "loss": 1.0}\n'
+
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == ["ignored", "notes.txt", "step_3"], names  # tmp dirs gone, step_7 set aside
     assert [p.name.split("-")[0] for p in (ckpt / "ignored").iterdir()] == ["step_7"]

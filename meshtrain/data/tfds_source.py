@@ -19,7 +19,6 @@ import hashlib
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from meshtrain.data import token_dataset
 from meshtrain.data.source import DataSource
 from meshtrain.data.tokenizers import check_tokenizer_spec, load_tokenizer, make_tokenizer
 from meshtrain.data.windows import RecordStream, stream_source
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, warn
 from meshtrain.progress import Progress
 
 
@@ -46,8 +45,8 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
     asked = data_cfg.get("tokenizer") or "byte"
     if asked not in ("byte", tok.name) and "source" in meta and "tfds" not in meta["source"]:
         # 'byte' is the default, so only a tokenizer set on purpose is worth a word.
-        print(f"meshtrain: warning: data.tokenizer={asked!r} is not used: TFDS dataset "
-              f"{builder.name!r} carries its own tokenizer ({tok.describe()}).", file=sys.stderr)
+        warn(f"data.tokenizer={asked!r} is not used: TFDS dataset {builder.name!r} carries its "
+             f"own tokenizer ({tok.describe()}).")
     sources = builder.as_data_source()
     train, val = (_stream(sources[s], meta, s, builder) for s in (split, eval_split))
     info = {"kind": "tfds", "name": builder.name, "data_dir": str(builder.data_dir),
