@@ -146,27 +146,29 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
     def target(self, step: int, exp) -> tuple:
-        """(abstract TrainState to read step into, saved arrangement, meta). The target is
-        exp's state, with block stacks in the saved pipeline arrangement if it differs."""
+        """(abstract TrainState to read step into, saved arrangement, current arrangement,
+        meta). The target is exp's state, with block stacks in the saved pipeline
+        arrangement if it differs."""
         meta = self.read_meta(step)
         saved = restage.arrangement((meta.get("run") or {}).get("pipeline"))
         current = restage.arrangement(exp.model.pipeline)
         target = exp.abstract_state()
-        return (target if saved == current else restage.saved_target(target, current, saved)), saved, meta
+        if saved != current:
+            target = restage.saved_target(target, current, saved)
+        return target, saved, current, meta
 
     def check_fits(self, step: int, exp) -> dict:
         """Compares the saved shapes and dtypes with what `exp` would read; returns meta."""
-        target, _, meta = self.target(step, exp)
+        target, _, _, meta = self.target(step, exp)
         saved = self.manager.item_metadata(step)["state"]
         check_fits(getattr(saved, "tree", saved), target, self.where(step), meta.get("run"))
         return meta
 
     def restore(self, step: int, exp):
         """(TrainState in exp's shardings, meta), from any layout, mesh or pipeline arrangement."""
-        target, saved, _ = self.target(step, exp)
+        target, saved, current, _ = self.target(step, exp)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        current = restage.arrangement(exp.model.pipeline)
         state = restored.state
         if saved != current:
             state = restage.restack(state, current, saved, exp.shardings)
