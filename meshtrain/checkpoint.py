@@ -235,6 +235,18 @@ def checkpoint_dir(cfg, workdir: str | None) -> str | None:
     return os.path.join(workdir, "checkpoints") if workdir else None
 
 
+def safe_on_disk(directory: pathlib.Path) -> str:
+    """One sentence on what a crash now would keep, for the message of a lost process."""
+    try:
+        steps = committed_steps(directory)
+    except OSError:
+        return ""
+    if not steps:
+        return f"No checkpoint was committed yet in {directory}."
+    return (f"Committed checkpoints are kept; the latest is step {steps[-1]} in {directory}, "
+            f"and rerunning the same command (or resubmitting the job) resumes from it.")
+
+
 def run_summary(exp) -> dict:
     """What a checkpoint records about the run that saved it (meta["run"])."""
     m, t = exp.model.cfg, exp.cfg.train
@@ -245,5 +257,6 @@ def run_summary(exp) -> dict:
         "model": (f"{m.num_layers} layers, {m.num_heads} heads, embed {m.embed_dim}, mlp {m.mlp_dim}, "
                   f"vocab {m.padded_vocab_size}, seq_len {m.seq_len}, params {m.param_dtype}"),
         "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
+        "processes": jax.process_count(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

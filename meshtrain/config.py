@@ -31,6 +31,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         dropout=0.0, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=True,
     )
+    # dcn: the inter-node factor of each axis, e.g. "data:2" (docs/multihost.md).
     c.mesh = dict(shape=mesh, dcn="")
     c.layout = layout
     # nonfinite: "crash" stops at a step with a non-finite loss or gradient, "skip" leaves
@@ -44,6 +45,9 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}
     # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.
     c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1)
+    # Multi-process runs (docs/multihost.md), in seconds: how long processes wait for each
+    # other at start, and how long a silent process may stay silent before all stop.
+    c.distributed = dict(init_timeout=300, heartbeat_timeout=60)
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
                    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
     # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain

@@ -26,15 +26,14 @@ def warn(message: str) -> None:
         print(f"meshtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
-def run_command(run, argv, prog: str) -> int:
+def run_command(run, argv, prog: str, ended: dict | None = None) -> int:
     """`run(argv)`'s exit status; a UserError becomes `PROG: error: MESSAGE` and status 2,
-    a RunFailed the same message and status 1."""
+    a RunFailed the same message and status 1. `ended["message"]` receives that message."""
     import sys
     try:
         return run(sys.argv[1:] if argv is None else argv)
-    except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+    except (UserError, RunFailed) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if ended is not None:
+            ended["message"] = str(e)
+        return 2 if isinstance(e, UserError) else 1

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import layouts, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import distributed, layouts, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -166,8 +166,8 @@ class Experiment:
         devices = list(devices if devices is not None else jax.devices())
         shape = mesh_lib.parse_shape(mesh_shape if mesh_shape is not None else cfg.mesh.shape)
         shape = mesh_lib.resolve_shape(shape, len(devices))
-        dcn = mesh_lib.parse_shape(cfg.mesh.dcn) if cfg.mesh.dcn else None
-        mesh = mesh_lib.make_mesh(shape, devices if dcn is None else None, dcn=dcn)
+        dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape) if mesh_shape is None else None
+        mesh = mesh_lib.make_mesh(shape, devices, dcn=dcn, hosts=distributed.hosts())
         layout, model, source = validate(cfg, mesh)
 
         total = max(cfg.train.steps, 1)

@@ -124,14 +124,10 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
-def collectives(compiled_or_text) -> dict[str, Collective]:
-    """Per-step collectives of a compiled program, by kind (see the module docstring)."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+def _collective_ops(text: str):
+    """(kind, executions per step, attributes text, result bytes) of every collective."""
     comps, entry = _computations(text)
     mult = _multiplicities(comps, entry)
-    partitions = re.search(r"num_partitions=(\d+)", text)
-    devices = int(partitions.group(1)) if partitions else 1
-    out = {k: Collective() for k in KINDS}
     for name, lines in comps.items():
         for line in lines:
             m = _INSTRUCTION.match(line)
@@ -146,14 +142,83 @@ def collectives(compiled_or_text) -> dict[str, Collective]:
             if op.group(1).endswith("-start"):  # async: (operand, result); count the result
                 shape = " ".join(_SHAPE.findall(shape)[-1])
                 shape = shape.replace(" ", "[", 1) + "]"
-            nbytes = shape_bytes(shape)
-            c = out[kind]
-            c.count += mult[name]
-            c.bytes += mult[name] * nbytes
-            wire = _wire(kind, nbytes, group_size(rhs))
-            if kind == "collective-permute":
-                wire *= _senders(rhs, devices)
-            c.wire += mult[name] * wire
+            yield kind, mult[name], rhs, shape_bytes(shape)
+
+
+def collectives(compiled_or_text) -> dict[str, Collective]:
+    """Per-step collectives of a compiled program, by kind (see the module docstring)."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    devices = int(partitions.group(1)) if partitions else 1
+    out = {k: Collective() for k in KINDS}
+    for kind, times, rhs, nbytes in _collective_ops(text):
+        c = out[kind]
+        c.count += times
+        c.bytes += times * nbytes
+        wire = _wire(kind, nbytes, group_size(rhs))
+        if kind == "collective-permute":
+            wire *= _senders(rhs, devices)
+        c.wire += times * wire
+    return out
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """`[2,4]` with `T(1,0)`: iota over the dims, transposed."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(attrs: str, devices: int) -> list[list[int]]:
+    """The device groups of a collective, as partition ids (positions in the mesh's
+    flattened device order): `{{0,4},{1,5}}`, iota `[2,4]<=[4,2]T(1,0)`, or
+    `mesh['axis_0'=2,'axis_1'=4], device_ids=... {'axis_1'}`. A collective-permute
+    gives its source-target pairs."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(?\[([\d,]+)\](?:<=\[[\d,]+\])?"
+                  r"(?:T\(([\d,]+)\))?\)?)?(?: \{('[^}]*)\})?", attrs)
+    if m:
+        names_sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [n for n, _ in names_sizes], [int(v) for _, v in names_sizes]
+        ids = _iota(m.group(2), m.group(3)).reshape(sizes) if m.group(2) else np.arange(int(np.prod(sizes))).reshape(sizes)
+        axes = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4) or "")] or list(range(len(names)))
+        rest = [k for k in range(len(names)) if k not in axes]
+        grouped = ids.transpose(rest + axes).reshape(-1, int(np.prod([sizes[k] for k in axes])))
+        return grouped.tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        shape = [int(d) for d in m.group(1).split(",")]
+        return _iota(m.group(2), m.group(3)).reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", attrs)
+    if m:
+        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if m:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")]
+    return [list(range(devices))]
+
+
+def collectives_by_axes(compiled_or_text, mesh, node_of=None) -> dict[tuple[str, ...], dict]:
+    """Collectives per step keyed by the mesh axes their groups span, with the most nodes
+    one group touches: {("tensor",): {"count": {"all-reduce": 14}, "nodes": 1},
+    ("data",): {"count": {"all-reduce": 3}, "nodes": 2}}. An axis is spanned when members
+    of one group sit at different positions along it. `node_of(device)` defaults to the
+    device's process."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    flat = mesh.devices.flatten()
+    node_of = node_of or (lambda d: d.process_index)
+    nodes = np.array([node_of(d) for d in flat])
+    position = np.stack(np.unravel_index(np.arange(flat.size), mesh.devices.shape), axis=1)
+    out: dict[tuple[str, ...], dict] = {}
+    for kind, times, rhs, _ in _collective_ops(text):
+        spanned, most = set(), 1
+        for group in replica_groups(rhs, flat.size):
+            varies = np.ptp(position[group], axis=0) > 0
+            spanned |= {a for a, v in zip(mesh.axis_names, varies) if v}
+            most = max(most, len(set(nodes[group].tolist())))
+        entry = out.setdefault(tuple(a for a in mesh.axis_names if a in spanned),
+                               {"count": collections.Counter(), "nodes": 1})
+        entry["count"][kind] += times
+        entry["nodes"] = max(entry["nodes"], most)
     return out
 
 

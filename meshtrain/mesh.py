@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -70,6 +71,11 @@ def format_shape(shape: Mapping[str, int]) -> str:
     return ",".join(f"{a}:{shape[a]}" for a in AXES)
 
 
+def format_factors(shape: Mapping[str, int]) -> str:
+    """Only the axes above 1: {"data": 2, "tensor": 1, ...} -> "data:2"."""
+    return ",".join(f"{a}:{shape[a]}" for a in AXES if shape[a] != 1) or "1"
+
+
 def resolve_shape(shape: Mapping[str, int], num_devices: int, *, why: str = "") -> dict[str, int]:
     """Fills a -1 axis and checks that the product equals `num_devices`.
 
@@ -121,11 +127,13 @@ def _has_accelerator_plugin() -> bool:
                for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin", "libtpu"))
 
 
-def simulate_cpu_devices(shape: Mapping[str, int]) -> tuple[int, str]:
-    """Makes the device count match `shape` on a CPU-only host; returns (count, source).
+def simulate_cpu_devices(shape: Mapping[str, int], processes: int = 1) -> tuple[int, str]:
+    """Makes the device count match `shape` on a CPU-only host; returns (global count, source).
 
-    Must run before the JAX backend starts. On accelerators, or when the CPU count
-    was pinned, it changes nothing and returns the fixed count and why it is fixed.
+    Must run before the JAX backend starts (after `jax.distributed.initialize` when
+    there are several processes: each then simulates its share of the mesh). On
+    accelerators, or when the CPU count was pinned, it changes nothing and returns
+    the fixed count and why it is fixed.
     """
     want = math.prod(s for s in shape.values() if s != -1)
     if _backend_started():
@@ -137,30 +145,119 @@ def simulate_cpu_devices(shape: Mapping[str, int]) -> tuple[int, str]:
             f"device count is simulated to fit the mesh, so there is nothing to fill it from. "
             f"Give every axis a size, or pin the count, e.g. JAX_NUM_CPU_DEVICES=8.")
     if pinned is None:
-        jax.config.update("jax_num_cpu_devices", want)
+        if want % processes == 0:
+            jax.config.update("jax_num_cpu_devices", want // processes)
+        elif not _has_accelerator_plugin():
+            raise UserError(
+                f"Mesh {format_shape(shape)} needs {want} devices, which {processes} processes "
+                f"cannot share evenly ({want} / {processes}). Use a process count that divides "
+                f"{want}, or change mesh.shape.")
     devices = jax.devices()
+    if processes > 1:
+        what = "" if devices[0].platform != "cpu" else (
+            " (count pinned by JAX_NUM_CPU_DEVICES or XLA_FLAGS)" if pinned is not None else " (simulated)")
+        return len(devices), (f"{processes} processes x {jax.local_device_count()} "
+                              f"{devices[0].platform} devices each{what}")
     if devices[0].platform != "cpu":
-        return len(jax.devices()), f"{devices[0].platform} devices on this host"
+        return len(devices), f"{devices[0].platform} devices on this host"
     if pinned is not None:
         return len(devices), "CPU device count pinned by JAX_NUM_CPU_DEVICES or XLA_FLAGS"
     return len(devices), "simulated CPU devices"
 
 
+def parse_dcn(spec: str, shape: Mapping[str, int]) -> dict[str, int] | None:
+    """`mesh.dcn` ("data:2") -> the inter-node factor of every axis, checked against `shape`.
+
+    None when there is no DCN factor. Each factor must divide its axis; the rest of
+    the axis (its ICI factor) stays inside a node.
+    """
+    if not spec:
+        return None
+    dcn = parse_shape(spec)
+    if -1 in dcn.values():
+        raise UserError(f"mesh.dcn={spec!r}: DCN factors are node counts and cannot be -1.")
+    for axis in AXES:
+        if shape[axis] % dcn[axis]:
+            raise UserError(
+                f"mesh.dcn={spec!r} puts {dcn[axis]} nodes on axis {axis!r}, but the mesh gives that "
+                f"axis {shape[axis]} devices ({format_shape(shape)}), which {dcn[axis]} does not "
+                f"divide. Each DCN factor must divide its axis: the axis is DCN x ICI, nodes x "
+                f"devices per node.")
+    return dcn if math.prod(dcn.values()) > 1 else None
+
+
+def dcn_warnings(dcn: Mapping[str, int] | None) -> list[str]:
+    """Placements that send heavy traffic over the slow inter-node links."""
+    if dcn and dcn["tensor"] > 1:
+        return [f"mesh.dcn puts the tensor axis across {dcn['tensor']} nodes: tensor parallelism "
+                f"all-reduces activations in every layer, forward and backward, and is the one "
+                f"layout that should stay inside a node. Put data (or fsdp, or stage) on DCN instead."]
+    return []
+
+
+def granules(devices: Sequence[jax.Device], count: int, hosts: Sequence[str]) -> tuple[list[int], str]:
+    """The node ("granule") of each device, for `count` nodes, and how they were found.
+
+    Nodes are hosts when there are `count` of them; else processes, when there are
+    `count` (several processes on one machine rehearsing a cluster); else, in one
+    process, `count` equal runs of its devices (a laptop trying a cluster layout).
+    `hosts[p]` is the host of process p.
+    """
+    distinct = list(dict.fromkeys(hosts))
+    if len(distinct) == count:
+        return [distinct.index(hosts[d.process_index]) for d in devices], f"{count} hosts"
+    if len(hosts) == count:
+        return ([d.process_index for d in devices],
+                f"{count} processes on {len(distinct)} host(s), each standing in for a node")
+    if len(hosts) == 1 and len(devices) % count == 0:
+        per = len(devices) // count
+        return [k // per for k in range(len(devices))], f"simulated: {count} groups of {per} devices in one process"
+    raise UserError(
+        f"mesh.dcn spans {count} nodes (the product of its factors), but this run has "
+        f"{len(hosts)} process(es) on {len(distinct)} host(s). Make the DCN factors multiply to "
+        f"the number of nodes ({len(distinct)}), or leave mesh.dcn empty on one node.")
+
+
+def hybrid_grid(shape: Mapping[str, int], dcn: Mapping[str, int], devices: Sequence[jax.Device],
+                hosts: Sequence[str]) -> tuple[np.ndarray, str]:
+    """Devices arranged [data, stage, fsdp, tensor] with each axis split DCN x ICI: position
+    k along an axis is node k // ici, device k % ici within the node. Returns (grid, how the
+    nodes were found)."""
+    dcn_sizes = [dcn[a] for a in AXES]
+    ici_sizes = [shape[a] // dcn[a] for a in AXES]
+    count, per = math.prod(dcn_sizes), math.prod(ici_sizes)
+    of, how = granules(devices, count, hosts)
+    groups = [sorted((d for d, g in zip(devices, of) if g == k), key=lambda d: d.id) for k in range(count)]
+    sizes = sorted({len(g) for g in groups})
+    if sizes != [per]:
+        ici = format_factors(dict(zip(AXES, ici_sizes)))
+        raise UserError(
+            f"Mesh {format_shape(shape)} with mesh.dcn={format_factors(dcn)} needs {per} devices in "
+            f"each of {count} nodes (ICI {ici}: {' x '.join(map(str, ici_sizes))} = {per}), but the "
+            f"nodes ({how}) have {' or '.join(map(str, sizes))} devices each. Choose ICI factors "
+            f"that multiply to the devices of one node.")
+    grid = np.empty((count, per), dtype=object)
+    for k, group in enumerate(groups):
+        grid[k] = group
+    # [dcn..., ici...] -> interleave each axis's (dcn, ici) pair -> merge each pair.
+    grid = grid.reshape(dcn_sizes + ici_sizes).transpose(0, 4, 1, 5, 2, 6, 3, 7)
+    return grid.reshape([shape[a] for a in AXES]), how
+
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
-              dcn: Mapping[str, int] | None = None) -> Mesh:
+              dcn: Mapping[str, int] | None = None, hosts: Sequence[str] | None = None) -> Mesh:
     """A Mesh with axes AXES in Auto mode (XLA propagates shardings).
 
-    `dcn` gives the inter-host factor of each axis for multi-host runs: the axis
-    size is then dcn x ici, with the slow DCN factor outermost.
+    `dcn` gives the inter-node factor of each axis (`parse_dcn`): the axis size is
+    then DCN x ICI, with the slow DCN factor outermost, and every ICI factor inside
+    one node. `hosts[p]` is the host of process p (default: this host for all).
     """
     sizes = tuple(shape[a] for a in AXES)
     auto = (AxisType.Auto,) * len(AXES)
     if dcn and math.prod(dcn.values()) > 1:
-        from jax.experimental import mesh_utils
-        dcn_sizes = tuple(dcn.get(a, 1) for a in AXES)
-        ici_sizes = tuple(s // d for s, d in zip(sizes, dcn_sizes))
-        grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices=devices)
-        return Mesh(grid, AXES, axis_types=auto)
+        devices = list(devices if devices is not None else jax.devices())
+        hosts = list(hosts) if hosts is not None else [socket.gethostname()] * jax.process_count()
+        return Mesh(hybrid_grid(shape, dcn, devices, hosts)[0], AXES, axis_types=auto)
     if devices is not None:
         return Mesh(np.asarray(devices).reshape(sizes), AXES, axis_types=auto)
     return jax.make_mesh(sizes, AXES, axis_types=auto)

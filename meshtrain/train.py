@@ -15,21 +15,10 @@ import os
 import sys
 import time
 
-from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain import config as config_lib, distributed, launch as launch_lib, mesh as mesh_lib
 from meshtrain.errors import UserError, run_command, warn
 
-FLAGS = ("workdir",)
-
-
-def _maybe_initialize_distributed() -> None:
-    """Multi-process launches join one JAX runtime: SLURM (detected by JAX), or local
-    processes given JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
-    import jax
-    if os.environ.get("JAX_NUM_PROCESSES"):
-        jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                                   process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()
+FLAGS = ("workdir", "coordinator", "num_processes", "process_id")
 
 
 def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
@@ -81,21 +70,32 @@ def _pipeline_info(pipe) -> dict | None:
             "ticks": pipe.ticks, "bubble": pipe.bubble}
 
 
-def run(argv: list[str]) -> int:
+def run(argv: list[str], started: dict | None = None) -> int:
+    """The CLI. `started["cluster"]` receives the joined processes, so `main` can tell
+    the others how this process ended."""
     name, overrides, flags = config_lib.parse_args(argv)
     unknown = set(flags) - set(FLAGS)
     if unknown:
         raise UserError(f"Unknown flag(s) {', '.join('--' + f for f in sorted(unknown))}. The flags "
-                        f"are --config=NAME, --config.key=value and --workdir=DIR.")
+                        f"are --config=NAME, --config.key=value, --workdir=DIR and, for one of several "
+                        f"processes, --coordinator=HOST:PORT --num_processes=N --process_id=I.")
     cfg = config_lib.load(name)
     for key, value in overrides:
         config_lib.override(cfg, key, value)
 
-    # The device count must be settled before JAX starts its backend.
+    # Who we are and how many: before JAX starts its backend, which fixes the device count.
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
-    _maybe_initialize_distributed()
-    count, source = mesh_lib.simulate_cpu_devices(shape)
-    mesh_lib.resolve_shape(shape, count, why=source)
+    launch = launch_lib.detect(flags, os.environ)
+    d = cfg.distributed
+    if d.init_timeout <= 0 or d.heartbeat_timeout <= 0:
+        raise UserError(f"distributed.init_timeout={d.init_timeout} and distributed.heartbeat_timeout="
+                        f"{d.heartbeat_timeout} must be positive (seconds).")
+    cluster = distributed.start(launch, cfg, flags)
+    if started is not None:
+        started["cluster"] = cluster
+    count, source = mesh_lib.simulate_cpu_devices(shape, launch.num_processes)
+    shape = mesh_lib.resolve_shape(shape, count, why=source)
+    dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
 
     import jax
 
@@ -105,9 +105,21 @@ def run(argv: list[str]) -> int:
 
     exp = Experiment.build(cfg)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source}), "
-        f"{jax.process_count()} process(es)")
+    say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
+    if launch.multiprocess:
+        for line in cluster.describe():
+            say(line)
     say(f"mesh: {mesh_lib.format_shape(exp.mesh.shape)} | layout {exp.layout.name}: {exp.layout.describe()}")
+    if dcn:
+        _, nodes = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), cluster.hosts)
+        say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
+            f"inside a node")
+    for warning in mesh_lib.dcn_warnings(dcn):
+        warn(warning)
+    if dcn is None and len(set(cluster.hosts)) > 1:
+        warn(f"the run spans {len(set(cluster.hosts))} hosts but mesh.dcn is empty, so any axis may "
+             f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
+             f"data:{len(set(cluster.hosts))}, to keep tensor parallelism inside a node.")
     say(f"model: {exp.num_params():,} parameters (closed form), vocab {exp.model.cfg.vocab_size} "
         f"padded to {exp.model.cfg.padded_vocab_size}")
     pipe = exp.model.pipeline
@@ -121,6 +133,8 @@ def run(argv: list[str]) -> int:
     checkpointer, log = None, None
     try:
         checkpointer, resume_step, saved_run = open_checkpoints(cfg, exp, workdir, say)
+        if checkpointer is not None:
+            cluster.set_note(lambda: checkpoint_lib.safe_on_disk(checkpointer.dir))
         if resume_step is not None and resume_step >= (cfg.train.stop_at or cfg.train.steps):
             say(f"checkpoint step {resume_step} is already at train.stop_at/train.steps "
                 f"({cfg.train.stop_at or cfg.train.steps}): nothing to train.")
@@ -139,6 +153,9 @@ def run(argv: list[str]) -> int:
                                reporting.peak_flops(jax.devices()[0]), jax.device_count(),
                                resume_step=resume_step)
         info = _run_info(name, exp, memory, compile_s, source)
+        info["distributed"] = cluster.info()
+        if dcn or launch.multiprocess:
+            info["collectives_by_axes"] = _traffic(compiled, exp.mesh, dcn, cluster.hosts, say)
         info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
                               "resumed_from_step": resume_step, "saved_by": saved_run}
         log.write_run(info)
@@ -159,6 +176,26 @@ def run(argv: list[str]) -> int:
         for lock in locks:
             lock.release()
     return 0
+
+
+def _traffic(compiled, mesh, dcn, hosts: list[str], say) -> dict:
+    """Says which collectives cross nodes; returns them for run.json."""
+    import jax
+
+    from meshtrain import hlo
+    if dcn:
+        of, _ = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), hosts)
+        node = {d.id: g for d, g in zip(jax.devices(), of)}
+    else:
+        node = {d.id: hosts.index(hosts[d.process_index]) for d in jax.devices()}
+    traffic = hlo.collectives_by_axes(compiled, mesh, lambda d: node[d.id])
+    parts = []
+    for axes, entry in traffic.items():
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(entry["count"].items()))
+        where = "inside nodes" if entry["nodes"] == 1 else f"across {entry['nodes']} nodes"
+        parts.append(f"{'+'.join(axes) or 'no axis'}: {kinds} ({where})")
+    say("collectives per step by mesh axis: " + " | ".join(parts))
+    return {"+".join(axes): {"count": dict(e["count"]), "nodes": e["nodes"]} for axes, e in traffic.items()}
 
 
 def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
@@ -195,7 +232,8 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
     except BaseException:
         checkpointer.close()  # the caller never gets it to close
         raise
-    say(f"resuming from step {step} ({checkpointer.where(step)}, saved under layout "
+    by = f" by {saved['processes']} processes" if saved.get("processes", 1) > 1 else ""
+    say(f"resuming from step {step} ({checkpointer.where(step)}, saved{by} under layout "
         f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
     for key in ("steps", "batch_size"):
         if key in saved and saved[key] != cfg.train[key]:
@@ -205,7 +243,33 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(run, argv, "meshtrain")
+    """Runs the CLI. One of several processes tells the others how it ended, so a failure
+    on one stops them all, and leaves at once: waiting in JAX's shutdown barrier for
+    processes that will not come would only delay the exit."""
+    started: dict = {}
+    ended: dict = {}
+    try:
+        status = run_command(lambda a: run(a, started), argv, "meshtrain", ended)
+    except BaseException as e:  # a bug, or Ctrl-C: still tell the others before going
+        cluster = started.get("cluster")
+        if cluster is None or not cluster.launch.multiprocess:
+            raise
+        import traceback
+        traceback.print_exc()
+        cluster.leave(1, f"{type(e).__name__}: {e}")
+        _exit_now(1)
+    cluster = started.get("cluster")
+    if cluster is not None and cluster.launch.multiprocess:
+        cluster.leave(status, ended.get("message", ""))
+        if status != 0:
+            _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

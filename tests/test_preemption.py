@@ -9,14 +9,13 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from meshtrain.train import main
+from processes import free_port, steps_on_disk, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0"]
@@ -33,14 +32,6 @@ def output(workdir, log="out.txt") -> str:
     return (workdir.parent / f"{workdir.name}-{log}").read_text()
 
 
-def wait_for(predicate, timeout=180.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def losses(workdir) -> dict[int, str]:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"].hex() for r in rows if "loss" in r}
@@ -49,11 +40,6 @@ def losses(workdir) -> dict[int, str]:
 def logged(workdir, step, log="out.txt") -> bool:
     path = workdir.parent / f"{workdir.name}-{log}"
     return path.exists() and re.search(rf"^step +{step}/", path.read_text(), re.M) is not None
-
-
-def steps_on_disk(workdir) -> list[int]:
-    ckpt = workdir / "checkpoints"
-    return sorted(int(p.name[5:]) for p in ckpt.iterdir() if p.name[5:].isdigit()) if ckpt.exists() else []
 
 
 def test_sigterm_saves_at_the_next_step_exits_0_and_the_restart_resumes_there(tmp_path):
@@ -104,12 +90,6 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path):
     assert p.wait(timeout=180) == 0, output(w, "run2.txt")
     assert not any("tmp" in q.name for q in ckpt.iterdir())
     assert losses(w) == losses(ref)  # bit for bit, every step
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ TFDS datasets tokenized once, two processes reading disjoint shards, and errors.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from meshtrain.data import make_source, tfds_source
 from meshtrain.data.prepare import main as prepare
 from meshtrain.data.tokenizers import load_tokenizer
 from meshtrain.errors import UserError
+from processes import free_port
 
 SEQ = 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,18 +159,12 @@ def test_other_tfds_dataset_is_tokenized_once(tmp_path, monkeypatch):
                     vocab_size=-1, seq_len=SEQ, seed=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_read_disjoint_shards_of_the_global_batch(tmp_path):
     assert _prepare(tmp_path, "--tokenizer=byte") == 0
     out = tmp_path / "out"
     out.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "data_worker.py"), str(p), "2",
                                port, str(tmp_path / "d"), str(out)], env=env,

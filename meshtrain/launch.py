@@ -1,0 +1,198 @@
+"""How this process was launched: one process, SLURM's srun, or explicit flags / variables.
+
+`detect(flags, environ)` reads nothing but its arguments, so every cluster shape
+(one process per node with all its GPUs, one per GPU, GPUs bound per task, a
+batch shell without srun) is tested with a dict of variables:
+
+    --coordinator=HOST:PORT --num_processes=N --process_id=I   (flags win)
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID   (the same, as variables)
+    SLURM_* under srun                                           (detected)
+
+Ports. `HOST:PORT` is JAX's coordination service; meshtrain's own rendezvous and
+liveness channel (meshtrain/rendezvous.py) listens on PORT + 1 on the same host.
+Under SLURM both come from the job id: PORT = 57344 + 2 x (job id mod 2048), so
+two jobs whose first node is the same never share a port (JAX's own default,
+61440 + job id mod 4096, would make job j's PORT + 1 job j+1's PORT).
+`JAX_COORDINATOR_PORT` overrides it.
+
+GPUs per process under SLURM: a task alone on its node drives every visible GPU;
+k tasks on a node that all see the same G GPUs split them, task l taking ordinals
+[l G/k, (l+1) G/k); tasks that Slurm bound to their own GPUs (--gpus-per-task,
+--gpu-bind) use what they see. JAX's own detection gives every task one GPU,
+which is wrong for one process per node (jax-ml/jax#16788, maxtext#865).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+from meshtrain.errors import UserError
+
+SLURM_PORT_BASE = 57344
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    method: str                    # "single", "slurm", "flags" or "environment"
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator: str | None = None  # HOST:PORT of JAX's coordination service
+    local_device_ids: tuple[int, ...] | None = None  # GPU ordinals this process drives
+    where: str = ""                # how it was detected, for the start-up log
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def rendezvous(self) -> tuple[str, int]:
+        """(host, port) of meshtrain's rendezvous on process 0: JAX's port + 1."""
+        host, port = split_address(self.coordinator)
+        return host, port + 1
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"Coordinator address {address!r} is not HOST:PORT, e.g. "
+                        f"--coordinator=node001:61440.")
+    return host.strip("[]"), int(port)
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compressed host list: "gpu[01-03,07],login" -> [gpu01, gpu02, gpu03, gpu07, login]."""
+    return [host for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text) for host in _expand_item(item)]
+
+
+def _expand_item(item: str) -> list[str]:
+    m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+    if not m:
+        return [item]
+    prefix, ranges, rest = m.groups()
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for n in range(int(lo), int(hi or lo) + 1):
+            out += [f"{prefix}{n:0{len(lo)}d}{tail}" for tail in _expand_item(rest)]
+    return out
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """SLURM_STEP_TASKS_PER_NODE: "4(x2),3" -> [4, 4, 3]."""
+    counts = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise UserError(f"Cannot read SLURM_STEP_TASKS_PER_NODE={text!r}.")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _int(value, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{what} must be an integer, got {value!r}.") from None
+
+
+def detect(flags: Mapping[str, str], environ: Mapping[str, str]) -> Launch:
+    """The launch of this process, from its flags and environment; misuse is a UserError."""
+    given = {k: flags[k] for k in ("coordinator", "num_processes", "process_id") if k in flags}
+    if given:
+        return _explicit(given, "flags", "--{}", "flags")
+    names = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+             "process_id": "JAX_PROCESS_ID"}
+    given = {k: environ[v] for k, v in names.items() if environ.get(v)}
+    if given and (len(given) > 1 or "num_processes" in given):
+        return _explicit(given, "environment", "{}", "variables", names)
+    if "SLURM_JOB_ID" in environ:
+        return _slurm(environ)
+    return Launch("single", where="one process")
+
+
+def _explicit(given: dict, method: str, spell: str, kind: str, names: dict | None = None) -> Launch:
+    name = (lambda k: spell.format(names[k] if names else k))  # noqa: E731
+    missing = [name(k) for k in ("coordinator", "num_processes", "process_id") if k not in given]
+    if missing:
+        raise UserError(
+            f"A multi-process launch needs the coordinator address, the process count and this "
+            f"process's id; the {kind} lack {', '.join(missing)}. Give all three, e.g. "
+            f"--coordinator=HOST:PORT --num_processes=2 --process_id=0 (or use "
+            f"launch/local.sh N CONFIG to start N local processes).")
+    n = _int(given["num_processes"], name("num_processes"))
+    i = _int(given["process_id"], name("process_id"))
+    if n < 1 or not 0 <= i < n:
+        raise UserError(f"{name('process_id')}={i} with {name('num_processes')}={n}: the id must be "
+                        f"in 0..{n - 1}.")
+    split_address(given["coordinator"])
+    return Launch(method, n, i, given["coordinator"] if n > 1 else None,
+                  where=f"{kind}: process {i} of {n}, coordinator {given['coordinator']}")
+
+
+def _slurm(env: Mapping[str, str]) -> Launch:
+    job = env["SLURM_JOB_ID"]
+    tasks = _int(env.get("SLURM_NTASKS", "1"), "SLURM_NTASKS")
+    nodes = _int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")), "SLURM_JOB_NUM_NODES")
+    if "SLURM_STEP_NODELIST" not in env or "SLURM_PROCID" not in env:
+        # The batch shell of sbatch, or a shell of salloc: not a job step.
+        if tasks > 1 or nodes > 1:
+            raise UserError(
+                f"This is SLURM job {job} with {tasks} task(s) on {nodes} node(s), but the trainer was "
+                f"started outside srun, so it would train in one process on one node and leave the "
+                f"rest idle. Start it with srun: `srun python -m meshtrain.train --config=...` "
+                f"(launch/slurm.sbatch does this).")
+        return Launch("single", where=f"one process in SLURM job {job} (outside srun)")
+    tasks = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+    rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+    where = f"SLURM job {job} step {env.get('SLURM_STEP_ID', '?')}"
+    if tasks == 1:
+        return Launch("single", where=f"one process, {where}")
+    hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
+    port = env.get("JAX_COORDINATOR_PORT") or SLURM_PORT_BASE + 2 * (int(job) % 2048)
+    per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(tasks)))
+    node = env.get("SLURMD_NODENAME")
+    node_index = hosts.index(node) if node in hosts else _int(env.get("SLURM_NODEID", "0"), "SLURM_NODEID")
+    local_tasks = per_node[node_index] if node_index < len(per_node) else 1
+    local_rank = _int(env.get("SLURM_LOCALID", "0"), "SLURM_LOCALID")
+    ids = slurm_local_device_ids(env, local_tasks, local_rank)
+    return Launch("slurm", tasks, rank, f"{hosts[0]}:{port}", ids,
+                  where=f"{where}: task {rank} of {tasks} on {len(hosts)} node(s), "
+                        f"{local_tasks} on this node ({node or hosts[node_index]})")
+
+
+def visible_gpus(env: Mapping[str, str]) -> int | None:
+    """GPUs this process may see: CUDA_VISIBLE_DEVICES, else nvidia-smi's count, else None."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(line.startswith("GPU ") for line in out.splitlines()) or None
+
+
+def slurm_local_device_ids(env: Mapping[str, str], local_tasks: int,
+                           local_rank: int) -> tuple[int, ...] | None:
+    """GPU ordinals for task `local_rank` of `local_tasks` on its node; None means all it sees."""
+    if env.get("JAX_LOCAL_DEVICE_IDS"):
+        return tuple(int(x) for x in env["JAX_LOCAL_DEVICE_IDS"].split(","))
+    if local_tasks == 1 or env.get("SLURM_GPUS_PER_TASK") or "per_task" in env.get("SLURM_GPU_BIND", ""):
+        return None
+    gpus = visible_gpus(env)
+    if not gpus:
+        return None  # a CPU node: simulated devices, nothing to split
+    if gpus < local_tasks:
+        return None  # fewer GPUs visible than tasks here: Slurm bound each task to its own
+    if gpus % local_tasks:
+        raise UserError(
+            f"{local_tasks} SLURM tasks on this node share {gpus} visible GPUs, which do not split "
+            f"evenly ({gpus} / {local_tasks}). Use --ntasks-per-node=1 (one process drives every "
+            f"GPU) or --ntasks-per-node={gpus} (one per GPU), or bind GPUs with --gpus-per-task.")
+    k = gpus // local_tasks
+    return tuple(range(local_rank * k, (local_rank + 1) * k))

@@ -1,0 +1,69 @@
+"""Starting real trainer processes from tests: free ports, launches, waiting, metrics."""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
+
+
+def free_port() -> int:
+    """A free port whose successor is free too (JAX's service, then meshtrain's rendezvous)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("localhost", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("localhost", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def trainer(args, log: pathlib.Path, env=None) -> subprocess.Popen:
+    """`python -m meshtrain.train ARGS`, output appended to `log`."""
+    out = open(log, "a")
+    return subprocess.Popen([sys.executable, "-m", "meshtrain.train", *args], stdout=out,
+                            stderr=subprocess.STDOUT, cwd=ROOT, env={**ENV, **(env or {})})
+
+
+def processes(n: int, args, logs: pathlib.Path, port: int | None = None) -> list[subprocess.Popen]:
+    """N trainer processes joined by flags; process i logs to LOGS/pI.txt."""
+    port = port or free_port()
+    return [trainer([*args, f"--coordinator=localhost:{port}", f"--num_processes={n}",
+                     f"--process_id={i}"], logs / f"p{i}.txt") for i in range(n)]
+
+
+def local_sh(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
+    """launch/local.sh N ARGS..., to completion."""
+    return subprocess.run([str(ROOT / "launch" / "local.sh"), str(n), *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(predicate, timeout=180.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def losses(workdir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def logged(log: pathlib.Path, step: int) -> bool:
+    return log.exists() and re.search(rf"^step +{step}/", log.read_text(), re.M) is not None
+
+
+def steps_on_disk(workdir: pathlib.Path) -> list[int]:
+    ckpt = workdir / "checkpoints"
+    return sorted(int(p.name[5:]) for p in ckpt.iterdir() if p.name[5:].isdigit()) if ckpt.exists() else []

@@ -1,0 +1,169 @@
+"""How a process finds its place: flags, variables and SLURM shapes (multi-node shapes come
+as environment dicts, since one machine runs one slurmd), and the hybrid DCN x ICI mesh."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import hlo, launch, mesh
+from meshtrain.errors import UserError
+
+
+def slurm_env(tasks, nodes, per_node, rank, local, node, **extra):
+    return {"SLURM_JOB_ID": "4099", "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(tasks),
+            "SLURM_JOB_NUM_NODES": str(len(expand(nodes))), "SLURM_STEP_NODELIST": nodes,
+            "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(local), "SLURMD_NODENAME": node, **extra}
+
+
+expand = launch.expand_hostlist
+
+
+def test_hostlists_and_tasks_per_node_expand():
+    assert expand("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert expand("n[8-10]") == ["n8", "n9", "n10"]
+    assert expand("rack[1-2]-n[0-1]") == ["rack1-n0", "rack1-n1", "rack2-n0", "rack2-n1"]
+    assert launch.expand_tasks_per_node("4(x2),3") == [4, 4, 3]
+
+
+def test_one_process_without_any_launcher():
+    got = launch.detect({}, {})
+    assert got.method == "single" and not got.multiprocess
+
+
+def test_flags_win_over_variables_and_give_the_rendezvous_port():
+    env = {"JAX_COORDINATOR_ADDRESS": "x:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    got = launch.detect({"coordinator": "node7:6000", "num_processes": "2", "process_id": "1"}, env)
+    assert (got.method, got.num_processes, got.process_id, got.coordinator) == ("flags", 2, 1, "node7:6000")
+    assert got.rendezvous == ("node7", 6001)
+    got = launch.detect({}, env)
+    assert (got.method, got.num_processes, got.process_id) == ("environment", 4, 3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"num_processes": "2"}, "the flags lack --coordinator, --process_id"),
+    ({"coordinator": "h:1", "num_processes": "2", "process_id": "2"}, "--process_id=2 with --num_processes=2: the id must be in 0..1"),
+    ({"coordinator": "h", "num_processes": "2", "process_id": "0"}, "'h' is not HOST:PORT"),
+    ({"coordinator": "h:1", "num_processes": "two", "process_id": "0"}, "--num_processes must be an integer, got 'two'"),
+])
+def test_bad_flags(flags, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        launch.detect(flags, {})
+
+
+def test_python_in_the_batch_shell_of_a_multi_task_job_is_told_to_use_srun():
+    batch_shell = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+                   "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_PROCID": "0"}
+    with pytest.raises(UserError, match=r"job 77 with 8 task\(s\) on 2 node\(s\).*outside srun.*srun python -m meshtrain.train"):
+        launch.detect({}, batch_shell)
+    # One task on one node (an interactive salloc, say) is a plain one-process run.
+    one = {**batch_shell, "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1"}
+    assert launch.detect({}, one).method == "single"
+
+
+def test_slurm_one_process_per_node_drives_every_gpu():
+    env = slurm_env(2, "gpu[01-02]", "1(x2)", 1, 0, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    got = launch.detect({}, env)
+    assert (got.method, got.num_processes, got.process_id) == ("slurm", 2, 1)
+    assert got.local_device_ids is None  # all it sees (JAX's own detection would give [0])
+    assert got.coordinator == f"gpu01:{launch.SLURM_PORT_BASE + 2 * (4099 % 2048)}"
+
+
+def test_slurm_one_process_per_gpu_takes_its_own_gpu():
+    env = slurm_env(16, "gpu[01-02]", "8(x2)", 13, 5, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    assert launch.detect({}, env).local_device_ids == (5,)
+
+
+def test_slurm_two_tasks_split_a_nodes_gpus_in_halves():
+    env = slurm_env(4, "gpu[01-02]", "2(x2)", 3, 1, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    assert launch.detect({}, env).local_device_ids == (4, 5, 6, 7)
+
+
+def test_slurm_gpus_bound_per_task_are_used_as_they_are():
+    bound = slurm_env(16, "gpu[01-02]", "8(x2)", 3, 3, "gpu01", CUDA_VISIBLE_DEVICES="0")
+    assert launch.detect({}, bound).local_device_ids is None
+    per_task = slurm_env(4, "gpu[01-02]", "2(x2)", 1, 1, "gpu01", CUDA_VISIBLE_DEVICES="0,1,2,3",
+                         SLURM_GPUS_PER_TASK="4")
+    assert launch.detect({}, per_task).local_device_ids is None
+
+
+def test_slurm_gpus_that_do_not_split_are_an_error_with_the_fix():
+    env = slurm_env(6, "gpu[01-02]", "3(x2)", 0, 0, "gpu01", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    with pytest.raises(UserError, match=r"3 SLURM tasks on this node share 8 visible GPUs.*--ntasks-per-node=1"):
+        launch.detect({}, env)
+
+
+def test_slurm_on_cpu_nodes_and_the_port_override():
+    env = slurm_env(2, "localhost", "2", 1, 1, "localhost", JAX_COORDINATOR_PORT="7000")
+    got = launch.detect({}, env)
+    assert got.local_device_ids is None and got.coordinator == "localhost:7000"
+    assert got.rendezvous == ("localhost", 7001)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    id: int
+    process_index: int
+
+
+def test_hybrid_grid_keeps_ici_inside_a_node_and_puts_dcn_outermost():
+    # Two hosts, one process per GPU: 8 processes of 2 devices each.
+    devices = [FakeDevice(i, i // 2) for i in range(16)]
+    hosts = ["a"] * 4 + ["b"] * 4
+    shape = mesh.parse_shape("data:4,tensor:4")
+    grid, how = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
+    assert how == "2 hosts" and grid.shape == (4, 1, 1, 4)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, :]
+    assert (node[:2] == "a").all() and (node[2:] == "b").all()  # data = node x 2 rows per node
+    assert len({d.id for d in grid.flat}) == 16
+
+
+def test_processes_stand_in_for_nodes_on_one_host_and_one_process_simulates_them():
+    shape = mesh.parse_shape("data:2,tensor:4")
+    dcn = mesh.parse_dcn("data:2", shape)
+    two = [FakeDevice(i, i // 4) for i in range(8)]
+    assert mesh.granules(two, 2, ["vm", "vm"]) == ([0] * 4 + [1] * 4, "2 processes on 1 host(s), each standing in for a node")
+    m = mesh.make_mesh(shape, jax.devices(), dcn=dcn, hosts=["vm"])
+    assert [d.id for d in m.devices[0].flat] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("shape, dcn, hosts, message", [
+    ("data:2,tensor:4", "data:3", ["a"], "puts 3 nodes on axis 'data', but the mesh gives that axis 2 devices"),
+    ("data:2,tensor:4", "data:-1", ["a"], "cannot be -1"),
+    ("data:4,tensor:2", "data:4", ["a", "b"], "spans 4 nodes .* but this run has 2 process\\(es\\) on 2 host\\(s\\)"),
+])
+def test_dcn_that_does_not_fit_shows_the_arithmetic(shape, dcn, hosts, message):
+    shape = mesh.parse_shape(shape)
+    with pytest.raises(UserError, match=message):
+        devices = [FakeDevice(i, i * len(hosts) // 8) for i in range(8)]
+        mesh.hybrid_grid(shape, mesh.parse_dcn(dcn, shape), devices, hosts)
+
+
+def test_uneven_nodes_are_refused_with_the_ici_arithmetic():
+    shape = mesh.parse_shape("data:2,tensor:4")
+    devices = [FakeDevice(i, 0 if i < 6 else 1) for i in range(8)]
+    with pytest.raises(UserError, match=r"mesh.dcn=data:2 needs 4 devices in each of 2 nodes \(ICI tensor:4: 1 x 1 x 1 x 4 = 4\), but the nodes \(2 hosts\) have 2 or 6"):
+        mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, ["a", "b"])
+
+
+def test_tensor_across_nodes_is_warned_about_and_trivial_dcn_is_none():
+    shape = mesh.parse_shape("data:2,tensor:4")
+    assert "tensor axis across 2 nodes" in mesh.dcn_warnings(mesh.parse_dcn("tensor:2", shape))[0]
+    assert mesh.dcn_warnings(mesh.parse_dcn("data:2", shape)) == []
+    assert mesh.parse_dcn("data:1", shape) is None and mesh.parse_dcn("", shape) is None
+
+
+@pytest.mark.parametrize("attrs, groups", [
+    ("replica_groups={{0,4},{1,5}}", [[0, 4], [1, 5]]),
+    ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2]", [[0, 1, 2, 3]]),
+    ("source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
+])
+def test_replica_groups_in_every_hlo_spelling(attrs, groups):
+    assert hlo.replica_groups(attrs, 4) == groups

@@ -1,0 +1,179 @@
+"""Several real processes on one machine, joined like the nodes of a cluster (gloo between
+them): they train like one process, keep tensor parallelism inside a node under mesh.dcn,
+stop within bounded time naming a lost process, resume across process counts, and fail
+at start with a count of who arrived. Each process simulates its share of 8 devices."""
+
+import json
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from meshtrain import hlo, mesh as mesh_lib
+from meshtrain.experiment import Experiment
+from meshtrain.train import main
+from processes import ENV, ROOT, free_port, local_sh, logged, losses, processes, steps_on_disk, trainer, wait_for
+
+pytestmark = pytest.mark.slow
+RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0"]
+TINY = "gpt2_tiny_dp8"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The single-process, 8-device run every multi-process run must match."""
+    w = tmp_path_factory.mktemp("reference") / "w"
+    assert main([f"--config={TINY}", *RUN, f"--workdir={w}"]) == 0
+    return losses(w)
+
+
+def assert_same_losses(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
+
+
+def test_two_local_processes_train_like_one(tmp_path, reference):
+    w = tmp_path / "w"
+    done = local_sh(2, TINY, f"--workdir={w}", *RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_losses(losses(w), reference)
+    assert "exit statuses by process: 0 0" in done.stderr
+    assert "step 20/20" in done.stdout  # process 0's log is shown as it runs
+    for i in range(2):
+        assert "step 20/20" in (w / "logs" / f"process_{i}.log").read_text() or i == 1
+    run = json.loads((w / "run.json").read_text())["distributed"]
+    assert run["num_processes"] == 2 and [len(p["devices"]) for p in run["processes"]] == [4, 4]
+    assert "processes: 2 (flags: process 0 of 2" in done.stdout
+
+
+def test_dcn_keeps_tensor_collectives_inside_a_process_and_trains_like_one(tmp_path):
+    args = ["--config.train.steps=8", "--config.train.log_every=1", "--config.train.eval_every=0"]
+    one = tmp_path / "one"
+    assert main(["--config=gpt2_tiny_dp2_tp4", *args, f"--workdir={one}"]) == 0
+    two = tmp_path / "two"
+    done = local_sh(2, "gpt2_tiny_dp2_tp4", f"--workdir={two}", "--config.mesh.dcn=data:2", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_losses(losses(two), losses(one))
+    assert "2 processes on 1 host(s), each standing in for a node" in done.stdout
+    # From the replica groups of the step compiled in the two processes: every tensor-parallel
+    # collective stays inside one process, the data all-reduce joins both.
+    traffic = json.loads((two / "run.json").read_text())["collectives_by_axes"]
+    assert traffic["tensor"]["nodes"] == 1 and traffic["tensor"]["count"]["all-reduce"] > 0
+    assert traffic["data"]["nodes"] == 2 and traffic["data"]["count"]["all-reduce"] > 0
+    assert set(traffic) == {"tensor", "data"}
+
+
+def test_one_process_simulates_the_nodes_of_a_dcn_mesh(make_config):
+    """What a laptop shows for a cluster layout: groups of 4 devices stand in for 2 nodes."""
+    cfg = make_config("gpt2_tiny_dp2_fsdp2_tp2", **{"mesh.dcn": "data:2"})
+    exp = Experiment.build(cfg)
+    of, how = mesh_lib.granules(list(exp.mesh.devices.flat), 2, ["vm"])
+    assert how.startswith("simulated") and of == [0] * 4 + [1] * 4
+    node = {d.id: g for d, g in zip(exp.mesh.devices.flat, of)}
+    traffic = hlo.collectives_by_axes(exp.compile(), exp.mesh, lambda d: node[d.id])
+    for axes, entry in traffic.items():  # only collectives over data cross nodes
+        assert entry["nodes"] == (2 if "data" in axes else 1), (axes, entry)
+    assert any("data" in axes for axes in traffic) and ("tensor",) in traffic
+
+
+def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_resumes(tmp_path, reference):
+    w = tmp_path / "w"
+    args = [f"--config={TINY}", f"--workdir={w}", *RUN, "--config.checkpoint.every=5",
+            "--config.distributed.heartbeat_timeout=10"]
+    procs = processes(2, args, tmp_path)
+    wait_for(lambda: logged(tmp_path / "p0.txt", 12), what="step 12")
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    assert procs[0].wait(timeout=60) == 1
+    took = time.monotonic() - killed
+    assert took < 10, f"process 0 took {took:.1f} s to stop"  # within heartbeat_timeout
+    log = (tmp_path / "p0.txt").read_text()
+    last = steps_on_disk(w)[-1]
+    assert f"pid {procs[1].pid}) was lost: its connection closed" in log, log[-2000:]
+    assert f"the latest is step {last} in {w / 'checkpoints'}" in log
+    done = local_sh(2, TINY, f"--workdir={w}", *RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {last}" in done.stdout
+    assert_same_losses(losses(w), reference)
+
+
+def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
+    w = tmp_path / "w"
+    script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, f"--workdir={w}",
+                               "--config.train.steps=300", "--config.train.log_every=1"],
+                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = script.stderr.readline()
+    pids = [int(p) for p in first.split("(pids ")[1].split(")")[0].split()]
+    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3")
+    subprocess.run(["kill", "-9", str(pids[0])], check=True)
+    killed = time.monotonic()
+    assert script.wait(timeout=60) == 137  # the worst status: process 0's SIGKILL
+    assert time.monotonic() - killed < 10
+    rest = script.stderr.read()
+    assert "process 0 exited with status 137" in rest or "process 1 exited with status 1" in rest, rest
+    log1 = (w / "logs" / "process_1.log").read_text()
+    assert "process 0 (host" in log1 and f"pid {pids[0]}) was lost" in log1, log1[-2000:]
+
+
+def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, reference):
+    a = tmp_path / "a"  # two processes, then one with all 8 devices
+    assert local_sh(2, TINY, f"--workdir={a}", *RUN, "--config.train.stop_at=10").returncode == 0
+    assert main([f"--config={TINY}", *RUN, f"--workdir={a}"]) == 0
+    assert_same_losses(losses(a), reference)
+    b = tmp_path / "b"  # one, then two
+    assert main([f"--config={TINY}", *RUN, f"--workdir={b}", "--config.train.stop_at=10"]) == 0
+    done = local_sh(2, TINY, f"--workdir={b}", *RUN)
+    assert done.returncode == 0 and "resuming from step 10" in done.stdout, done.stderr[-3000:]
+    assert_same_losses(losses(b), reference)
+
+
+def test_start_failures_say_who_arrived_and_what_differs(tmp_path):
+    fast = [f"--config={TINY}", "--config.train.steps=2", "--config.distributed.init_timeout=3"]
+    port = free_port()
+    alone = trainer([*fast, f"--coordinator=localhost:{port}", "--num_processes=2", "--process_id=0"],
+                    tmp_path / "alone.txt")
+    lone = trainer([*fast, "--coordinator=localhost:1", "--num_processes=2", "--process_id=1"],
+                   tmp_path / "lone.txt")
+    assert [alone.wait(timeout=60), lone.wait(timeout=60)] == [1, 1]
+    assert ("only 1 of 2 processes arrived within 3 s (distributed.init_timeout); missing: process 1"
+            in (tmp_path / "alone.txt").read_text())
+    assert "could not reach process 0 at localhost:2 within 3 s" in (tmp_path / "lone.txt").read_text()
+
+    port = free_port()
+    odd = [trainer([*fast, *extra, f"--coordinator=localhost:{port}", "--num_processes=2",
+                    f"--process_id={i}"], tmp_path / f"odd{i}.txt")
+           for i, extra in enumerate([[], ["--config.train.seed=3"]])]
+    assert [p.wait(timeout=60) for p in odd] == [1, 1]
+    for i in range(2):
+        assert "runs another config than process 0 (first difference, process 0 vs process 1: " \
+               "config.train.seed: 0 vs 3)" in (tmp_path / f"odd{i}.txt").read_text()
+
+
+def test_local_sh_ctrl_c_saves_one_step_on_every_process_and_exits_0(tmp_path):
+    w = tmp_path / "w"
+    script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, f"--workdir={w}",
+                               "--config.train.steps=300", "--config.train.log_every=1",
+                               "--config.checkpoint.every=0"],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3")
+    script.send_signal(signal.SIGINT)
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0, err[-3000:]
+    assert "SIGTERM to every process" in err and "exit statuses by process: 0 0" in err
+    stopped = int(out.split("preempted (SIGTERM) at step ")[1].split(":")[0])
+    assert steps_on_disk(w) == [stopped]
+    for i in range(2):
+        assert (w / "checkpoints" / f"step_{stopped}" / "state" / f"ocdbt.process_{i}").is_dir()
+
+
+def test_local_sh_usage_and_the_worst_status(tmp_path):
+    assert local_sh(0, TINY).returncode == 2
+    bad = local_sh(2, TINY, f"--workdir={tmp_path}", "--config.train.steps=-1")
+    assert bad.returncode == 2, bad.stderr
+    # Each process finds the error itself, or first hears that the other one did.
+    statuses = bad.stderr.split("exit statuses by process: ")[1].split(";")[0].split()
+    assert sorted(statuses) in (["2", "2"], ["1", "2"])
+    logs = [(tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2)]
+    assert all("train.steps=-1: must be >= 0" in log for log in logs), logs
