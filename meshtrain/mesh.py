@@ -154,10 +154,12 @@ def simulate_cpu_devices(shape: Mapping[str, int], processes: int = 1) -> tuple[
                 f"{want}, or change mesh.shape.")
     devices = jax.devices()
     if processes > 1:
-        what = "" if devices[0].platform != "cpu" else (
-            " (count pinned by JAX_NUM_CPU_DEVICES or XLA_FLAGS)" if pinned is not None else " (simulated)")
-        return len(devices), (f"{processes} processes x {jax.local_device_count()} "
-                              f"{devices[0].platform} devices each{what}")
+        each = f"{processes} processes x {jax.local_device_count()}"
+        if devices[0].platform != "cpu":
+            return len(devices), f"{each} {devices[0].platform} devices"
+        if pinned is not None:
+            return len(devices), f"{each} CPU devices, count pinned by JAX_NUM_CPU_DEVICES or XLA_FLAGS"
+        return len(devices), f"{each} simulated CPU devices"
     if devices[0].platform != "cpu":
         return len(devices), f"{devices[0].platform} devices on this host"
     if pinned is not None:

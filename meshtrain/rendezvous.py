@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import socket
 import sys
@@ -99,6 +100,20 @@ class Channel:
             self.buffer += data
         return None
 
+    def finish(self) -> None:
+        """Reads what is queued, then half-closes: the peer gets our last message, then EOF
+        (closing with unread data would send RST, which can drop that message)."""
+        try:
+            self.sock.setblocking(False)
+            while self.sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         try:
             self.sock.close()
@@ -148,7 +163,11 @@ class Rendezvous:
 
     def _gather(self) -> list[dict]:
         host, port = self.address
-        server = socket.create_server(("", port), backlog=max(self.n, 16))
+        if socket.has_dualstack_ipv6():  # peers may reach this host over IPv4 or IPv6
+            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                                          backlog=max(self.n, 16))
+        else:
+            server = socket.create_server(("", port), backlog=max(self.n, 16))
         deadline = time.monotonic() + self.init_timeout
         arrived = {0: self.me}
         try:
@@ -298,23 +317,47 @@ class Rendezvous:
     def _stop(self, what: str) -> None:
         if self.leaving:
             return
+        self.leaving = True
         note = self.note()
         print(f"meshtrain: error: {what} Stopping process {self.id} of {self.n} too (exit "
               f"{LOST_STATUS}), so the job ends instead of hanging in a collective."
               + (f" {note}" if note else ""), file=sys.stderr, flush=True)
         sys.stdout.flush()
+        self._linger()
         os._exit(LOST_STATUS)
 
+    def _linger(self, timeout: float = 3.0) -> None:
+        """Process 0 hosts JAX's coordination service, whose end makes JAX abort every other
+        process with a stack trace: wait (briefly) until they have gone on our word."""
+        if self.id != 0:
+            return
+        deadline = time.monotonic() + timeout
+        waiting = [c for c in self.channels.values() if not c.closed]
+        while waiting and time.monotonic() < deadline:
+            ready, _, _ = select.select([c.sock for c in waiting], [], [], max(0.0, deadline - time.monotonic()))
+            for channel in waiting:
+                if channel.sock in ready:
+                    channel.receive()
+            waiting = [c for c in waiting if not c.closed]
+
     def leave(self, status: int, message: str = "") -> None:
-        """Says this process is done (status 0) or failed, then stops watching."""
+        """Says this process is done (status 0) or failed; after a failure the caller exits
+        at once (process 0 first waits for the others to go)."""
         self.leaving = True
         kind = {"type": "done"} if status == 0 else {
             "type": "failed", "process": self.id, "status": status, "message": message or "no message"}
         for channel in self.channels.values():
             channel.send(**kind)
-        if self.thread is not None:
-            self.thread.join(timeout=2)
-        if status != 0:  # the others stop on this message; give it a moment to leave the host
-            time.sleep(0.2)
-        for channel in self.channels.values():
-            channel.close()
+        if status == 0:
+            if self.thread is not None:
+                self.thread.join(timeout=2)
+            for channel in self.channels.values():
+                channel.close()
+        elif self.id == 0:
+            self._linger()
+        else:
+            # Leave now: process 0 may end (and JAX abort us) as soon as it reads this.
+            # Read what is queued first, so the close sends FIN after our message, not RST.
+            channel = self.channels.get(0)
+            if channel is not None:
+                channel.finish()

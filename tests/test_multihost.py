@@ -4,6 +4,7 @@ stop within bounded time naming a lost process, resume across process counts, an
 at start with a count of who arrived. Each process simulates its share of 8 devices."""
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -97,6 +98,25 @@ def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_re
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from step {last}" in done.stdout
     assert_same_losses(losses(w), reference)
+
+
+def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
+    """SIGSTOP stands in for a host that vanished: its socket stays open but goes silent."""
+    args = [f"--config={TINY}", "--config.train.steps=300", "--config.train.log_every=1",
+            "--config.distributed.heartbeat_timeout=4"]
+    procs = processes(2, args, tmp_path)
+    wait_for(lambda: logged(tmp_path / "p0.txt", 3), what="step 3")
+    procs[1].send_signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        assert procs[0].wait(timeout=60) == 1
+        took = time.monotonic() - frozen
+    finally:
+        procs[1].kill()
+    assert 4 <= took < 8, f"process 0 took {took:.1f} s to stop"
+    log = (tmp_path / "p0.txt").read_text()
+    assert re.search(rf"pid {procs[1].pid}\) was lost: silent for [45] s \(distributed.heartbeat_timeout=4\)",
+                     log), log[-2000:]
 
 
 def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
