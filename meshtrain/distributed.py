@@ -18,6 +18,7 @@ import dataclasses
 import os
 import socket
 
+from meshtrain.errors import UserError
 from meshtrain.launch import Launch
 from meshtrain.rendezvous import Rendezvous
 
@@ -77,10 +78,13 @@ _current: Cluster | None = None  # like jax.distributed's own global state: one 
 def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
     """Joins the other processes (if any) and starts JAX's runtime; call before any device use."""
     global _current
+    d = cfg.distributed
+    if d.init_timeout <= 0 or d.heartbeat_timeout <= 0:
+        raise UserError(f"distributed.init_timeout={d.init_timeout} and distributed.heartbeat_timeout="
+                        f"{d.heartbeat_timeout} must be positive (seconds).")
     if not launch.multiprocess:
         _current = Cluster(launch, [{"process": 0, "host": socket.gethostname(), "pid": os.getpid()}], None)
         return _current
-    d = cfg.distributed
     rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous,
                             init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
                             config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")})

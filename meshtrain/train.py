@@ -86,10 +86,6 @@ def run(argv: list[str], started: dict | None = None) -> int:
     # Who we are and how many: before JAX starts its backend, which fixes the device count.
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     launch = launch_lib.detect(flags, os.environ)
-    d = cfg.distributed
-    if d.init_timeout <= 0 or d.heartbeat_timeout <= 0:
-        raise UserError(f"distributed.init_timeout={d.init_timeout} and distributed.heartbeat_timeout="
-                        f"{d.heartbeat_timeout} must be positive (seconds).")
     cluster = distributed.start(launch, cfg, flags)
     if started is not None:
         started["cluster"] = cluster
@@ -110,16 +106,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
         for line in cluster.describe():
             say(line)
     say(f"mesh: {mesh_lib.format_shape(exp.mesh.shape)} | layout {exp.layout.name}: {exp.layout.describe()}")
-    if dcn:
-        _, nodes = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), cluster.hosts)
-        say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
-            f"inside a node")
-    for warning in mesh_lib.dcn_warnings(dcn):
-        warn(warning)
-    if dcn is None and len(set(cluster.hosts)) > 1:
-        warn(f"the run spans {len(set(cluster.hosts))} hosts but mesh.dcn is empty, so any axis may "
-             f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
-             f"data:{len(set(cluster.hosts))}, to keep tensor parallelism inside a node.")
+    _say_nodes(dcn, cluster.hosts, say)
     say(f"model: {exp.num_params():,} parameters (closed form), vocab {exp.model.cfg.vocab_size} "
         f"padded to {exp.model.cfg.padded_vocab_size}")
     pipe = exp.model.pipeline
@@ -176,6 +163,21 @@ def run(argv: list[str], started: dict | None = None) -> int:
         for lock in locks:
             lock.release()
     return 0
+
+
+def _say_nodes(dcn, hosts: list[str], say) -> None:
+    """How the mesh meets the nodes, and warnings where heavy traffic would cross them."""
+    import jax
+    if dcn:
+        _, nodes = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), hosts)
+        say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
+            f"inside a node")
+    for warning in mesh_lib.dcn_warnings(dcn):
+        warn(warning)
+    if dcn is None and len(set(hosts)) > 1:
+        warn(f"the run spans {len(set(hosts))} hosts but mesh.dcn is empty, so any axis may "
+             f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
+             f"data:{len(set(hosts))}, to keep tensor parallelism inside a node.")
 
 
 def _traffic(compiled, mesh, dcn, hosts: list[str], say) -> dict:

@@ -100,6 +100,13 @@ def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
     (["--config=gpt2_tiny_dp8", "--config.train.stop_at=400"], {},
      "train.stop_at=400: must be between 0 (off) and train.steps=300"),
     (["--config=gpt2_tiny_dp8", "--config.checkpoint.every=-5"], {}, "checkpoint.every=-5"),
+    (["--config=gpt2_tiny_dp8", "--config.distributed.heartbeat_timeout=0"], {},
+     "distributed.heartbeat_timeout=0 must be positive"),
+    (["--config=gpt2_tiny_dp8", "--num_processes=2"], {}, "the flags lack --coordinator, --process_id"),
+    (["--config=gpt2_tiny_dp8"], {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"},
+     "started outside srun"),
+    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.dcn=data:3"], {},
+     "mesh.dcn='data:3' puts 3 nodes on axis 'data', but the mesh gives that axis 2 devices"),
 ])
 def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
     r = run_cli(*args, env=env, timeout=120)
