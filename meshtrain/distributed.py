@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 from meshtrain.errors import UserError
 from meshtrain.launch import Launch
@@ -28,6 +29,7 @@ class Cluster:
     launch: Launch
     table: list[dict]              # per process: {"process", "host", "pid"}
     rendezvous: Rendezvous | None  # None for one process
+    seconds: dict = dataclasses.field(default_factory=dict)  # {"rendezvous": s, "jax": s} of the start
 
     @property
     def hosts(self) -> list[str]:
@@ -49,9 +51,9 @@ class Cluster:
         for d in jax.devices():
             by_process.setdefault(d.process_index, []).append(d.id)
         n = self.launch.num_processes
+        took = "; joined in " + ", ".join(f"{v:.1f} s ({k})" for k, v in self.seconds.items()) if self.seconds else ""
         lines = [f"processes: {n} ({self.launch.where}); {jax.device_count()} devices, "
-                 f"{jax.local_device_count()} in this process"
-]
+                 f"{jax.local_device_count()} in this process{took}"]
         shown = self.table if n <= 8 else self.table[:4] + self.table[-2:]
         for entry in shown:
             if n > 8 and entry is self.table[-2]:
@@ -67,7 +69,7 @@ class Cluster:
         ids = {}
         for d in jax.devices():
             ids.setdefault(d.process_index, []).append(d.id)
-        return {"method": self.launch.method, "where": self.launch.where,
+        return {"method": self.launch.method, "where": self.launch.where, "start_seconds": self.seconds,
                 "coordinator": self.launch.coordinator, "num_processes": self.launch.num_processes,
                 "processes": [{**e, "devices": ids.get(e["process"], [])} for e in self.table]}
 
@@ -88,9 +90,13 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
     rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous,
                             init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
                             config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")})
+    t0 = time.perf_counter()
     table = rendezvous.start()
     rendezvous.watch()
+    t1 = time.perf_counter()
     import jax
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the default; said for clarity
     # Everyone is here, so JAX's own start is quick. Its heartbeat stays a backstop,
     # well behind ours, which names the lost process.
     jax.distributed.initialize(
@@ -98,7 +104,8 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
         local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
         cluster_detection_method="deactivate", initialization_timeout=int(d.init_timeout),
         heartbeat_timeout_seconds=max(100, int(2 * d.heartbeat_timeout) + 10))
-    _current = Cluster(launch, table, rendezvous)
+    _current = Cluster(launch, table, rendezvous,
+                       {"rendezvous": t1 - t0, "jax runtime": time.perf_counter() - t1})
     return _current
 
 

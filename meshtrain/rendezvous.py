@@ -300,13 +300,13 @@ class Rendezvous:
         elif kind == "failed":
             self._forward(i, message)
             self._stop(f"{describe(self.table[message['process']])} stopped with status "
-                       f"{message['status']}: {message['message']}")
+                       f"{message['status']}: {message['message']}", gone=message["process"])
         elif kind == "lost":
             self._stop(f"{describe(self.table[message['process']])} was lost: {message['why']}.")
 
     def _lost(self, i: int, why: str) -> None:
         self._forward(i, {"type": "lost", "process": i, "why": why})
-        self._stop(f"{describe(self.table[i])} was lost: {why}.")
+        self._stop(f"{describe(self.table[i])} was lost: {why}.", gone=i)
 
     def _forward(self, source: int, message: dict) -> None:
         if self.id == 0:  # process 0 is the hub: tell everyone else
@@ -314,7 +314,7 @@ class Rendezvous:
                 if j != source:
                     channel.send(**message)
 
-    def _stop(self, what: str) -> None:
+    def _stop(self, what: str, gone: int | None = None) -> None:
         if self.leaving:
             return
         self.leaving = True
@@ -323,16 +323,17 @@ class Rendezvous:
               f"{LOST_STATUS}), so the job ends instead of hanging in a collective."
               + (f" {note}" if note else ""), file=sys.stderr, flush=True)
         sys.stdout.flush()
-        self._linger()
+        self._linger(gone)
         os._exit(LOST_STATUS)
 
-    def _linger(self, timeout: float = 3.0) -> None:
+    def _linger(self, gone: int | None = None, timeout: float = 3.0) -> None:
         """Process 0 hosts JAX's coordination service, whose end makes JAX abort every other
-        process with a stack trace: wait (briefly) until they have gone on our word."""
+        process with a stack trace: wait (briefly) until they have gone on our word. The
+        process `gone` (lost or failed) is not waited for."""
         if self.id != 0:
             return
         deadline = time.monotonic() + timeout
-        waiting = [c for c in self.channels.values() if not c.closed]
+        waiting = [c for i, c in self.channels.items() if not c.closed and i != gone]
         while waiting and time.monotonic() < deadline:
             ready, _, _ = select.select([c.sock for c in waiting], [], [], max(0.0, deadline - time.monotonic()))
             for channel in waiting:

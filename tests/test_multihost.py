@@ -113,7 +113,7 @@ def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
         took = time.monotonic() - frozen
     finally:
         procs[1].kill()
-    assert 4 <= took < 8, f"process 0 took {took:.1f} s to stop"
+    assert 2.5 <= took < 6, f"process 0 took {took:.1f} s to stop"
     log = (tmp_path / "p0.txt").read_text()
     assert re.search(rf"pid {procs[1].pid}\) was lost: silent for [45] s \(distributed.heartbeat_timeout=4\)",
                      log), log[-2000:]
