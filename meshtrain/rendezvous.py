@@ -163,11 +163,16 @@ class Rendezvous:
 
     def _gather(self) -> list[dict]:
         host, port = self.address
-        if socket.has_dualstack_ipv6():  # peers may reach this host over IPv4 or IPv6
-            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
-                                          backlog=max(self.n, 16))
-        else:
-            server = socket.create_server(("", port), backlog=max(self.n, 16))
+        dual = socket.has_dualstack_ipv6()  # peers may reach this host over IPv4 or IPv6
+        try:
+            server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                          dualstack_ipv6=dual, backlog=max(self.n, 16))
+        except OSError as e:
+            raise RunFailed(
+                f"Process 0 cannot listen on port {port} of {self.me['host']} ({e.strerror or e}): "
+                f"another job may hold it. meshtrain uses the coordinator's port and the next one; "
+                f"choose another pair with --coordinator=HOST:PORT (or JAX_COORDINATOR_PORT under "
+                f"SLURM).") from None
         deadline = time.monotonic() + self.init_timeout
         arrived = {0: self.me}
         try:
@@ -186,9 +191,9 @@ class Rendezvous:
                     channel.close()  # a stranger, or too slow to speak
                     continue
                 problem = self._check_hello(hello, arrived)
-                self.channels[hello["process"]] = channel
                 if problem:
-                    self._abort(problem)
+                    self._abort(problem, channel)
+                self.channels[hello["process"]] = channel
                 arrived[hello["process"]] = {k: hello[k] for k in ("process", "host", "pid")}
         finally:
             server.close()
@@ -202,6 +207,8 @@ class Rendezvous:
         if hello.get("num_processes") != self.n:
             return (f"{who} was started for {hello.get('num_processes')} processes, process 0 for "
                     f"{self.n}. Start every process with the same count.")
+        if not isinstance(i, int) or not 0 < i < self.n:
+            return f"{who} says it is process {i}, outside 1..{self.n - 1}."
         if i in arrived:
             return (f"two processes claim id {i}: {describe(arrived[i])} and {who}. Give each "
                     f"process its own id in 0..{self.n - 1}.")
@@ -222,8 +229,8 @@ class Rendezvous:
                 f"process says why it did not come), or raise distributed.init_timeout if they "
                 f"start slowly.")
 
-    def _abort(self, reason: str):
-        for channel in self.channels.values():
+    def _abort(self, reason: str, *more: Channel):
+        for channel in [*self.channels.values(), *more]:
             channel.send(type="abort", reason=reason)
             channel.close()
         raise RunFailed(f"Start of {self.n} processes failed: {reason}")
