@@ -47,9 +47,7 @@ class Cluster:
     def describe(self) -> list[str]:
         """Start-up lines: how the processes were launched and which devices each drives."""
         import jax
-        by_process: dict[int, list[int]] = {}
-        for d in jax.devices():
-            by_process.setdefault(d.process_index, []).append(d.id)
+        by_process = _device_ids()
         n = self.launch.num_processes
         took = "; joined in " + ", ".join(f"{v:.1f} s ({k})" for k, v in self.seconds.items()) if self.seconds else ""
         lines = [f"processes: {n} ({self.launch.where}); {jax.device_count()} devices, "
@@ -65,13 +63,19 @@ class Cluster:
 
     def info(self) -> dict:
         """The run.json record of the processes."""
-        import jax
-        ids = {}
-        for d in jax.devices():
-            ids.setdefault(d.process_index, []).append(d.id)
+        ids = _device_ids()
         return {"method": self.launch.method, "where": self.launch.where, "start_seconds": self.seconds,
                 "coordinator": self.launch.coordinator, "num_processes": self.launch.num_processes,
                 "processes": [{**e, "devices": ids.get(e["process"], [])} for e in self.table]}
+
+
+def _device_ids() -> dict[int, list[int]]:
+    """{process index: ids of its devices}."""
+    import jax
+    ids: dict[int, list[int]] = {}
+    for d in jax.devices():
+        ids.setdefault(d.process_index, []).append(d.id)
+    return ids
 
 
 _current: Cluster | None = None  # like jax.distributed's own global state: one per process

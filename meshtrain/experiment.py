@@ -154,6 +154,7 @@ class Experiment:
     train_step: Callable
     eval_step: Callable
     batch_sharding: NamedSharding
+    dcn: dict[str, int] | None = None  # the inter-node factor of each axis (mesh.parse_dcn)
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -183,7 +184,7 @@ class Experiment:
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
         batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding)
+                   train_step, eval_step, batch_sharding, dcn)
 
     @property
     def batch_shape(self) -> tuple[int, int]:

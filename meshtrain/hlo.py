@@ -53,23 +53,6 @@ def shape_bytes(text: str) -> int:
     return total
 
 
-def group_size(attrs: str) -> int:
-    """Devices per replica group: `{{0,1},{2,3}}` -> 2, iota `[2,4]<=[8]` -> 4,
-    mesh `mesh['axis_0'=2,'axis_1'=4] ... {'axis_1'}` -> 4."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)?(?: \{('[^}]*)\})?", attrs)
-    if m:  # the group spans the listed axes, or the whole mesh when none are listed
-        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-        axes = re.findall(r"'([^']+)'", m.group(2) or "") or list(sizes)
-        return int(np.prod([sizes[a] for a in axes]))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-    if m:
-        return len(m.group(1).split(","))
-    return 1
-
-
 def _senders(attrs: str, devices: int) -> float:
     """Share of the devices that send in a collective-permute."""
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
@@ -155,7 +138,7 @@ def collectives(compiled_or_text) -> dict[str, Collective]:
         c = out[kind]
         c.count += times
         c.bytes += times * nbytes
-        wire = _wire(kind, nbytes, group_size(rhs))
+        wire = _wire(kind, nbytes, len(replica_groups(rhs, devices)[0]))
         if kind == "collective-permute":
             wire *= _senders(rhs, devices)
         c.wire += times * wire

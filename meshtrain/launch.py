@@ -146,7 +146,6 @@ def _slurm(env: Mapping[str, str]) -> Launch:
                 f"rest idle. Start it with srun: `srun python -m meshtrain.train --config=...` "
                 f"(launch/slurm.sbatch does this).")
         return Launch("single", where=f"one process in SLURM job {job} (outside srun)")
-    tasks = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
     rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
     where = f"SLURM job {job} step {env.get('SLURM_STEP_ID', '?')}"
     if tasks == 1:

@@ -220,6 +220,16 @@ def granules(devices: Sequence[jax.Device], count: int, hosts: Sequence[str]) ->
         f"the number of nodes ({len(distinct)}), or leave mesh.dcn empty on one node.")
 
 
+def nodes_of(devices: Sequence[jax.Device], dcn: Mapping[str, int] | None,
+             hosts: Sequence[str]) -> tuple[dict[int, int], str]:
+    """{device id: node} and how the nodes were found: `granules` under `dcn`, else hosts."""
+    if dcn:
+        of, how = granules(devices, math.prod(dcn.values()), hosts)
+        return {d.id: g for d, g in zip(devices, of)}, how
+    distinct = list(dict.fromkeys(hosts))
+    return {d.id: distinct.index(hosts[d.process_index]) for d in devices}, f"{len(distinct)} host(s)"
+
+
 def hybrid_grid(shape: Mapping[str, int], dcn: Mapping[str, int], devices: Sequence[jax.Device],
                 hosts: Sequence[str]) -> tuple[np.ndarray, str]:
     """Devices arranged [data, stage, fsdp, tensor] with each axis split DCN x ICI: position

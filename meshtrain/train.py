@@ -90,8 +90,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
     if started is not None:
         started["cluster"] = cluster
     count, source = mesh_lib.simulate_cpu_devices(shape, launch.num_processes)
-    shape = mesh_lib.resolve_shape(shape, count, why=source)
-    dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
+    mesh_lib.resolve_shape(shape, count, why=source)
 
     import jax
 
@@ -106,7 +105,8 @@ def run(argv: list[str], started: dict | None = None) -> int:
         for line in cluster.describe():
             say(line)
     say(f"mesh: {mesh_lib.format_shape(exp.mesh.shape)} | layout {exp.layout.name}: {exp.layout.describe()}")
-    _say_nodes(dcn, cluster.hosts, say)
+    node, nodes = mesh_lib.nodes_of(jax.devices(), exp.dcn, cluster.hosts)
+    _say_nodes(exp.dcn, nodes, cluster.hosts, say)
     say(f"model: {exp.num_params():,} parameters (closed form), vocab {exp.model.cfg.vocab_size} "
         f"padded to {exp.model.cfg.padded_vocab_size}")
     pipe = exp.model.pipeline
@@ -141,8 +141,8 @@ def run(argv: list[str], started: dict | None = None) -> int:
                                resume_step=resume_step)
         info = _run_info(name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
-        if dcn or launch.multiprocess:
-            info["collectives_by_axes"] = _traffic(compiled, exp.mesh, dcn, cluster.hosts, say)
+        if exp.dcn or launch.multiprocess:
+            info["collectives_by_axes"] = _traffic(compiled, exp.mesh, node, say)
         info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
                               "resumed_from_step": resume_step, "saved_by": saved_run}
         log.write_run(info)
@@ -165,11 +165,10 @@ def run(argv: list[str], started: dict | None = None) -> int:
     return 0
 
 
-def _say_nodes(dcn, hosts: list[str], say) -> None:
-    """How the mesh meets the nodes, and warnings where heavy traffic would cross them."""
-    import jax
+def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
+    """How the mesh meets the nodes (`nodes`: how they were found), and warnings where
+    heavy traffic would cross them."""
     if dcn:
-        _, nodes = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), hosts)
         say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
             f"inside a node")
     for warning in mesh_lib.dcn_warnings(dcn):
@@ -180,16 +179,9 @@ def _say_nodes(dcn, hosts: list[str], say) -> None:
              f"data:{len(set(hosts))}, to keep tensor parallelism inside a node.")
 
 
-def _traffic(compiled, mesh, dcn, hosts: list[str], say) -> dict:
-    """Says which collectives cross nodes; returns them for run.json."""
-    import jax
-
+def _traffic(compiled, mesh, node: dict[int, int], say) -> dict:
+    """Says which collectives cross nodes (`node`: device id -> node); returns them for run.json."""
     from meshtrain import hlo
-    if dcn:
-        of, _ = mesh_lib.granules(jax.devices(), math.prod(dcn.values()), hosts)
-        node = {d.id: g for d, g in zip(jax.devices(), of)}
-    else:
-        node = {d.id: hosts.index(hosts[d.process_index]) for d in jax.devices()}
     traffic = hlo.collectives_by_axes(compiled, mesh, lambda d: node[d.id])
     parts = []
     for axes, entry in traffic.items():
