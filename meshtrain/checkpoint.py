@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import restage
+from meshtrain import restage, tree_paths
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.lock import LOCK_NAME
 
@@ -64,26 +64,13 @@ def set_aside_uncommitted(directory: pathlib.Path) -> list[str]:
     return moved
 
 
-def key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def flat_leaves(tree) -> dict[str, object]:
-    """{"params/blocks/attn/w_qkv": leaf, ...}: one naming for saved metadata and live state."""
-    return {"/".join(key_name(k) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def describe(leaf) -> str:
     return f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
 
 
 def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
     """Raises a UserError naming the first leaf whose saved shape or dtype differs from `target`."""
-    saved, wanted = flat_leaves(saved_tree), flat_leaves(target)
+    saved, wanted = tree_paths.flat(saved_tree), tree_paths.flat(target)
     order = lambda k: (not k.startswith("params/"), k)  # noqa: E731 - parameters first
     problems = [f"{k}: saved {describe(saved[k])}, this run has {describe(wanted[k])}"
                 for k in sorted(saved.keys() & wanted.keys(), key=order)
@@ -154,7 +141,7 @@ class Checkpointer:
         current = restage.arrangement(exp.model.pipeline)
         target = exp.abstract_state()
         if saved != current:
-            target = restage.saved_target(target, current, saved)
+            target = restage.saved_target(target, current, saved, exp.model.stacked)
         return target, saved, current, meta
 
     def check_fits(self, step: int, exp) -> dict:
@@ -171,7 +158,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         state = restored.state
         if saved != current:
-            state = restage.restack(state, current, saved, exp.shardings)
+            state = restage.restack(state, current, saved, exp.shardings, exp.model.stacked)
         return state, restored.meta
 
     def due(self, step: int) -> bool:
@@ -254,8 +241,7 @@ def run_summary(exp) -> dict:
     return {
         "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
         "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
-        "model": (f"{m.num_layers} layers, {m.num_heads} heads, embed {m.embed_dim}, mlp {m.mlp_dim}, "
-                  f"vocab {m.padded_vocab_size}, seq_len {m.seq_len}, params {m.param_dtype}"),
+        "model": exp.model.family.describe(m),
         "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
         "processes": jax.process_count(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -1,4 +1,4 @@
-"""Configs: one `base()` of every key, named runs in meshtrain/configs/NAME.py.
+"""Configs: one `base()` of every key, named runs in configs/NAME.py.
 
 `load(name_or_path)` imports the file and calls its `get_config()`; `override`
 applies `--config.key=value` strings to the locked ConfigDict, parsing each value
@@ -17,7 +17,18 @@ import ml_collections
 
 from meshtrain.errors import UserError
 
-CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+def _config_dir() -> pathlib.Path:
+    """configs/ at the repository root. Installs map it to the package meshtrain.configs
+    (pyproject.toml); a source tree on PYTHONPATH has it beside meshtrain/."""
+    spec = importlib.util.find_spec("meshtrain.configs")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        return pathlib.Path(location)
+    return pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_collections.ConfigDict:
@@ -27,6 +38,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         name="gpt2", size=size,
         num_layers=None, num_heads=None, embed_dim=None, mlp_dim=None, seq_len=None,
         vocab_size=None,     # None: from model.size (synthetic data) or the tokenizer (text)
+        # Llama only (None: from model.size): grouped-query KV heads, RoPE base, tied output.
+        num_kv_heads=None, rope_theta=None, tie_embeddings=None,
         vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
         dropout=0.0, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=True,
@@ -43,6 +56,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
     c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}
+    # init.from: a checkpoint to start from (fine-tuning): its params, step 0, fresh optimizer.
+    c.init = {"from": ""}
     # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.
     c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1)
     # Multi-process runs (docs/multihost.md), in seconds: how long processes wait for each
@@ -76,7 +91,7 @@ def available() -> list[str]:
 
 
 def load(name_or_path: str) -> ml_collections.ConfigDict:
-    """`gpt2_tiny_dp8` (a file in meshtrain/configs/) or a path to a .py file."""
+    """`gpt2_tiny_dp8` (a file in configs/) or a path to a .py file."""
     path = pathlib.Path(name_or_path)
     if not (path.suffix == ".py" and path.exists()):
         path = CONFIG_DIR / f"{name_or_path}.py"
@@ -84,7 +99,7 @@ def load(name_or_path: str) -> ml_collections.ConfigDict:
         close = difflib.get_close_matches(name_or_path, available(), n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise UserError(
-            f"Unknown config {name_or_path!r}.{hint} Pass a name from meshtrain/configs/ "
+            f"Unknown config {name_or_path!r}.{hint} Pass a name from configs/ "
             f"({', '.join(available())}) or a path to a .py file with get_config().")
     spec = importlib.util.spec_from_file_location(f"meshtrain_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)

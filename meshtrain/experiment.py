@@ -127,9 +127,9 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.Mo
     vocab = m.vocab_size or vocab
     model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh))
     model = state_lib.abstract_model(model_cfg, pipe)
-    state_lib.check_activations(model_cfg, micro, layout, mesh)
+    state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
-        state_lib.check_activations(model_cfg, micro // pipe.microbatches, layout.without("stage"), mesh)
+        state_lib.check_activations(model, micro // pipe.microbatches, layout.without("stage"), mesh)
     for target in ("params", "opt_state"):
         state_lib.param_shardings(model, layout, mesh, target)  # raises on indivisible dims
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
@@ -182,7 +182,7 @@ class Experiment:
             model, tx, schedule, layout, mesh, shardings, grad_shardings,
             microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
-        batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+        batch_sharding = step_lib.batch_sharding(layout, mesh)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
                    train_step, eval_step, batch_sharding, dcn)
 
@@ -218,7 +218,7 @@ class Experiment:
 
     def num_params(self) -> int:
         """Parameters of the model as defined (unpadded vocabulary): the closed form."""
-        return models.num_params(self.model.cfg)
+        return self.model.family.num_params(self.model.cfg)
 
     def num_stored_params(self) -> int:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.model.shapes))

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.models.gpt2 import run_stack
+from meshtrain.models.stack import run_stack
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -180,7 +180,7 @@ def output_ticks(pipe: Pipeline) -> np.ndarray:
 
 def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
                 scan_layers: bool = True) -> Callable:
-    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for GPT2.__call__.
+    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for a model's forward pass.
 
     `stacked` holds the block params [S, r*Lc, ...]; `make_layer(constrain)` returns
     layer(x [b, T, D], one layer's params, key) -> x.

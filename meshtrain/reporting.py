@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from meshtrain.models import GPT2Config, num_params
+from meshtrain.models import ModelConfig, family_of
 from meshtrain.progress import format_duration
 
 # Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
@@ -22,9 +22,9 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
               "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12}
 
 
-def flops_per_token(cfg: GPT2Config) -> float:
-    """Training FLOPs per token, llm.c accounting: 6 N + 6 L D T."""
-    return 6.0 * num_params(cfg) + 6.0 * cfg.num_layers * cfg.embed_dim * cfg.seq_len
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token as the model's family counts them (llm.c: 6 N + 6 L D T)."""
+    return family_of(cfg).flops_per_token(cfg)
 
 
 def peak_flops(device: jax.Device) -> float | None:

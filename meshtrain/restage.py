@@ -28,18 +28,19 @@ def arrangement(pipe: dict | Pipeline | None) -> tuple[int, int] | None:
     return pipe.stages, pipe.repeats
 
 
-def _in_blocks(path) -> bool:
-    return any(getattr(k, "key", None) == "blocks" for k in path)
+def _in_stack(path, stacked: str) -> bool:
+    """Whether a leaf lies under the model's stacked layers (ModelDef.stacked)."""
+    return any(getattr(k, "key", None) == stacked for k in path)
 
 
 def _layer_dims(arr: tuple[int, int] | None) -> int:
     return 1 if arr is None else 2
 
 
-def saved_target(target, current: tuple | None, saved: tuple | None):
-    """`target` (abstract TrainState of this run) with block leaves in the saved arrangement."""
+def saved_target(target, current: tuple | None, saved: tuple | None, stacked: str):
+    """`target` (abstract TrainState of this run) with stacked-layer leaves in the saved arrangement."""
     def one(path, leaf):
-        if not _in_blocks(path):
+        if not _in_stack(path, stacked):
             return leaf
         inner = leaf.shape[_layer_dims(current):]
         layers = leaf.shape[0] * (leaf.shape[1] if current else 1)
@@ -50,13 +51,13 @@ def saved_target(target, current: tuple | None, saved: tuple | None):
     return jax.tree_util.tree_map_with_path(one, target)
 
 
-def restack(state, current: tuple | None, saved: tuple | None, shardings):
+def restack(state, current: tuple | None, saved: tuple | None, shardings, stacked: str):
     """A restored TrainState in the saved arrangement -> the current one, in `shardings`."""
     def pipe(arr):
         return Pipeline(stages=arr[0], microbatches=1, repeats=arr[1])
 
     def one(path, x):
-        if not _in_blocks(path):
+        if not _in_stack(path, stacked):
             return x
         layers = x if saved is None else from_stages(x, pipe(saved))
         return layers if current is None else to_stages(layers, pipe(current))

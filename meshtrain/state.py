@@ -22,14 +22,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.models import GPT2, GPT2Config
+from meshtrain.models import Family, ModelConfig, family_of
+from meshtrain.tree_paths import path_str
 from meshtrain.pipeline import Pipeline, stage_axes, stage_shape, to_stages
 
-# Where a logical dim's size comes from, for error messages.
+# Where a logical dim's size comes from, for error messages (a family adds its own).
 SIZE_KEYS = {
     "batch": "train.batch_size / train.microbatches", "length": "model.seq_len",
-    "embed": "model.embed_dim", "heads": "model.num_heads",
-    "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim",
     "vocab": "the padded vocabulary", "layers": "model.num_layers", "stage": "the stage count",
 }
 
@@ -46,26 +45,40 @@ class TrainState:
 class ModelDef:
     """What the step needs to rebuild the model from a params dict inside jit."""
 
-    cfg: GPT2Config
+    cfg: ModelConfig
+    family: Family
     graphdef: Any
     shapes: Any   # params dict of ShapeDtypeStruct
     axes: Any     # params dict of logical-axis tuples
-    # When set, params["blocks"] are stored [stage, layers per stage, ...] (pipeline.to_stages).
+    # When set, params[family.stacked] are stored [stage, layers per stage, ...] (pipeline.to_stages).
     pipeline: Pipeline | None = None
 
-    def bind(self, params) -> GPT2:
+    @property
+    def stacked(self) -> str:
+        """The params key of the stacked layers (what the pipeline cuts into stages)."""
+        return self.family.stacked
+
+    def bind(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
 
     def init_params(self, seed: int):
         """The model's initial params; the same values under any pipeline, only reordered."""
-        params = nnx.to_pure_dict(nnx.state(GPT2(self.cfg, nnx.Rngs(seed))))
+        params = nnx.to_pure_dict(nnx.state(self.family.module(self.cfg, nnx.Rngs(seed))))
         if self.pipeline is not None:
-            params["blocks"] = to_stages(params["blocks"], self.pipeline)
+            params[self.stacked] = to_stages(params[self.stacked], self.pipeline)
         return params
 
+    def activation_axes(self) -> list[tuple[str, tuple]]:
+        """[(what, logical axes)] of the activations the forward pass constrains."""
+        return [(what, axes) for what, _, axes in self.family.activations(self.cfg, 1)]
 
-def abstract_model(cfg: GPT2Config, pipeline: Pipeline | None = None) -> ModelDef:
-    model = nnx.eval_shape(lambda: GPT2(cfg, nnx.Rngs(0)))
+    def size_keys(self) -> dict[str, str]:
+        return {**SIZE_KEYS, **self.family.size_keys}
+
+
+def abstract_model(cfg: ModelConfig, pipeline: Pipeline | None = None) -> ModelDef:
+    fam = family_of(cfg)
+    model = nnx.eval_shape(lambda: fam.module(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     axes: dict = {}
     for path, var in nnx.to_flat_state(state):
@@ -76,16 +89,13 @@ def abstract_model(cfg: GPT2Config, pipeline: Pipeline | None = None) -> ModelDe
     shapes = nnx.to_pure_dict(state)
     if pipeline is not None:
         is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-        axes["blocks"] = jax.tree.map(stage_axes, axes["blocks"], is_leaf=is_axes)
-        shapes["blocks"] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes["blocks"])
-    return ModelDef(cfg, graphdef, shapes, axes, pipeline)
+        axes[fam.stacked] = jax.tree.map(stage_axes, axes[fam.stacked], is_leaf=is_axes)
+        shapes[fam.stacked] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes[fam.stacked])
+    return ModelDef(cfg, fam, graphdef, shapes, axes, pipeline)
 
 
-def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in path)
-
-
-def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str) -> None:
+def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str,
+                    size_keys: dict[str, str] = SIZE_KEYS) -> None:
     """Every sharded dim must split evenly over its mesh axes; else say which and why."""
     for size, name, entry in zip(shape, axes, tuple(spec) + (None,) * len(shape)):
         mesh_axes = mesh_axes_of(entry)
@@ -95,7 +105,7 @@ def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str
         if size % parts:
             over = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh_axes)
             raise UserError(
-                f"{SIZE_KEYS.get(name, name)} = {size} is not divisible by {parts}: layout "
+                f"{size_keys.get(name, name)} = {size} is not divisible by {parts}: layout "
                 f"{layout.name!r} splits {name!r} over mesh axes {over} (first seen on {where}, "
                 f"shape {tuple(shape)}). Use a mesh whose {'+'.join(mesh_axes)} size divides "
                 f"{size}, change the model size, or use a layout that does not split {name!r}.")
@@ -106,21 +116,16 @@ def param_shardings(model: ModelDef, layout: Layout, mesh: Mesh, target: str):
     def one(path, shape, axes):
         where = f"parameter {path_str(path)}"
         spec = layout.spec(axes, target, where=where)
-        check_divisible(shape.shape, axes, spec, mesh, layout, where)
+        check_divisible(shape.shape, axes, spec, mesh, layout, where, model.size_keys())
         return NamedSharding(mesh, spec)
     return jax.tree_util.tree_map_with_path(one, model.shapes, model.axes)
 
 
-def check_activations(cfg: GPT2Config, micro_batch: int, layout: Layout, mesh: Mesh) -> None:
+def check_activations(model: ModelDef, micro_batch: int, layout: Layout, mesh: Mesh) -> None:
     """Divisibility of the activations the model constrains, before any tracing."""
-    b, t, d, h, e, f, v = (micro_batch, cfg.seq_len, cfg.embed_dim, cfg.num_heads, cfg.head_dim,
-                           cfg.mlp_dim, cfg.padded_vocab_size)
-    for shape, axes in (((b, t, d), ("batch", "length", "embed")),
-                        ((b, t, h, e), ("batch", "length", "heads", "head_dim")),
-                        ((b, t, f), ("batch", "length", "mlp")),
-                        ((b, t, v), ("batch", "length", "vocab"))):
-        spec = layout.spec(axes, "activations")
-        check_divisible(shape, axes, spec, mesh, layout, f"activation {axes}")
+    for what, shape, axes in model.family.activations(model.cfg, micro_batch):
+        spec = layout.spec(axes, "activations", where=f"activation {what}")
+        check_divisible(shape, axes, spec, mesh, layout, f"activation {what} {axes}", model.size_keys())
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, moments,

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import pipeline
 from meshtrain.layouts import Layout
-from meshtrain.state import ModelDef, TrainState, path_str
+from meshtrain.state import ModelDef, TrainState
+from meshtrain import tree_paths
 
 
 def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
@@ -26,6 +27,11 @@ def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
     def constrain(x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec(axes, "activations")))
     return constrain
+
+
+def batch_sharding(layout: Layout, mesh: Mesh) -> NamedSharding:
+    """Where a batch of token rows [B, T+1] lives: rows split like the activations' batch."""
+    return NamedSharding(mesh, layout.spec(("batch", None), "activations"))
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
@@ -39,7 +45,7 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     constrain = make_constrain(layout, mesh)
     run_layers = None
     if model.pipeline is not None:
-        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes["blocks"],
+        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes[model.stacked],
                                           scan_layers=model.cfg.scan_layers)
 
     def loss_fn(params, tokens_bt1, key):
@@ -65,7 +71,7 @@ def norm_and_nonfinite(grads) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def gradient_names(model: ModelDef) -> list[str]:
     """The parameter paths that metrics["first_nonfinite"] indexes."""
-    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(model.shapes)[0]]
+    return list(tree_paths.flat(model.shapes))
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -84,7 +90,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     """
     loss_fn = make_loss_fn(model, layout, mesh)
     grad_fn = jax.value_and_grad(loss_fn)
-    batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+    batches = batch_sharding(layout, mesh)
     micro_sharding = NamedSharding(mesh, layout.spec((None, "batch", None), "activations"))
     dropout_on = model.cfg.dropout > 0
 
@@ -122,14 +128,13 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state), metrics
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(train_step, in_shardings=(shardings, batch_sharding),
+    return jax.jit(train_step, in_shardings=(shardings, batches),
                    out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
     """eval_step(params, tokens [B, T+1]) -> mean loss (no dropout)."""
     loss_fn = make_loss_fn(model, layout, mesh)
-    batch_sharding = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
     return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
-                   in_shardings=(param_shardings, batch_sharding),
+                   in_shardings=(param_shardings, batch_sharding(layout, mesh)),
                    out_shardings=NamedSharding(mesh, P()))

@@ -72,7 +72,7 @@ def test_golden_tables(preset, make_config):
     # Pipeline presets are shown on stage-stacked blocks [stage, layers, ...].
     pipe = Pipeline(stages=2, microbatches=2) if preset in layouts.PIPELINE_PRESETS else None
     model = abstract_model(model_config(cfg.model, vocab_size=256), pipe)
-    table = sharding_table(model.axes, layouts.get(preset))
+    table = sharding_table(model.axes, layouts.get(preset), model.activation_axes())
     path = GOLDEN / f"{preset}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)

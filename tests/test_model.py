@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.models import GPT2, model_config, num_params
+from meshtrain.models import model_config
+from meshtrain.models.gpt2 import GPT2, num_params
 from meshtrain.models.sizes import GPT2_SIZES
 from meshtrain.state import abstract_model
 from meshtrain import config as config_lib
@@ -17,7 +18,7 @@ from meshtrain import config as config_lib
 
 def cfg_for(size, **kw):
     cfg = config_lib.base(size=size)
-    vocab = GPT2_SIZES[size][4]
+    vocab = GPT2_SIZES[size]["vocab_size"]
     mc = model_config(cfg.model, vocab_size=vocab)
     return dataclasses.replace(mc, **kw)
 

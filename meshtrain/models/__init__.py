@@ -1,49 +1,57 @@
-"""Models written with logical axis names; `model_config` turns config keys into dimensions."""
+"""Models written with logical axis names, reached through one seam (models/family.py).
+
+`model_config(cfg.model, ...)` turns config keys into the family's config dataclass;
+`family.get(name)` gives the rest (module, activations, parameter count, FLOPs).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import remat
-from meshtrain.models.gpt2 import GPT2, GPT2Config, num_params
-from meshtrain.models.sizes import FIELDS, GPT2_SIZES
+from meshtrain.models import family, gpt2, remat  # noqa: F401  (gpt2 registers itself)
+from meshtrain.models.family import Family, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+# model.* keys every family reads; the others are dimensions some family's sizes name.
+COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers")
 
 
-def size_dims(m: ml_collections.ConfigDict) -> dict[str, int]:
+def size_dims(m: ml_collections.ConfigDict) -> dict:
     """The dimensions named by model.size, with explicit model.* keys taking precedence."""
-    if m.name != "gpt2":
-        raise UserError(f"model.name={m.name!r} is not a known model; the models are: gpt2.")
-    if m.size not in GPT2_SIZES:
-        raise UserError(f"model.size={m.size!r} is not a GPT-2 size; choose one of "
-                        f"{', '.join(GPT2_SIZES)} (or set the dimensions explicitly).")
-    dims = dict(zip(FIELDS, GPT2_SIZES[m.size]))
-    for f in FIELDS:
-        if m.get(f) is not None:
-            dims[f] = int(m[f])
+    fam = family.get(m.name)
+    if m.size not in fam.sizes:
+        raise UserError(f"model.size={m.size!r} is not a {fam.name} size; choose one of "
+                        f"{', '.join(fam.sizes)} (or set the dimensions explicitly).")
+    dims = dict(fam.sizes[m.size])
+    unread = [k for k in m.keys() if k not in COMMON_KEYS and k not in dims and m[k] is not None]
+    if unread:
+        raise UserError(
+            f"{', '.join(f'model.{k}={m[k]!r}' for k in unread)}: model {fam.name!r} has no such "
+            f"dimension (it reads {', '.join(f'model.{k}' for k in dims if k in m)}). Unset it.")
+    for k in dims:
+        if k in m and m[k] is not None:
+            dims[k] = m[k]
     return dims
 
 
-def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards: int = 1) -> GPT2Config:
-    """Config keys -> GPT2Config. `model.size` fills dims; explicit keys win.
+def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards: int = 1,
+                 dims: dict | None = None) -> ModelConfig:
+    """Config keys -> the family's config. `model.size` fills dims; explicit keys win;
+    `dims` (a checkpoint's architecture, see init.from) replaces both.
 
     `vocab_size` is the data's vocabulary; the table is padded to a multiple of
     lcm(model.vocab_multiple, vocab_shards) so any layout can split it evenly.
     """
-    dims = size_dims(m)
+    fam = family.get(m.name)
+    dims = dict(size_dims(m) if dims is None else dims)
     dims["vocab_size"] = vocab_size
     for f, v in dims.items():
-        if v < 1:
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise UserError(f"model.{f}={v}: must be a positive integer.")
-    if dims["embed_dim"] % dims["num_heads"]:
-        raise UserError(
-            f"model.embed_dim={dims['embed_dim']} is not divisible by model.num_heads="
-            f"{dims['num_heads']}; the head width would be fractional. Pick num_heads "
-            f"dividing {dims['embed_dim']}.")
     for key in ("dtype", "param_dtype"):
         if m[key] not in DTYPES:
             raise UserError(f"model.{key}={m[key]!r}: choose one of {', '.join(DTYPES)}.")
@@ -52,9 +60,28 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     remat.check(m.remat)
     multiple = math.lcm(max(1, int(m.vocab_multiple)), vocab_shards)
     padded = -(-vocab_size // multiple) * multiple
-    return GPT2Config(**dims, padded_vocab_size=padded, dropout=float(m.dropout),
-                      dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                      scan_layers=bool(m.scan_layers))
+    known = {f.name for f in dataclasses.fields(fam.config)}
+    cfg = fam.config(**{k: v for k, v in dims.items() if k in known}, padded_vocab_size=padded,
+                     dropout=float(m.dropout), dtype=m.dtype, param_dtype=m.param_dtype,
+                     remat=m.remat, scan_layers=bool(m.scan_layers))
+    if fam.check is not None:
+        fam.check(cfg)
+    return cfg
 
 
-__all__ = ["GPT2", "GPT2Config", "model_config", "num_params"]
+def family_of(cfg: ModelConfig) -> Family:
+    """The registered family whose config class `cfg` is."""
+    for name in family.names():
+        fam = family.get(name)
+        if type(cfg) is fam.config:
+            return fam
+    raise ValueError(f"{type(cfg).__name__} is not the config of a registered model family")
+
+
+def architecture(cfg: ModelConfig) -> dict:
+    """The fields that fix the parameters' shapes (what init.from and exports carry)."""
+    run_only = {f.name for f in dataclasses.fields(ModelConfig)} - {"num_layers", "vocab_size", "seq_len"}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in run_only}
+
+
+__all__ = ["Family", "ModelConfig", "architecture", "family", "family_of", "model_config", "size_dims"]

@@ -1,14 +1,11 @@
-"""GPT-2 in Flax NNX, written with logical axis names only.
+"""GPT-2 in Flax NNX, written with logical axis names only (Radford et al. 2019).
 
 Every parameter carries its logical axes in `out_sharding` metadata; activations
 are pinned at block boundaries through the `constrain(x, axes)` callback the
 caller passes in (identity by default). The model knows nothing of meshes.
 
-Blocks are stored stacked: each block parameter has a leading `layers` axis, and
-the forward pass runs the block `num_layers` times, by `lax.scan` (one compiled
-body) or unrolled (`scan_layers=False`); both read the same parameters. A caller
-may take over that pass with `run_layers` (meshtrain/pipeline.py does, to run the
-stack as pipeline stages); the model does not know how its layers are scheduled.
+Blocks are stored stacked (models/stack.py): each block parameter has a leading
+`layers` axis, run by `lax.scan` or unrolled, or by the caller's `run_layers`.
 
 Shapes: B batch, T length, D embed, H heads, E head_dim, F mlp, V vocab (padded),
 L layers.
@@ -18,40 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtrain.models import remat
-
-Axes = tuple[str | None, ...]
-Constrain = Callable[[jax.Array, Axes], jax.Array]
-# run_layers(make_layer, stacked params, x [B, T, D], key) -> [B, T, D], where
-# make_layer(constrain) -> layer(x, one layer's params, key) -> x.
-RunLayers = Callable[..., jax.Array]
+from meshtrain.errors import UserError
+from meshtrain.models import family, sizes
+from meshtrain.models import stack
+from meshtrain.models.attention import Cache, attend
+from meshtrain.models.stack import Constrain, RunLayers, dropout as _dropout, no_constraint, param
 
 
-def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
-    del axes
-    return x
-
-
-@dataclasses.dataclass(frozen=True)
-class GPT2Config:
-    num_layers: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPT2Config(family.ModelConfig):
     num_heads: int
     embed_dim: int
     mlp_dim: int
-    vocab_size: int          # tokens the data can produce
-    padded_vocab_size: int   # rows of the embedding table (>= vocab_size); extra rows are inert
-    seq_len: int             # context length = rows of the learned position table
-    dropout: float = 0.0
-    dtype: str = "float32"        # compute dtype
-    param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
-    remat: str = "none"           # see models/remat.py
-    scan_layers: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -65,19 +45,8 @@ def num_params(cfg: GPT2Config, vocab_size: int | None = None) -> int:
     return cfg.num_layers * per_layer + v * d + cfg.seq_len * d + 2 * d
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, init: str,
-           std: float = 0.02) -> nnx.Param:
-    """A parameter of `shape` (with a leading `layers` dim of size `stack` if given)."""
-    if stack is not None:
-        shape, axes = (stack, *shape), ("layers", *axes)
-    if init == "normal":
-        value = std * jax.random.normal(rngs.params(), shape, dtype)
-    elif init == "ones":
-        value = jnp.ones(shape, dtype)
-    else:
-        value = jnp.zeros(shape, dtype)
-    # Sharding is applied by meshtrain.state from these names, not eagerly by Flax.
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+def _param(rngs: nnx.Rngs | None, shape, axes, stack, dtype, init, std=0.02) -> nnx.Param:
+    return param(None if rngs is None else rngs.params(), shape, axes, stack, dtype, init, std)
 
 
 class LayerNorm(nnx.Module):
@@ -95,13 +64,6 @@ class LayerNorm(nnx.Module):
         return y.astype(x_btd.dtype)
 
 
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    if rate == 0.0 or key is None:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs, stack: int | None = None):
         d, h, e = cfg.embed_dim, cfg.num_heads, cfg.head_dim
@@ -116,13 +78,16 @@ class Attention(nnx.Module):
         self.b_out = _param(rngs, (d,), ("embed",), stack, dt, "zeros")
         self.cfg = cfg
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
+                 pos: jax.Array | None = None):
+        """x [B, T, D] -> [B, T, D]; with a KV cache (see attention.attend) -> (y, cache)."""
         dt = x_btd.dtype
         qkv = jnp.einsum("btd,dkhe->btkhe", x_btd, self.w_qkv[...].astype(dt)) + self.b_qkv[...].astype(dt)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-        o_bthe = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o_bthe, cache = attend(q, k, v, cache, pos)
         o_bthe = constrain(o_bthe, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("bthe,hed->btd", o_bthe, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+        y = jnp.einsum("bthe,hed->btd", o_bthe, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+        return y if cache is None else (y, cache)
 
 
 class MLP(nnx.Module):
@@ -152,12 +117,16 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs, stack)
         self.dropout = cfg.dropout
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
+                 cache: Cache | None = None, pos: jax.Array | None = None):
+        """x [B, T, D] -> x; with a KV cache (decoding, no dropout) -> (x, cache)."""
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        x_btd = x_btd + _dropout(self.attn(self.ln1(x_btd), constrain), self.dropout, keys[0])
-        x_btd = constrain(x_btd, ("batch", "length", "embed"))
+        a = self.attn(self.ln1(x_btd), constrain, cache, pos)
+        a, cache = a if cache is not None else (a, None)
+        x_btd = constrain(x_btd + _dropout(a, self.dropout, keys[0]), ("batch", "length", "embed"))
         x_btd = x_btd + _dropout(self.mlp(self.ln2(x_btd), constrain), self.dropout, keys[1])
-        return constrain(x_btd, ("batch", "length", "embed"))
+        x_btd = constrain(x_btd, ("batch", "length", "embed"))
+        return x_btd if cache is None else (x_btd, cache)
 
 
 class GPT2(nnx.Module):
@@ -181,51 +150,74 @@ class GPT2(nnx.Module):
         passes its schedule here); the default runs the layers in order.
         """
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        t = tokens_bt.shape[1]
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        # The table as compute wants it (gathered over FSDP, split over vocab under
-        # TP), used for both the lookup and the tied output projection.
         wte_vd = constrain(self.wte[...], ("vocab", "embed"))
-        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
-        x_btd = _dropout(x_btd.astype(dt), cfg.dropout, keys[0])
-        x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        x_btd = self._run_blocks(x_btd, constrain, keys[1], run_layers)
-        x_btd = self.ln_f(x_btd)
-        logits_btv = jnp.einsum("btd,vd->btv", x_btd, wte_vd.astype(dt))
+        x_btd = self._embed(wte_vd, tokens_bt, 0, constrain, keys[0])
+        x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
+                                 num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
+        return self._logits(wte_vd, x_btd, constrain)
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        """Zeros (k, v), each [L, B, max_len, H, E] in the compute dtype."""
+        c = self.cfg
+        shape = (c.num_layers, batch, max_len, c.num_heads, c.head_dim)
+        return jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)
+
+    def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
+               constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
+        """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
+        wte_vd = constrain(self.wte[...], ("vocab", "embed"))
+        x_btd = self._embed(wte_vd, tokens_bt, pos, constrain, None)
+        x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
+        return self._logits(wte_vd, x_btd, constrain), cache
+
+    def _embed(self, wte_vd, tokens_bt, pos, constrain, key) -> jax.Array:
+        # The table as compute wants it (gathered over FSDP, split over vocab under
+        # TP) serves both the lookup and the tied output projection.
+        t = tokens_bt.shape[1]
+        wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, t, axis=0)
+        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + wpe_td
+        x_btd = _dropout(x_btd.astype(self.cfg.dtype), self.cfg.dropout, key)
+        return constrain(x_btd, ("batch", "length", "embed"))
+
+    def _logits(self, wte_vd, x_btd, constrain) -> jax.Array:
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        logits_btv = jnp.einsum("btd,vd->btv", self.ln_f(x_btd), wte_vd.astype(dt))
         if cfg.padded_vocab_size > cfg.vocab_size:
             real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
             logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
         return constrain(logits_btv, ("batch", "length", "vocab"))
 
-    def _run_blocks(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
-                    run_layers: RunLayers | None) -> jax.Array:
-        graphdef, stacked = nnx.split(self.blocks)
-        stacked = nnx.to_pure_dict(stacked)
-        remat_policy = self.cfg.remat
 
-        def make_layer(constrain: Constrain):
-            def layer(x, params, k):
-                return nnx.merge(graphdef, params)(x, constrain, k)
-            return remat.wrap(layer, remat_policy)
-
-        if run_layers is not None:
-            return run_layers(make_layer, stacked, x_btd, key)
-        keys = None if key is None else jax.random.split(key, self.cfg.num_layers)
-        return run_stack(make_layer(constrain), stacked, x_btd, keys, scan=self.cfg.scan_layers)
+def activations(cfg: GPT2Config, b: int):
+    """(what, shape, logical axes) of every activation the forward pass constrains."""
+    t, d, h, e, f, v = cfg.seq_len, cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.padded_vocab_size
+    return [("residual x", (b, t, d), ("batch", "length", "embed")),
+            ("q, k, v, attention out", (b, t, h, e), ("batch", "length", "heads", "head_dim")),
+            ("mlp hidden", (b, t, f), ("batch", "length", "mlp")),
+            ("logits", (b, t, v), ("batch", "length", "vocab"))]
 
 
-def run_stack(layer: Callable, stacked, x: jax.Array, keys: jax.Array | None, *,
-              scan: bool = True) -> jax.Array:
-    """x -> layer(...layer(layer(x, stacked[0], keys[0]), stacked[1], keys[1])...).
+def flops_per_token(cfg: GPT2Config) -> float:
+    """Training FLOPs per token, llm.c accounting: 6 N + 6 L D T."""
+    return 6.0 * num_params(cfg) + 6.0 * cfg.num_layers * cfg.embed_dim * cfg.seq_len
 
-    `stacked` is a params dict whose leaves have a leading layer dim n; `keys` is [n]
-    or None. One compiled body under `lax.scan`, or unrolled.
-    """
-    if scan:
-        x, _ = jax.lax.scan(lambda c, pk: (layer(c, *pk), None), x, (stacked, keys))
-        return x
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    for i in range(n):
-        x = layer(x, *jax.tree.map(lambda a: a[i], (stacked, keys)))
-    return x
+
+def _check(cfg: GPT2Config) -> None:
+    if cfg.embed_dim % cfg.num_heads:
+        raise UserError(
+            f"model.embed_dim={cfg.embed_dim} is not divisible by model.num_heads={cfg.num_heads}; "
+            f"the head width would be fractional. Pick num_heads dividing {cfg.embed_dim}.")
+
+
+FAMILY = family.register(family.Family(
+    name="gpt2", config=GPT2Config, module=GPT2, sizes=sizes.GPT2_SIZES,
+    activations=activations, num_params=num_params, flops_per_token=flops_per_token,
+    size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
+               "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim"},
+    describe=lambda c: (f"gpt2: {c.num_layers} layers, {c.num_heads} heads, embed {c.embed_dim}, "
+                        f"mlp {c.mlp_dim}, vocab {c.padded_vocab_size}, seq_len {c.seq_len}, "
+                        f"params {c.param_dtype}"),
+    check=_check,
+))

@@ -1,0 +1,98 @@
+"""The model seam: what the core (state, step, pipeline, checkpoints, reporting) knows of
+a model. A model is a file in meshtrain/models/ that builds a `Family` and calls
+`register(family)`; nothing else in meshtrain names it.
+
+A family gives:
+
+  config      its config dataclass, a subclass of `ModelConfig` (the fields the core reads)
+  module      module(cfg, rngs) -> nnx.Module, whose
+                  __call__(tokens [B, T] int32, constrain, key, run_layers) -> logits [B, T, V]
+              carries logical axes on every nnx.Param (`out_sharding` metadata), pins its
+              activations with `constrain`, and runs its stacked layers through
+              `stack.run_layers` so a pipeline can take the pass over
+  sizes       model.size -> {field: value}; fields named like a `model.*` config key are
+              overridden by that key when it is set; every size has num_layers, vocab_size
+              and seq_len
+  stacked     the params subtree whose leaves have a leading `layers` dim (what the
+              pipeline cuts into stages)
+  activations activations(cfg, b) -> [(what, shape, logical axes)] of the arrays the forward
+              pass constrains for a batch of b rows: layout validation checks their
+              divisibility, and the golden sharding tables list them
+  num_params  the closed-form parameter count (unpadded vocabulary)
+  flops_per_token  training FLOPs per token (6 N + attention, llm.c's convention)
+  size_keys   logical axis -> the config key that sets its size, for error messages
+  check       optional: cfg -> None, raising UserError for a combination the family refuses
+  describe    cfg -> one line, for logs and checkpoint metadata
+
+Optional decoding (meshtrain/sample.py): a module with
+    init_cache(batch, max_len) -> cache
+    decode(tokens [B, t], cache, pos [] int32, constrain) -> (logits [B, t, V], cache)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from flax import nnx
+
+from meshtrain.errors import UserError
+from meshtrain.models.stack import Axes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Fields every model config has; family configs add their dimensions."""
+
+    num_layers: int
+    vocab_size: int          # tokens the data can produce
+    padded_vocab_size: int   # rows of the embedding table (>= vocab_size); extra rows are inert
+    seq_len: int             # context length the model is trained at
+    dropout: float = 0.0
+    dtype: str = "float32"        # compute dtype
+    param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
+    remat: str = "none"           # see models/remat.py
+    scan_layers: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    config: type[ModelConfig]
+    module: Callable[[Any, nnx.Rngs], nnx.Module]
+    sizes: Mapping[str, Mapping[str, Any]]
+    activations: Callable[[Any, int], Sequence[tuple[str, tuple[int, ...], Axes]]]
+    num_params: Callable[[Any], int]
+    flops_per_token: Callable[[Any], float]
+    size_keys: Mapping[str, str]
+    describe: Callable[[Any], str]
+    stacked: str = "blocks"
+    check: Callable[[Any], None] | None = None
+
+    def fields(self) -> tuple[str, ...]:
+        """The dimension fields a size sets (the same for every size of the family)."""
+        return tuple(next(iter(self.sizes.values())))
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    for field in ("num_layers", "vocab_size", "seq_len"):
+        for size, dims in family.sizes.items():
+            if field not in dims:
+                raise ValueError(f"model family {family.name!r}: size {size!r} has no {field!r}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def get(name: str) -> Family:
+    if name not in _FAMILIES:
+        raise UserError(f"model.name={name!r} is not a known model; the models are: "
+                        f"{', '.join(sorted(_FAMILIES))}.")
+    return _FAMILIES[name]
+
+
+def names() -> list[str]:
+    return sorted(_FAMILIES)

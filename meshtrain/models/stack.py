@@ -1,0 +1,110 @@
+"""What every model shares: the hooks the core passes in, stacked parameters, and the
+sequential pass over a stack of layers.
+
+A model's layers are stored stacked: each layer parameter has a leading `layers` dim,
+and the forward pass runs one layer function over that dim. The caller may take that
+pass over with `run_layers` (meshtrain/pipeline.py does, to run the stack as pipeline
+stages); the model never knows how its layers are scheduled.
+
+    constrain(x, axes) -> x                     pins an activation to the layout
+    run_layers(make_layer, stacked, x, key) -> x
+        make_layer(constrain) -> layer(x, one layer's params, key) -> x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtrain.models import remat
+
+Axes = tuple[str | None, ...]
+Constrain = Callable[[jax.Array, Axes], jax.Array]
+RunLayers = Callable[..., jax.Array]
+
+
+def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
+    del axes
+    return x
+
+
+def param(key: jax.Array | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",
+          std: float = 0.02) -> nnx.Param:
+    """A parameter of `shape` with logical `axes` ("layers" prepended when `stack` is given).
+
+    init: "normal" (std), "ones" or "zeros"; `key` is needed for "normal" only.
+    """
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    if init == "normal":
+        value = std * jax.random.normal(key, shape, dtype)
+    elif init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = jnp.zeros(shape, dtype)
+    # Sharding is applied by meshtrain.state from these names, not eagerly by Flax.
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def run_stack(layer: Callable, stacked, x: jax.Array, keys: jax.Array | None, *,
+              scan: bool = True) -> jax.Array:
+    """x -> layer(...layer(layer(x, stacked[0], keys[0]), stacked[1], keys[1])...).
+
+    `stacked` is a params dict whose leaves have a leading layer dim n; `keys` is [n]
+    or None. One compiled body under `lax.scan`, or unrolled.
+    """
+    if scan:
+        x, _ = jax.lax.scan(lambda c, pk: (layer(c, *pk), None), x, (stacked, keys))
+        return x
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n):
+        x = layer(x, *jax.tree.map(lambda a: a[i], (stacked, keys)))
+    return x
+
+
+def run_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, key: jax.Array | None,
+               runner: RunLayers | None, *, num_layers: int, remat_policy: str, scan: bool,
+               **layer_kwargs) -> jax.Array:
+    """Runs a stacked module `blocks` (built with stack=num_layers) over x.
+
+    Each layer is called as `layer_module(x, constrain, key, **layer_kwargs)`;
+    `runner` (a pipeline schedule) replaces the sequential pass when given.
+    """
+    graphdef, stacked = nnx.split(blocks)
+    stacked = nnx.to_pure_dict(stacked)
+
+    def make_layer(constrain: Constrain):
+        def layer(x, params, k):
+            return nnx.merge(graphdef, params)(x, constrain, k, **layer_kwargs)
+        return remat.wrap(layer, remat_policy)
+
+    if runner is not None:
+        return runner(make_layer, stacked, x, key)
+    keys = None if key is None else jax.random.split(key, num_layers)
+    return run_stack(make_layer(constrain), stacked, x, keys, scan=scan)
+
+
+def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, cache, pos: jax.Array,
+                  **layer_kwargs) -> tuple[jax.Array, object]:
+    """One pass over a stacked module with a KV cache whose leaves have a leading layer dim.
+
+    Each layer is called as `layer_module(x, constrain, None, cache=c, pos=pos, **kw)`
+    and returns (x, c). -> (x, cache)
+    """
+    graphdef, stacked = nnx.split(blocks)
+    stacked = nnx.to_pure_dict(stacked)
+
+    def body(x, params_cache):
+        params, c = params_cache
+        return nnx.merge(graphdef, params)(x, constrain, None, cache=c, pos=pos, **layer_kwargs)
+    return jax.lax.scan(body, x, (stacked, cache))
