@@ -26,7 +26,7 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
                       in_shardings=(exp.shardings.params, exp.batch_sharding))
     grads = jax.device_get(grad_fn(state.params, first))
     if exp.model.pipeline is not None:  # compare in model layer order
-        grads["blocks"] = pipeline.from_stages(grads["blocks"], exp.model.pipeline)
+        grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
     losses = []
     state, metrics = exp.train_step(state, first)
     losses.append(float(metrics["loss"]))

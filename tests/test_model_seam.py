@@ -1,0 +1,107 @@
+"""The model seam: a model defined here, outside meshtrain/, registers itself and trains
+under data, FSDP, tensor and pipeline layouts exactly like on one device."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain import config as config_lib
+from meshtrain.models import family, stack
+from test_equivalence import losses_and_grads
+
+
+# --- a toy language model: embedding, a stack of residual MLP layers, untied head ---
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyConfig(family.ModelConfig):
+    embed_dim: int
+    mlp_dim: int
+
+
+class ToyLayer(nnx.Module):
+    def __init__(self, cfg: ToyConfig, rngs: nnx.Rngs, stack_size: int):
+        self.w_in = stack.param(rngs.params(), (cfg.embed_dim, cfg.mlp_dim), ("embed", "mlp"), stack_size, jnp.float32, "normal")
+        self.w_out = stack.param(rngs.params(), (cfg.mlp_dim, cfg.embed_dim), ("mlp", "embed"), stack_size, jnp.float32, "normal")
+
+    def __call__(self, x_btd, constrain, key):
+        h_btf = constrain(jax.nn.relu(x_btd @ self.w_in[...]), ("batch", "length", "mlp"))
+        return constrain(x_btd + h_btf @ self.w_out[...], ("batch", "length", "embed"))
+
+
+class Toy(nnx.Module):
+    def __init__(self, cfg: ToyConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        v, d = cfg.padded_vocab_size, cfg.embed_dim
+        self.embed = stack.param(rngs.params(), (v, d), ("vocab", "embed"), None, jnp.float32, "normal", 1.0)
+        self.layers = ToyLayer(cfg, rngs, cfg.num_layers)
+        self.head = stack.param(rngs.params(), (d, v), ("embed", "vocab"), None, jnp.float32, "normal")
+
+    def __call__(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+        x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "embed"))
+        x = stack.run_layers(self.layers, x, constrain, key, run_layers, num_layers=self.cfg.num_layers,
+                             remat_policy=self.cfg.remat, scan=self.cfg.scan_layers)
+        return constrain(x @ self.head[...], ("batch", "length", "vocab"))
+
+
+def toy_activations(cfg: ToyConfig, b: int):
+    t, d, f, v = cfg.seq_len, cfg.embed_dim, cfg.mlp_dim, cfg.padded_vocab_size
+    return [("residual", (b, t, d), ("batch", "length", "embed")),
+            ("hidden", (b, t, f), ("batch", "length", "mlp")),
+            ("logits", (b, t, v), ("batch", "length", "vocab"))]
+
+
+def toy_params(cfg: ToyConfig) -> int:
+    return 2 * cfg.vocab_size * cfg.embed_dim + 2 * cfg.num_layers * cfg.embed_dim * cfg.mlp_dim
+
+
+family.register(family.Family(
+    name="toy", config=ToyConfig, module=Toy, stacked="layers",
+    sizes={"tiny": dict(num_layers=4, embed_dim=32, mlp_dim=64, vocab_size=256, seq_len=32)},
+    activations=toy_activations, num_params=toy_params,
+    flops_per_token=lambda c: 6.0 * toy_params(c),
+    size_keys={"embed": "model.embed_dim", "mlp": "model.mlp_dim"},
+    describe=lambda c: f"toy: {c.num_layers} layers, embed {c.embed_dim}, mlp {c.mlp_dim}",
+))
+
+# --- the test ----------------------------------------------------------------------
+
+LAYOUTS = {"dp8": ("data:8", "dp", 0), "fsdp8": ("fsdp:8", "fsdp", 0),
+           "dp2_tp4": ("data:2,tensor:4", "dp_tp", 0), "pp2_dp4": ("data:4,stage:2", "dp_pp", 4)}
+
+
+def toy_config(mesh: str, layout: str, pipeline_microbatches: int):
+    c = config_lib.base(size="tiny", mesh=mesh, layout=layout)
+    c.model.name = "toy"
+    c.model.vocab_multiple = 8
+    c.pipeline.microbatches = pipeline_microbatches
+    c.train.update(batch_size=16, eval_every=0)
+    c.optim.update(lr=1e-2, warmup_steps=2)
+    return c
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return losses_and_grads(toy_config("data:1", "dp", 0), devices=jax.devices()[:1], mesh_shape="data:1")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_model_outside_meshtrain_trains_under_every_layout(name, one_device):
+    ref_losses, ref_grads = one_device
+    losses, grads = losses_and_grads(toy_config(*LAYOUTS[name]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert losses[-1] < losses[0] - 0.5, f"{name}: the toy model should learn over 20 steps"
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
+
+
+def test_the_toy_model_reports_through_the_seam():
+    from meshtrain import reporting
+    from meshtrain.experiment import Experiment
+    exp = Experiment.build(toy_config("data:1", "dp", 0), devices=jax.devices()[:1], mesh_shape="data:1")
+    cfg = exp.model.cfg
+    assert exp.model.stacked == "layers"
+    assert exp.num_params() == 2 * 256 * 32 + 2 * 4 * 32 * 64 == exp.num_stored_params()
+    assert reporting.flops_per_token(cfg) == 6.0 * exp.num_params()
