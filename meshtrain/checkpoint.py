@@ -215,6 +215,14 @@ class Checkpointer:
             self.manager.close()
 
 
+def check_config(c) -> None:
+    """checkpoint.* keys: every and keep."""
+    if c.every < 0 or c.keep < 0:
+        raise UserError(f"checkpoint.every={c.every}, checkpoint.keep={c.keep}: both must be >= 0 "
+                        f"(every=0 saves only at the end, at train.stop_at and on SIGTERM; keep=0 "
+                        f"keeps every checkpoint).")
+
+
 def checkpoint_dir(cfg, workdir: str | None) -> str | None:
     """checkpoint.dir, else WORKDIR/checkpoints, else None (no checkpoints)."""
     if cfg.checkpoint.dir:

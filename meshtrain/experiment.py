@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import distributed, layouts, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import checkpoint, distributed, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -67,73 +67,52 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
     return t.batch_size // k
 
 
-def check_stage_rules(layout: Layout, pipe: pipeline.Pipeline | None) -> None:
-    """A pipelined run needs the params' `stage` dim on the `stage` mesh axis in every table."""
-    if pipe is None:
-        return
-    for target in layouts.rules.TARGETS:
-        if mesh_axes_of(layout.spec(("stage",), target)[0]) != ("stage",):
-            raise UserError(
-                f"Layout {layout.name!r} does not put the logical axis 'stage' on the mesh axis "
-                f"'stage' in its {target} rules, but the run is pipelined (pipeline.microbatches="
-                f"{pipe.microbatches}). Use a pipeline layout ({', '.join(layouts.PIPELINE_PRESETS)}) "
-                f"or begin every table with 'stage:stage'.")
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a config resolves to on a mesh, before anything is traced."""
+
+    layout: Layout
+    model: state_lib.ModelDef
+    source: Any
+    params: Any     # params-shaped NamedShardings: how weights are stored
+    opt_state: Any  # params-shaped NamedShardings: optimizer moments, and where gradients reduce to
 
 
-def validate(cfg: ml_collections.ConfigDict, mesh) -> tuple[Layout, state_lib.ModelDef, Any]:
-    """Every check that needs no devices: layout, batch, model dims, divisibility, data.
+def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
+    """Every check that needs no devices, each section by the module that owns its keys:
+    layout and batch here, pipeline.*, train.* (loop), checkpoint.*, data.*, optim.*, model.*.
 
     `mesh` may be a jax.sharding.AbstractMesh, so a 32-device config can be checked
     on a laptop without simulating its devices.
     """
     layout = layouts.get(cfg.layout)
-    m = cfg.model
-    dims = models.size_dims(m)
+    dims = models.size_dims(cfg.model)
     pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"])
-    check_stage_rules(layout, pipe)
+    pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
-    t = cfg.train
-    if t.steps < 0:
-        raise UserError(f"train.steps={t.steps}: must be >= 0 (0 compiles and exits).")
-    if t.log_every < 1 or t.eval_every < 0 or (t.eval_every and t.eval_steps < 1):
-        raise UserError(
-            f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
-            f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
-            f"eval_steps >= 1 when eval is on.")
-    if t.nonfinite not in step_lib.NONFINITE_POLICIES or t.max_skips < 1:
-        raise UserError(
-            f"train.nonfinite={t.nonfinite!r}, train.max_skips={t.max_skips}: nonfinite must be one "
-            f"of {', '.join(step_lib.NONFINITE_POLICIES)} and max_skips >= 1.")
-    if not 0 <= t.stop_at <= t.steps:
-        raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
-    c = cfg.checkpoint
-    if c.every < 0 or c.keep < 0:
-        raise UserError(f"checkpoint.every={c.every}, checkpoint.keep={c.keep}: both must be >= 0 "
-                        f"(every=0 saves only at the end, at train.stop_at and on SIGTERM; keep=0 "
-                        f"keeps every checkpoint).")
-    d = cfg.data
-    if d.workers < 0 or d.prefetch < 0:
-        raise UserError(
-            f"data.workers={d.workers}, data.prefetch={d.prefetch}: both must be >= 0 (workers "
-            f"is grain worker processes, 0 reads in this process; prefetch is batches read "
-            f"ahead, 0 reads on demand).")
+    loop.check_config(cfg.train)
+    checkpoint.check_config(cfg.checkpoint)
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
                          seed=cfg.train.seed)
-    vocab = source.vocab_size
-    if m.vocab_size is not None and m.vocab_size < vocab:
-        raise UserError(
-            f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({vocab} "
-            f"tokens from {cfg.data.kind!r}). Leave model.vocab_size unset to follow the data.")
-    vocab = m.vocab_size or vocab
-    model_cfg = models.model_config(m, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh))
+    model_cfg = models.model_config(cfg.model, vocab_size=_model_vocab(cfg.model, source, cfg.data.kind),
+                                    vocab_shards=_vocab_shards(layout, mesh))
     model = state_lib.abstract_model(model_cfg, pipe)
     state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
         state_lib.check_activations(model, micro // pipe.microbatches, layout.without("stage"), mesh)
-    for target in ("params", "opt_state"):
-        state_lib.param_shardings(model, layout, mesh, target)  # raises on indivisible dims
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
-    return layout, model, source
+    # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
+    params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
+    return Plan(layout, model, source, params, opt_state)
+
+
+def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
+    """The model's vocabulary: model.vocab_size when set (at least the data's), else the data's."""
+    if m.vocab_size is not None and m.vocab_size < source.vocab_size:
+        raise UserError(
+            f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({source.vocab_size} "
+            f"tokens from {kind!r}). Leave model.vocab_size unset to follow the data.")
+    return m.vocab_size or source.vocab_size
 
 
 def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
@@ -169,15 +148,15 @@ class Experiment:
         shape = mesh_lib.resolve_shape(shape, len(devices))
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape) if mesh_shape is None else None
         mesh = mesh_lib.make_mesh(shape, devices, dcn=dcn, hosts=distributed.hosts())
-        layout, model, source = validate(cfg, mesh)
+        plan = validate(cfg, mesh)
+        layout, model, source = plan.layout, plan.model, plan.source
 
         total = max(cfg.train.steps, 1)
         schedule = optim.schedule(cfg.optim, total)
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
-        grad_shardings = state_lib.param_shardings(model, layout, mesh, "opt_state")
-        shardings = state_lib.state_shardings(
-            model, tx, state_lib.param_shardings(model, layout, mesh, "params"), grad_shardings, mesh)
+        grad_shardings = plan.opt_state
+        shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh)
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings,
             microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite)

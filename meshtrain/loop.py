@@ -15,12 +15,34 @@ import time
 import jax
 import numpy as np
 
-from meshtrain.checkpoint import Checkpointer
-from meshtrain.errors import RunFailed, warn
-from meshtrain.experiment import Experiment
+from typing import TYPE_CHECKING
+
+from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.preemption import Preemption
-from meshtrain.reporting import RunLog
-from meshtrain.step import gradient_names
+from meshtrain.step import NONFINITE_POLICIES, gradient_names
+
+if TYPE_CHECKING:  # the experiment imports this module to check train.*
+    from meshtrain.checkpoint import Checkpointer
+    from meshtrain.experiment import Experiment
+    from meshtrain.reporting import RunLog
+
+
+def check_config(t) -> None:
+    """train.* keys this loop reads: steps, log_every, eval_every, eval_steps, nonfinite,
+    max_skips, stop_at (batch_size and microbatches are checked against the layout)."""
+    if t.steps < 0:
+        raise UserError(f"train.steps={t.steps}: must be >= 0 (0 compiles and exits).")
+    if t.log_every < 1 or t.eval_every < 0 or (t.eval_every and t.eval_steps < 1):
+        raise UserError(
+            f"train.log_every={t.log_every}, train.eval_every={t.eval_every}, train.eval_steps="
+            f"{t.eval_steps}: log_every must be >= 1, eval_every >= 0 (0 turns eval off), and "
+            f"eval_steps >= 1 when eval is on.")
+    if t.nonfinite not in NONFINITE_POLICIES or t.max_skips < 1:
+        raise UserError(
+            f"train.nonfinite={t.nonfinite!r}, train.max_skips={t.max_skips}: nonfinite must be one "
+            f"of {', '.join(NONFINITE_POLICIES)} and max_skips >= 1.")
+    if not 0 <= t.stop_at <= t.steps:
+        raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
 
 
 def evaluate(exp: Experiment, params) -> float:

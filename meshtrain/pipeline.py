@@ -105,6 +105,21 @@ def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
     return Pipeline(stages=stages, microbatches=m, repeats=r)
 
 
+def check_layout(layout: Layout, pipe: Pipeline | None) -> None:
+    """A pipelined run needs the params' `stage` dim on the `stage` mesh axis in every table."""
+    from meshtrain.layouts import PIPELINE_PRESETS
+    from meshtrain.layouts.rules import TARGETS
+    if pipe is None:
+        return
+    for target in TARGETS:
+        if mesh_axes_of(layout.spec(("stage",), target)[0]) != ("stage",):
+            raise UserError(
+                f"Layout {layout.name!r} does not put the logical axis 'stage' on the mesh axis "
+                f"'stage' in its {target} rules, but the run is pipelined (pipeline.microbatches="
+                f"{pipe.microbatches}). Use a pipeline layout ({', '.join(PIPELINE_PRESETS)}) "
+                f"or begin every table with 'stage:stage'.")
+
+
 def warnings_for(pipe: Pipeline | None) -> list[str]:
     if pipe is None or pipe.microbatches >= pipe.stages:
         return []

@@ -101,7 +101,7 @@ def test_embed_not_divisible_by_heads():
 @pytest.mark.parametrize("key, value, message", [
     ("model.remat", "some", r"model.remat='some' is not a remat policy. Choose one of: none, full, save_dots"),
     ("model.dtype", "fp8", r"model.dtype='fp8': choose one of float32, bfloat16, float16"),
-    ("model.size", "huge", r"model.size='huge' is not a GPT-2 size; choose one of tiny, small"),
+    ("model.size", "huge", r"model.size='huge' is not a gpt2 size; choose one of tiny, small"),
     ("optim.schedule", "step", r"optim.schedule='step': choose one of cosine, constant"),
     ("layout", "batch:data;foo:tensor", r"Unknown logical axis name 'foo'"),
     ("layout", "dpp", r"Unknown layout 'dpp'. The presets are"),
@@ -149,10 +149,10 @@ def test_few_microbatches_warn():
     from meshtrain import pipeline
     cfg = config_lib.load("gpt2_tiny_pp4_dp2")
     config_lib.override(cfg, "pipeline.microbatches", "2")
-    _, model, _ = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+    model = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
     (warning,) = pipeline.warnings_for(model.pipeline)
     assert re.search(r"pipeline.microbatches=2 < stage=4: the bubble \(S-1\)/\(r\*M\+S-1\) = 60% "
                      r"of the pipelined work dominates; use M >= 16", warning), warning
     config_lib.override(cfg, "pipeline.microbatches", "4")
-    _, model, _ = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+    model = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
     assert pipeline.warnings_for(model.pipeline) == []

@@ -39,6 +39,7 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int) -> DataSo
         order of text windows.
     """
     _check_seq_len_and_seed(seq_len, seed)
+    _check_reading(data_cfg)
     kind = data_cfg.get("kind")
     if kind == "synthetic":
         vocab = DEFAULT_SYNTHETIC_VOCAB if vocab_size in (-1, None) else vocab_size
@@ -56,6 +57,15 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int) -> DataSo
         f"Unknown data.kind {kind!r}. Known kinds: {', '.join(KINDS)} ('synthetic' "
         f"is a Markov chain with a known best loss; 'text' reads data.path; 'tfds' reads "
         f"data.name from data.data_dir). Set data.kind to one of them.")
+
+
+def _check_reading(d) -> None:
+    workers, prefetch = d.get("workers", 0), d.get("prefetch", 0)
+    if workers < 0 or prefetch < 0:
+        raise UserError(
+            f"data.workers={workers}, data.prefetch={prefetch}: both must be >= 0 (workers "
+            f"is grain worker processes, 0 reads in this process; prefetch is batches read "
+            f"ahead, 0 reads on demand).")
 
 
 def _check_synthetic_vocab(vocab: int) -> None:
