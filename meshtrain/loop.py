@@ -82,6 +82,41 @@ class NonfiniteGuard:
                             f"step {step - self.in_a_row}.")
 
 
+@dataclasses.dataclass
+class _Reader:
+    """Reads dispatched steps' results one step late, so the device never waits for Python:
+    the non-finite check and (on log steps) the log line with the step time."""
+
+    log: RunLog
+    guard: NonfiniteGuard
+    last_time: float
+    last_step: int
+    rows: list = dataclasses.field(default_factory=list)
+    pending: tuple | None = None  # (step, metrics, time it finished if it is a log step)
+
+    def queue(self, step: int, metrics, timed: bool) -> None:
+        """Records a just-dispatched step after reading the one before it."""
+        self.flush()
+        if timed:  # a log step: wait for it, for an honest step time
+            jax.block_until_ready(metrics)
+        self.pending = (step, metrics, time.perf_counter() if timed else None)
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        step, metrics, now = self.pending
+        self.pending = None
+        self.guard.check(step, metrics)
+        if now is not None:
+            step_time = (now - self.last_time) / (step - self.last_step)
+            self.rows.append(self.log.log_train(step, jax.device_get(metrics), step_time,
+                                                skipped=self.guard.skipped))
+            self.restart_clock(step, now)
+
+    def restart_clock(self, step: int, now: float | None = None) -> None:
+        self.last_time, self.last_step = time.perf_counter() if now is None else now, step
+
+
 def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
                checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
                run_summary: dict | None = None) -> list[dict]:
@@ -99,50 +134,30 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
         batches.set_state(resume_meta["data"])
     guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model),
                            skipped=(resume_meta or {}).get("skipped", 0))
+    reader = _Reader(log, guard, time.perf_counter(), start)
     preemption = Preemption()
-    rows, pending = [], None
-    last_time, last_step = time.perf_counter(), start
-
-    def finish(record):
-        """Non-finite check and (on log steps) the log line of a dispatched step."""
-        nonlocal last_time, last_step
-        step, metrics, now = record
-        guard.check(step, metrics)
-        if now is not None:
-            rows.append(log.log_train(step, jax.device_get(metrics), (now - last_time) / (step - last_step),
-                                      skipped=guard.skipped))
-            last_time, last_step = now, step
-
     try:
         for step in range(start + 1, end + 1):
             state, metrics = compiled_step(state, exp.put_batch(next(batches)))
-            if pending is not None:  # the previous step: read now that this one is queued
-                finish(pending)
-            pending = (step, metrics, None)
-            if step % t.log_every == 0 or step == end:
-                jax.block_until_ready(metrics)
-                pending = (step, metrics, time.perf_counter())
+            reader.queue(step, metrics, timed=step % t.log_every == 0 or step == end)
             stop = preemption.reached(step)
             save = checkpointer is not None and (stop or step == end or checkpointer.due(step))
             evaluate_now = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
             if save or evaluate_now:
-                finish(pending)
-                pending = None
+                reader.flush()  # no checkpoint or eval of a state past a crash-policy failure
             if save:
                 checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
                                                 "skipped": guard.skipped, "run": run_summary or {}})
             if evaluate_now:
                 log.log_eval(step, evaluate(exp, state.params))
-                # Eval time is not training time: restart the clock for tokens/s and ETA.
-                last_time, last_step = time.perf_counter(), step
+                reader.restart_clock(step)  # eval time is not training time (tokens/s, ETA)
             if stop:
                 saved = f"saved step {step} in {checkpointer.dir}" if checkpointer else "no checkpoint dir, nothing saved"
                 log.say(f"preempted (SIGTERM) at step {step}: {saved}; rerun the same command to resume.")
                 break
             if checkpointer is not None and step % t.log_every == 0:
                 checkpointer.check_errors()  # a failed background save stops the run early
-        if pending is not None:
-            finish(pending)
+        reader.flush()
     finally:
         preemption.close()
-    return rows
+    return reader.rows

@@ -39,7 +39,7 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "process_count": jax.process_count(),
         "num_params": exp.num_params(), "num_params_stored": exp.num_stored_params(),
         "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
-        "model": dataclasses.asdict(m),
+        "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
         "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
         "flops_per_token": reporting.flops_per_token(m), "flops_convention": "llmc: 6N + 6LDT",
         "peak_flops_per_device": reporting.peak_flops(device),
@@ -70,9 +70,8 @@ def _pipeline_info(pipe) -> dict | None:
             "ticks": pipe.ticks, "bubble": pipe.bubble}
 
 
-def run(argv: list[str], started: dict | None = None) -> int:
-    """The CLI. `started["cluster"]` receives the joined processes, so `main` can tell
-    the others how this process ended."""
+def load_config(argv: list[str]):
+    """argv -> (config name, locked config with overrides applied, other flags)."""
     name, overrides, flags = config_lib.parse_args(argv)
     unknown = set(flags) - set(FLAGS)
     if unknown:
@@ -82,8 +81,12 @@ def run(argv: list[str], started: dict | None = None) -> int:
     cfg = config_lib.load(name)
     for key, value in overrides:
         config_lib.override(cfg, key, value)
+    return name, cfg, flags
 
-    # Who we are and how many: before JAX starts its backend, which fixes the device count.
+
+def join(cfg, flags: dict, started: dict | None):
+    """Who we are and how many, before JAX starts its backend (which fixes the device
+    count): -> (launch, cluster, where the devices come from)."""
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     launch = launch_lib.detect(flags, os.environ)
     cluster = distributed.start(launch, cfg, flags)
@@ -91,15 +94,15 @@ def run(argv: list[str], started: dict | None = None) -> int:
         started["cluster"] = cluster
     count, source = mesh_lib.simulate_cpu_devices(shape, launch.num_processes)
     mesh_lib.resolve_shape(shape, count, why=source)
+    return launch, cluster, source
 
+
+def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
+    """The start-up lines: devices, processes, mesh and layout, nodes, model, pipeline.
+    -> device id -> node, for the collectives report."""
     import jax
 
-    from meshtrain import checkpoint as checkpoint_lib, pipeline, reporting
-    from meshtrain.experiment import Experiment
-    from meshtrain.loop import train_loop
-
-    exp = Experiment.build(cfg)
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    from meshtrain import pipeline
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
         for line in cluster.describe():
@@ -107,14 +110,46 @@ def run(argv: list[str], started: dict | None = None) -> int:
     say(f"mesh: {mesh_lib.format_shape(exp.mesh.shape)} | layout {exp.layout.name}: {exp.layout.describe()}")
     node, nodes = mesh_lib.nodes_of(jax.devices(), exp.dcn, cluster.hosts)
     _say_nodes(exp.dcn, nodes, cluster.hosts, say)
-    say(f"model: {exp.num_params():,} parameters (closed form), vocab {exp.model.cfg.vocab_size} "
-        f"padded to {exp.model.cfg.padded_vocab_size}")
+    m = exp.model.cfg
+    say(f"model: {exp.model.family.describe(m)} | {exp.num_params():,} parameters (closed form), "
+        f"vocab {m.vocab_size} padded to {m.padded_vocab_size}")
     pipe = exp.model.pipeline
     if pipe is not None:
         say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
             f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
     for warning in pipeline.warnings_for(pipe):
         warn(warning)
+    return node
+
+
+def compile_step(exp, say):
+    """AOT-compiles the train step: -> (compiled, per-device memory, seconds)."""
+    from meshtrain import reporting
+    t0 = time.perf_counter()
+    compiled = exp.compile()
+    compile_s = time.perf_counter() - t0
+    memory = reporting.memory_report(compiled)
+    say(f"compiled train step in {compile_s:.1f}s; per device: "
+        + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in memory.items()))
+    return compiled, memory, compile_s
+
+
+def run(argv: list[str], started: dict | None = None) -> int:
+    """The CLI, in phases: config, join the processes, build, checkpoints, compile, train.
+    `started["cluster"]` receives the joined processes, so `main` can tell the others
+    how this process ended."""
+    name, cfg, flags = load_config(argv)
+    launch, cluster, source = join(cfg, flags, started)
+
+    import jax
+
+    from meshtrain import checkpoint as checkpoint_lib, reporting
+    from meshtrain.experiment import Experiment
+    from meshtrain.loop import train_loop
+
+    exp = Experiment.build(cfg)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    node = describe(exp, launch, cluster, source, say)
     workdir = flags.get("workdir")
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log = None, None
@@ -126,13 +161,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
             say(f"checkpoint step {resume_step} is already at train.stop_at/train.steps "
                 f"({cfg.train.stop_at or cfg.train.steps}): nothing to train.")
             return 0
-        t0 = time.perf_counter()
-        compiled = exp.compile()
-        compile_s = time.perf_counter() - t0
-        memory = reporting.memory_report(compiled)
-        say(f"compiled train step in {compile_s:.1f}s; per device: "
-            + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in memory.items()))
-
+        compiled, memory, compile_s = compile_step(exp, say)
         m = exp.model.cfg
         tokens_per_step = cfg.train.batch_size * m.seq_len
         log = reporting.RunLog(workdir, cfg.train.steps, tokens_per_step,
