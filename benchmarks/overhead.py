@@ -11,7 +11,7 @@ the places gpt2.py does and the two programs compile to the same collectives.
 
 It prints: the loss / grad-norm / param agreement after one step from the same state
 and batch; flops and collective counts of both compiled executables; then the median
-of N paired, alternated step-time ratios meshtrain/bare (A6 goal: <= 1.05).
+of N paired, alternated step-time ratios meshtrain/bare (goal: <= 1.05).
 Fake CPU devices share the machine's cores, so only ratios taken in one process,
 interleaved, are meaningful (separate processes vary by about 20% here).
 """
@@ -136,7 +136,7 @@ def timed(fn, state, batch):
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(description="meshtrain train step vs a bare-JAX step (A6).")
+    ap = argparse.ArgumentParser(description="meshtrain train step vs a bare-JAX step.")
     ap.add_argument("--config", default="gpt2_tiny_dp2_tp4")
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)

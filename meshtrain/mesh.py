@@ -1,14 +1,30 @@
-"""The device mesh: named axes in a fixed order, sized by config, simulated on CPU.
+"""The device mesh: four named axes in a fixed order, sized by config, laid over nodes.
 
-Every mesh has the four axes `("data", "stage", "fsdp", "tensor")`, slowest link
+Every mesh has the axes `AXES = ("data", "stage", "fsdp", "tensor")`, slowest link
 first, with size 1 where unused, so PartitionSpecs read the same on any mesh.
-A shape is written `"data:8,tensor:4"` (or a dict); one axis may be `-1`, filled
-from the device count.
 
-On a CPU-only machine the device count is whatever the mesh needs: call
-`simulate_cpu_devices(n)` before JAX starts its backend. When the count is fixed
-(real accelerators, or a count pinned with JAX_NUM_CPU_DEVICES / XLA_FLAGS, or a
-backend already started) a mismatch is an error that shows the arithmetic.
+  parse_shape("data:8,tensor:4")  -> all four axes; one size may be -1
+  resolve_shape(shape, n, why=)   fills the -1 from n devices and checks the product;
+                                  a mismatch is a UserError that shows the arithmetic
+  format_shape, format_factors    the shape back as text (all axes / axes above 1)
+
+Device count. On a CPU-only host the count is whatever the mesh needs:
+`simulate_cpu_devices(shape, processes)` sets each process's share before JAX starts
+its backend (after `jax.distributed.initialize` when there are several processes) and
+returns (global count, where it came from). The count is fixed, and only reported, on
+accelerators, when the CPU count was pinned (JAX_NUM_CPU_DEVICES, XLA_FLAGS,
+jax.config) or when the backend has already started. A -1 axis with nothing to fill it
+from (a simulated count) is an error.
+
+Nodes. `mesh.dcn` gives each axis's inter-node (DCN) factor: `parse_dcn` reads and checks
+it, `dcn_warnings` flags tensor parallelism across nodes. `granules` says which node each
+device is on (hosts, else processes standing in for nodes, else equal runs of one
+process's devices), and `nodes_of` maps every device id to its node. `hybrid_grid`
+arranges the devices so that each axis is DCN x ICI, node outermost, with every ICI
+factor inside one node.
+
+`make_mesh(shape, devices, dcn, hosts)` builds the `jax.sharding.Mesh`, every axis
+`AxisType.Auto`, on the hybrid grid when there is a DCN factor.
 """
 
 from __future__ import annotations
