@@ -175,6 +175,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
         info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
                               "resumed_from_step": resume_step, "saved_by": saved_run}
         log.write_run(info)
+        save_tokenizer(exp, workdir)
         if cfg.train.steps == 0:
             say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
             return 0
@@ -192,6 +193,15 @@ def run(argv: list[str], started: dict | None = None) -> int:
         for lock in locks:
             lock.release()
     return 0
+
+
+def save_tokenizer(exp, workdir: str | None) -> None:
+    """WORKDIR/tokenizer.json: what meshtrain.sample and exports read, so they need neither
+    the corpus nor the network (process 0; synthetic data has no tokenizer)."""
+    import jax
+    tokenizer = getattr(exp.source, "tokenizer", None)
+    if workdir and tokenizer is not None and jax.process_index() == 0:
+        tokenizer.save(os.path.join(workdir, "tokenizer.json"))
 
 
 def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:

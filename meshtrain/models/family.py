@@ -24,8 +24,9 @@ A family gives:
   check       optional: cfg -> None, raising UserError for a combination the family refuses
   describe    cfg -> one line, for logs and checkpoint metadata
 
-Optional decoding (meshtrain/sample.py): a module with
-    init_cache(batch, max_len) -> cache
+Optional decoding (meshtrain/sample.py, meshtrain/generate.py): a module with
+    init_cache(batch, max_len) -> cache (a pytree of arrays)
+    cache_axes() -> the logical axes of each cache leaf (the cache's tree structure)
     decode(tokens [B, t], cache, pos [] int32, constrain) -> (logits [B, t, V], cache)
 """
 

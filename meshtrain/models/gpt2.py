@@ -163,6 +163,11 @@ class GPT2(nnx.Module):
         shape = (c.num_layers, batch, max_len, c.num_heads, c.head_dim)
         return jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)
 
+    def cache_axes(self):
+        """Logical axes of the cache's leaves, as attention pins k and v."""
+        axes = ("layers", "batch", "length", "heads", "head_dim")
+        return axes, axes
+
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
                constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""

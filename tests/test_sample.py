@@ -1,0 +1,219 @@
+"""Sampling: greedy decoding with the KV cache equals recomputing the whole prefix at every
+step (one device and tensor parallel, GPT-2 and Llama, a pipelined run's checkpoint); the
+sampling knobs; `python -m meshtrain.sample` end to end and its errors."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import checkpoint as checkpoint_lib, config as config_lib, generate as gen, sample
+from meshtrain.experiment import Experiment
+from meshtrain.pipeline import from_stages
+
+N_NEW = 12
+PROMPT_LEN = 5
+
+
+def _peaky(params):
+    """x10 on every weight matrix: with GPT-2's 0.02 init the logits are nearly flat and
+    attention nearly uniform, so a broken cache could leave the argmax unchanged."""
+    def one(path, a):
+        name = str(path[-1].key)
+        return a if name in ("scale", "bias") or name.startswith("b_") else a * 10
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _prompts(rng, n: int, vocab: int) -> np.ndarray:
+    """[n, PROMPT_LEN] rows that differ but end on the same token: only the context in the
+    cache can make their continuations differ."""
+    prompts = rng.integers(0, vocab, (n, PROMPT_LEN))
+    prompts[:, -1] = prompts[0, -1]
+    return prompts
+
+
+def greedy_by_recompute(model, params, prompts: np.ndarray, n_new: int) -> np.ndarray:
+    """[n, n_new]: the argmax at the last position of a full forward pass, appended, n_new
+    times. One fixed-length buffer: causal attention makes the later zeros invisible."""
+    fwd = jax.jit(lambda p, t: model.bind(p)(t))
+    n, p = prompts.shape
+    buf = np.zeros((n, p + n_new), np.int32)
+    buf[:, :p] = prompts
+    for i in range(n_new):
+        buf[:, p + i] = np.asarray(fwd(params, buf))[:, p + i - 1].argmax(-1)
+    return buf[:, p:]
+
+
+@pytest.fixture(scope="module", params=["gpt2_tiny_dp2_tp4", "llama_tiny_dp2_tp4"])
+def tiny(request):
+    """A tiny model on one device: its experiment, peaky params, prompts, the reference
+    greedy tokens and the compiled generation."""
+    cfg = config_lib.load(request.param)
+    one = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
+    params = jax.device_get(_peaky(one.model.init_params(0)))
+    prompts = _prompts(np.random.default_rng(0), 3, one.model.cfg.vocab_size)
+    expected = greedy_by_recompute(one.model, params, prompts, N_NEW)
+    assert len({tuple(r) for r in expected}) == 3  # the context decides: the test can fail
+    fn = gen.make_generate(one.model, one.layout, one.mesh, one.shardings.params, max_new_tokens=N_NEW)
+    return dict(cfg=cfg, exp=one, params=params, prompts=prompts, expected=expected, fn=fn)
+
+
+def _run(t, **knobs):
+    exp = t["exp"]
+    return gen.generate(t["fn"], t["params"], t["prompts"], exp.layout, exp.mesh, **knobs)
+
+
+def test_greedy_with_cache_equals_recompute_on_one_device(tiny):
+    np.testing.assert_array_equal(_run(tiny, temperature=0.0), tiny["expected"])
+
+
+def test_greedy_with_cache_equals_recompute_under_dp2_tp4(tiny):
+    exp = Experiment.build(tiny["cfg"])
+    assert dict(exp.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}
+    fn = gen.make_generate(exp.model, exp.layout, exp.mesh, exp.shardings.params, max_new_tokens=N_NEW)
+    params = jax.device_put(tiny["params"], exp.shardings.params)
+    # 3 samples over data=2: padded to 4 rows, the extra dropped.
+    assert gen.padded_rows(3, exp.layout, exp.mesh) == 4
+    out = gen.generate(fn, params, tiny["prompts"], exp.layout, exp.mesh, temperature=0.0)
+    np.testing.assert_array_equal(out, tiny["expected"])
+
+
+def test_sampling_knobs(tiny):
+    greedy = tiny["expected"]
+    # Keeping only the top token, by count or by mass, is greedy whatever the draw.
+    np.testing.assert_array_equal(_run(tiny, temperature=1.0, top_k=1, seed=3), greedy)
+    np.testing.assert_array_equal(_run(tiny, temperature=1.0, top_p=1e-6, seed=3), greedy)
+    a, b, c = (_run(tiny, temperature=1.0, seed=s) for s in (7, 7, 8))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any() and (a != greedy).any()
+    assert len({tuple(r) for r in _run(tiny, temperature=1.0, top_k=0, seed=7)}) == 3
+
+
+def test_sample_logits_filters():
+    """Draws stay in the top k / the nucleus and follow the softmax."""
+    probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04])
+    logits = np.tile(np.log(probs), (4000, 1)).astype(np.float32)
+    key = jax.random.key(0)
+    draw = jax.jit(gen.sample_logits)
+
+    def freq(**kw):
+        knobs = dict(temperature=1.0, top_k=0, top_p=1.0) | kw
+        toks = np.asarray(draw(logits, key, knobs["temperature"], knobs["top_k"], knobs["top_p"]))
+        return np.bincount(toks, minlength=len(probs)) / len(toks)
+    np.testing.assert_allclose(freq(), probs, atol=0.03)
+    np.testing.assert_array_equal(freq(temperature=0.0), [1, 0, 0, 0, 0])
+    top3 = freq(top_k=3)
+    assert top3[3:].sum() == 0
+    np.testing.assert_allclose(top3[:3], probs[:3] / probs[:3].sum(), atol=0.03)
+    # Mass before token i: 0, .5, .8 -> top_p=0.75 keeps tokens 0 and 1.
+    nucleus = freq(top_p=0.75)
+    assert nucleus[2:].sum() == 0 and nucleus[1] > 0.3
+    assert freq(temperature=0.2)[0] > freq()[0]  # colder: more mass on the mode
+
+
+def _write_run_json(workdir, exp):
+    """The run.json keys sampling reads (meshtrain.train writes them and more)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "run.json").write_text(json.dumps({
+        "config": exp.cfg.to_dict(), "model": dataclasses.asdict(exp.model.cfg),
+        "mesh": {"shape": dict(exp.mesh.shape)}}))
+
+
+def test_pipelined_checkpoint_samples_in_layer_order(tmp_path, capsys):
+    """A GPipe run's [stage, layers/stage] stacks are read and put back in layer order:
+    the greedy sample equals the unpipelined model's recomputed one."""
+    cfg = config_lib.load("gpt2_tiny_pp2_dp4")
+    exp = Experiment.build(cfg)
+    assert exp.model.pipeline is not None
+    state = exp.init_state()
+    state = state.replace(params=_peaky(state.params))
+    ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", every=1, keep=1, use_async=False)
+    ckpt.save(5, state, {"run": checkpoint_lib.run_summary(exp)})
+    ckpt.close()
+    _write_run_json(tmp_path, exp)
+
+    prompt = [3, 1, 4, 1, 5]
+    assert sample.main([f"--workdir={tmp_path}", "--prompt=3,1,4,1,5", "--num_samples=2",
+                        f"--max_new_tokens={N_NEW}", "--temperature=0"]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert lines[1] == lines[3] == sample.SEPARATOR and lines[0] == lines[2]
+    assert "step 5" in out.err and "data:4,stage:2" in out.err and "in 8 rows" in out.err
+
+    params = jax.device_get(state.params)
+    params[exp.model.stacked] = from_stages(params[exp.model.stacked], exp.model.pipeline)
+    flat = dataclasses.replace(exp.model, pipeline=None, shapes=None, axes=None)
+    expected = greedy_by_recompute(flat, params, np.array([prompt]), N_NEW)[0]
+    assert [int(i) for i in lines[0].split()] == prompt + list(expected)
+
+
+# --- the command line -------------------------------------------------------------------
+
+def run_cli(module, *args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The README's tiny run (gpt2_tiny_dp2_tp4) on a small text file, a few steps."""
+    root = tmp_path_factory.mktemp("sample_cli")
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and ate its hat while a dog ran past".split()
+    text = "\n".join(" ".join(rng.choice(words, 10)) for _ in range(150)) + "\n"
+    (root / "corpus.txt").write_text(text)
+    r = run_cli("meshtrain.train", "--config=gpt2_tiny_dp2_tp4", f"--workdir={root / 'w'}",
+                "--config.data.kind=text", f"--config.data.path={root / 'corpus.txt'}",
+                "--config.train.steps=4", "--config.train.log_every=2", "--config.train.eval_every=0")
+    assert r.returncode == 0, r.stderr
+    return root / "w"
+
+
+def test_cli_prints_samples(trained):
+    r = run_cli("meshtrain.sample", f"--workdir={trained}", "--prompt=the cat", "--num_samples=3",
+                "--max_new_tokens=20", "--top_k=20", "--seed=1")
+    assert r.returncode == 0, r.stderr
+    samples = r.stdout.split(sample.SEPARATOR + "\n")
+    assert len(samples) == 4 and samples[-1] == ""  # each sample is followed by the separator
+    assert all(s.startswith("the cat") for s in samples[:3])
+    assert "step 4 of" in r.stderr and "mesh data:2,tensor:4" in r.stderr and "layout dp_tp" in r.stderr
+    assert "3 sample(s) in 4 rows, prompt 7 tokens + 20 new" in r.stderr
+
+
+def test_cli_bad_input_is_one_paragraph_with_status_2(trained):
+    r = run_cli("meshtrain.sample", f"--workdir={trained}", "--prompt=" + "x" * 120,
+                "--max_new_tokens=20", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("meshtrain.sample: error: The prompt (120 tokens) plus "
+                               "--max_new_tokens=20 is 140 tokens") and "\n\n" not in r.stderr.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workdir={w}", "--bogus=1"], "Unknown argument '--bogus=1'"),
+    (["--prompt=hi"], "No --workdir given"),
+    (["--workdir={w}", "--temperature=hot"], "--temperature='hot': expected a number"),
+    (["--workdir={w}", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
+    (["--workdir={w}", "--top_k=-1"], "--top_k=-1: must be >= 0"),
+    (["--workdir={w}", "--num_samples=0"], "--num_samples=0: must be at least 1"),
+    (["--workdir={w}", "--max_new_tokens"], "Flag --max_new_tokens needs a value"),
+    (["--workdir={w}/nowhere"], "nowhere/run.json does not exist"),
+    (["--workdir={w}", "--step=3"], "has no committed step 3; it has 4"),
+    (["--workdir={w}", "--prompt=" + "x" * 128], "The prompt is 128 tokens, but the model's context is"),
+    (["--workdir={w}", "--max_new_tokens=500"], "plus --max_new_tokens=500 is 501 tokens"),
+    (["--workdir={empty}"], "No committed checkpoint in"),
+])
+def test_bad_input(trained, tmp_path, capsys, args, message):
+    empty = tmp_path / "compiled_only"  # a run.json but no checkpoint, as train.steps=0 leaves
+    empty.mkdir()
+    (empty / "run.json").write_text((trained / "run.json").read_text())
+    args = [a.format(w=trained, empty=empty) for a in args]
+    assert sample.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshtrain.sample: error:") and "\n" not in err, err
+    assert message in err, err
