@@ -141,6 +141,8 @@ def _parse_value(key: str, old, text: str):
         return text
     if text.lower() == "none":
         return None
+    if text.lower() in ("true", "false"):  # a key whose default is None, e.g. model.tie_embeddings
+        return text.lower() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):

@@ -41,7 +41,7 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
         "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
         "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
-        "flops_per_token": reporting.flops_per_token(m), "flops_convention": "llmc: 6N + 6LDT",
+        "flops_per_token": reporting.flops_per_token(m), "flops_convention": exp.model.family.flops_per_token.__doc__.strip().splitlines()[0],
         "peak_flops_per_device": reporting.peak_flops(device),
         "compile_time_s": compile_s,
         "compiled_memory_per_device": compiled_memory,

@@ -12,7 +12,7 @@ NAMES = config_lib.available()
 PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor"}
 
 
-def test_the_issue_configs_exist():
+def test_the_named_configs_exist():
     for name in ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
                  "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_small_dp8", "gpt2_medium_dp8_tp4",
                  "gpt2_medium_fsdp8_tp4", "gpt2_large_fsdp32", "gpt2_tiny_pp2_dp4",
@@ -23,10 +23,13 @@ def test_the_issue_configs_exist():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_name_matches_mesh_and_validates(name):
-    """gpt2_medium_dp8_tp4 must be GPT-2 medium on data=8 x tensor=4, and so on."""
+    """gpt2_medium_dp8_tp4 must be GPT-2 medium on data=8 x tensor=4, and so on. A size
+    that names its family (llama3_8b) is not prefixed with it again: llama3_8b_fsdp8_tp4."""
     cfg = config_lib.load(name)
-    model, size, *parts = name.split("_")
-    assert (cfg.model.name, cfg.model.size) == (model, size)
+    m = cfg.model
+    prefix = m.size if m.size.startswith(m.name) else f"{m.name}_{m.size}"
+    assert name.startswith(prefix + "_"), f"{name}: should start with {prefix}_ (model.name, model.size)"
+    parts = name.removeprefix(prefix + "_").split("_")
     expected = dict.fromkeys(mesh_lib.AXES, 1)
     for part in parts:
         if part.startswith("zero"):

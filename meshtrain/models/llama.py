@@ -1,0 +1,340 @@
+"""Llama in Flax NNX, written with logical axis names only (Touvron et al. 2023; Llama 3).
+
+RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention, no biases,
+tied or untied output embedding. The layout of every weight matches Hugging Face's
+LlamaForCausalLM up to a transpose and a reshape (e.g. q_proj.weight [H*E, D] is
+wq [D, H, E] reshaped and transposed), and RoPE uses Hugging Face's "rotate_half"
+convention (the two halves of a head, not interleaved pairs), so a Hugging Face
+checkpoint loads without permuting rows.
+
+Like models/gpt2.py: parameters carry logical axes, activations are pinned through
+`constrain`, blocks are stored stacked and run by `stack.run_layers`.
+
+Grouped-query attention under tensor parallelism (docs/layouts.md): K and V have K
+heads, which the presets never split (K may be smaller than the tensor axis). Each
+tensor rank projects all K heads, and they are repeated to the H query heads before
+attention, so attention splits over `heads` exactly like multi-head attention.
+
+Shapes: B batch, T length, D embed, H heads, K kv_heads, E head_dim, F mlp,
+V vocab (padded), L layers, S cache length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshtrain.errors import UserError
+from meshtrain.models import family, sizes, stack
+from meshtrain.models.attention import Cache, attend
+from meshtrain.models.stack import Constrain, RunLayers, dropout as _dropout, no_constraint, param
+
+BTHE = ("batch", "length", "heads", "head_dim")
+BTKE = ("batch", "length", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's frequency scaling ("rope_type": "llama3" in a Hugging Face config):
+    wavelengths above original / low_freq_factor are stretched by `factor`, those below
+    original / high_freq_factor are kept, and the band between is interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(family.ModelConfig):
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    mlp_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        # The size table (and a config read back from JSON) give the scaling as a dict
+        # in Hugging Face's key names; the config keeps a hashable dataclass.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+def num_params(cfg: LlamaConfig, vocab_size: int | None = None) -> int:
+    """Closed form: L (2 D + 2 D H E + 2 D K E + 3 D F) + V D (+ D V untied) + D."""
+    d, e, v = cfg.embed_dim, cfg.head_dim, cfg.vocab_size if vocab_size is None else vocab_size
+    per_layer = 2 * d + 2 * d * cfg.num_heads * e + 2 * d * cfg.num_kv_heads * e + 3 * d * cfg.mlp_dim
+    return cfg.num_layers * per_layer + v * d * (1 if cfg.tie_embeddings else 2) + d
+
+
+def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """[E/2] float32 rotation rates, as transformers' `_compute_llama3_parameters` (or the
+    default RoPE without scaling). Static: computed in float64 at trace time."""
+    e = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e)
+    s = cfg.rope_scaling
+    if s is not None:
+        old = s.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope(x_bthe: jax.Array, positions_t: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates each head's pair (i, i + E/2) by position * inv_freq[i] (rotate_half)."""
+    angles_tf = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles_tf)[None, :, None], jnp.sin(angles_tf)[None, :, None]
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_bthe.dtype)
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, stack, dtype, init, std=0.02) -> nnx.Param:
+    return param(None if rngs is None else rngs.params(), shape, axes, stack, dtype, init, std)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, stack: int | None = None):
+        self.scale = _param(None, (cfg.embed_dim,), ("embed",), stack, jnp.dtype(cfg.param_dtype), "ones")
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        # Statistics in float32; the scale multiplies in the compute dtype, as Meta's
+        # and Hugging Face's references do.
+        x = x_btd.astype(jnp.float32)
+        y = (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)).astype(x_btd.dtype)
+        return y * self.scale[...].astype(x_btd.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, stack: int | None = None):
+        d, h, k, e = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt = jnp.dtype(cfg.param_dtype)
+        self.wq = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"), stack, dt, "normal")
+        self.wk = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
+        self.wv = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
+        # Residual projections scaled by 1/sqrt(2L), as in GPT-2.
+        std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
+        self.wo = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
+        self.cfg = cfg
+
+    def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
+                 pos: jax.Array | None = None):
+        """x [B, T, D] at positions pos..pos+T-1 (0.. without a cache) -> y [B, T, D];
+        with a K-head cache (k, v [B, S, K, E], see attention.attend) -> (y, cache)."""
+        cfg, dt = self.cfg, x_btd.dtype
+        positions_t = jnp.arange(x_btd.shape[1]) + (0 if pos is None else pos)
+        inv_freq = inverse_frequencies(cfg)
+        q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dke->btke", x_btd, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt))
+        q = constrain(rope(q, positions_t, inv_freq), BTHE)
+        # All K heads on every tensor rank (kv_heads unsplit): see the module docstring.
+        k = constrain(rope(k, positions_t, inv_freq), BTKE)
+        v = constrain(v, BTKE)
+        if cache is None:
+            # Query head h reads kv head h // (H/K); jnp.repeat keeps each group
+            # contiguous, so a rank holding a block of query heads needs only its rows.
+            group = cfg.num_heads // cfg.num_kv_heads
+            k, v = (constrain(jnp.repeat(a, group, axis=2), BTHE) for a in (k, v))
+        # With a cache, attend stores the K heads and dot_product_attention groups the
+        # H query heads over them itself (K < H), so the cache is H/K times smaller.
+        o_bthe, cache = attend(q, k, v, cache, pos)
+        o_bthe = constrain(o_bthe, BTHE)
+        y = jnp.einsum("bthe,hed->btd", o_bthe, self.wo[...].astype(dt))
+        if cache is None:
+            return y
+        return y, tuple(constrain(c, BTKE) for c in cache)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, stack: int | None = None):
+        d, f = cfg.embed_dim, cfg.mlp_dim
+        dt = jnp.dtype(cfg.param_dtype)
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
+        std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
+
+    def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+        """SwiGLU: (silu(x W_gate) * (x W_up)) W_down."""
+        dt = x_btd.dtype
+        gate_btf = jax.nn.silu(x_btd @ self.w_gate[...].astype(dt))
+        h_btf = constrain(gate_btf * (x_btd @ self.w_up[...].astype(dt)), ("batch", "length", "mlp"))
+        return h_btf @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-RMSNorm block; built with `stack=L` it holds L blocks' weights."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, stack: int | None = None):
+        self.attn_norm = RMSNorm(cfg, stack)
+        self.attn = Attention(cfg, rngs, stack)
+        self.mlp_norm = RMSNorm(cfg, stack)
+        self.mlp = MLP(cfg, rngs, stack)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
+                 cache: Cache | None = None, pos: jax.Array | None = None):
+        """x [B, T, D] -> x; with a KV cache (decoding, no dropout) -> (x, cache)."""
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        a = self.attn(self.attn_norm(x_btd), constrain, cache, pos)
+        a, cache = a if cache is not None else (a, None)
+        x_btd = constrain(x_btd + _dropout(a, self.dropout, keys[0]), ("batch", "length", "embed"))
+        x_btd = x_btd + _dropout(self.mlp(self.mlp_norm(x_btd), constrain), self.dropout, keys[1])
+        x_btd = constrain(x_btd, ("batch", "length", "embed"))
+        return x_btd if cache is None else (x_btd, cache)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        # Padding rows (and lm_head columns) are zero and stay unused: no token maps to
+        # them and their logits are masked, so they get no gradient.
+        pad = cfg.padded_vocab_size - cfg.vocab_size
+        embed = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), dt)
+        self.embed = nnx.Param(jnp.pad(embed, ((0, pad), (0, 0))), out_sharding=("vocab", "embed"),
+                               eager_sharding=False)
+        self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            head = 0.02 * jax.random.normal(rngs.params(), (cfg.embed_dim, cfg.vocab_size), dt)
+            self.lm_head = nnx.Param(jnp.pad(head, ((0, 0), (0, pad))), out_sharding=("embed", "vocab"),
+                                     eager_sharding=False)
+
+    def __call__(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+                 key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
+        """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype.
+
+        `run_layers` replaces the sequential pass over the block stack (the pipeline
+        passes its schedule here); the default runs the layers in order.
+        """
+        cfg = self.cfg
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        embed_vd = constrain(self.embed[...], ("vocab", "embed"))
+        x_btd = self._embed(embed_vd, tokens_bt, constrain, keys[0])
+        x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
+                                 num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
+        return self._logits(embed_vd, x_btd, constrain)
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        """Zeros (k, v), each [L, B, max_len, K, E] in the compute dtype (the K kv heads)."""
+        c = self.cfg
+        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+        return jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)
+
+    def cache_axes(self):
+        """Logical axes of the cache's leaves, as attention pins k and v: the K heads."""
+        axes = ("layers", *BTKE)
+        return axes, axes
+
+    def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
+               constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
+        """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
+        embed_vd = constrain(self.embed[...], ("vocab", "embed"))
+        x_btd = self._embed(embed_vd, tokens_bt, constrain, None)
+        x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
+        return self._logits(embed_vd, x_btd, constrain), cache
+
+    def _embed(self, embed_vd, tokens_bt, constrain, key) -> jax.Array:
+        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(self.cfg.dtype)
+        x_btd = _dropout(x_btd, self.cfg.dropout, key)
+        return constrain(x_btd, ("batch", "length", "embed"))
+
+    def _logits(self, embed_vd, x_btd, constrain) -> jax.Array:
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        x_btd = self.final_norm(x_btd)
+        if cfg.tie_embeddings:
+            logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd.astype(dt))
+        else:
+            # As the compute wants it: gathered over FSDP, split over vocab under TP.
+            head_dv = constrain(self.lm_head[...], ("embed", "vocab"))
+            logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt))
+        if cfg.padded_vocab_size > cfg.vocab_size:
+            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+            logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
+        return constrain(logits_btv, ("batch", "length", "vocab"))
+
+
+def activations(cfg: LlamaConfig, b: int):
+    """(what, shape, logical axes) of every activation the forward pass constrains."""
+    t, d, h, k, e = cfg.seq_len, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return [("residual x", (b, t, d), ("batch", "length", "embed")),
+            ("k, v (kv heads)", (b, t, k, e), BTKE),
+            ("q, k, v (repeated), attention out", (b, t, h, e), BTHE),
+            ("mlp hidden", (b, t, cfg.mlp_dim), ("batch", "length", "mlp")),
+            ("logits", (b, t, cfg.padded_vocab_size), ("batch", "length", "vocab"))]
+
+
+def flops_per_token(cfg: LlamaConfig) -> float:
+    """Training FLOPs per token: 6 N_matmul + 6 L D T (llm.c's accounting for attention).
+
+    N_matmul leaves out the input embedding when the output is untied: the table is a
+    lookup, not a matmul (counting it would overstate MFU by ~6% at Llama 3 8B). A tied
+    table is counted once, as the output projection.
+    """
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim
+    return 6.0 * (num_params(cfg) - lookup) + 6.0 * cfg.num_layers * cfg.embed_dim * cfg.seq_len
+
+
+def _check(cfg: LlamaConfig) -> None:
+    if cfg.embed_dim % cfg.num_heads:
+        raise UserError(
+            f"model.embed_dim={cfg.embed_dim} is not divisible by model.num_heads={cfg.num_heads}; "
+            f"the head width would be fractional. Pick num_heads dividing {cfg.embed_dim}.")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UserError(
+            f"model.num_heads={cfg.num_heads} is not divisible by model.num_kv_heads="
+            f"{cfg.num_kv_heads}; grouped-query attention gives each kv head an equal group of "
+            f"query heads. Pick num_kv_heads dividing {cfg.num_heads}.")
+    if cfg.head_dim % 2:
+        raise UserError(
+            f"head width model.embed_dim / model.num_heads = {cfg.head_dim} is odd; rotary "
+            f"embeddings rotate pairs of dims. Pick dims with an even head width.")
+    if not isinstance(cfg.tie_embeddings, bool):
+        raise UserError(f"model.tie_embeddings={cfg.tie_embeddings!r}: must be True or False.")
+    if not (cfg.rope_theta > 0 and cfg.norm_eps > 0):
+        raise UserError(f"model.rope_theta={cfg.rope_theta}, norm_eps={cfg.norm_eps}: both must be > 0.")
+    s = cfg.rope_scaling
+    if s is not None and not (s.factor >= 1 and 0 < s.low_freq_factor < s.high_freq_factor
+                              and s.original_max_position_embeddings >= 1):
+        raise UserError(
+            f"rope_scaling {s}: Llama 3 scaling needs factor >= 1, 0 < low_freq_factor < "
+            f"high_freq_factor and original_max_position_embeddings >= 1.")
+
+
+def _describe(c: LlamaConfig) -> str:
+    scaling = "" if c.rope_scaling is None else f" (llama3 scaling x{c.rope_scaling.factor:g})"
+    return (f"llama: {c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv), embed "
+            f"{c.embed_dim}, mlp {c.mlp_dim}, vocab {c.padded_vocab_size}, seq_len {c.seq_len}, "
+            f"rope theta {c.rope_theta:g}{scaling}, {'tied' if c.tie_embeddings else 'untied'} "
+            f"output, params {c.param_dtype}")
+
+
+FAMILY = family.register(family.Family(
+    name="llama", config=LlamaConfig, module=Llama, sizes=sizes.LLAMA_SIZES,
+    activations=activations, num_params=num_params, flops_per_token=flops_per_token,
+    size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
+               "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",
+               "mlp": "model.mlp_dim"},
+    describe=_describe, check=_check,
+))
