@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import restage, tree_paths
+from meshtrain import models, restage, tree_paths
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.lock import LOCK_NAME
 
@@ -250,6 +250,9 @@ def run_summary(exp) -> dict:
         "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
         "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
         "model": exp.model.family.describe(m),
+        "family": exp.model.family.name, "architecture": models.architecture(m),
+        "tokenizer": None if exp.cfg.data.kind == "synthetic" else exp.cfg.data.tokenizer,
+        "init_from": os.path.abspath(exp.cfg.init["from"]) if exp.cfg.init["from"] else None,
         "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
         "processes": jax.process_count(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

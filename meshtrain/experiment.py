@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import checkpoint, distributed, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import checkpoint, distributed, init_from, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -76,6 +76,7 @@ class Plan:
     source: Any
     params: Any     # params-shaped NamedShardings: how weights are stored
     opt_state: Any  # params-shaped NamedShardings: optimizer moments, and where gradients reduce to
+    init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
 
 
 def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
@@ -86,7 +87,11 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     on a laptop without simulating its devices.
     """
     layout = layouts.get(cfg.layout)
-    dims = models.size_dims(cfg.model)
+    # init.from fixes the architecture; model.name and data.tokenizer follow the checkpoint.
+    src = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
+    if src is not None:
+        init_from.configure(cfg, src)
+    dims = init_from.model_dims(src, cfg.model) if src else models.size_dims(cfg.model)
     pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"])
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
@@ -94,8 +99,10 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     checkpoint.check_config(cfg.checkpoint)
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
                          seed=cfg.train.seed)
-    model_cfg = models.model_config(cfg.model, vocab_size=_model_vocab(cfg.model, source, cfg.data.kind),
-                                    vocab_shards=_vocab_shards(layout, mesh))
+    vocab = (init_from.vocab_size(src, source.vocab_size) if src
+             else _model_vocab(cfg.model, source, cfg.data.kind))
+    model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh),
+                                    dims=dims)
     model = state_lib.abstract_model(model_cfg, pipe)
     state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
@@ -103,7 +110,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
     # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
-    return Plan(layout, model, source, params, opt_state)
+    return Plan(layout, model, source, params, opt_state, src)
 
 
 def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
@@ -134,6 +141,7 @@ class Experiment:
     eval_step: Callable
     batch_sharding: NamedSharding
     dcn: dict[str, int] | None = None  # the inter-node factor of each axis (mesh.parse_dcn)
+    init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -163,13 +171,16 @@ class Experiment:
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
         batch_sharding = step_lib.batch_sharding(layout, mesh)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, dcn)
+                   train_step, eval_step, batch_sharding, dcn, plan.init)
 
     @property
     def batch_shape(self) -> tuple[int, int]:
         return (self.cfg.train.batch_size, self.model.cfg.seq_len + 1)
 
     def init_state(self) -> state_lib.TrainState:
+        """Step 0: fresh params, or init.from's params; a fresh optimizer either way."""
+        if self.init is not None:
+            return init_from.init_state(self.init, self)
         return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:

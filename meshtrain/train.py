@@ -180,6 +180,8 @@ def run(argv: list[str], started: dict | None = None) -> int:
             say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
             return 0
         say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
+        if resume_step is None and exp.init is not None:
+            say(f"init.from: {exp.init.source} ({exp.init.step_dir}): step 0, fresh optimizer")
         state, meta = None, None
         if resume_step is not None:
             state, meta = checkpointer.restore(resume_step, exp)

@@ -7,6 +7,9 @@ Specs (the value of `data.tokenizer` and of `prepare --tokenizer`):
   bpe       only for `prepare --train_bpe=N`, which trains one on the corpus.
   gpt2      tiktoken's GPT-2 encoding, from files already on disk; `gpt2:DIR`
             reads `vocab.bpe` and `encoder.json` from DIR.
+  hf:DIR    a Hugging Face model's own tokenizer (DIR/tokenizer.json, or Meta's Llama 3
+            tiktoken tokenizer.model) with the model's end-of-sequence token as end of
+            text (meshtrain.hf.tokenizer); converted checkpoints name it.
 
 Every tokenizer has `name`, `vocab_size` (end of text included), `eot_id`,
 `encode(text) -> [n] int32` (never adds special ids), `encode_batch(texts)`,
@@ -21,7 +24,7 @@ import numpy as np
 
 from meshtrain.errors import UserError
 
-TOKENIZERS = ("byte", "char", "bpe:PATH", "gpt2", "gpt2:DIR")
+TOKENIZERS = ("byte", "char", "bpe:PATH", "gpt2", "gpt2:DIR", "hf:DIR")
 
 
 class ByteTokenizer:
@@ -119,14 +122,15 @@ def check_tokenizer_spec(spec) -> str:
     """The spec, if its form is known (files are checked when loaded); else a UserError."""
     ok = isinstance(spec, str) and (
         spec in ("byte", "char", "gpt2") or
-        (spec.startswith(("bpe:", "gpt2:")) and spec.split(":", 1)[1] != ""))
+        (spec.startswith(("bpe:", "gpt2:", "hf:")) and spec.split(":", 1)[1] != ""))
     if not ok:
         raise UserError(
             f"Unknown tokenizer {spec!r} in data.tokenizer. Known tokenizers: 'byte' "
             f"(UTF-8 bytes, 257 ids), 'char' (the corpus's characters), 'bpe:PATH' (a "
             f"Hugging Face tokenizer.json; `python -m meshtrain.data.prepare "
-            f"--train_bpe=N` trains one) and 'gpt2' or 'gpt2:DIR' (tiktoken's GPT-2 "
-            f"encoding from files on disk). Set data.tokenizer to one of them.")
+            f"--train_bpe=N` trains one), 'gpt2' or 'gpt2:DIR' (tiktoken's GPT-2 "
+            f"encoding from files on disk) and 'hf:DIR' (a Hugging Face model's tokenizer). "
+            f"Set data.tokenizer to one of them.")
     return spec
 
 
@@ -143,6 +147,9 @@ def make_tokenizer(spec: str, corpus_text: str | None = None):
     kind, _, arg = spec.partition(":")
     if kind == "bpe":
         return subword.BPETokenizer.from_file(arg)
+    if kind == "hf":
+        from meshtrain.hf import tokenizer as hf_tokenizer
+        return hf_tokenizer.load(arg)
     return subword.GPT2Tokenizer.load(arg or None)
 
 
@@ -156,12 +163,15 @@ def from_json(spec: dict, where: str):
     if kind == "gpt2":
         from meshtrain.data import subword
         return subword.GPT2Tokenizer.load(spec.get("dir"))
+    if kind == "hf":
+        from meshtrain.hf import tokenizer as hf_tokenizer
+        return hf_tokenizer.from_json(spec, where)
     if isinstance(spec, dict) and "model" in spec:
         from meshtrain.data import subword
         return subword.BPETokenizer.from_file(where)
     raise UserError(
         f"The tokenizer file {where!r} is neither a meshtrain tokenizer (a JSON object with "
-        f"'kind' byte, char or gpt2) nor a Hugging Face tokenizer.json. Point to a file "
+        f"'kind' byte, char, gpt2 or hf) nor a Hugging Face tokenizer.json. Point to a file "
         f"written by a tokenizer's save(), or by `python -m meshtrain.data.prepare`.")
 
 

@@ -1,0 +1,387 @@
+"""Starting a run from a checkpoint's params (`init.from`): a model converted from
+Hugging Face (`python -m meshtrain.convert from_hf`) or another run's checkpoint.
+
+    src = init_from.read(cfg.init["from"])   # family, architecture, tokenizer, where from
+    init_from.configure(cfg, src)            # model.name and data.tokenizer follow it
+    dims = init_from.model_dims(src, cfg.model)        # replaces models.size_dims
+    vocab = init_from.vocab_size(src, data_vocab)      # the checkpoint's rows
+    ...                                                # Experiment.build as usual
+    state = init_from.init_state(src, exp)   # its params at step 0, fresh optimizer
+
+Params are read by Orbax straight into the run's shardings (any layout, mesh or
+pipeline arrangement, every process reading only its shards), cast to
+model.param_dtype, with the vocabulary rows padded to the run's padded size.
+
+A converted checkpoint is a checkpoint directory like a training run's:
+
+    CKPT/step_0/state   {"params": params}: OCDBT arrays in the source's dtype, unpadded
+                        vocabulary, block leaves stacked [L, ...]
+    CKPT/step_0/meta    JSON {"format", "family", "architecture", "tokenizer", "source"}
+    CKPT/tokenizer/     the model's tokenizer files; meta "tokenizer" names them relative
+                        to CKPT (e.g. "hf:tokenizer")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import checkpoint as checkpoint_lib, models, restage, tree_paths
+from meshtrain.errors import UserError
+from meshtrain.pipeline import Pipeline, from_stages, to_stages
+
+FORMAT = 1
+CONVERTED_STEP = 0
+TOKENIZER_DIR = "tokenizer"
+# The dims a run may set differently from the checkpoint it starts from.
+FREE_DIMS = ("seq_len",)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    step_dir: pathlib.Path           # .../step_N, holding state/ and meta/
+    family: str                      # a registered model family
+    architecture: dict               # models.architecture() of the saved model
+    tokenizer: str | None            # a data.tokenizer spec, paths absolute; None: unknown
+    source: str                      # one line: what the params are
+    pipeline: tuple[int, int] | None = None  # (stages, repeats) the params were saved in
+    meta: dict = dataclasses.field(default_factory=dict)  # the checkpoint's meta JSON
+
+    def model_config(self, **run) -> models.ModelConfig:
+        return config_of(self.family, self.architecture, **run)
+
+    def hf_source(self) -> dict:
+        """meta["source"] of the converted model these params came from, following a
+        training run's meta["run"]["init_from"] back to it; {} when there is none."""
+        if "source" in self.meta:
+            return self.meta["source"] or {}
+        origin = (self.meta.get("run") or {}).get("init_from")
+        try:
+            return read(origin).hf_source() if origin else {}
+        except UserError:  # moved or deleted since: the export falls back to defaults
+            return {}
+
+
+def config_of(family: str, architecture: dict, **run) -> models.ModelConfig:
+    """The family's config with this architecture (vocabulary unpadded unless `run` pads it)."""
+    run.setdefault("padded_vocab_size", architecture["vocab_size"])
+    return models.family.get(family).config(**architecture, **run)
+
+
+# --- finding and describing a checkpoint ------------------------------------------
+
+def _step_dir(path: pathlib.Path, step: int | None) -> pathlib.Path:
+    """A committed step directory under `path` (a step dir, a checkpoint dir, a workdir)."""
+    if checkpoint_lib.STEP_NAME.fullmatch(path.name) and checkpoint_lib.is_committed(path):
+        if step is not None and int(path.name.split("_")[1]) != step:
+            raise UserError(f"{path} is step {path.name.split('_')[1]}, not --step={step}.")
+        return path
+    for where in (path, path / "checkpoints"):
+        steps = checkpoint_lib.committed_steps(where) if where.is_dir() else []
+        if steps:
+            if step is None:
+                return where / f"{checkpoint_lib.STEP_PREFIX}_{steps[-1]}"
+            if step not in steps:
+                raise UserError(f"{where} has no committed step {step}; its steps are "
+                                f"{', '.join(map(str, steps))}.")
+            return where / f"{checkpoint_lib.STEP_PREFIX}_{step}"
+    raise UserError(
+        f"{path} holds no meshtrain checkpoint: no committed step_N in it or in "
+        f"{path / 'checkpoints'}. Give a directory written by `python -m meshtrain.convert "
+        f"from_hf`, a training --workdir, its checkpoints/ directory (or checkpoint.dir), or "
+        f"one step_N in them.")
+
+
+def _read_json_item(directory: pathlib.Path) -> dict:
+    import orbax.checkpoint as ocp
+    return ocp.JsonCheckpointHandler().restore(directory, args=ocp.args.JsonRestore())
+
+
+def normalize(family: str, architecture: dict, where: str) -> dict:
+    """The architecture as `models.architecture` gives it, checked against the family."""
+    fam = models.family.get(family)
+    fields = {f.name for f in dataclasses.fields(fam.config)}
+    unknown = sorted(set(architecture) - fields)
+    try:
+        if unknown:
+            raise TypeError(f"unknown fields {', '.join(unknown)}")
+        cfg = config_of(family, architecture)
+    except (TypeError, KeyError) as e:
+        raise UserError(f"{where} records a {family} architecture that this meshtrain's "
+                        f"{family} cannot build ({e}). Convert or save it again with this "
+                        f"version.") from None
+    return models.architecture(cfg)
+
+
+def _resolve_tokenizer(spec: str | None, base: pathlib.Path) -> str | None:
+    """'hf:tokenizer' -> 'hf:/abs/CKPT/tokenizer' (paths in a spec are relative to CKPT)."""
+    if not spec or ":" not in spec:
+        return spec or None
+    kind, _, arg = spec.partition(":")
+    return f"{kind}:{(base / arg) if not pathlib.Path(arg).is_absolute() else arg}"
+
+
+def _training_model(step_dir: pathlib.Path, meta: dict) -> tuple[str, dict, str | None]:
+    """(family, architecture, tokenizer) of a training checkpoint: from meta["run"], or
+    from the run.json of its workdir (checkpoints written before meta carried them)."""
+    run = meta.get("run") or {}
+    if "family" in run and "architecture" in run:
+        return run["family"], run["architecture"], run.get("tokenizer")
+    run_json = step_dir.parent.parent / "run.json"
+    try:
+        info = json.loads(run_json.read_text())
+        family = info["config"]["model"]["name"]
+        fields = {f.name for f in dataclasses.fields(models.family.get(family).config)}
+        run_only = {f.name for f in dataclasses.fields(models.ModelConfig)} - {"num_layers", "vocab_size", "seq_len"}
+        arch = {k: v for k, v in info["model"].items() if k in fields and k not in run_only}
+        data = info["config"]["data"]
+        return family, arch, None if data["kind"] == "synthetic" else data["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(
+            f"The checkpoint {step_dir} does not say what model it holds: its meta has no "
+            f"run.family/run.architecture, and {run_json} (the run.json of its workdir) "
+            f"could not be read ({type(e).__name__}: {e}). Point at the workdir of the run, "
+            f"or copy its run.json beside the checkpoints/ directory.") from None
+
+
+def read(path, step: int | None = None) -> InitSource:
+    """The checkpoint at `path`: a converted model, a training workdir, a checkpoint
+    directory or a step directory (latest committed step unless `step` is given)."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if not path.exists():
+        raise UserError(f"init.from={str(path)!r} does not exist. Give a directory written by "
+                        f"`python -m meshtrain.convert from_hf` or a training --workdir.")
+    step_dir = _step_dir(path, step)
+    meta = _read_json_item(step_dir / "meta")
+    if "family" in meta:  # converted
+        family, arch = meta["family"], meta["architecture"]
+        tokenizer = _resolve_tokenizer(meta.get("tokenizer"), step_dir.parent)
+        src = meta.get("source") or {}
+        source = f"{src.get('architecture', family)} converted from {src.get('path', '?')}"
+        pipe = None
+    else:
+        family, arch, tokenizer = _training_model(step_dir, meta)
+        source = f"training checkpoint {step_dir}"
+        pipe = restage.arrangement((meta.get("run") or {}).get("pipeline"))
+    arch = normalize(family, arch, str(step_dir))
+    return InitSource(step_dir, family, arch, tokenizer, source, pipe, meta)
+
+
+# --- the run's config follows the checkpoint -----------------------------------------
+
+def configure(cfg, src: InitSource) -> None:
+    """Sets model.name, and data.tokenizer when the data is tokenized text and the
+    tokenizer is the default ('byte'); a different explicit tokenizer is a UserError."""
+    cfg.model.name = src.family
+    if src.tokenizer is None or cfg.data.kind == "synthetic":
+        return
+    if cfg.data.tokenizer not in ("byte", src.tokenizer):
+        raise UserError(
+            f"data.tokenizer={cfg.data.tokenizer!r}, but init.from={str(src.step_dir)!r} was "
+            f"trained with {src.tokenizer!r}: its embedding rows are that tokenizer's tokens. "
+            f"Leave data.tokenizer unset (it follows the checkpoint) or set it to "
+            f"{src.tokenizer!r}.")
+    cfg.data.tokenizer = src.tokenizer
+
+
+def model_dims(src: InitSource, m) -> dict:
+    """The model dims of a run starting from `src` (models.model_config's `dims`): the
+    checkpoint's architecture, with model.seq_len free; other model.* dims that are set
+    must agree with it."""
+    dims = dict(src.architecture)
+    clash = []
+    for key in m.keys():
+        if key in models.COMMON_KEYS or m[key] is None:
+            continue
+        if key in FREE_DIMS:
+            dims[key] = m[key]
+        elif key not in dims:
+            clash.append(f"model.{key}={m[key]!r} (a {src.family} model has no such dimension)")
+        elif m[key] != dims[key]:
+            clash.append(f"model.{key}={m[key]!r} (the checkpoint has {dims[key]!r})")
+    if clash:
+        raise UserError(
+            f"init.from={str(src.step_dir)!r} fixes the model ({src.source}), but "
+            f"{', '.join(clash)}. Unset them: the architecture comes from the checkpoint, and "
+            f"only model.{' and model.'.join(FREE_DIMS)} may differ.")
+    if dims["seq_len"] > src.architecture["seq_len"] and _length_shaped(src):
+        raise UserError(
+            f"model.seq_len={dims['seq_len']} is longer than the {src.architecture['seq_len']} "
+            f"positions of init.from={str(src.step_dir)!r}, whose {src.family} has a learned "
+            f"position table. Use model.seq_len <= {src.architecture['seq_len']}.")
+    return dims
+
+
+def vocab_size(src: InitSource, data_vocab: int) -> int:
+    """The run's vocabulary: the checkpoint's; the data's ids must fit in it."""
+    vocab = src.architecture["vocab_size"]
+    if data_vocab > vocab:
+        raise UserError(
+            f"The data has {data_vocab} token ids but init.from={str(src.step_dir)!r} embeds "
+            f"only {vocab}: it was trained with another tokenizer. Tokenize with the "
+            f"checkpoint's ({src.tokenizer or 'the one it was trained with'}).")
+    return vocab
+
+
+def check_model(src: InitSource, cfg: models.ModelConfig) -> None:
+    """A UserError naming every field in which the run's model differs from the checkpoint's."""
+    ours = models.architecture(cfg)
+    if models.family_of(cfg).name != src.family:
+        raise UserError(f"The run's model is {models.family_of(cfg).name!r} but init.from="
+                        f"{str(src.step_dir)!r} holds a {src.family!r} model. Set "
+                        f"model.name={src.family} (init_from.configure does).")
+    diff = [f"{k}: run {ours.get(k)!r}, checkpoint {v!r}" for k, v in src.architecture.items()
+            if ours.get(k) != v and k not in FREE_DIMS]  # load_params checks positions
+    if diff:
+        raise UserError(f"The run's {src.family} model does not match init.from="
+                        f"{str(src.step_dir)!r} ({src.source}): {'; '.join(diff)}. Take the "
+                        f"model dims from the checkpoint (init_from.model_dims).")
+
+
+def _length_shaped(src: InitSource) -> bool:
+    """Whether a param has a `length` axis (GPT-2's learned positions; not Llama's RoPE)."""
+    from meshtrain import state as state_lib
+    axes = state_lib.abstract_model(src.model_config()).axes
+    return any("length" in a for a in tree_paths.flat(axes, is_leaf=lambda x: isinstance(x, tuple)).values())
+
+
+# --- reading params ---------------------------------------------------------------------
+
+def saved_params(src: InitSource) -> dict:
+    """{leaf path under params: ArrayMetadata (shape, dtype)} as stored."""
+    import orbax.checkpoint as ocp
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return tree_paths.flat(handler.metadata(src.step_dir / "state").tree["params"])
+    finally:
+        handler.close()
+
+
+def nest(flat: dict) -> dict:
+    """{"a/b": x} -> {"a": {"b": x}} (the inverse of tree_paths.flat)."""
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        *parents, name = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return out
+
+
+def _restore(src: InitSource, items: dict, args: dict) -> dict:
+    """Only the params leaves named in `items` ({path: placeholder}); flat result."""
+    import orbax.checkpoint as ocp
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        restored = handler.restore(src.step_dir / "state", args=ocp.args.PyTreeRestore(
+            item={"params": nest(items)}, restore_args={"params": nest(args)}, partial_restore=True))
+    finally:
+        handler.close()
+    return tree_paths.flat(restored["params"])
+
+
+def read_leaf(src: InitSource, path: str, stacked: str) -> np.ndarray:
+    """One params leaf on the host, in model layer order ([L, ...] for stacked leaves)."""
+    import orbax.checkpoint as ocp
+    x = _restore(src, {path: 0}, {path: ocp.RestoreArgs(restore_type=np.ndarray)})[path]
+    if src.pipeline is not None and path.startswith(stacked + "/"):
+        x = from_stages(x, _pipe(src.pipeline))
+    return x
+
+
+def _pipe(arrangement) -> Pipeline:
+    return Pipeline(stages=arrangement[0], microbatches=1, repeats=arrangement[1])
+
+
+def load_params(src: InitSource, exp):
+    """The checkpoint's params in `exp.shardings.params`: cast to model.param_dtype,
+    vocabulary rows padded (or padding dropped) to the run's padded size, block stacks
+    in the run's pipeline arrangement. Each process reads only its shards."""
+    import orbax.checkpoint as ocp
+    model = exp.model
+    check_model(src, model.cfg)
+    saved = saved_params(src)
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    shapes, axes = tree_paths.flat(model.shapes), tree_paths.flat(model.axes, is_leaf=is_axes)
+    shardings = tree_paths.flat(exp.shardings.params)
+    if set(saved) != set(shapes):
+        gone, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+        raise UserError(f"init.from={str(src.step_dir)!r} does not hold this model's params: "
+                        f"missing {gone or 'none'}, unexpected {extra or 'none'}. It is not a "
+                        f"complete {src.family} checkpoint; convert or save it again.")
+    current = restage.arrangement(model.pipeline)
+    dtype = jnp.dtype(model.cfg.param_dtype)
+    items, args, plans = {}, {}, {}
+    for path, want in shapes.items():
+        stacked = path.startswith(model.stacked + "/")
+        # Leading layer dims: [L] or [S, L/S] in the run and in the checkpoint.
+        run_lead = (2 if current else 1) if stacked else 0
+        saved_lead = (2 if src.pipeline else 1) if stacked else 0
+        got = tuple(saved[path].shape)
+        inner_names, run_inner, saved_inner = axes[path][run_lead:], want.shape[run_lead:], got[saved_lead:]
+        spec = tuple(shardings[path].spec) + (None,) * len(want.shape)
+        inner_spec = list(spec[run_lead:len(want.shape)])
+        same_layers = np.prod(want.shape[:run_lead]) == np.prod(got[:saved_lead])
+        if not same_layers or len(run_inner) != len(saved_inner):
+            raise UserError(f"init.from={str(src.step_dir)!r}: {path} is saved as {list(got)}, "
+                            f"this run's model has {list(want.shape)}. {src.source} does not "
+                            f"fit this model.")
+        for i, (name, a, b) in enumerate(zip(inner_names, run_inner, saved_inner)):
+            if a == b:
+                continue
+            if name != "vocab" and not (name == "length" and b > a):
+                raise UserError(f"init.from={str(src.step_dir)!r}: {path} is saved as "
+                                f"{list(got)}, this run's model has {list(want.shape)} ({name} "
+                                f"differs). {src.source} does not fit this model.")
+            inner_spec[i] = None  # read whole, then cut or padded to the run's size
+        # Saved in another arrangement: read, then restacked on device (restage.py). Saved
+        # [L, ...] for a pipelined run is read with L split like the stages, so with one
+        # repeat each device reads just its stage's layers; otherwise layer dims are unsplit.
+        if src.pipeline == current:
+            lead_spec = spec[:run_lead]
+        else:
+            lead_spec = spec[:1] if stacked and src.pipeline is None else (None,) * saved_lead
+        sharding = NamedSharding(shardings[path].mesh, P(*lead_spec, *inner_spec))
+        items[path] = jax.ShapeDtypeStruct(got, dtype, sharding=sharding)
+        args[path] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=got, dtype=dtype)
+        plans[path] = (stacked, run_lead, run_inner)
+    restored = _restore(src, items, args)
+    # Leaves read in their final shape and sharding are done; the rest (vocabulary,
+    # positions, another pipeline arrangement) are cut, padded or restacked on device.
+    todo = {p for p, a in restored.items() if a.shape != shapes[p].shape or a.sharding != shardings[p]}
+
+    def fit(flat):
+        out = {}
+        for path, x in flat.items():
+            stacked, lead, sizes = plans[path]
+            if stacked and src.pipeline != current:
+                x = x if src.pipeline is None else from_stages(x, _pipe(src.pipeline))
+                x = x if current is None else to_stages(x, _pipe(current))
+            for i, size in enumerate(sizes, start=lead):
+                if x.shape[i] > size:  # padding rows of a padded table, or positions
+                    x = jax.lax.slice_in_dim(x, 0, size, axis=i)
+                elif x.shape[i] < size:  # padding rows are zero, as models initialise them
+                    x = jnp.pad(x, [(0, size - x.shape[i]) if j == i else (0, 0) for j in range(x.ndim)])
+            out[path] = x
+        return out
+    fitted = jax.jit(fit, out_shardings={p: shardings[p] for p in todo})({p: restored[p] for p in todo})
+    return nest({p: fitted[p] if p in todo else restored[p] for p in shapes})
+
+
+def init_state(src: InitSource, exp):
+    """TrainState at step 0: `src`'s params (load_params), a fresh optimizer state, the
+    run's seed; in exp.shardings."""
+    from meshtrain import state as state_lib
+    params = load_params(src, exp)
+
+    def init(p):
+        return state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=state_lib.base_key_data(exp.cfg.train.seed),
+                                    params=p, opt_state=exp.tx.init(p))
+    return jax.jit(init, out_shardings=exp.shardings, donate_argnums=0)(params)

@@ -1,0 +1,94 @@
+"""Tiny random Hugging Face models, saved with save_pretrained into a directory: nothing
+is downloaded. Used by tests/test_convert.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 300
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _save(model, directory: Path, dtype, shard_size: str | None) -> Path:
+    import torch
+    directory.mkdir(parents=True, exist_ok=True)
+    model = model.to(dtype) if dtype is not None else model
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    with torch.no_grad():
+        model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def gpt2(directory: Path, *, seed: int = 0, dtype=None, shard_size: str | None = None,
+         **overrides) -> Path:
+    """GPT2LMHeadModel: 2 layers, 4 heads, embed 64, vocab 300, 64 positions."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+               bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = GPT2LMHeadModel(GPT2Config(**{**cfg, **overrides}))
+    _randomize(model)
+    return _save(model, directory, dtype, shard_size)
+
+
+def llama(directory: Path, *, seed: int = 0, dtype=None, shard_size: str | None = None,
+          scaling: dict | None = None, tied: bool = False, **overrides) -> Path:
+    """LlamaForCausalLM: 2 layers, 4 heads over 2 kv heads, embed 64, mlp 128, vocab 300."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+               rope_theta=500_000.0 if scaling else 10_000.0, rope_scaling=scaling,
+               tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
+    _randomize(model)
+    return _save(model, directory, dtype, shard_size)
+
+
+def _randomize(model) -> None:
+    """Norm scales and biases away from their 1 / 0 init, so a swapped or dropped one shows."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+
+def add_tokenizer(directory: Path, eos: str = "</s>") -> None:
+    """A byte-level BPE tokenizer.json of exactly VOCAB ids, trained offline on a few
+    lines, with "<s>" and `eos` as its special tokens (no "<|endoftext|>")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["the quick brown fox jumps over the lazy dog " * 3, "hello world, hello mesh " * 4,
+            "training a tiny tokenizer for the tests of meshtrain convert " * 2]
+    tok.train_from_iterator(text, trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "bos_token": "<s>"}))
+
+
+def logits(directory: Path, tokens) -> "numpy.ndarray":  # noqa: F821
+    """[B, T] int -> [B, T, V] float32 logits of the saved model, loaded in float32."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def loss(directory: Path, tokens_bt1) -> float:
+    """Mean next-token cross entropy of the saved model (float32) on [B, T+1] tokens."""
+    import numpy as np
+    import torch
+    out = logits(directory, np.asarray(tokens_bt1)[:, :-1])
+    targets = torch.as_tensor(np.asarray(tokens_bt1)[:, 1:], dtype=torch.long)
+    return float(torch.nn.functional.cross_entropy(torch.as_tensor(out).flatten(0, 1), targets.flatten()))
