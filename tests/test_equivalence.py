@@ -36,6 +36,16 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     return np.array(losses), grads
 
 
+def assert_same_training(name, result, reference):
+    """Losses of every step within 1e-4 (relative), the model learning, and the first
+    step's gradients within float tolerance, of a layout against one device."""
+    (losses, grads), (ref_losses, ref_grads) = result, reference
+    rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
+    assert rel.max() < 1e-4, f"{name}: loss sequence differs, max rel diff {rel.max():.2e}"
+    assert losses[-1] < losses[0] - 0.5, f"{name}: the model should be learning over 20 steps"
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
+
+
 @pytest.fixture(scope="module")
 def reference(request):
     from meshtrain import config as config_lib
@@ -45,12 +55,7 @@ def reference(request):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_one_device(name, make_config, reference):
-    ref_losses, ref_grads = reference
-    losses, grads = losses_and_grads(make_config(name))
-    rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
-    assert rel.max() < 1e-4, f"{name}: loss sequence differs, max rel diff {rel.max():.2e}"
-    assert losses[-1] < losses[0] - 0.5, "the model should be learning over 20 steps"
-    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
+    assert_same_training(name, losses_and_grads(make_config(name)), reference)
 
 
 def test_microbatches_match_full_batch(make_config, reference):

@@ -120,13 +120,8 @@ class Block(nnx.Module):
     def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
                  cache: Cache | None = None, pos: jax.Array | None = None):
         """x [B, T, D] -> x; with a KV cache (decoding, no dropout) -> (x, cache)."""
-        keys = (None, None) if key is None else tuple(jax.random.split(key))
-        a = self.attn(self.ln1(x_btd), constrain, cache, pos)
-        a, cache = a if cache is not None else (a, None)
-        x_btd = constrain(x_btd + _dropout(a, self.dropout, keys[0]), ("batch", "length", "embed"))
-        x_btd = x_btd + _dropout(self.mlp(self.ln2(x_btd), constrain), self.dropout, keys[1])
-        x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        return x_btd if cache is None else (x_btd, cache)
+        return stack.pre_norm_block(x_btd, constrain, key, norm1=self.ln1, attn=self.attn, norm2=self.ln2,
+                                    mlp=self.mlp, rate=self.dropout, cache=cache, pos=pos)
 
 
 class GPT2(nnx.Module):

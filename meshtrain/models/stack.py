@@ -108,3 +108,19 @@ def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, cache,
         params, c = params_cache
         return nnx.merge(graphdef, params)(x, constrain, None, cache=c, pos=pos, **layer_kwargs)
     return jax.lax.scan(body, x, (stacked, cache))
+
+
+def pre_norm_block(x_btd: jax.Array, constrain: Constrain, key: jax.Array | None, *, norm1, attn,
+                   norm2, mlp, rate: float, cache=None, pos: jax.Array | None = None):
+    """x + attn(norm1(x)), then + mlp(norm2(...)), with dropout on each branch and the
+    residual pinned to (batch, length, embed): the pre-norm transformer block.
+
+    x [B, T, D] -> x; with a KV cache (decoding: attn returns (y, cache)) -> (x, cache).
+    """
+    keys = (None, None) if key is None else tuple(jax.random.split(key))
+    a = attn(norm1(x_btd), constrain, cache, pos)
+    a, cache = a if cache is not None else (a, None)
+    x_btd = constrain(x_btd + dropout(a, rate, keys[0]), ("batch", "length", "embed"))
+    x_btd = x_btd + dropout(mlp(norm2(x_btd), constrain), rate, keys[1])
+    x_btd = constrain(x_btd, ("batch", "length", "embed"))
+    return x_btd if cache is None else (x_btd, cache)
