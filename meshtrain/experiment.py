@@ -36,7 +36,7 @@ def _shards(layout: Layout, mesh: Mesh, name: str, target: str) -> tuple[int, tu
     return math.prod(mesh.shape[a] for a in axes), axes
 
 
-def _vocab_shards(layout: Layout, mesh: Mesh) -> int:
+def vocab_shards(layout: Layout, mesh: Mesh) -> int:
     """lcm over the rule tables: the table must split evenly wherever it is sharded."""
     return math.lcm(*(_shards(layout, mesh, "vocab", t)[0] for t in layouts.rules.TARGETS))
 
@@ -101,7 +101,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
                          seed=cfg.train.seed)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
              else _model_vocab(cfg.model, source, cfg.data.kind))
-    model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=_vocab_shards(layout, mesh),
+    model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
                                     dims=dims)
     model = state_lib.abstract_model(model_cfg, pipe)
     state_lib.check_activations(model, micro, layout, mesh)

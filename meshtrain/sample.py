@@ -1,40 +1,46 @@
-"""Sample text from a trained run (nanoGPT's sample.py, on the run's mesh).
+"""Sample text from a trained run or a converted Hugging Face model (nanoGPT's sample.py,
+on a device mesh).
 
-    python -m meshtrain.sample --workdir=W [--step=N] --prompt=TEXT [--num_samples=1]
-        [--max_new_tokens=N] [--temperature=0.8] [--top_k=0] [--top_p=1.0] [--seed=0]
-        [--mesh=SHAPE] [--layout=NAME]
+    python -m meshtrain.sample (--workdir=W | --checkpoint=CKPT) [--step=N] --prompt=TEXT
+        [--num_samples=1] [--max_new_tokens=N] [--temperature=0.8] [--top_k=0] [--top_p=1.0]
+        [--seed=0] [--mesh=SHAPE] [--layout=NAME] [--dtype=float32]
 
-The run is rebuilt from W/run.json: the model exactly as trained, the same mesh shape
-and layout (CPU devices simulated to fit, as in training), the params of the latest
-committed checkpoint (or --step) read straight into the layout's shardings, and the
-tokenizer of the run's data config. The generation (meshtrain/generate.py) is
-compiled once. Samples go to stdout, each followed by a separator line; what was
-loaded and how fast it ran go to stderr. Bad input exits with status 2 and one
-paragraph. See docs/sampling.md.
+--workdir: the run is rebuilt from W/run.json: the model exactly as trained, the same
+mesh shape and layout, the params of the latest committed checkpoint (or --step), and
+the tokenizer of the run's data config (`from_workdir`).
+
+--checkpoint: a checkpoint `python -m meshtrain.convert from_hf` wrote (or any other
+that `init.from` accepts): the model is its architecture, with the vocabulary padded
+for the layout as training pads it; the mesh is --mesh (default data:1, one device)
+under --layout (default dp); the tokenizer is the checkpoint's (`from_checkpoint`).
+
+Either way CPU devices are simulated to fit the mesh (as in training), a mesh of fewer
+devices than the host has uses the first ones, the params are read straight into the
+layout's shardings, and the generation (meshtrain/generate.py) is compiled once.
+Samples go to stdout, each followed by a separator line; what was loaded and how fast
+it ran go to stderr. Bad input exits with status 2 and one paragraph. See
+docs/sampling.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import pathlib
 import sys
 import time
-from collections.abc import Callable
 
 from meshtrain import mesh as mesh_lib
 from meshtrain.errors import UserError, run_command
+from meshtrain.sample_sources import DTYPES, from_checkpoint, from_workdir
 
-USAGE = ("python -m meshtrain.sample --workdir=DIR [--step=N] [--prompt=TEXT] [--num_samples=N] "
-         "[--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] "
-         "[--mesh=SHAPE] [--layout=NAME]")
+USAGE = ("python -m meshtrain.sample (--workdir=DIR | --checkpoint=CKPT) [--step=N] [--prompt=TEXT] "
+         "[--num_samples=N] [--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] "
+         "[--seed=S] [--mesh=SHAPE] [--layout=NAME] [--dtype=float32|bfloat16|float16]")
 SEPARATOR = "---------------"
 # Flag -> (type, default). max_new_tokens None: the rest of the context, at most 256.
 FLAGS = {
-    "workdir": (str, None), "step": (int, None), "prompt": (str, ""),
+    "workdir": (str, None), "checkpoint": (str, None), "step": (int, None), "prompt": (str, ""),
     "num_samples": (int, 1), "max_new_tokens": (int, None), "temperature": (float, 0.8),
     "top_k": (int, 0), "top_p": (float, 1.0), "seed": (int, 0),
-    "mesh": (str, None), "layout": (str, None),
+    "mesh": (str, None), "layout": (str, None), "dtype": (str, None),
 }
 DEFAULT_MAX_NEW = 256
 
@@ -63,9 +69,14 @@ def parse_flags(argv: list[str]) -> dict:
         except ValueError:
             what = {int: "an integer", float: "a number"}[kind]
             raise UserError(f"--{name}={given[name]!r}: expected {what}. Usage: {USAGE}.") from None
-    if flags["workdir"] is None:
-        raise UserError(f"No --workdir given: the directory of a run trained with "
-                        f"`python -m meshtrain.train --workdir=DIR`. Usage: {USAGE}.")
+    if (flags["workdir"] is None) == (flags["checkpoint"] is None):
+        given = "Both --workdir and --checkpoint were given" if flags["workdir"] else "No --workdir or --checkpoint given"
+        raise UserError(f"{given}: pass exactly one, --workdir=DIR for a run trained with "
+                        f"`python -m meshtrain.train --workdir=DIR`, or --checkpoint=CKPT for a "
+                        f"model converted with `python -m meshtrain.convert from_hf --model=HF_DIR "
+                        f"--out=CKPT`. Usage: {USAGE}.")
+    if flags["dtype"] is not None and flags["dtype"] not in DTYPES:
+        raise UserError(f"--dtype={flags['dtype']!r}: the compute dtype is one of {', '.join(DTYPES)}.")
     checks = [("num_samples", flags["num_samples"] >= 1, "at least 1"),
               ("max_new_tokens", flags["max_new_tokens"] is None or flags["max_new_tokens"] >= 1, "at least 1"),
               ("temperature", flags["temperature"] >= 0, ">= 0 (0 is greedy)"),
@@ -78,88 +89,9 @@ def parse_flags(argv: list[str]) -> dict:
     return flags
 
 
-def read_run(workdir: str) -> dict:
-    """W/run.json, which `meshtrain.train --workdir=W` writes before the first step."""
-    path = pathlib.Path(workdir) / "run.json"
-    try:
-        run = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist: --workdir={workdir!r} is not the directory of a "
-                        f"meshtrain run. Pass the --workdir a run was trained with.") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"Could not read {path}: {e}. It is written by `python -m meshtrain.train "
-                        f"--workdir=DIR`; pass the directory of a run.") from None
-    if not isinstance(run, dict) or not {"config", "model"} <= run.keys():
-        raise UserError(f"{path} lacks the run's config or model: it was not written by "
-                        f"meshtrain.train. Pass the --workdir a run was trained with.")
-    return run
-
-
-def run_config(run: dict, flags: dict):
-    """The run's config (base() keys filled in for runs older than this code), on the mesh
-    the run resolved, in one process; --mesh and --layout replace the run's."""
-    import ml_collections
-
-    from meshtrain import config as config_lib
-
-    def merge(into: dict, saved: dict) -> dict:
-        for k, v in saved.items():
-            into[k] = merge(into[k], v) if isinstance(v, dict) and isinstance(into.get(k), dict) else v
-        return into
-    cfg = ml_collections.ConfigDict(merge(config_lib.base().to_dict(), run["config"]))
-    # The mesh the run resolved (a -1 axis filled); DCN factors mean nothing in one process.
-    resolved = (run.get("mesh") or {}).get("shape")
-    cfg.mesh.shape = mesh_lib.format_shape(resolved) if resolved else cfg.mesh.shape
-    cfg.mesh.dcn = ""
-    if flags["mesh"] is not None:
-        cfg.mesh.shape = flags["mesh"]
-    if flags["layout"] is not None:
-        cfg.layout = flags["layout"]
-    cfg.lock()
-    return cfg
-
-
-@dataclasses.dataclass
-class Loaded:
-    """What sampling needs from a run: the model on its mesh, where its params come from,
-    and its tokenizer (None: synthetic data, prompts and samples are ids)."""
-
-    model: object            # an unpipelined state.ModelDef
-    layout: object
-    mesh: object
-    shardings: object        # params-shaped NamedShardings under the layout's params rules
-    tokenizer: object
-    what: str                # for the log line: which params, from where
-    devices: str             # where the device count came from
-    restore: Callable[[], object]  # -> params in `shardings`
-
-
-def from_workdir(flags: dict) -> Loaded:
-    """A run trained with --workdir: run.json, its committed checkpoints, its data's tokenizer.
-
-    (`--checkpoint=CKPT`, a converted Hugging Face checkpoint, will be a second function
-    like this one; `run` below takes either.)
-    """
-    saved_run = read_run(flags["workdir"])
-    cfg = run_config(saved_run, flags)
-    shape = mesh_lib.parse_shape(cfg.mesh.shape)
-    # Before JAX starts its backend, which fixes the device count.
-    count, devices = mesh_lib.simulate_cpu_devices(shape)
-    shape = mesh_lib.resolve_shape(shape, count, why=devices)
-
-    from meshtrain import checkpoint as checkpoint_lib
-    model, layout, mesh, shardings = build(cfg, saved_run, shape)
-    # Absolute: Orbax wants it. A relative checkpoint.dir is relative to where we start.
-    ckpt_dir = pathlib.Path(checkpoint_lib.checkpoint_dir(cfg, flags["workdir"])).absolute()
-    step = pick_step(ckpt_dir, flags["step"])
-    return Loaded(model, layout, mesh, shardings, tokenizer(cfg, flags["workdir"], model.cfg),
-                  f"step {step} of {flags['workdir']}", devices,
-                  lambda: restore_params(ckpt_dir, step, model, shardings))
-
-
 def run(argv: list[str]) -> int:
     flags = parse_flags(argv)
-    src = from_workdir(flags)
+    src = from_workdir(flags) if flags["workdir"] is not None else from_checkpoint(flags)
     from meshtrain import generate as gen
     model, layout, mesh = src.model, src.layout, src.mesh
     prompt = encode_prompt(flags["prompt"], src.tokenizer, model.cfg.vocab_size)
@@ -169,8 +101,9 @@ def run(argv: list[str]) -> int:
     params = src.restore()
 
     say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"meshtrain.sample: {src.what} | {model.family.describe(model.cfg)}")
-    say(f"mesh {mesh_lib.format_factors(dict(mesh.shape))} ({src.devices}), layout {layout.name} | "
+    say(f"meshtrain.sample: {src.what} | {model.family.describe(model.cfg)}, compute {model.cfg.dtype}")
+    shape = mesh_lib.format_factors(dict(mesh.shape))
+    say(f"mesh {'data:1' if shape == '1' else shape} ({src.devices}), layout {layout.name} | "
         f"{flags['num_samples']} sample(s) in {rows} rows, prompt {len(prompt)} tokens + {n_new} new")
     prompts = [prompt] * flags["num_samples"]
     t0 = time.perf_counter()
@@ -204,27 +137,6 @@ def new_tokens(prompt_len: int, asked: int | None, seq_len: int) -> int:
     return n_new
 
 
-def build(cfg, saved_run: dict, shape: dict):
-    """(unpipelined ModelDef, layout, mesh, params shardings) as the run trained them.
-
-    The model config is the run's own (run.json "model"), so no data is read to size
-    the vocabulary. A pipelined run's layers are put back in layer order: its layout's
-    `stage:stage` rule then places nothing, and the stage devices split the batch.
-    """
-    import jax
-
-    from meshtrain import layouts, models, state as state_lib
-    fam = models.family.get(cfg.model.name)
-    saved = saved_run["model"]
-    known = {f.name for f in dataclasses.fields(fam.config)}
-    model_cfg = fam.config(**{k: v for k, v in saved.items() if k in known})
-    model_cfg = dataclasses.replace(model_cfg, dropout=0.0, remat="none")
-    model = state_lib.abstract_model(model_cfg, None)
-    layout = layouts.get(cfg.layout)
-    mesh = mesh_lib.make_mesh(shape, jax.devices())
-    return model, layout, mesh, state_lib.param_shardings(model, layout, mesh, "params")
-
-
 def check_cache(model, layout, mesh, rows: int, length: int) -> None:
     """Divisibility of the sampling batch's activations and of the cache, before tracing."""
     import jax
@@ -241,95 +153,26 @@ def check_cache(model, layout, mesh, rows: int, length: int) -> None:
                                   model.size_keys())
 
 
-def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
-    """The committed step to read: `step`, or the latest. Read-only: the directory may
-    belong to a run still training, so nothing in it is moved or cleaned."""
-    from meshtrain import checkpoint as checkpoint_lib
-    steps = checkpoint_lib.committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
-    if not steps:
-        raise UserError(f"No committed checkpoint in {ckpt_dir}: the run has not saved one yet "
-                        f"(checkpoints are saved every checkpoint.every steps, at the end and on "
-                        f"SIGTERM; train.steps=0 saves none). Train the run first, or pass the "
-                        f"--workdir of a run that saved one.")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise UserError(f"--step={step}: {ckpt_dir} has no committed step {step}; it has "
-                        f"{', '.join(map(str, steps))}. Pass one of them, or leave --step out "
-                        f"for the latest.")
-    return step
-
-
-def restore_params(ckpt_dir: pathlib.Path, step: int, model, shardings):
-    """Only the params of step `step` (not the optimizer state), read straight into
-    `shardings`; a pipelined run's [S, r*Lc, ...] stacks are put back in layer order."""
-    import logging
-
-    import jax
-    import orbax.checkpoint as ocp
-
-    from meshtrain import checkpoint as checkpoint_lib, restage
-    where = ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}"
-    meta = json.loads((where / "meta" / "metadata").read_text())
-    saved_arr = restage.arrangement((meta.get("run") or {}).get("pipeline"))
-    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                     model.shapes, shardings)}
-    if saved_arr is not None:
-        target = restage.saved_target(target, None, saved_arr, model.stacked)
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every read at INFO
-    saved = ocp.PyTreeCheckpointHandler().metadata(where / "state")
-    saved = getattr(saved, "tree", saved)
-    checkpoint_lib.check_fits({"params": saved["params"]}, target, str(where), meta.get("run"))
-    restored = ocp.PyTreeCheckpointer().restore(where / "state", args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
-    params = restored["params"]
-    if saved_arr is not None:
-        params = restage.restack(params, None, saved_arr, shardings, model.stacked)
-    return params
-
-
-def tokenizer(cfg, workdir: str, model_cfg):
-    """The run's tokenizer, or None for synthetic data (prompts and samples are then ids).
-
-    W/tokenizer.json when the run saved one; else rebuilt from data.tokenizer without
-    reading the data, except for the char tokenizer (its vocabulary is the corpus's
-    characters) and TFDS datasets (which carry their own tokenizer).
-    """
-    from meshtrain.data import load_tokenizer, make_source
-    from meshtrain.data.tokenizers import make_tokenizer
-    saved = pathlib.Path(workdir) / "tokenizer.json"
-    d = cfg.data
-    if saved.exists():
-        tok = load_tokenizer(saved)
-    elif d.kind == "synthetic":
-        return None
-    elif d.kind == "text" and d.tokenizer != "char":
-        tok = make_tokenizer(d.tokenizer)
-    else:
-        tok = make_source(d, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len,
-                          seed=cfg.train.seed).tokenizer
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise UserError(f"The tokenizer rebuilt from the run's data config ({tok.describe()}) "
-                        f"has more ids than the model was trained with ({model_cfg.vocab_size}): "
-                        f"the data changed since training. Restore the data the run used.")
-    return tok
-
-
 def encode_prompt(text: str, tok, vocab_size: int) -> list[int]:
     """The prompt's ids; an empty prompt starts from end of text (a document's start).
-    Without a tokenizer (synthetic data) the prompt is ids: "3,17,42" or "3 17 42"."""
+    Without a tokenizer (synthetic data, or a checkpoint converted without one) the
+    prompt is ids: "3,17,42" or "3 17 42"."""
     if tok is not None:
-        ids = [int(i) for i in tok.encode(text)]
-        return ids or [tok.eot_id]
+        ids = [int(i) for i in tok.encode(text)] or [int(tok.eot_id)]
+        if max(ids) >= vocab_size:
+            raise UserError(f"--prompt={text!r} encodes to id {max(ids)}, but the model embeds only "
+                            f"{vocab_size} tokens: its tokenizer ({tok.describe()}) has ids the "
+                            f"model was not trained with. Leave those tokens out of the prompt.")
+        return ids
     parts = text.replace(",", " ").split()
     try:
         ids = [int(p) for p in parts]
     except ValueError:
         ids = []
     if not ids or not all(0 <= i < vocab_size for i in ids):
-        raise UserError(f"--prompt={text!r}: the run was trained on synthetic data, which has no "
-                        f"tokenizer, so the prompt is token ids in [0, {vocab_size}), e.g. "
+        raise UserError(f"--prompt={text!r}: the model has no tokenizer (a run trained on "
+                        f"synthetic data, or a checkpoint converted from a directory without "
+                        f"one), so the prompt is token ids in [0, {vocab_size}), e.g. "
                         f"--prompt=3,17,42.")
     return ids
 

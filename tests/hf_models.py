@@ -92,3 +92,20 @@ def loss(directory: Path, tokens_bt1) -> float:
     out = logits(directory, np.asarray(tokens_bt1)[:, :-1])
     targets = torch.as_tensor(np.asarray(tokens_bt1)[:, 1:], dtype=torch.long)
     return float(torch.nn.functional.cross_entropy(torch.as_tensor(out).flatten(0, 1), targets.flatten()))
+
+
+def greedy(directory: Path, prompt, max_new_tokens: int) -> tuple[list[int], float]:
+    """transformers' greedy continuation of one prompt (float32, exactly max_new_tokens:
+    no end-of-sequence stop), and the smallest gap between the top two logits on the way
+    (how far the argmax was from a tie)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    ids = torch.as_tensor([list(prompt)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    return out.sequences[0, ids.shape[1]:].tolist(), float((top2[:, 0] - top2[:, 1]).min())

@@ -1,6 +1,7 @@
 """Sampling: greedy decoding with the KV cache equals recomputing the whole prefix at every
 step (one device and tensor parallel, GPT-2 and Llama, a pipelined run's checkpoint); the
-sampling knobs; `python -m meshtrain.sample` end to end and its errors."""
+sampling knobs; `python -m meshtrain.sample` end to end and its errors; --checkpoint: a
+converted Hugging Face model samples what transformers' greedy `generate` does."""
 
 import dataclasses
 import json
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import hf_models  # builds Hugging Face models; imports torch and transformers when called
 import jax
 import numpy as np
 import pytest
@@ -196,7 +198,8 @@ def test_cli_bad_input_is_one_paragraph_with_status_2(trained):
 
 @pytest.mark.parametrize("args, message", [
     (["--workdir={w}", "--bogus=1"], "Unknown argument '--bogus=1'"),
-    (["--prompt=hi"], "No --workdir given"),
+    (["--prompt=hi"], "No --workdir or --checkpoint given: pass exactly one"),
+    (["--workdir={w}", "--checkpoint={w}"], "Both --workdir and --checkpoint were given"),
     (["--workdir={w}", "--temperature=hot"], "--temperature='hot': expected a number"),
     (["--workdir={w}", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
     (["--workdir={w}", "--top_k=-1"], "--top_k=-1: must be >= 0"),
@@ -213,6 +216,113 @@ def test_bad_input(trained, tmp_path, capsys, args, message):
     empty.mkdir()
     (empty / "run.json").write_text((trained / "run.json").read_text())
     args = [a.format(w=trained, empty=empty) for a in args]
+    assert sample.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshtrain.sample: error:") and "\n" not in err, err
+    assert message in err, err
+
+
+# --- --checkpoint: a converted Hugging Face model --------------------------------------------
+
+HF_NEW = 16
+HF_PROMPT = [3, 17, 42, 7, 99]
+
+
+def _quiet(*_):
+    pass
+
+
+def _samples(out: str) -> list[list[int]]:
+    """stdout of an ids-only sample -> the ids of each sample."""
+    chunks = out.split(sample.SEPARATOR + "\n")
+    assert chunks[-1] == "", out
+    return [[int(i) for i in c.split()] for c in chunks[:-1]]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf_ckpt(request, tmp_path_factory):
+    """A tiny random HF model (Llama: 4 heads over 2 kv heads) converted without a
+    tokenizer, and transformers' greedy continuation of HF_PROMPT. Weights drawn with
+    std 0.5 (not 0.02): the logits are peaked, the argmax is never near a tie, and the
+    continuation depends on the context."""
+    pytest.importorskip("transformers")
+    from meshtrain import convert
+    root = tmp_path_factory.mktemp(f"hf_{request.param}")
+    hf = getattr(hf_models, request.param)(root / "hf", initializer_range=0.5)
+    convert.from_hf(hf, root / "ckpt", say=_quiet)
+    expected, gap = hf_models.greedy(hf, HF_PROMPT, HF_NEW)
+    assert len(expected) == HF_NEW and len(set(expected)) > 4 and gap > 1e-2, (expected, gap)
+    return root / "ckpt", expected
+
+
+def test_checkpoint_greedy_equals_transformers_on_one_device(hf_ckpt, capsys):
+    ckpt, expected = hf_ckpt
+    assert sample.main([f"--checkpoint={ckpt}", f"--prompt={','.join(map(str, HF_PROMPT))}",
+                        f"--max_new_tokens={HF_NEW}", "--temperature=0"]) == 0
+    out = capsys.readouterr()
+    assert _samples(out.out) == [HF_PROMPT + expected]
+    # data:1 (the default) on the first of the 8 test devices; vocabulary 300 padded to 384.
+    assert "mesh data:1 (the first 1 of 8 devices" in out.err and "layout dp |" in out.err, out.err
+    assert "converted from" in out.err and "vocab 384" in out.err and "params float32" in out.err
+
+
+def test_checkpoint_greedy_equals_transformers_under_dp2_tp4(hf_ckpt, capsys):
+    ckpt, expected = hf_ckpt
+    assert sample.main([f"--checkpoint={ckpt}", f"--prompt={' '.join(map(str, HF_PROMPT))}",
+                        f"--max_new_tokens={HF_NEW}", "--temperature=0", "--num_samples=3",
+                        "--mesh=data:2,tensor:4", "--layout=dp_tp"]) == 0
+    out = capsys.readouterr()
+    assert _samples(out.out) == [HF_PROMPT + expected] * 3
+    assert "mesh data:2,tensor:4" in out.err and "layout dp_tp" in out.err and "3 sample(s) in 4 rows" in out.err
+
+
+def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
+    """A converted Llama with its tokenizer.json, whose post-processor puts "<s>" (BOS)
+    first: the prompt is encoded as transformers' tokenizer encodes it (BOS included),
+    and the greedy sample is transformers' generate, decoded."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    from meshtrain import convert, init_from
+    from meshtrain.data.tokenizers import make_tokenizer
+    hf = hf_models.llama(tmp_path / "hf", initializer_range=0.5)
+    hf_models.add_tokenizer(hf, eos="</s>")
+    hf_tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    hf_tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf_tok.token_to_id("<s>"))])
+    hf_tok.save(str(hf / "tokenizer.json"))
+    convert.from_hf(hf, tmp_path / "ckpt", say=_quiet)
+    spec = init_from.read(tmp_path / "ckpt").tokenizer
+    assert spec == f"hf:{tmp_path / 'ckpt' / 'tokenizer'}"
+    text = "hello world, the quick"
+    prompt = AutoTokenizer.from_pretrained(hf)(text).input_ids
+    tok = make_tokenizer(spec)
+    assert prompt == [tok.hf.token_to_id("<s>")] + [int(i) for i in tok.encode(text)]
+    expected, _ = hf_models.greedy(hf, prompt, 8)
+    assert sample.main([f"--checkpoint={tmp_path / 'ckpt'}", f"--prompt={text}", "--max_new_tokens=8",
+                        "--temperature=0", "--num_samples=2", "--mesh=data:2", "--dtype=float32"]) == 0
+    out = capsys.readouterr()
+    samples = out.out.split(sample.SEPARATOR + "\n")
+    assert samples == [tok.decode(prompt + expected) + "\n"] * 2 + [""], out.out
+    assert samples[0].startswith("<s>" + text) and "prompt 7 tokens + 8 new" in out.err
+    # Sampling (not greedy) runs too; an empty prompt is just BOS.
+    assert sample.main([f"--checkpoint={tmp_path / 'ckpt'}", "--max_new_tokens=8", "--top_k=20"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("<s>") and out.out.endswith(sample.SEPARATOR + "\n")
+    assert "prompt 1 tokens + 8 new" in out.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint={ckpt}", "--workdir={ckpt}"], "Both --workdir and --checkpoint were given"),
+    (["--checkpoint={ckpt}/nowhere"], "nowhere' does not exist. Give the --out directory of"),
+    (["--checkpoint={ckpt}", "--dtype=int8"], "--dtype='int8': the compute dtype is one of"),
+    (["--checkpoint={ckpt}", "--mesh=data:16"], "needs 16 x 1 x 1 x 1 = 16 devices, more than the 8"),
+    (["--checkpoint={ckpt}", "--layout=nope"], "Unknown layout 'nope'"),
+    (["--checkpoint={ckpt}"], "holds no meshtrain checkpoint"),
+])
+def test_checkpoint_bad_input(tmp_path, capsys, args, message):
+    args = [a.format(ckpt=tmp_path) for a in args]  # an empty directory
     assert sample.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshtrain.sample: error:") and "\n" not in err, err
