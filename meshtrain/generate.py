@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.state import ModelDef
-from meshtrain.step import make_constrain
+from meshtrain.step import batch_sharding, make_constrain
 
 
 def batch_shards(layout: Layout, mesh: Mesh) -> int:
@@ -43,13 +43,6 @@ def batch_shards(layout: Layout, mesh: Mesh) -> int:
 def padded_rows(n: int, layout: Layout, mesh: Mesh) -> int:
     shards = batch_shards(layout, mesh)
     return -(-n // shards) * shards
-
-
-def cache_axes(module, cache, cfg):
-    """Logical axes of every cache leaf, as the model declares them (models/family.py):
-    the axes its attention pins k and v to, so the cache is never resharded in the loop."""
-    del cache, cfg
-    return module.cache_axes()
 
 
 def sample_logits(logits_bv: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -93,7 +86,7 @@ def make_generate(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, 
         raise ValueError("generation runs the layers in order: build the ModelDef without a pipeline")
     n_new = max_new_tokens
     constrain = make_constrain(layout, mesh)
-    rows = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+    rows = batch_sharding(layout, mesh)
     replicated = NamedSharding(mesh, P())
 
     def run(params, prompt_bp, seed, temperature, top_k, top_p):
@@ -101,7 +94,8 @@ def make_generate(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, 
         b, p = prompt_bp.shape
         key = jax.random.key(seed)
         cache = module.init_cache(b, p + n_new)
-        axes = cache_axes(module, cache, model.cfg)
+        # The axes attention pins k and v to, so the cache is never resharded in the loop.
+        axes = module.cache_axes()
 
         def pin(c):
             return jax.tree.map(constrain, c, axes)
@@ -132,8 +126,7 @@ def compile_generate(fn: Callable, params, rows: int, prompt_len: int, layout: L
     """AOT-compiles `make_generate`'s function for [rows, prompt_len] prompts; `generate`
     takes either (the CLI compiles first to time the compile apart from the run)."""
     replicated = NamedSharding(mesh, P())
-    prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32,
-                                   sharding=NamedSharding(mesh, layout.spec(("batch", None), "activations")))
+    prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=batch_sharding(layout, mesh))
     scalars = [jax.ShapeDtypeStruct((), dt, sharding=replicated)
                for dt in (jnp.int32, jnp.float32, jnp.int32, jnp.float32)]
     return fn.lower(params, prompts, *scalars).compile()
@@ -147,7 +140,6 @@ def generate(fn: Callable, params, prompts: np.ndarray, layout: Layout, mesh: Me
     n = prompts.shape[0]
     b = padded_rows(n, layout, mesh)
     padded = np.concatenate([prompts, np.repeat(prompts[:1], b - n, axis=0)])
-    rows = NamedSharding(mesh, layout.spec(("batch", None), "activations"))
-    out = fn(params, jax.device_put(padded, rows), np.int32(seed), np.float32(temperature),
+    out = fn(params, jax.device_put(padded, batch_sharding(layout, mesh)), np.int32(seed), np.float32(temperature),
              np.int32(top_k), np.float32(top_p))
     return np.asarray(jax.device_get(out))[:n]

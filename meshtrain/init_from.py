@@ -300,17 +300,17 @@ def _pipe(arrangement) -> Pipeline:
     return Pipeline(stages=arrangement[0], microbatches=1, repeats=arrangement[1])
 
 
-def load_params(src: InitSource, exp):
-    """The checkpoint's params in `exp.shardings.params`: cast to model.param_dtype,
-    vocabulary rows padded (or padding dropped) to the run's padded size, block stacks
-    in the run's pipeline arrangement. Each process reads only its shards."""
+def load_params(src: InitSource, model, param_shardings):
+    """The checkpoint's params for `model` (a state.ModelDef) in `param_shardings`: cast
+    to model.param_dtype, vocabulary rows padded (or padding dropped) to the model's
+    padded size, block stacks in its pipeline arrangement. Each process reads only its
+    shards."""
     import orbax.checkpoint as ocp
-    model = exp.model
     check_model(src, model.cfg)
     saved = saved_params(src)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     shapes, axes = tree_paths.flat(model.shapes), tree_paths.flat(model.axes, is_leaf=is_axes)
-    shardings = tree_paths.flat(exp.shardings.params)
+    shardings = tree_paths.flat(param_shardings)
     if set(saved) != set(shapes):
         gone, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
         raise UserError(f"init.from={str(src.step_dir)!r} does not hold this model's params: "
@@ -379,7 +379,7 @@ def init_state(src: InitSource, exp):
     """TrainState at step 0: `src`'s params (load_params), a fresh optimizer state, the
     run's seed; in exp.shardings."""
     from meshtrain import state as state_lib
-    params = load_params(src, exp)
+    params = load_params(src, exp.model, exp.shardings.params)
 
     def init(p):
         return state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=state_lib.base_key_data(exp.cfg.train.seed),

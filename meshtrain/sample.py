@@ -141,11 +141,11 @@ def check_cache(model, layout, mesh, rows: int, length: int) -> None:
     """Divisibility of the sampling batch's activations and of the cache, before tracing."""
     import jax
 
-    from meshtrain import generate as gen, state as state_lib
+    from meshtrain import state as state_lib
     state_lib.check_activations(model, rows, layout, mesh)
 
     cache = jax.eval_shape(lambda p: model.bind(p).init_cache(rows, length), model.shapes)
-    axes = gen.cache_axes(model.bind(model.shapes), cache, model.cfg)
+    axes = model.bind(model.shapes).cache_axes()
     is_axes = lambda a: isinstance(a, tuple) and all(isinstance(n, (str, type(None))) for n in a)  # noqa: E731
     for i, (leaf, leaf_axes) in enumerate(zip(jax.tree.leaves(cache), jax.tree.leaves(axes, is_leaf=is_axes))):
         spec = layout.spec(leaf_axes, "activations", where="the KV cache")

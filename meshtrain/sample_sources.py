@@ -177,10 +177,8 @@ def load_source_params(src, model, shardings):
     """The checkpoint's params straight into `shardings` (init_from.load_params: each
     device reads its shards, vocabulary rows past the checkpoint's are zero, a pipelined
     training checkpoint's stacks are put back in layer order)."""
-    import types
-
     from meshtrain import init_from
-    return init_from.load_params(src, types.SimpleNamespace(model=model, shardings=types.SimpleNamespace(params=shardings)))
+    return init_from.load_params(src, model, shardings)
 
 
 def checkpoint_tokenizer(src):

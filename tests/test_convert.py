@@ -110,7 +110,7 @@ def test_bf16_stays_bf16_both_ways(tmp_path):
     # A float32 run reads the bf16 params cast (exactly) to float32.
     src, cfg = finetune_config(tmp_path / "ckpt", "data:1", "dp")
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    params = tree_paths.flat(jax.device_get(init_from.load_params(src, exp)))
+    params = tree_paths.flat(jax.device_get(init_from.load_params(src, exp.model, exp.shardings.params)))
     wq = init_from.read_leaf(src, "blocks/attn/wq", "blocks")
     assert params["blocks/attn/wq"].dtype == np.float32
     np.testing.assert_array_equal(params["blocks/attn/wq"], wq.astype(np.float32))
@@ -290,7 +290,7 @@ def test_a_run_whose_model_differs_is_refused(gpt2_ckpt):
     cfg.model.update(name="gpt2", num_layers=2, embed_dim=64, num_heads=4, seq_len=32)
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
     with pytest.raises(UserError, match="mlp_dim: run 128, checkpoint 256"):
-        init_from.load_params(src, exp)
+        init_from.load_params(src, exp.model, exp.shardings.params)
 
 
 def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path):
@@ -308,7 +308,7 @@ def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path):
     assert_logits_match(meshtrain_logits(work, tokens)[..., :200], hf_models.logits(tmp_path / "hf", tokens))
     _, cfg = finetune_config(work, *LAYOUTS["dp2_tp4"])
     exp = Experiment.build(cfg)
-    params = jax.device_get(init_from.load_params(src, exp))
+    params = jax.device_get(init_from.load_params(src, exp.model, exp.shardings.params))
     model = state_lib.abstract_model(src.model_config())
     for path, leaf in tree_paths.flat(params).items():  # both padded to 256 rows
         np.testing.assert_array_equal(leaf, init_from.read_leaf(src, path, model.stacked), err_msg=path)

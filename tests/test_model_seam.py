@@ -23,8 +23,8 @@ class ToyConfig(family.ModelConfig):
 
 class ToyLayer(nnx.Module):
     def __init__(self, cfg: ToyConfig, rngs: nnx.Rngs, stack_size: int):
-        self.w_in = stack.param(rngs.params(), (cfg.embed_dim, cfg.mlp_dim), ("embed", "mlp"), stack_size, jnp.float32, "normal")
-        self.w_out = stack.param(rngs.params(), (cfg.mlp_dim, cfg.embed_dim), ("mlp", "embed"), stack_size, jnp.float32, "normal")
+        self.w_in = stack.param(rngs, (cfg.embed_dim, cfg.mlp_dim), ("embed", "mlp"), stack_size, jnp.float32, "normal")
+        self.w_out = stack.param(rngs, (cfg.mlp_dim, cfg.embed_dim), ("mlp", "embed"), stack_size, jnp.float32, "normal")
 
     def __call__(self, x_btd, constrain, key):
         h_btf = constrain(jax.nn.relu(x_btd @ self.w_in[...]), ("batch", "length", "mlp"))
@@ -35,9 +35,9 @@ class Toy(nnx.Module):
     def __init__(self, cfg: ToyConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         v, d = cfg.padded_vocab_size, cfg.embed_dim
-        self.embed = stack.param(rngs.params(), (v, d), ("vocab", "embed"), None, jnp.float32, "normal", 1.0)
+        self.embed = stack.param(rngs, (v, d), ("vocab", "embed"), None, jnp.float32, "normal", 1.0)
         self.layers = ToyLayer(cfg, rngs, cfg.num_layers)
-        self.head = stack.param(rngs.params(), (d, v), ("embed", "vocab"), None, jnp.float32, "normal")
+        self.head = stack.param(rngs, (d, v), ("embed", "vocab"), None, jnp.float32, "normal")
 
     def __call__(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
         x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "embed"))

@@ -60,6 +60,12 @@ class Progress:
                  f"{elapsed:6.1f}s elapsed, ETA {eta:5.1f}s")
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first `shown` names, and how many more."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def check_names(table: Iterable[Tensor], num_layers: int, available: Iterable[str],
                 ignored: Callable[[str], bool], where: str, supported: str) -> None:
     """Every tensor the table needs is present, and nothing unknown is left over."""
@@ -68,17 +74,15 @@ def check_names(table: Iterable[Tensor], num_layers: int, available: Iterable[st
     missing = [n for n in needed if n not in available]
     extra = sorted(n for n in available - set(needed) if not ignored(n))
     if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise UserError(
             f"{where} lacks {len(missing)} of the {len(needed)} tensors the model needs: "
-            f"{', '.join(missing[:5])}{more}. Its config.json describes a model whose "
+            f"{_some(missing)}. Its config.json describes a model whose "
             f"weights are not all there: download every safetensors file (and the index) "
             f"of the model. {supported}")
     if extra:
-        more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
         raise UserError(
             f"{where} has tensors that meshtrain's model has no place for: "
-            f"{', '.join(extra[:5])}{more}. Converting would silently drop them, so the "
+            f"{_some(extra)}. Converting would silently drop them, so the "
             f"model would not be the one saved (biases or other layers we do not implement). "
             f"{supported}")
 

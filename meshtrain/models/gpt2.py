@@ -45,15 +45,12 @@ def num_params(cfg: GPT2Config, vocab_size: int | None = None) -> int:
     return cfg.num_layers * per_layer + v * d + cfg.seq_len * d + 2 * d
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, stack, dtype, init, std=0.02) -> nnx.Param:
-    return param(None if rngs is None else rngs.params(), shape, axes, stack, dtype, init, std)
-
 
 class LayerNorm(nnx.Module):
     def __init__(self, cfg: GPT2Config, stack: int | None = None):
         dt = jnp.dtype(cfg.param_dtype)
-        self.scale = _param(None, (cfg.embed_dim,), ("embed",), stack, dt, "ones")
-        self.bias = _param(None, (cfg.embed_dim,), ("embed",), stack, dt, "zeros")
+        self.scale = param(None, (cfg.embed_dim,), ("embed",), stack, dt, "ones")
+        self.bias = param(None, (cfg.embed_dim,), ("embed",), stack, dt, "zeros")
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype.
@@ -70,12 +67,12 @@ class Attention(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         # Head-aligned [D, 3, H, E]: splitting heads over a mesh axis needs no
         # reshuffle of a fused [D, 3D] matrix.
-        self.w_qkv = _param(rngs, (d, 3, h, e), ("embed", None, "heads", "head_dim"), stack, dt, "normal")
-        self.b_qkv = _param(rngs, (3, h, e), (None, "heads", "head_dim"), stack, dt, "zeros")
+        self.w_qkv = param(rngs, (d, 3, h, e), ("embed", None, "heads", "head_dim"), stack, dt, "normal")
+        self.b_qkv = param(rngs, (3, h, e), (None, "heads", "head_dim"), stack, dt, "zeros")
         # GPT-2: residual projections scaled by 1/sqrt(2L).
         std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
-        self.w_out = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
-        self.b_out = _param(rngs, (d,), ("embed",), stack, dt, "zeros")
+        self.w_out = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
+        self.b_out = param(rngs, (d,), ("embed",), stack, dt, "zeros")
         self.cfg = cfg
 
     def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
@@ -94,11 +91,11 @@ class MLP(nnx.Module):
     def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs, stack: int | None = None):
         d, f = cfg.embed_dim, cfg.mlp_dim
         dt = jnp.dtype(cfg.param_dtype)
-        self.w_fc = _param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
-        self.b_fc = _param(rngs, (f,), ("mlp",), stack, dt, "zeros")
+        self.w_fc = param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
+        self.b_fc = param(rngs, (f,), ("mlp",), stack, dt, "zeros")
         std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
-        self.w_proj = _param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
-        self.b_proj = _param(rngs, (d,), ("embed",), stack, dt, "zeros")
+        self.w_proj = param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
+        self.b_proj = param(rngs, (d,), ("embed",), stack, dt, "zeros")
 
     def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x_btd.dtype
@@ -128,12 +125,9 @@ class GPT2(nnx.Module):
     def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        wte = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), dt)
-        # Padding rows are zero and stay unused: no token maps to them and their
-        # logits are masked, so they get no gradient and the model is the unpadded one.
-        wte = jnp.pad(wte, ((0, cfg.padded_vocab_size - cfg.vocab_size), (0, 0)))
-        self.wte = nnx.Param(wte, out_sharding=("vocab", "embed"), eager_sharding=False)
-        self.wpe = _param(rngs, (cfg.seq_len, cfg.embed_dim), ("length", "embed"), None, dt, "normal", 0.01)
+        self.wte = stack.vocab_table(rngs, cfg.vocab_size, cfg.padded_vocab_size, cfg.embed_dim, dt,
+                                     ("vocab", "embed"))
+        self.wpe = param(rngs, (cfg.seq_len, cfg.embed_dim), ("length", "embed"), None, dt, "normal", 0.01)
         self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
         self.ln_f = LayerNorm(cfg)
 
@@ -184,10 +178,7 @@ class GPT2(nnx.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         logits_btv = jnp.einsum("btd,vd->btv", self.ln_f(x_btd), wte_vd.astype(dt))
-        if cfg.padded_vocab_size > cfg.vocab_size:
-            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-            logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
-        return constrain(logits_btv, ("batch", "length", "vocab"))
+        return constrain(stack.mask_padding(logits_btv, cfg.vocab_size), ("batch", "length", "vocab"))
 
 
 def activations(cfg: GPT2Config, b: int):

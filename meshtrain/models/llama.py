@@ -106,13 +106,10 @@ def rope(x_bthe: jax.Array, positions_t: jax.Array, inv_freq: np.ndarray) -> jax
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_bthe.dtype)
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, stack, dtype, init, std=0.02) -> nnx.Param:
-    return param(None if rngs is None else rngs.params(), shape, axes, stack, dtype, init, std)
-
 
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: LlamaConfig, stack: int | None = None):
-        self.scale = _param(None, (cfg.embed_dim,), ("embed",), stack, jnp.dtype(cfg.param_dtype), "ones")
+        self.scale = param(None, (cfg.embed_dim,), ("embed",), stack, jnp.dtype(cfg.param_dtype), "ones")
         self.eps = cfg.norm_eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -127,12 +124,12 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, stack: int | None = None):
         d, h, k, e = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt = jnp.dtype(cfg.param_dtype)
-        self.wq = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"), stack, dt, "normal")
-        self.wk = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
-        self.wv = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
+        self.wq = param(rngs, (d, h, e), ("embed", "heads", "head_dim"), stack, dt, "normal")
+        self.wk = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
+        self.wv = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), stack, dt, "normal")
         # Residual projections scaled by 1/sqrt(2L), as in GPT-2.
         std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
-        self.wo = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
+        self.wo = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
         self.cfg = cfg
 
     def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
@@ -168,10 +165,10 @@ class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, stack: int | None = None):
         d, f = cfg.embed_dim, cfg.mlp_dim
         dt = jnp.dtype(cfg.param_dtype)
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), stack, dt, "normal")
         std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
 
     def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
         """SwiGLU: (silu(x W_gate) * (x W_up)) W_down."""
@@ -202,18 +199,12 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        # Padding rows (and lm_head columns) are zero and stay unused: no token maps to
-        # them and their logits are masked, so they get no gradient.
-        pad = cfg.padded_vocab_size - cfg.vocab_size
-        embed = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), dt)
-        self.embed = nnx.Param(jnp.pad(embed, ((0, pad), (0, 0))), out_sharding=("vocab", "embed"),
-                               eager_sharding=False)
+        v, padded, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.embed_dim
+        self.embed = stack.vocab_table(rngs, v, padded, d, dt, ("vocab", "embed"))
         self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
         self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
-            head = 0.02 * jax.random.normal(rngs.params(), (cfg.embed_dim, cfg.vocab_size), dt)
-            self.lm_head = nnx.Param(jnp.pad(head, ((0, 0), (0, pad))), out_sharding=("embed", "vocab"),
-                                     eager_sharding=False)
+        if not cfg.tie_embeddings:  # padding columns zero, as the embedding's rows
+            self.lm_head = stack.vocab_table(rngs, v, padded, d, dt, ("embed", "vocab"))
 
     def __call__(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                  key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
@@ -264,10 +255,7 @@ class Llama(nnx.Module):
             # As the compute wants it: gathered over FSDP, split over vocab under TP.
             head_dv = constrain(self.lm_head[...], ("embed", "vocab"))
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt))
-        if cfg.padded_vocab_size > cfg.vocab_size:
-            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-            logits_btv = jnp.where(real, logits_btv, jnp.finfo(dt).min)
-        return constrain(logits_btv, ("batch", "length", "vocab"))
+        return constrain(stack.mask_padding(logits_btv, cfg.vocab_size), ("batch", "length", "vocab"))
 
 
 def activations(cfg: LlamaConfig, b: int):

@@ -31,22 +31,43 @@ def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
     return x
 
 
-def param(key: jax.Array | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",
+def param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",
           std: float = 0.02) -> nnx.Param:
     """A parameter of `shape` with logical `axes` ("layers" prepended when `stack` is given).
 
-    init: "normal" (std), "ones" or "zeros"; `key` is needed for "normal" only.
+    init: "normal" (std), "ones" or "zeros"; `rngs` is needed for "normal" only.
     """
     if stack is not None:
         shape, axes = (stack, *shape), ("layers", *axes)
     if init == "normal":
-        value = std * jax.random.normal(key, shape, dtype)
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
     elif init == "ones":
         value = jnp.ones(shape, dtype)
     else:
         value = jnp.zeros(shape, dtype)
     # Sharding is applied by meshtrain.state from these names, not eagerly by Flax.
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def vocab_table(rngs: nnx.Rngs, vocab: int, padded: int, width: int, dtype, axes: Axes) -> nnx.Param:
+    """A [padded, width] table (or [width, padded] when axes start with a non-vocab name)
+    of normal(0.02) rows for the `vocab` real tokens. Padding rows are zero and stay
+    unused: no token maps to them and `mask_padding` masks their logits, so they get no
+    gradient and the model is the unpadded one."""
+    table = 0.02 * jax.random.normal(rngs.params(), (vocab, width), dtype)
+    table = jnp.pad(table, ((0, padded - vocab), (0, 0)))
+    table = table if axes[0] == "vocab" else table.T
+    return nnx.Param(table, out_sharding=axes, eager_sharding=False)
+
+
+def mask_padding(logits_btv: jax.Array, vocab: int) -> jax.Array:
+    """Logits of the padding rows (ids >= vocab) at the dtype's minimum: never sampled,
+    no probability mass, no gradient."""
+    padded = logits_btv.shape[-1]
+    if padded == vocab:
+        return logits_btv
+    real = jnp.arange(padded) < vocab
+    return jnp.where(real, logits_btv, jnp.finfo(logits_btv.dtype).min)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
