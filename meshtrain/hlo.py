@@ -9,6 +9,10 @@ product of the `known_trip_count`s of the loops around it.
     stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
     dot_flops(exp.compile())  # matmul FLOPs per step per device, loops counted
 
+The CPU compiler widens 16-bit reductions to float32 (XLA's all-reduce promotion:
+the reducer is renamed `*_promoted`); such an op is counted at its 16-bit size, the
+bytes an accelerator sends.
+
 `wire` is the ring-algorithm bytes each device sends: all-reduce 2(n-1)/n x S,
 all-gather and all-to-all (n-1)/n x S (S = result), reduce-scatter (n-1) x S
 (S = result = input / n), for a group of n devices; collective-permute S times
@@ -31,6 +35,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")  # name, the rest
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
+_PROMOTED = re.compile(r"to_apply=%\S*_promoted\b")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -125,7 +130,10 @@ def _collective_ops(text: str):
             if op.group(1).endswith("-start"):  # async: (operand, result); count the result
                 shape = " ".join(_SHAPE.findall(shape)[-1])
                 shape = shape.replace(" ", "[", 1) + "]"
-            yield kind, mult[name], rhs, shape_bytes(shape)
+            nbytes = shape_bytes(shape)
+            if _PROMOTED.search(rhs) and "f32[" in shape:
+                nbytes //= 2  # bf16/f16 widened to f32 by the CPU compiler
+            yield kind, mult[name], rhs, nbytes
 
 
 def collectives(compiled_or_text) -> dict[str, Collective]:
@@ -180,29 +188,59 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     return [list(range(devices))]
 
 
+def _spans(mesh, node_of=None):
+    """-> f(groups) = (mesh axes the groups span, most nodes one group touches)."""
+    flat = mesh.devices.flatten()
+    node_of = node_of or (lambda d: d.process_index)
+    nodes = np.array([node_of(d) for d in flat])
+    position = np.stack(np.unravel_index(np.arange(flat.size), mesh.devices.shape), axis=1)
+
+    def spans(groups) -> tuple[tuple[str, ...], int]:
+        spanned, most = set(), 1
+        for group in groups:
+            varies = np.ptp(position[group], axis=0) > 0
+            spanned |= {a for a, v in zip(mesh.axis_names, varies) if v}
+            most = max(most, len(set(nodes[group].tolist())))
+        return tuple(a for a in mesh.axis_names if a in spanned), most
+    return spans
+
+
 def collectives_by_axes(compiled_or_text, mesh, node_of=None) -> dict[tuple[str, ...], dict]:
     """Collectives per step keyed by the mesh axes their groups span, with the most nodes
     one group touches: {("tensor",): {"count": {"all-reduce": 14}, "nodes": 1},
     ("data",): {"count": {"all-reduce": 3}, "nodes": 2}}. An axis is spanned when members
     of one group sit at different positions along it. `node_of(device)` defaults to the
     device's process."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    flat = mesh.devices.flatten()
-    node_of = node_of or (lambda d: d.process_index)
-    nodes = np.array([node_of(d) for d in flat])
-    position = np.stack(np.unravel_index(np.arange(flat.size), mesh.devices.shape), axis=1)
     out: dict[tuple[str, ...], dict] = {}
-    for kind, times, rhs, _ in _collective_ops(text):
-        spanned, most = set(), 1
-        for group in replica_groups(rhs, flat.size):
-            varies = np.ptp(position[group], axis=0) > 0
-            spanned |= {a for a, v in zip(mesh.axis_names, varies) if v}
-            most = max(most, len(set(nodes[group].tolist())))
-        entry = out.setdefault(tuple(a for a in mesh.axis_names if a in spanned),
-                               {"count": collections.Counter(), "nodes": 1})
-        entry["count"][kind] += times
-        entry["nodes"] = max(entry["nodes"], most)
+    for row in collective_table(compiled_or_text, mesh, node_of):
+        entry = out.setdefault(row["mesh_axes"], {"count": collections.Counter(), "nodes": 1})
+        entry["count"][row["kind"]] += row["count"]
+        entry["nodes"] = max(entry["nodes"], row["nodes"])
     return out
+
+
+def collective_table(compiled_or_text, mesh, node_of=None) -> list[dict]:
+    """Collectives per step by (kind, mesh axes spanned): [{kind, mesh_axes, count, bytes,
+    result_bytes, nodes}], `bytes` being the ring-algorithm bytes each device sends per
+    step (see `wire` above) and `result_bytes` the ops' result sizes, both summed over
+    executions (loop trip counts included); `nodes`: the most nodes one group touches."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    devices = mesh.devices.size
+    spans = _spans(mesh, node_of)
+    rows: dict[tuple[str, tuple[str, ...]], dict] = {}
+    for kind, times, rhs, nbytes in _collective_ops(text):
+        groups = replica_groups(rhs, devices)
+        axes, most = spans(groups)
+        wire = _wire(kind, nbytes, len(groups[0]))
+        if kind == "collective-permute":
+            wire *= _senders(rhs, devices)
+        row = rows.setdefault((kind, axes), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
+                                             "result_bytes": 0, "nodes": 1})
+        row["count"] += times
+        row["bytes"] += times * wire
+        row["result_bytes"] += times * nbytes
+        row["nodes"] = max(row["nodes"], most)
+    return sorted(rows.values(), key=lambda r: (r["mesh_axes"], KINDS.index(r["kind"])))
 
 
 def _dims(shape: str) -> list[int]:

@@ -62,6 +62,9 @@ family.register(family.Family(
     sizes={"tiny": dict(num_layers=4, embed_dim=32, mlp_dim=64, vocab_size=256, seq_len=32)},
     activations=toy_activations, num_params=toy_params,
     flops_per_token=lambda c: 6.0 * toy_params(c),
+    # Kept for backward: the layer input (D) and the hidden after ReLU (F, split over tensor).
+    layer_activation_bytes=lambda c, tokens, t, remat: family.korthikanti_bytes(
+        tokens, 4, whole=c.embed_dim, split=0 if remat == "full" else c.mlp_dim, scores=0, tensor=t),
     size_keys={"embed": "model.embed_dim", "mlp": "model.mlp_dim"},
     describe=lambda c: f"toy: {c.num_layers} layers, embed {c.embed_dim}, mlp {c.mlp_dim}",
 ))

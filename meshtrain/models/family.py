@@ -18,6 +18,10 @@ A family gives:
   activations activations(cfg, b) -> [(what, shape, logical axes)] of the arrays the forward
               pass constrains for a batch of b rows: layout validation checks their
               divisibility, and the golden sharding tables list them
+  layer_activation_bytes  optional: (cfg, tokens, tensor, remat) -> bytes one layer keeps for its
+              backward pass under the remat policy, for `tokens` (rows x length) on a device
+              that splits heads and mlp `tensor` ways: the planner's analytic activation
+              memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
   flops_per_token  training FLOPs per token (6 N + attention, llm.c's convention)
   size_keys   logical axis -> the config key that sets its size, for error messages
@@ -70,6 +74,7 @@ class Family:
     describe: Callable[[Any], str]
     stacked: str = "blocks"
     check: Callable[[Any], None] | None = None
+    layer_activation_bytes: Callable[[Any, int, int, str], float] | None = None
 
     def fields(self) -> tuple[str, ...]:
         """The dimension fields a size sets (the same for every size of the family)."""
@@ -77,6 +82,15 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+
+
+def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: float,
+                      scores: float, tensor: int) -> float:
+    """Activation bytes a layer keeps (Korthikanti et al. 2022, arXiv 2205.05198, §4), from
+    per-token element counts: `whole` elements every tensor rank keeps in full (norm and
+    projection inputs), `split` elements divided over the `tensor` ranks (heads, mlp), and
+    `scores` attention-probability elements (heads x length, divided too)."""
+    return tokens * compute_bytes * (whole + (split + scores) / tensor)
 
 
 def register(family: Family) -> Family:

@@ -140,7 +140,7 @@ class GPT2(nnx.Module):
         """
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        wte_vd = constrain(self.wte[...], ("vocab", "embed"))
+        wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, 0, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
@@ -160,24 +160,28 @@ class GPT2(nnx.Module):
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
                constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
-        wte_vd = constrain(self.wte[...], ("vocab", "embed"))
+        wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, pos, constrain, None)
         x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
         return self._logits(wte_vd, x_btd, constrain), cache
 
+    def _table(self, constrain) -> jax.Array:
+        """The table as compute wants it, [V, D] in the compute dtype (gathered over FSDP,
+        split over vocab under TP). One value serves the lookup and the tied output
+        projection, so their gradients meet before the data-parallel reduction, which
+        then sends the table's gradient once, in the compute dtype."""
+        return constrain(self.wte[...].astype(self.cfg.dtype), ("vocab", "embed"))
+
     def _embed(self, wte_vd, tokens_bt, pos, constrain, key) -> jax.Array:
-        # The table as compute wants it (gathered over FSDP, split over vocab under
-        # TP) serves both the lookup and the tied output projection.
         t = tokens_bt.shape[1]
-        wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, t, axis=0)
+        wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, t, axis=0).astype(wte_vd.dtype)
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + wpe_td
-        x_btd = _dropout(x_btd.astype(self.cfg.dtype), self.cfg.dropout, key)
+        x_btd = _dropout(x_btd, self.cfg.dropout, key)
         return constrain(x_btd, ("batch", "length", "embed"))
 
     def _logits(self, wte_vd, x_btd, constrain) -> jax.Array:
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        logits_btv = jnp.einsum("btd,vd->btv", self.ln_f(x_btd), wte_vd.astype(dt))
+        logits_btv = jnp.einsum("btd,vd->btv", self.ln_f(x_btd), wte_vd)
         return constrain(stack.mask_padding(logits_btv, cfg.vocab_size), ("batch", "length", "vocab"))
 
 
@@ -188,6 +192,20 @@ def activations(cfg: GPT2Config, b: int):
             ("q, k, v, attention out", (b, t, h, e), ("batch", "length", "heads", "head_dim")),
             ("mlp hidden", (b, t, f), ("batch", "length", "mlp")),
             ("logits", (b, t, v), ("batch", "length", "vocab"))]
+
+
+def layer_activation_bytes(cfg: GPT2Config, tokens: int, tensor: int, remat: str) -> float:
+    """Bytes one block keeps for its backward pass (per-token elements, compute dtype):
+    none       2 LayerNorm inputs, attention and MLP inputs whole (4 D); q, k, v and the
+               attention output (4 D), the MLP hidden before and after GELU (2 F) and the
+               softmax probabilities (H T) split over tensor
+    save_dots  the block input, attention and MLP projections' outputs (3 D whole, 3 D + F split)
+    full       the block input (D)"""
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    whole, split, scores = {"full": (d, 0, 0), "save_dots": (3 * d, 3 * d + f, 0)}.get(
+        remat, (4 * d, 4 * d + 2 * f, cfg.num_heads * cfg.seq_len))
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, whole=whole, split=split,
+                                     scores=scores, tensor=tensor)
 
 
 def flops_per_token(cfg: GPT2Config) -> float:
@@ -204,7 +222,8 @@ def _check(cfg: GPT2Config) -> None:
 
 FAMILY = family.register(family.Family(
     name="gpt2", config=GPT2Config, module=GPT2, sizes=sizes.GPT2_SIZES,
-    activations=activations, num_params=num_params, flops_per_token=flops_per_token,
+    activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
+    flops_per_token=flops_per_token,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim"},
     describe=lambda c: (f"gpt2: {c.num_layers} layers, {c.num_heads} heads, embed {c.embed_dim}, "

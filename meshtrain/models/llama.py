@@ -215,7 +215,7 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        embed_vd = constrain(self.embed[...], ("vocab", "embed"))
+        embed_vd = self._table(constrain)
         x_btd = self._embed(embed_vd, tokens_bt, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
@@ -235,13 +235,19 @@ class Llama(nnx.Module):
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
                constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
-        embed_vd = constrain(self.embed[...], ("vocab", "embed"))
+        embed_vd = self._table(constrain)
         x_btd = self._embed(embed_vd, tokens_bt, constrain, None)
         x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
         return self._logits(embed_vd, x_btd, constrain), cache
 
+    def _table(self, constrain) -> jax.Array:
+        """The input table [V, D] in the compute dtype, as compute wants it (gathered over
+        FSDP, split over vocab under TP); tied, it is also the output projection, and the
+        two gradients meet before the data-parallel reduction."""
+        return constrain(self.embed[...].astype(self.cfg.dtype), ("vocab", "embed"))
+
     def _embed(self, embed_vd, tokens_bt, constrain, key) -> jax.Array:
-        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(self.cfg.dtype)
+        x_btd = jnp.take(embed_vd, tokens_bt, axis=0)
         x_btd = _dropout(x_btd, self.cfg.dropout, key)
         return constrain(x_btd, ("batch", "length", "embed"))
 
@@ -250,7 +256,7 @@ class Llama(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         x_btd = self.final_norm(x_btd)
         if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd.astype(dt))
+            logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd)
         else:
             # As the compute wants it: gathered over FSDP, split over vocab under TP.
             head_dv = constrain(self.lm_head[...], ("embed", "vocab"))
@@ -266,6 +272,21 @@ def activations(cfg: LlamaConfig, b: int):
             ("q, k, v (repeated), attention out", (b, t, h, e), BTHE),
             ("mlp hidden", (b, t, cfg.mlp_dim), ("batch", "length", "mlp")),
             ("logits", (b, t, cfg.padded_vocab_size), ("batch", "length", "vocab"))]
+
+
+def layer_activation_bytes(cfg: LlamaConfig, tokens: int, tensor: int, remat: str) -> float:
+    """Bytes one block keeps for its backward pass (per-token elements, compute dtype):
+    none       2 RMSNorm inputs, attention and MLP inputs whole (4 D); q, k and v repeated
+               to H heads, the attention output (4 D), the SwiGLU gate, its SiLU, up and
+               their product (4 F) and the softmax probabilities (H T) split over tensor
+    save_dots  the block input, the K/V projections (whole: kv heads are not split), the
+               output and down projections (3 D + 2 K E whole), q and gate/up (D + 2 F split)
+    full       the block input (D)"""
+    d, f, kv = cfg.embed_dim, cfg.mlp_dim, cfg.num_kv_heads * cfg.head_dim
+    whole, split, scores = {"full": (d, 0, 0), "save_dots": (3 * d + 2 * kv, d + 2 * f, 0)}.get(
+        remat, (4 * d, 4 * d + 4 * f, cfg.num_heads * cfg.seq_len))
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, whole=whole, split=split,
+                                     scores=scores, tensor=tensor)
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
@@ -315,7 +336,8 @@ def _describe(c: LlamaConfig) -> str:
 
 FAMILY = family.register(family.Family(
     name="llama", config=LlamaConfig, module=Llama, sizes=sizes.LLAMA_SIZES,
-    activations=activations, num_params=num_params, flops_per_token=flops_per_token,
+    activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
+    flops_per_token=flops_per_token,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",
                "mlp": "model.mlp_dim"},
