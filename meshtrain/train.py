@@ -109,7 +109,6 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     -> device id -> node, for the collectives report."""
     import jax
 
-    from meshtrain import pipeline
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
         for line in cluster.describe():
@@ -124,9 +123,17 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     if pipe is not None:
         say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
             f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
-    for warning in pipeline.warnings_for(pipe):
-        warn(warning)
     return node
+
+
+def lint_warnings(exp) -> None:
+    """The layout linter's warnings (meshtrain/lint.py), once each; they include what
+    pipeline.warnings_for and mesh.dcn_warnings say, which are therefore not printed too.
+    Its errors were already raised by validation."""
+    from meshtrain import lint
+    for finding in lint.lint(exp.cfg, dict(exp.mesh.shape), exp.dcn, exp.model):
+        if finding.severity == "warning":
+            warn(str(finding))
 
 
 def compile_step(exp, say):
@@ -157,6 +164,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
     exp = Experiment.build(cfg)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     node = describe(exp, launch, cluster, source, say)
+    lint_warnings(exp)
     workdir = flags.get("workdir")
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log = None, None
@@ -214,13 +222,11 @@ def save_tokenizer(exp, workdir: str | None) -> None:
 
 
 def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
-    """How the mesh meets the nodes (`nodes`: how they were found), and warnings where
-    heavy traffic would cross them."""
+    """How the mesh meets the nodes (`nodes`: how they were found), and a warning when several
+    hosts have no mesh.dcn (tensor across nodes is the linter's tensor-on-dcn, see lint_warnings)."""
     if dcn:
         say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
             f"inside a node")
-    for warning in mesh_lib.dcn_warnings(dcn):
-        warn(warning)
     if dcn is None and len(set(hosts)) > 1:
         warn(f"the run spans {len(set(hosts))} hosts but mesh.dcn is empty, so any axis may "
              f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
