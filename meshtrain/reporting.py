@@ -7,6 +7,7 @@ bf16 peak of the device when it is known, and is null otherwise (e.g. on CPU).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
@@ -25,6 +26,13 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token as the model's family counts them (llm.c: 6 N + 6 L D T)."""
     return family_of(cfg).flops_per_token(cfg)
+
+
+def flops_convention(cfg: ModelConfig) -> str:
+    """How the family counts FLOPs: the first line of its flops_per_token docstring."""
+    fn = family_of(cfg).flops_per_token
+    doc = inspect.getdoc(fn)
+    return doc.splitlines()[0] if doc else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
 def peak_flops(device: jax.Device) -> float | None:
@@ -58,6 +66,7 @@ class RunLog:
         self.flops_per_step = flops_per_step
         self.peak = None if peak_per_device is None else peak_per_device * num_devices
         self.started = time.perf_counter()
+        self.time_offset = 0.0  # a resumed run's clock goes on from its last kept row
         self.tb = None
         if self.enabled and self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -96,18 +105,22 @@ class RunLog:
         path = self.dir / "metrics.jsonl"
         if self.resume_step is not None and path.exists():
             keep_rows_up_to(path, self.resume_step)
+            self.time_offset = last_time_s(path)
         elif path.exists():  # a fresh start in a used workdir: keep the old rows apart
             path.replace(path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
         return open(path, "a", buffering=1)
 
     def _write(self, row: dict) -> None:
+        """Adds `time_s`: seconds since this RunLog was made (after the train step's
+        compile), plus the last kept row's `time_s` when resuming, to the millisecond."""
         if self.metrics is None and self.enabled and self.dir:
             self.metrics = self._open_metrics()
+        row["time_s"] = round(self.time_offset + time.perf_counter() - self.started, 3)
         if self.metrics is not None:
             self.metrics.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
-                if k != "step" and v is not None:
+                if k not in ("step", "time_s") and v is not None:  # TensorBoard keeps its own wall time
                     self.tb.add_scalar(k, v, row["step"])
 
     def say(self, line: str) -> None:
@@ -128,3 +141,12 @@ def keep_rows_up_to(path: pathlib.Path, step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(r + "\n" for r in rows))
     os.replace(tmp, path)
+
+
+def last_time_s(path: pathlib.Path) -> float:
+    """The `time_s` of the last row of a metrics.jsonl that has one (0.0 for none, as in
+    runs logged before `time_s` existed)."""
+    for line in reversed(path.read_text().splitlines()):
+        if line.strip() and "time_s" in (row := json.loads(line)):
+            return float(row["time_s"])
+    return 0.0
