@@ -53,6 +53,8 @@ class Progress:
 def _human(x: float, unit: str) -> str:
     for prefix in ("", "k", "M", "G", "T"):
         if abs(x) < 1000 or prefix == "T":
-            return f"{x:.0f}{prefix}{unit}" if prefix == "" else f"{x:.1f}{prefix}{unit}"
+            if prefix == "":
+                return f"{x:.1f}{unit}" if 0 < abs(x) < 10 and x != int(x) else f"{x:.0f}{unit}"
+            return f"{x:.1f}{prefix}{unit}"
         x /= 1000
     return f"{x}{unit}"

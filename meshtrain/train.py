@@ -10,7 +10,6 @@ Bad input exits with status 2 and one paragraph on stderr, never a traceback.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import sys
@@ -42,7 +41,7 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
         "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
         "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
-        "flops_per_token": reporting.flops_per_token(m), "flops_convention": _first_line(exp.model.family.flops_per_token),
+        "flops_per_token": reporting.flops_per_token(m), "flops_convention": reporting.flops_convention(m),
         "peak_flops_per_device": reporting.peak_flops(device),
         "compile_time_s": compile_s,
         "compiled_memory_per_device": compiled_memory,
@@ -50,12 +49,6 @@ def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "pipeline": _pipeline_info(exp.model.pipeline),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
-
-
-def _first_line(fn) -> str:
-    """How a family counts FLOPs, from its docstring (a lambda has none)."""
-    doc = inspect.getdoc(fn)
-    return doc.splitlines()[0] if doc else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
 def _data_line(info: dict, vocab: int, windows: int) -> str:

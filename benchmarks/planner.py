@@ -1,0 +1,75 @@
+"""How close the planner's formulas come to the compiled programs (docs/planner.md).
+
+    python benchmarks/planner.py [--out=FILE.json]
+
+For GPT-2 small (124M) and Llama 3.2 1B on 8 simulated CPU devices, under dp8, fsdp8,
+zero1, dp2_tp4 and pp2_dp4 (4 pipeline microbatches), in float32 and bfloat16 compute,
+at 8 rows x 1024 tokens per step: compiled vs formula memory per device (params,
+optimizer, activations) and collective bytes against their lower bound. Prints a
+markdown table; `--out` also writes every report as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from meshtrain import config as config_lib  # noqa: E402
+from meshtrain.experiment import Experiment  # noqa: E402
+from meshtrain.planner import hardware, report  # noqa: E402
+
+MODELS = {"gpt2_small": ("gpt2_small_dp8", {"model.seq_len": "1024"}),
+          "llama3_1b": ("llama3_1b_fsdp8", {"model.seq_len": "1024"})}
+LAYOUTS = {"dp8": ("data:8", "dp", 0), "fsdp8": ("fsdp:8", "fsdp", 0), "zero1": ("data:8", "zero1", 0),
+           "dp2_tp4": ("data:2,tensor:4", "dp_tp", 0), "pp2_dp4": ("data:4,stage:2", "dp_pp", 4)}
+
+
+def measure(model: str, layout: str, dtype: str) -> dict:
+    name, extra = MODELS[model]
+    mesh, preset, micro = LAYOUTS[layout]
+    cfg = config_lib.load(name)
+    overrides = {**extra, "mesh.shape": mesh, "mesh.dcn": "", "layout": preset, "pipeline.microbatches": str(micro),
+                 "train.batch_size": "8", "train.microbatches": "1", "model.dtype": dtype, "model.remat": "none"}
+    for k, v in overrides.items():
+        config_lib.override(cfg, k, v)
+    r = report.plan(Experiment.build(cfg), hardware.get("h100"))
+    r.pop("config")
+    return {"model": model, "layout": layout, "dtype": dtype, **r}
+
+
+def row(r: dict) -> str:
+    mem, formula = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"]
+    bound = r["collective_lower_bound_bytes"]
+    axes = "; ".join(f"{'+'.join(a['mesh_axes'])} {a['ratio']:.2f}x" for a in r["collectives_by_axes"]
+                     if a["ratio"] is not None)
+    return (f"| {r['model']} | {r['layout']} | {r['dtype']} | {mem['params'] / 2**20:,.1f} / "
+            f"{formula['params'] / 2**20:,.1f} | {mem['optimizer'] / 2**20:,.1f} / {formula['optimizer'] / 2**20:,.1f} "
+            f"| {mem['activations'] / 2**20:,.0f} / {formula['activations'] / 2**20:,.0f} "
+            f"({mem['activations'] / formula['activations']:.2f}x) | "
+            f"{r['collective_bytes_per_step'] / 2**20:,.1f} / {bound / 2**20:,.1f} "
+            f"({r['collective_bytes_per_step'] / bound if bound else float('nan'):.2f}x) | {axes} |")
+
+
+def main() -> None:
+    out = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--out=")), None)
+    print("| model | layout | compute | params MiB compiled / formula | optimizer MiB | activations MiB "
+          "(ratio) | collectives MiB sent / bound (ratio) | per axes |")
+    print("|---|---|---|---|---|---|---|---|")
+    reports = []
+    for model in MODELS:
+        for layout in LAYOUTS:
+            for dtype in ("float32", "bfloat16"):
+                r = measure(model, layout, dtype)
+                reports.append(r)
+                print(row(r), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(reports, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""What a layout should cost by the formulas, from the config alone (nothing compiled).
+
+Memory per device (bytes), for fp32 master weights and AdamW:
+  params       sum over leaves of size / (shards of its params spec) x param bytes
+  optimizer    2 moments x size / (shards of its opt_state spec) x param bytes
+  gradients    the params' sharding and dtype (the backward writes them there), plus an
+               fp32 accumulator at the optimizer's sharding when train.microbatches > 1
+  activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
+               2022, at the remat policy) for the tokens one microbatch puts on a device,
+               plus one layer's full activations when a remat policy recomputes them, plus
+               the logits (compute dtype) with their float32 log-softmax and gradient
+On a plain data-parallel mesh these reduce to ZeRO's stage formulas (arXiv 1910.02054):
+stage 0 (dp) 16 Psi, stage 1 (zero1) 8 Psi + 8 Psi / N, stage 3 (fsdp) 16 Psi / N with
+fp32 gradients and no microbatching.
+
+Collective lower bounds (bytes each device sends per step, ring algorithms):
+  gradients    every leaf's gradient reduced once over the batch axes that do not shard it:
+               all-reduce 2 (n-1)/n x local bytes; over an axis that shards only its optimizer
+               state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
+               bytes. Matrices reduce in the compute dtype (their gradients are computed in
+               it), vectors (norms, biases) in the param dtype.
+  fsdp         weights sharded over an axis that also splits the batch: one all-gather per
+               microbatch, (n-1)/n x gathered bytes in the compute dtype, and one
+               reduce-scatter of the gradients, (n-1)/n x gathered bytes.
+  tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
+               2 backward per microbatch, plus 2 when the vocabulary is split (the embedding
+               lookup forward, the output projection's input gradient backward).
+  stage        each microbatch crosses each stage boundary once forward and once backward,
+               [b, T, D] in the compute dtype, (S-1)/S of the devices sending.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain import tree_paths
+from meshtrain.layouts.rules import mesh_axes_of
+
+GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def _axes_of(sharding) -> tuple[str, ...]:
+    return tuple(a for s in sharding.spec for a in mesh_axes_of(s))
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _shards(exp, name: str, layout=None) -> tuple[int, tuple[str, ...]]:
+    layout = layout or exp.layout
+    axes = mesh_axes_of(layout.spec((name,), "activations")[0])
+    return _size(exp.mesh, axes), tuple(axes)
+
+
+def local_batch(exp) -> dict:
+    """Rows and tokens one device computes at a time: {"rows": per microbatch on a device
+    outside the pipeline, "stage_rows": all microbatches a stage holds, "tensor": heads split,
+    "vocab": vocabulary split, "micro": microbatches a step runs through each layer}."""
+    cfg, pipe = exp.cfg, exp.model.pipeline
+    k = cfg.train.microbatches
+    shards, _ = _shards(exp, "batch")
+    inner = shards if pipe is None else _shards(exp, "batch", exp.layout.without("stage"))[0]
+    return {"rows": cfg.train.batch_size // k // shards,
+            "stage_rows": cfg.train.batch_size // k // inner,
+            "pipeline_rows": cfg.train.batch_size // k // inner // (pipe.microbatches if pipe else 1),
+            "tensor": _shards(exp, "heads")[0], "vocab": _shards(exp, "vocab")[0],
+            "micro": k * (pipe.microbatches if pipe else 1)}
+
+
+def memory(exp) -> dict[str, float]:
+    """Per-device bytes by the formulas in the module docstring."""
+    m = exp.model
+    pbytes = jnp.dtype(m.cfg.param_dtype).itemsize
+    shapes = jax.tree.leaves(m.shapes)
+    params = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
+                 zip(shapes, jax.tree.leaves(exp.shardings.params)))
+    opt = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
+              zip(shapes, jax.tree.leaves(exp.grad_shardings)))
+    grads = params * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
+    return {"params": params * pbytes, "optimizer": 2 * opt * pbytes, "gradients": grads,
+            "activations": activations(exp)}
+
+
+def activations(exp) -> float | None:
+    """Activation bytes per device (see the module docstring); None when the model family
+    gives no per-layer formula."""
+    m, b = exp.model, local_batch(exp)
+    per_layer = m.family.layer_activation_bytes
+    if per_layer is None:
+        return None
+    cfg = m.cfg
+    t = cfg.seq_len
+    stages = m.pipeline.stages if m.pipeline else 1
+    layers = cfg.num_layers // stages
+    kept = layers * per_layer(cfg, b["stage_rows"] * t, b["tensor"], cfg.remat)
+    if cfg.remat != "none":  # backward recomputes one layer's activations at a time
+        kept += per_layer(cfg, b["pipeline_rows"] * t, b["tensor"], "none")
+    logits = b["rows"] * t * cfg.padded_vocab_size / b["vocab"] * (jnp.dtype(cfg.dtype).itemsize + 8)
+    return kept + logits
+
+
+def _matrix(axes: tuple) -> bool:
+    return sum(a not in ("layers", "stage") for a in axes) >= 2
+
+
+def collective_bounds(exp) -> list[dict]:
+    """[{kind, mesh_axes, count, bytes, what}]: the least each device must send per step
+    (module docstring); `count` is how many ops the bound assumes."""
+    m, mesh = exp.model, exp.mesh
+    cfg = m.cfg
+    compute, pbytes = jnp.dtype(cfg.dtype).itemsize, jnp.dtype(cfg.param_dtype).itemsize
+    b = local_batch(exp)
+    order = {a: i for i, a in enumerate(mesh.axis_names)}
+    rows: dict[tuple, dict] = {}
+
+    def add(kind, axes, count, nbytes, what):
+        axes = tuple(sorted((a for a in axes if mesh.shape[a] > 1), key=order.get))
+        if not axes or nbytes <= 0:
+            return
+        r = rows.setdefault((kind, axes), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
+                                           "what": what})
+        r["count"] += count
+        r["bytes"] += nbytes
+
+    _, batch_axes = _shards(exp, "batch")
+    inner_axes = batch_axes if m.pipeline is None else _shards(exp, "batch", exp.layout.without("stage"))[1]
+    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
+    flat_shapes = tree_paths.flat(m.shapes)
+    flat_params = tree_paths.flat(exp.shardings.params)
+    flat_opt = tree_paths.flat(exp.grad_shardings)
+    for path, shape in flat_shapes.items():
+        p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
+        splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
+        local = math.prod(shape.shape) / _size(mesh, p_axes)
+        g = compute if _matrix(flat_axes[path]) else pbytes
+        reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
+        zero = [a for a in reduce_axes if a in o_axes]
+        plain = [a for a in reduce_axes if a not in o_axes]
+        # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.
+        if plain:
+            n = _size(mesh, plain)
+            add("all-reduce", plain, 0, 2 * (n - 1) / n * local * g, "gradient reduction")
+        if zero:
+            n = _size(mesh, zero)
+            add("reduce-scatter", zero, 0, (n - 1) / n * local * g, "ZeRO-1 gradient reduce-scatter")
+            add("all-gather", zero, 0, (n - 1) / n * local * pbytes, "ZeRO-1 updated-param all-gather")
+        gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
+        if gather:
+            n = _size(mesh, gather)
+            add("all-gather", gather, b["micro"], b["micro"] * (n - 1) * local * compute,
+                "FSDP weight all-gather, once per microbatch")
+            add("reduce-scatter", gather, 0, (n - 1) * local * g, "FSDP gradient reduce-scatter")
+    t_axes = _shards(exp, "heads")[1]
+    activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
+    stages = m.pipeline.stages if m.pipeline else 1
+    if b["tensor"] > 1:
+        n = b["tensor"]
+        layers = cfg.num_layers // stages * b["micro"]
+        add("all-reduce", t_axes, 4 * layers, 4 * layers * 2 * (n - 1) / n * activation,
+            "Megatron: 2 all-reduces per layer forward, 2 backward")
+        if b["vocab"] > 1:
+            whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * exp.cfg.train.microbatches
+            add("all-reduce", t_axes, 2 * exp.cfg.train.microbatches, 2 * 2 * (n - 1) / n * whole,
+                "vocab-parallel embedding: lookup forward, output projection backward")
+    if stages > 1:
+        sends = 2 * b["micro"]
+        add("collective-permute", ("stage",), sends, sends * activation * (stages - 1) / stages,
+            "pipeline: each microbatch over each stage boundary, forward and backward")
+    return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
+
+
+def known_excess(exp) -> list[dict]:
+    """Traffic the layout's program sends beyond the bound for reasons of the model's own
+    making: [{kind, mesh_axes, bytes, why}].
+
+      tied table   a [vocab, embed] table with no [embed, vocab] output matrix serves the
+                   lookup and the output projection; XLA reduces the two gradient pieces
+                   over the batch axes before adding them, so the table's reduction runs twice
+      kv heads     K/V projections kept whole over tensor (grouped-query attention, see
+                   docs/layouts.md) get gradient pieces from every head shard: one more
+                   all-reduce of them over tensor"""
+    m, mesh = exp.model, exp.mesh
+    cfg = m.cfg
+    compute = jnp.dtype(cfg.dtype).itemsize
+    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
+    params = tree_paths.flat(exp.shardings.params)
+    tied = not any(tuple(a) == ("embed", "vocab") for a in flat_axes.values())
+    _, batch_axes = _shards(exp, "batch")
+    t_axes = _shards(exp, "heads")[1]
+    out = []
+    for path, shape in tree_paths.flat(m.shapes).items():
+        axes, p_axes = flat_axes[path], _axes_of(params[path])
+        local = math.prod(shape.shape) / _size(mesh, p_axes)
+        reduce_axes = [a for a in batch_axes if a not in p_axes and mesh.shape[a] > 1]
+        if tied and tuple(axes) == ("vocab", "embed") and reduce_axes:
+            n = _size(mesh, reduce_axes)
+            out.append({"kind": "all-reduce", "mesh_axes": tuple(reduce_axes),
+                        "bytes": 2 * (n - 1) / n * local * compute,
+                        "why": f"the tied table {path} is reduced twice, its lookup and its output-"
+                               f"projection gradients apart"})
+        kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
+        if "kv_heads" in axes and kv_whole:
+            n = _size(mesh, kv_whole)
+            out.append({"kind": "all-reduce", "mesh_axes": tuple(kv_whole),
+                        "bytes": 2 * (n - 1) / n * local * compute,
+                        "why": f"{path} is kept whole over tensor (kv heads unsplit) and its gradient "
+                               f"summed over the head shards"})
+    return out
+
+
+def _embed_dim(model) -> int:
+    """The residual stream's width, [b, T, D]: read from the activations the family pins."""
+    for _, shape, axes in model.family.activations(model.cfg, 1):
+        if tuple(axes) == ("batch", "length", "embed"):
+            return shape[-1]
+    raise ValueError(f"model family {model.family.name!r} pins no [batch, length, embed] activation")

@@ -1,0 +1,184 @@
+"""One layout, planned: compile the real train step for the config's mesh from shapes
+alone (no parameter memory), read its memory, collectives and FLOPs, set them beside the
+formulas (planner/analytic.py) and predict the step on the named hardware
+(planner/roofline.py).
+
+    exp = Experiment.build(cfg)           # on simulated devices: mesh_lib.simulate_cpu_devices
+    report = plan(exp, hardware.get("h100"))
+    report["predicted_step_time_s"], report["collectives"]
+
+The JSON keys are listed in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+
+from meshtrain import hlo, reporting
+from meshtrain.planner import analytic, roofline
+from meshtrain.planner.hardware import Hardware
+
+MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
+
+
+def compiled_memory(exp, compiled, formula: dict) -> dict[str, float]:
+    """Per-device bytes of the compiled step: params and optimizer state from the shards of
+    its input shardings; gradients at the parameters' compiled shardings (plus the
+    microbatch accumulator of `formula`), since XLA reports them inside temp; activations
+    and temporaries = temp - gradients; with XLA's totals."""
+    ma = reporting.memory_report(compiled)
+    state_shardings = compiled.input_shardings[0][0]
+    abstract = exp.abstract_state()
+
+    def shard_bytes(shapes, shardings) -> float:
+        return float(sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
+                         for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings))
+                         if s.shape))
+    params = shard_bytes(abstract.params, state_shardings.params)
+    optimizer = shard_bytes(abstract.opt_state, state_shardings.opt_state)
+    grads = params + formula["gradients"] - formula["params"]
+    return {"params": params, "optimizer": optimizer, "gradients": grads,
+            "activations": ma["temp"] - grads, "argument": ma["argument"], "output": ma["output"],
+            "temp": ma["temp"], "alias": ma["alias"], "peak_estimate": ma["peak_estimate"],
+            "total": ma["peak_estimate"]}
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> dict:
+    """The planner's report for a built Experiment (docs/planner.md lists the keys)."""
+    if compiled is None:
+        t0 = time.perf_counter()
+        compiled = exp.compile()
+        compile_s = time.perf_counter() - t0
+    cfg, mesh = exp.model.cfg, exp.mesh
+    devices = mesh.devices.size
+    node_of = roofline.node_of_position(mesh, hw.devices_per_node, exp.dcn)
+    formula = analytic.memory(exp)
+    memory = compiled_memory(exp, compiled, formula)
+    formula["total"] = sum(v or 0.0 for k, v in formula.items() if k in MEMORY_KEYS)
+    rows = hlo.collective_table(compiled, mesh)
+    for r in rows:
+        r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
+    bounds = analytic.collective_bounds(exp)
+    tokens = exp.cfg.train.batch_size * cfg.seq_len
+    model_flops = reporting.flops_per_token(cfg) * tokens
+    flops_dev = hlo.dot_flops(compiled)
+    for r in bounds:
+        r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
+    # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values.
+    predicted = roofline.predict(hw, cfg.dtype, flops_dev, {**memory, "activations": formula["activations"]},
+                                 rows, model_flops, devices)
+    fits = memory_fits(hw, formula, memory)
+    return {
+        "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
+        "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
+        "compile_time_s": compile_s,
+        "memory_per_device_bytes": memory,
+        "analytic_memory_per_device_bytes": formula,
+        "memory_ratio": {k: _ratio(memory[k], formula[k]) for k in MEMORY_KEYS},
+        "fits": fits,
+        "collectives": [_row(r) for r in rows],
+        "collective_bounds": [_row(r) for r in bounds],
+        "collective_bytes_per_step": sum(r["bytes"] for r in rows),
+        "collective_lower_bound_bytes": sum(r["bytes"] for r in bounds),
+        "collectives_by_axes": by_axes(rows, bounds, analytic.known_excess(exp)),
+        "flops_per_step": flops_dev * devices,
+        "model_flops_per_step": model_flops,
+        "flops_convention": (reporting.flops_convention(cfg) + "; flops_per_step: the compiled "
+                             "program's matmul FLOPs on all devices, loops counted (remat and the "
+                             "full attention square included)"),
+        "predicted_step_time_s": predicted["step_time_s"],
+        "predicted_mfu": predicted["mfu"],
+        "prediction": predicted,
+    }
+
+
+def memory_fits(hw: Hardware, formula: dict, memory: dict) -> dict:
+    """Whether the analytic total fits the usable memory (the CPU compiler's temp is no
+    guide to an accelerator's: it widens bf16 and keeps copies; docs/planner.md)."""
+    usable = hw.hbm_bytes * hw.usable_memory
+    return {"fits": formula["total"] <= usable, "analytic_total_bytes": formula["total"],
+            "usable_bytes": usable, "compiled_peak_estimate_bytes": memory["peak_estimate"]}
+
+
+def _row(r: dict) -> dict:
+    return {**r, "mesh_axes": list(r["mesh_axes"])}
+
+
+def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = ()) -> list[dict]:
+    """Per mesh-axes group: compiled bytes, the lower bound, their ratio and the reasons for
+    any excess (`known`: analytic.known_excess, then `excess` for what remains)."""
+    keys = list(dict.fromkeys([tuple(r["mesh_axes"]) for r in bounds] + [tuple(r["mesh_axes"]) for r in rows]))
+    out = []
+    for axes in keys:
+        mine = [r for r in rows if tuple(r["mesh_axes"]) == axes]
+        bound = [r for r in bounds if tuple(r["mesh_axes"]) == axes]
+        sent, least = sum(r["bytes"] for r in mine), sum(r["bytes"] for r in bound)
+        reasons, explained = [], 0.0
+        for k in known:
+            if tuple(k["mesh_axes"]) == axes and sent > 1.02 * least:
+                reasons.append(f"{k['kind']} {k['bytes'] / 2**20:,.1f} MiB: {k['why']}")
+                explained += k["bytes"]
+        rest = {r["kind"]: dict(r) for r in bound}
+        for k in known:
+            if tuple(k["mesh_axes"]) == axes and k["kind"] in rest:
+                rest[k["kind"]]["bytes"] += k["bytes"]
+        if sent > 1.02 * (least + explained):
+            reasons += excess(mine, list(rest.values()) if bound else [])
+        out.append({"mesh_axes": list(axes), "bytes": sent, "lower_bound_bytes": least,
+                    "ratio": _ratio(sent, least), "count": sum(r["count"] for r in mine),
+                    "lower_bound_count": sum(r["count"] for r in bound), "excess": reasons})
+    return out
+
+
+def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
+    """Why one axis group sends more than its bound: each op kind compared with the bound's."""
+    reasons = []
+    axes = "+".join((rows or bounds)[0]["mesh_axes"]) if (rows or bounds) else ""
+    sent, least = sum(r["bytes"] for r in rows), sum(r["bytes"] for r in bounds)
+    if least and sent <= 1.02 * least:
+        return reasons
+    mine = {r["kind"]: r for r in rows}
+    theirs = {r["kind"]: r for r in bounds}
+    if not bounds:
+        return [f"the layout needs no traffic over {axes}, but the program sends "
+                + ", ".join(f"{r['kind']} x{r['count']} ({r['bytes'] / 2**20:,.1f} MiB)" for r in rows)
+                + ": an activation changes sharding there (a constraint that disagrees with its "
+                  "neighbour, or a dimension that does not divide)"]
+    for kind, r in mine.items():
+        b = theirs.get(kind)
+        mib = r["bytes"] / 2**20
+        if b is None and kind == "all-reduce" and "reduce-scatter" in theirs:
+            reasons.append(f"gradients reduced by all-reduce ({mib:,.1f} MiB) where the bound reduce-"
+                           f"scatters: an all-reduce sends twice a reduce-scatter's bytes and leaves "
+                           f"the full gradient on every device (the CPU compiler's choice here; check "
+                           f"the accelerator's HLO)")
+        elif b is None:
+            reasons.append(f"{kind} x{r['count']} ({mib:,.1f} MiB) outside the bound: resharding of "
+                           f"an activation or a gradient between two layouts")
+        elif r["bytes"] > 1.02 * b["bytes"]:
+            reasons.append(_kind_excess(kind, r, b))
+    return reasons
+
+
+def _kind_excess(kind: str, r: dict, b: dict) -> str:
+    ratio = r["bytes"] / b["bytes"]
+    head = f"{kind}: {r['count']} ops, {r['bytes'] / 2**20:,.1f} MiB against {b['count']}, " \
+           f"{b['bytes'] / 2**20:,.1f} MiB ({ratio:.2f}x)"
+    if kind == "all-gather":
+        return head + ": weights gathered again for the backward pass (ZeRO-3 gathers twice, 1.5x " \
+                      "ZeRO-2's traffic), or gathered in float32 before the cast to the compute dtype"
+    if kind == "collective-permute":
+        return head + ": sends run on every tick, the bubble ticks included"
+    if b["count"] and r["count"] > b["count"]:
+        return head + f": {r['count'] - b['count']} ops more than the bound (remat recomputes the " \
+                      "forward's, the loss reduces over the split vocabulary, or a gradient is " \
+                      "reduced in pieces)"
+    return head + ": some of it in float32 where the bound assumes the compute dtype (e.g. norm " \
+                  "and bias gradients computed in float32, or a float32 table)"

@@ -1,0 +1,72 @@
+"""The planner's report as text for a terminal (`python -m meshtrain.plan` without --json)."""
+
+from __future__ import annotations
+
+from meshtrain.planner.report import MEMORY_KEYS
+
+MIB = 2**20
+GIB = 2**30
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / MIB:,.1f}"
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
+                             enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def render(r: dict) -> str:
+    lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
+             + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
+             + (f" (dcn {r['dcn']})" if r.get("dcn") else "")
+             + f" | layout {r['layout']}"
+             + (f" | compiled in {r['compile_time_s']:.1f}s" if r.get("compile_time_s") is not None else ""),
+             f"model: {r['model']}", f"hardware: {r['hardware']}", "",
+             "memory per device (MiB)"]
+    mem, formula, ratio = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"], r["memory_ratio"]
+    rows = [["", "compiled", "formula", "compiled/formula"]]
+    rows += [[k, _mib(mem[k]), _mib(formula[k]), _ratio(ratio[k])] for k in MEMORY_KEYS]
+    rows.append(["total", _mib(mem["peak_estimate"]), _mib(formula["total"]), _ratio(
+        mem["peak_estimate"] / formula["total"] if formula["total"] else None)])
+    lines += table(rows, right={1, 2, 3})
+    fit = r["fits"]
+    lines.append(f"  {'fits' if fit['fits'] else 'DOES NOT FIT'}: formula total {fit['analytic_total_bytes'] / GIB:,.2f} "
+                 f"GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable (the CPU compiler's temp is no guide "
+                 f"to an accelerator's for bf16 compute: docs/planner.md)")
+    lines += ["", "collectives per step (MiB each device sends; ring algorithms)"]
+    rows = [["mesh axes", "kind", "count", "MiB", "link"]]
+    for c in r["collectives"]:
+        rows.append(["+".join(c["mesh_axes"]) or "-", c["kind"], f"{c['count']:,}", _mib(c["bytes"]),
+                     "network" if c["crosses_nodes"] else "in node"])
+    lines += table(rows, right={2, 3}) if len(rows) > 1 else ["  none"]
+    lines += ["", "against the lower bound"]
+    rows = [["mesh axes", "MiB", "bound MiB", "ratio", "ops", "bound ops"]]
+    for a in r["collectives_by_axes"]:
+        rows.append(["+".join(a["mesh_axes"]) or "-", _mib(a["bytes"]), _mib(a["lower_bound_bytes"]),
+                     _ratio(a["ratio"]), f"{a['count']:,}", f"{a['lower_bound_count']:,}"])
+    lines += table(rows, right={1, 2, 3, 4, 5}) if len(rows) > 1 else ["  none"]
+    for a in r["collectives_by_axes"]:
+        for why in a["excess"]:
+            lines.append(f"  why more over {'+'.join(a['mesh_axes'])}: {why}")
+    total, bound = r["collective_bytes_per_step"], r["collective_lower_bound_bytes"]
+    lines.append(f"  all axes: {_mib(total)} MiB against {_mib(bound)} MiB"
+                 + (f" ({total / bound:.2f}x)" if bound else ""))
+    lines += ["", f"FLOPs per step: compiled {r['flops_per_step']:.4g} (matmuls, all devices) against "
+                  f"model {r['model_flops_per_step']:.4g} ({r['flops_per_step'] / r['model_flops_per_step']:.3f}x); "
+                  f"model FLOPs: {r['flops_convention'].split(';')[0]}"]
+    p = r["prediction"]
+    lines.append(f"predicted step: {p['step_time_s'] * 1e3:,.1f} ms -> MFU {100 * p['mfu']:.1f}% | matmuls "
+                 f"{p['matmul_s'] * 1e3:,.1f} ms, memory {p['memory_s'] * 1e3:,.1f} ms, tensor/stage "
+                 f"collectives {p['exposed_collectives_s'] * 1e3:,.1f} ms, overlapped data/fsdp "
+                 f"collectives {p['overlapped_collectives_s'] * 1e3:,.1f} ms | bound by {p['bound_by']}")
+    if r.get("lint"):
+        lines += ["", "lint:"] + [f"  [{f['severity']}] {f['what']} Cost: {f['cost']} Fix: {f['fix']}"
+                                  for f in r["lint"]]
+    return "\n".join(lines)

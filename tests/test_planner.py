@@ -1,0 +1,224 @@
+"""The layout planner: compiled memory, collectives and FLOPs against their formulas, the
+roofline's arithmetic, and the CLI. Each config is compiled once per module."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain import config as config_lib, hlo
+from meshtrain.errors import UserError
+from meshtrain.experiment import Experiment
+from meshtrain.planner import analytic, hardware, report as report_lib, roofline
+
+CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
+           "gpt2_tiny_pp2_dp4", "llama_tiny_dp2_tp4", "llama_tiny_fsdp8"]
+KEYS = ("memory_per_device_bytes", "analytic_memory_per_device_bytes", "collectives",
+        "collective_bytes_per_step", "collective_lower_bound_bytes", "flops_per_step",
+        "model_flops_per_step", "predicted_step_time_s", "predicted_mfu")
+H100 = hardware.get("h100")
+
+
+@pytest.fixture(scope="module")
+def planned():
+    out = {}
+    for name in CONFIGS:
+        exp = Experiment.build(config_lib.load(name))
+        compiled = exp.compile()
+        out[name] = (exp, compiled, report_lib.plan(exp, H100, compiled, 0.0))
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_report_has_the_documented_keys(name, planned):
+    r = planned[name][2]
+    assert all(k in r for k in KEYS)
+    for key in ("memory_per_device_bytes", "analytic_memory_per_device_bytes"):
+        assert {"params", "optimizer", "gradients", "activations"} <= set(r[key])
+    for row in r["collectives"]:
+        assert {"kind", "mesh_axes", "count", "bytes"} <= set(row)
+    assert 0 < r["predicted_mfu"] < 1 and r["predicted_step_time_s"] > 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_state_memory_equals_the_formula_and_xla_totals(name, planned):
+    """Params and Adam moments from the compiled shardings equal the ZeRO-style sums, and
+    with the batch and the scalars they make up XLA's argument bytes exactly."""
+    exp, compiled, r = planned[name]
+    mem, formula = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"]
+    assert mem["params"] == pytest.approx(formula["params"], rel=1e-9)
+    assert mem["optimizer"] == pytest.approx(formula["optimizer"], rel=1e-9)
+    state = exp.abstract_state()
+    scalars = sum(4 for leaf in jax.tree.leaves(state) if leaf.shape == ()) + state.rng.size * 4
+    batch = math.prod(exp.batch_shape) * 4 / math.prod(
+        exp.mesh.shape[a] for a in analytic._shards(exp, "batch")[1])
+    assert mem["params"] + mem["optimizer"] + scalars + batch == compiled.memory_analysis().argument_size_in_bytes
+
+
+def test_zero_formulas_on_a_data_mesh(planned):
+    """dp 4+8 Psi, zero1 4 Psi + 8 Psi / n, fsdp (4 + 8) Psi / n (fp32 params and moments)."""
+    psi = planned["gpt2_tiny_dp8"][0].num_stored_params()
+    dp, zero1, fsdp = (planned[n][2]["analytic_memory_per_device_bytes"] for n in
+                       ("gpt2_tiny_dp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_fsdp8"))
+    assert (dp["params"], dp["optimizer"]) == (4 * psi, 8 * psi)
+    assert (zero1["params"], zero1["optimizer"]) == (4 * psi, 8 * psi / 8)
+    assert (fsdp["params"], fsdp["optimizer"]) == (4 * psi / 8, 8 * psi / 8)
+
+
+def _axis(r, axes):
+    return next(a for a in r["collectives_by_axes"] if tuple(a["mesh_axes"]) == axes)
+
+
+def test_tensor_parallel_sends_megatrons_all_reduces(planned):
+    """dp2 x tp4: over tensor, 4 all-reduces of [b, T, D] per layer plus the vocab-parallel
+    embedding's 2, and a few scalars per row for the loss; bytes equal the bound."""
+    exp, _, r = planned["gpt2_tiny_dp2_tp4"]
+    cfg = exp.model.cfg
+    tensor = _axis(r, ("tensor",))
+    assert tensor["lower_bound_count"] == 4 * cfg.num_layers + 2
+    assert tensor["bytes"] == pytest.approx(tensor["lower_bound_bytes"], rel=0.02)
+    assert not tensor["excess"]
+
+
+def test_data_parallel_excess_is_the_tied_table(planned):
+    """The data all-reduce is the bound plus the tied table's second reduction, and says so."""
+    for name in ("gpt2_tiny_dp8", "gpt2_tiny_dp2_tp4"):
+        exp, _, r = planned[name]
+        data = _axis(r, ("data",))
+        known = sum(k["bytes"] for k in analytic.known_excess(exp) if k["mesh_axes"] == ("data",))
+        assert data["bytes"] == pytest.approx(data["lower_bound_bytes"] + known, rel=0.01)
+        assert any("tied table" in why for why in data["excess"])
+
+
+def test_every_excess_over_the_bound_has_a_reason(planned):
+    for name in CONFIGS:
+        for a in planned[name][2]["collectives_by_axes"]:
+            if a["lower_bound_bytes"] and a["bytes"] > 1.02 * a["lower_bound_bytes"]:
+                assert a["excess"], (name, a)
+
+
+def test_pipeline_bound_counts_each_microbatch_over_the_boundary(planned):
+    exp, _, r = planned["gpt2_tiny_pp2_dp4"]
+    pipe = exp.model.pipeline
+    bound = next(b for b in r["collective_bounds"] if b["kind"] == "collective-permute")
+    assert bound["count"] == 2 * pipe.microbatches
+    sent = sum(c["bytes"] for c in r["collectives"] if c["kind"] == "collective-permute")
+    assert sent >= bound["bytes"]
+
+
+def test_compiled_matmul_flops_match_the_formula(planned):
+    """GPT-2's matmuls: 6 x (block matrices + the tied output table) per token, plus the
+    attention scores and values over the full T x T square, 12 L D T per token."""
+    exp, _, r = planned["gpt2_tiny_dp8"]
+    c = exp.model.cfg
+    tokens = exp.cfg.train.batch_size * c.seq_len
+    matmul_params = c.num_layers * (4 * c.embed_dim**2 + 2 * c.embed_dim * c.mlp_dim) + c.padded_vocab_size * c.embed_dim
+    expected = (6 * matmul_params + 12 * c.num_layers * c.embed_dim * c.seq_len) * tokens
+    assert r["flops_per_step"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_roofline_terms_add_up(planned):
+    p = planned["gpt2_tiny_dp2_tp4"][2]["prediction"]
+    assert p["step_time_s"] == pytest.approx(
+        max(p["matmul_s"] + p["memory_s"], p["overlapped_collectives_s"]) + p["exposed_collectives_s"])
+    assert p["exposed_collectives_s"] > 0  # tensor all-reduces
+
+
+def test_predict_by_hand():
+    hw = hardware.Hardware("toy", {"bfloat16": 100e12}, 10e9, 1e12, 4, 100e9, 10e9, link_latency_s=0.0,
+                           network_latency_s=0.0, matmul_efficiency=0.5, link_efficiency=1.0)
+    memory = {"params": 1e9, "optimizer": 2e9, "gradients": 1e9, "activations": 1e9}
+    rows = [{"kind": "all-reduce", "mesh_axes": ("tensor",), "count": 1, "bytes": 1e9, "crosses_nodes": False},
+            {"kind": "all-reduce", "mesh_axes": ("data",), "count": 1, "bytes": 1e9, "crosses_nodes": True}]
+    p = roofline.predict(hw, "bfloat16", 100e12, memory, rows, 200e12, 4)
+    assert p["matmul_s"] == pytest.approx(2.0)                 # 100 TF / (100 TF/s x 0.5)
+    assert p["memory_s"] == pytest.approx((2 + 4 + 1 + 3) / 1e3)  # 10 GB / 1 TB/s
+    assert p["exposed_collectives_s"] == pytest.approx(0.01)   # 1 GB over 100 GB/s links
+    assert p["overlapped_collectives_s"] == pytest.approx(0.1)  # 1 GB over 10 GB/s network
+    assert p["step_time_s"] == pytest.approx(2.01 + 0.01)
+    assert p["mfu"] == pytest.approx(200e12 / (4 * 100e12 * 2.02))
+
+
+def test_nodes_follow_dcn_or_the_device_order():
+    devices = np.array(jax.devices()[:8]).reshape(2, 1, 1, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "stage", "fsdp", "tensor"))
+    in_order = roofline.node_of_position(mesh, 4, None)
+    assert not roofline.crosses_nodes(mesh, ("tensor",), in_order)
+    assert roofline.crosses_nodes(mesh, ("data",), in_order)
+    across = roofline.node_of_position(mesh, 4, {"data": 1, "stage": 1, "fsdp": 1, "tensor": 2})
+    assert roofline.crosses_nodes(mesh, ("tensor",), across)
+    assert not roofline.crosses_nodes(mesh, ("data",), across)
+
+
+def test_cpu_widened_bf16_reductions_count_at_16_bits():
+    """The CPU compiler all-reduces bf16 in float32; the table counts what an accelerator sends."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    x = jax.ShapeDtypeStruct((4, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh, in_specs=P("data"),
+                              out_specs=P(), check_vma=False))
+    compiled = f.lower(x).compile()
+    assert "_promoted" in compiled.as_text()  # what the CPU compiler does today
+    [row] = hlo.collective_table(compiled, mesh)
+    assert (row["kind"], row["mesh_axes"], row["result_bytes"]) == ("all-reduce", ("data",), 1024 * 2)
+    assert row["bytes"] == pytest.approx(2 * 3 / 4 * 1024 * 2)  # ring: 2 (n-1)/n x S
+
+
+def test_hardware_table_and_files(tmp_path):
+    assert hardware.get("h100").peak("bfloat16") == 989e12
+    spec = tmp_path / "mine.json"
+    spec.write_text(json.dumps({"peak_flops": {"bfloat16": 1e15}, "hbm_bytes": 1e11, "hbm_bandwidth": 5e12,
+                                "devices_per_node": 4, "link_bandwidth": 9e11, "network_bandwidth": 1e11}))
+    assert hardware.get(str(spec)).name == "mine"
+    with pytest.raises(UserError, match="h100"):
+        hardware.get("h1000")
+    spec.write_text(json.dumps({"peak_flops": 1}))
+    with pytest.raises(UserError, match="fields"):
+        hardware.get(str(spec))
+
+
+def _plan_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshtrain.plan", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_json_for_a_llama_config():
+    out = _plan_cli("--config=llama_tiny_dp2_tp4", "--hardware=a100", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert all(k in r for k in KEYS) and r["devices"] == 8 and "a100" in r["hardware"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--config=gpt2_tiny_dp8", "--hardware=tpu9"], "--hardware='tpu9' is not known"),
+    (["--config=gpt2_tiny_dp8", "--config.train.batch_size=12"], "batch_size"),
+    (["--config=gpt2_tiny_dp8", "--devices=8"], "go with --search"),
+    (["--config=gpt2_tiny_dp8", "--search"], "--search needs --devices"),
+    (["--config=gpt2_tiny_dp8", "--search", "--devices=8", "--layouts=dp,zero9"], "zero9"),
+])
+def test_cli_refuses_bad_input_in_one_paragraph(args, says):
+    out = _plan_cli(*args, timeout=120)
+    assert out.returncode == 2
+    assert says in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.startswith("meshtrain.plan: error:")
+
+
+def test_search_ranks_compiled_layouts_and_caches_them(tmp_path):
+    args = ["--config=gpt2_tiny_dp8", "--search", "--devices=4", "--layouts=dp,fsdp,dp_tp",
+            "--remat=none", f"--cache_dir={tmp_path}", "--json"]
+    first = _plan_cli(*args)
+    assert first.returncode == 0, first.stderr
+    r = json.loads(first.stdout)
+    # dp on data:4; fsdp on fsdp:4 and data:2,fsdp:2; dp_tp on data:2,tensor:2
+    assert (r["candidates"], r["feasible"], r["compiled"]) == (4, 4, 4)
+    times = [row["predicted_step_time_s"] for row in r["ranked"]]
+    assert times == sorted(times) and all(row["why"] for row in r["ranked"])
+    assert not any(row["cached"] for row in r["ranked"])
+    again = json.loads(_plan_cli(*args).stdout)
+    assert all(row["cached"] for row in again["ranked"])
+    assert [row["candidate"] for row in again["ranked"]] == [row["candidate"] for row in r["ranked"]]
