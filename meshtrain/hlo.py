@@ -9,9 +9,14 @@ product of the `known_trip_count`s of the loops around it.
     stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
     dot_flops(exp.compile())  # matmul FLOPs per step per device, loops counted
 
-The CPU compiler widens 16-bit reductions to float32 (XLA's all-reduce promotion:
-the reducer is renamed `*_promoted`); such an op is counted at its 16-bit size, the
-bytes an accelerator sends.
+Bytes are counted as an accelerator would send them, where the CPU compiler differs:
+  - it widens 16-bit collectives to float32, reductions by XLA's all-reduce promotion (the
+    reducer is renamed `*_promoted`), the others by float normalization (a convert from
+    bf16 feeds them): such an op is counted at its 16-bit size;
+  - it all-reduces pieces that are then only added (the two uses of a tied embedding, the
+    input gradients of projections that read the same activation) one by one, where XLA's
+    GPU pipeline reassociates them into one all-reduce: same-shape pieces of a combined
+    all-reduce whose only consumer is one instruction count once.
 
 `wire` is the ring-algorithm bytes each device sends: all-reduce 2(n-1)/n x S,
 all-gather and all-to-all (n-1)/n x S (S = result), reduce-scatter (n-1) x S
@@ -112,27 +117,94 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
+_MOVES = {"parameter", "constant", "convert", "bitcast", "copy", "reshape", "transpose", "slice", "tuple",
+          "get-tuple-element", "broadcast", "dynamic-slice"}
+
+
+def _widened(operand: str, defs: dict[str, str], comps: dict[str, list[str]]) -> bool:
+    """Whether `operand` is a 16-bit float only widened to float32: a convert of a bf16/f16
+    value, or a fusion of data moves and converts through which a bf16/f16 value passes
+    (a 16-bit input, or a float32 rounded to 16 bits and widened back). The CPU compiler
+    wraps collectives of 16-bit values so (float normalization); an accelerator sends
+    them at 16 bits."""
+    rhs = defs.get(operand, "")
+    if not rhs.startswith("f32["):
+        return False
+    fused = re.search(r"calls=%([^,\s]+)", rhs) if " fusion(" in rhs else None
+    if fused is None:
+        source = re.search(r" convert\(%([^,\s)]+)\)", rhs)
+        return source is not None and re.match(r"(bf16|f16)\[", defs.get(source.group(1), "")) is not None
+    sixteen = False  # some value on the way is 16-bit: a 16-bit input, or a round trip
+    for line in comps.get(fused.group(1), []):
+        m = _INSTRUCTION.match(line)
+        op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", m.group(2)) if m else None
+        if op is None or re.match(r"[su]32\[\]", m.group(2)):  # index arithmetic
+            continue
+        if op.group(1) not in _MOVES:
+            return False
+        sixteen |= op.group(1) in ("parameter", "convert") and re.match(r"(bf16|f16)\[", m.group(2)) is not None
+    return sixteen
+
+
+def _merged(instr: str, shape: str, defs: dict[str, str], users: dict[str, list[str]]) -> float:
+    """The share of a tuple all-reduce's bytes left once same-shape elements that are only
+    added together count once: XLA's GPU pipeline reassociates add(all-reduce(a),
+    all-reduce(b)) into all-reduce(add(a, b)) (AllReduceReassociate); the CPU pipeline
+    reduces each piece."""
+    shapes = _SHAPE.findall(shape)
+    if len(shapes) < 2:
+        return 1.0
+    gte = {}
+    for user in users.get(instr, []):
+        m = re.search(r" get-tuple-element\(.*index=(\d+)", defs[user])
+        if m:
+            gte[int(m.group(1))] = user
+    groups: dict[tuple, list[int]] = collections.defaultdict(list)
+    for k, piece in enumerate(shapes):
+        consumers = tuple(sorted(users.get(gte.get(k, ""), [])))
+        if len(consumers) == 1:
+            groups[(piece, consumers)].append(k)
+    sizes = [shape_bytes(f"{dt}[{dims}]") for dt, dims in shapes]
+    saved = sum(sizes[k] for ks in groups.values() for k in ks[1:])
+    return 1.0 - saved / max(sum(sizes), 1)
+
+
 def _collective_ops(text: str):
-    """(kind, executions per step, attributes text, result bytes) of every collective."""
+    """(kind, executions per step, attributes text, result bytes) of every collective, as
+    an accelerator would send it: a float32 op the CPU compiler widened from 16 bits counted
+    at 16 bits, and all-reduced pieces that are only added together counted once."""
     comps, entry = _computations(text)
     mult = _multiplicities(comps, entry)
     for name, lines in comps.items():
+        if not mult.get(name):
+            continue
+        defs, users, found = {}, collections.defaultdict(list), []
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if not m or not mult.get(name):
+            if not m:
                 continue
-            rhs = re.sub(r"/\*.*?\*/", "", m.group(2))
+            defs[m.group(1)] = rhs = re.sub(r"/\*.*?\*/", "", m.group(2))
             op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rhs)
-            kind = op.group(1).removesuffix("-start") if op else ""
-            if kind not in KINDS or (op.group(1).endswith("-done")):
+            if op is None:
                 continue
+            for operand in dict.fromkeys(re.findall(r"%([^,\s)]+)", rhs[op.end():rhs.find(")", op.end())])):
+                users[operand].append(m.group(1))
+            kind = op.group(1).removesuffix("-start")
+            if kind in KINDS and not op.group(1).endswith("-done"):
+                found.append((m.group(1), kind, op))
+        for instr, kind, op in found:
+            rhs = defs[instr]
             shape = rhs[:op.start()]
             if op.group(1).endswith("-start"):  # async: (operand, result); count the result
                 shape = " ".join(_SHAPE.findall(shape)[-1])
                 shape = shape.replace(" ", "[", 1) + "]"
             nbytes = shape_bytes(shape)
-            if _PROMOTED.search(rhs) and "f32[" in shape:
-                nbytes //= 2  # bf16/f16 widened to f32 by the CPU compiler
+            operands = re.findall(r"%([^,\s)]+)", rhs[op.end():rhs.index(")", op.end())])
+            if "f32[" in shape and (_PROMOTED.search(rhs) or (
+                    operands and all(_widened(o, defs, comps) for o in operands))):
+                nbytes //= 2
+            if kind == "all-reduce":
+                nbytes = round(nbytes * _merged(instr, shape, defs, users))
             yield kind, mult[name], rhs, nbytes
 
 

@@ -40,9 +40,28 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
 
 
+def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
+    """params -> params with every matrix (two or more logical axes besides layers/stage:
+    the weights matmuls read) in the compute dtype, still stored-sharded. Cast before any
+    gather, FSDP gathers the compute dtype, half the bytes of float32 master weights, and
+    each matrix's gradient arrives in the compute dtype where XLA reduces it. Vectors
+    (norms, biases) stay in the param dtype: the models apply them in float32."""
+    dtype = jnp.dtype(model.cfg.dtype)
+    if dtype == jnp.dtype(model.cfg.param_dtype):
+        return lambda params: params
+
+    def cast(p, axes):
+        if sum(a not in ("layers", "stage") for a in axes) < 2:
+            return p
+        sharding = NamedSharding(mesh, layout.spec(axes, "params"))
+        return jax.lax.with_sharding_constraint(p.astype(dtype), sharding)
+    return lambda params: jax.tree.map(cast, params, model.axes)
+
+
 def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set."""
     constrain = make_constrain(layout, mesh)
+    cast = make_cast(model, layout, mesh)
     run_layers = None
     if model.pipeline is not None:
         run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes[model.stacked],
@@ -50,7 +69,7 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
 
     def loss_fn(params, tokens_bt1, key):
         inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-        logits = model.bind(params)(inputs, constrain, key, run_layers)
+        logits = model.bind(cast(params))(inputs, constrain, key, run_layers)
         return cross_entropy(logits, targets)
     return loss_fn
 

@@ -171,10 +171,14 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
 
     def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
-        """SwiGLU: (silu(x W_gate) * (x W_up)) W_down."""
+        """SwiGLU: (silu(x W_gate) * (x W_up)) W_down. Gate and up are one matmul against the
+        two stacked [D, 2, F], so the backward sums their input gradients before tensor
+        parallelism's all-reduce: one all-reduce of [B, T, D], not two."""
         dt = x_btd.dtype
-        gate_btf = jax.nn.silu(x_btd @ self.w_gate[...].astype(dt))
-        h_btf = constrain(gate_btf * (x_btd @ self.w_up[...].astype(dt)), ("batch", "length", "mlp"))
+        w_d2f = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
+        gate_up_bt2f = jnp.einsum("btd,dkf->btkf", x_btd, w_d2f)
+        h_btf = jax.nn.silu(gate_up_bt2f[:, :, 0]) * gate_up_bt2f[:, :, 1]
+        h_btf = constrain(h_btf, ("batch", "length", "mlp"))
         return h_btf @ self.w_down[...].astype(dt)
 
 

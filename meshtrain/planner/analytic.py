@@ -19,9 +19,10 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
                bytes. Matrices reduce in the compute dtype (their gradients are computed in
                it), vectors (norms, biases) in the param dtype.
-  fsdp         weights sharded over an axis that also splits the batch: one all-gather per
-               microbatch, (n-1)/n x gathered bytes in the compute dtype, and one
-               reduce-scatter of the gradients, (n-1)/n x gathered bytes.
+  fsdp         weights sharded over an axis that also splits the batch: gathered for the
+               forward and again for the backward pass of every microbatch, (n-1)/n x
+               gathered bytes each in the compute dtype, and one reduce-scatter of the
+               gradients, (n-1)/n x gathered bytes: ZeRO-3's 3 Psi (arXiv 1910.02054 §7).
   tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
                2 backward per microbatch, plus 2 when the vocabulary is split (the embedding
                lookup forward, the output projection's input gradient backward).
@@ -151,8 +152,8 @@ def collective_bounds(exp) -> list[dict]:
         gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
         if gather:
             n = _size(mesh, gather)
-            add("all-gather", gather, b["micro"], b["micro"] * (n - 1) * local * compute,
-                "FSDP weight all-gather, once per microbatch")
+            add("all-gather", gather, 0, 2 * b["micro"] * (n - 1) * local * compute,
+                "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, (n - 1) * local * g, "FSDP gradient reduce-scatter")
     t_axes = _shards(exp, "heads")[1]
     activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
@@ -181,8 +182,9 @@ def known_excess(exp) -> list[dict]:
                    lookup and the output projection; XLA reduces the two gradient pieces
                    over the batch axes before adding them, so the table's reduction runs twice
       kv heads     K/V projections kept whole over tensor (grouped-query attention, see
-                   docs/layouts.md) get gradient pieces from every head shard: one more
-                   all-reduce of them over tensor"""
+                   docs/layouts.md) get gradient pieces from every head shard: their weight
+                   gradients are summed over tensor (counted), and per layer their output
+                   gradients too (named, not counted)"""
     m, mesh = exp.model, exp.mesh
     cfg = m.cfg
     compute = jnp.dtype(cfg.dtype).itemsize
@@ -207,8 +209,10 @@ def known_excess(exp) -> list[dict]:
             n = _size(mesh, kv_whole)
             out.append({"kind": "all-reduce", "mesh_axes": tuple(kv_whole),
                         "bytes": 2 * (n - 1) / n * local * compute,
-                        "why": f"{path} is kept whole over tensor (kv heads unsplit) and its gradient "
-                               f"summed over the head shards"})
+                        "why": f"{path} is kept whole over tensor (kv heads unsplit): its gradient "
+                               f"is summed over the head shards; so are, per layer, the small "
+                               f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
+                               f"within each kv group): split kv_heads over tensor to remove both"})
     return out
 
 

@@ -159,6 +159,10 @@ def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
                            f"scatters: an all-reduce sends twice a reduce-scatter's bytes and leaves "
                            f"the full gradient on every device (the CPU compiler's choice here; check "
                            f"the accelerator's HLO)")
+        elif b is None and "stage" in r["mesh_axes"]:
+            reasons.append(f"{kind} x{r['count']} ({mib:,.1f} MiB): the pipeline's inputs enter the "
+                           f"first stage and its finished outputs leave the last, between the batch "
+                           f"split over stage outside the pipeline and the stage-sharded buffers")
         elif b is None:
             reasons.append(f"{kind} x{r['count']} ({mib:,.1f} MiB) outside the bound: resharding of "
                            f"an activation or a gradient between two layouts")
@@ -172,10 +176,11 @@ def _kind_excess(kind: str, r: dict, b: dict) -> str:
     head = f"{kind}: {r['count']} ops, {r['bytes'] / 2**20:,.1f} MiB against {b['count']}, " \
            f"{b['bytes'] / 2**20:,.1f} MiB ({ratio:.2f}x)"
     if kind == "all-gather":
-        return head + ": weights gathered again for the backward pass (ZeRO-3 gathers twice, 1.5x " \
-                      "ZeRO-2's traffic), or gathered in float32 before the cast to the compute dtype"
+        return head + ": weights gathered once more per layer where remat recomputes the forward, " \
+                      "norm scales and biases gathered in float32, or activations regathered"
     if kind == "collective-permute":
-        return head + ": sends run on every tick, the bubble ticks included"
+        return head + ": the stage buffer rolls on every tick, the bubble ticks included, and as a " \
+                      "ring: the last stage sends too"
     if b["count"] and r["count"] > b["count"]:
         return head + f": {r['count'] - b['count']} ops more than the bound (remat recomputes the " \
                       "forward's, the loss reduces over the split vocabulary, or a gradient is " \
