@@ -4,7 +4,7 @@
 
 For GPT-2 small (124M) and Llama 3.2 1B on 8 simulated CPU devices, under dp8, fsdp8,
 zero1, dp2_tp4 and pp2_dp4 (4 pipeline microbatches), in float32 and bfloat16 compute,
-at 8 rows x 1024 tokens per step: compiled vs formula memory per device (params,
+at 16 rows x 1024 tokens per step: compiled vs formula memory per device (params,
 optimizer, activations) and collective bytes against their lower bound. Prints a
 markdown table; `--out` also writes every report as JSON.
 """
@@ -16,6 +16,9 @@ import sys
 
 import jax
 
+from meshtrain.planner import fast_compile
+
+fast_compile()  # before JAX starts: the same figures, compiled 2-3x faster
 jax.config.update("jax_num_cpu_devices", 8)
 
 from meshtrain import config as config_lib  # noqa: E402
@@ -33,12 +36,12 @@ def measure(model: str, layout: str, dtype: str) -> dict:
     mesh, preset, micro = LAYOUTS[layout]
     cfg = config_lib.load(name)
     overrides = {**extra, "mesh.shape": mesh, "mesh.dcn": "", "layout": preset, "pipeline.microbatches": str(micro),
-                 "train.batch_size": "8", "train.microbatches": "1", "model.dtype": dtype, "model.remat": "none"}
+                 "train.batch_size": "16", "train.microbatches": "1", "model.dtype": dtype, "model.remat": "none"}
     for k, v in overrides.items():
         config_lib.override(cfg, k, v)
     r = report.plan(Experiment.build(cfg), hardware.get("h100"))
     r.pop("config")
-    return {"model": model, "layout": layout, "dtype": dtype, **r}
+    return {**r, "model": model, "layout": layout, "dtype": dtype}
 
 
 def row(r: dict) -> str:

@@ -6,15 +6,22 @@ Compile-only check of the layout on any machine (simulated devices on CPU):
 
     python -m meshtrain.train --config=llama3_8b_fsdp8_tp4 --config.train.steps=0
 
-The 32 query heads split over tensor (8 each); the 8 kv heads are projected on every
-tensor rank and repeated (docs/layouts.md, "Grouped-query attention").
+The 32 query heads split over tensor (8 each), and so do the 8 kv heads (2 each): the
+fsdp_tp preset plus `kv_heads:tensor` in every table, as the linter advises. Against
+fsdp_tp as is, which projects all 8 kv heads on every tensor rank (docs/layouts.md,
+"Grouped-query attention"), the planner finds 288 MiB less state per device, no tensor
+all-gathers and 9% less collective traffic (docs/planner.md).
 """
 
 from meshtrain.config import base
+from meshtrain.layouts.presets import PRESETS
+
+# fsdp_tp with the kv heads split over tensor too (4 divides the 8 kv heads).
+LAYOUT = PRESETS["fsdp_tp"].replace("heads:tensor;", "heads:tensor;kv_heads:tensor;")
 
 
 def get_config():
-    c = base(size="llama3_8b", mesh="fsdp:8,tensor:4", layout="fsdp_tp")
+    c = base(size="llama3_8b", mesh="fsdp:8,tensor:4", layout=LAYOUT)
     c.model.name = "llama"
     c.model.dtype = "bfloat16"  # params and Adam state stay float32
     c.model.remat = "full"      # keep only each layer's input: 8192-token rows

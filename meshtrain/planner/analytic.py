@@ -17,8 +17,8 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
   gradients    every leaf's gradient reduced once over the batch axes that do not shard it:
                all-reduce 2 (n-1)/n x local bytes; over an axis that shards only its optimizer
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
-               bytes. Matrices reduce in the compute dtype (their gradients are computed in
-               it), vectors (norms, biases) in the param dtype.
+               bytes, in the compute dtype (the narrowest the backward computes gradients
+               in; norms kept in float32 send more, and say so).
   fsdp         weights sharded over an axis that also splits the batch: gathered for the
                forward and again for the backward pass of every microbatch, (n-1)/n x
                gathered bytes each in the compute dtype, and one reduce-scatter of the
@@ -104,10 +104,6 @@ def activations(exp) -> float | None:
     return kept + logits
 
 
-def _matrix(axes: tuple) -> bool:
-    return sum(a not in ("layers", "stage") for a in axes) >= 2
-
-
 def collective_bounds(exp) -> list[dict]:
     """[{kind, mesh_axes, count, bytes, what}]: the least each device must send per step
     (module docstring); `count` is how many ops the bound assumes."""
@@ -129,7 +125,6 @@ def collective_bounds(exp) -> list[dict]:
 
     _, batch_axes = _shards(exp, "batch")
     inner_axes = batch_axes if m.pipeline is None else _shards(exp, "batch", exp.layout.without("stage"))[1]
-    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
@@ -137,7 +132,7 @@ def collective_bounds(exp) -> list[dict]:
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
         splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
         local = math.prod(shape.shape) / _size(mesh, p_axes)
-        g = compute if _matrix(flat_axes[path]) else pbytes
+        g = compute  # the narrowest dtype gradients are computed in: a true lower bound
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
         zero = [a for a in reduce_axes if a in o_axes]
         plain = [a for a in reduce_axes if a not in o_axes]

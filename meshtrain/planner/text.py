@@ -38,8 +38,11 @@ def render(r: dict) -> str:
     lines += table(rows, right={1, 2, 3})
     fit = r["fits"]
     lines.append(f"  {'fits' if fit['fits'] else 'DOES NOT FIT'}: formula total {fit['analytic_total_bytes'] / GIB:,.2f} "
-                 f"GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable (the CPU compiler's temp is no guide "
-                 f"to an accelerator's for bf16 compute: docs/planner.md)")
+                 f"GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable")
+    if fit["fits"] and fit["compiled_peak_estimate_bytes"] > fit["usable_bytes"]:
+        lines.append(f"  but the CPU compiler's peak estimate, {fit['compiled_peak_estimate_bytes'] / GIB:,.1f} GiB, "
+                     f"does not: it keeps float32 copies of bf16 activations, and XLA's attention keeps more "
+                     f"[T, T] tensors than the formula counts (docs/planner.md, Accuracy); plan for margin or remat")
     lines += ["", "collectives per step (MiB each device sends; ring algorithms)"]
     rows = [["mesh axes", "kind", "count", "MiB", "link"]]
     for c in r["collectives"]:
