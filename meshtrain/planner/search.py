@@ -136,6 +136,10 @@ def _build(name: str, base: list, extra: list):
 
 
 def _worker_init(devices: int) -> None:
+    # XLA's partitioner warns on stderr about resharding it finds inefficient; the compiled
+    # collectives already count what it costs, and the warnings would bury the progress bar.
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
