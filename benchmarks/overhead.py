@@ -66,7 +66,16 @@ def make_bare_step(exp):
         x = pin(x + (f @ m["w_proj"].astype(dt) + m["b_proj"].astype(dt)), BTD)
         return x, None
 
+    def cast_matrices(params):  # every matrix to the compute dtype once, still stored-sharded
+        def one(path, p, sharding):
+            stacked = path[0].key == "blocks"
+            if p.ndim - stacked < 2 or p.dtype == dt:
+                return p
+            return jax.lax.with_sharding_constraint(p.astype(dt), sharding)
+        return jax.tree_util.tree_map_with_path(one, params, exp.shardings.params)
+
     def loss_fn(params, tokens):  # tokens [B, T+1] int32 -> mean next-token loss []
+        params = cast_matrices(params)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]                        # [B, T]
         t = inputs.shape[1]
         wte = pin(params["wte"], ("vocab", "embed"))  # [V, D] as compute wants it, as gpt2.py pins it
@@ -74,7 +83,7 @@ def make_bare_step(exp):
         x = pin(x.astype(dt), BTD)
         x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
         x = layer_norm(x, params["ln_f"])
-        logits = jnp.einsum("btd,vd->btv", x, wte.astype(dt))                 # [B, T, V] tied
+        logits = jnp.einsum("btd,vd->btv", x, wte)                            # [B, T, V] tied
         if cfg.padded_vocab_size > cfg.vocab_size:
             real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(dt).min)
