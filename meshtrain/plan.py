@@ -74,8 +74,11 @@ def list_flag(flags: dict, key: str, choices) -> tuple[str, ...] | None:
 def run(argv: list[str]) -> int:
     name, cfg, overrides, flags, switches = parse(argv)
     from meshtrain.planner import fast_compile, hardware
-    fast_compile()  # before JAX starts; search workers inherit it
     hw = hardware.get(flags.get("hardware", "h100"))
+    # Before JAX starts; it sets XLA_FLAGS in this process's environment, which search
+    # workers inherit (and so would any other child: a caller in-process, like a test,
+    # restores it).
+    fast_compile()
     if "search" in switches:
         from meshtrain.planner import search
         devices = int_flag(flags, "devices", None)

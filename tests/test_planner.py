@@ -3,6 +3,7 @@ roofline's arithmetic, and the CLI. Each config is compiled once per module."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -223,9 +224,11 @@ def test_cli_json_for_a_llama_config():
     (["--config=gpt2_tiny_dp8", "--search"], "--search needs --devices"),
     (["--config=gpt2_tiny_dp8", "--search", "--devices=8", "--layouts=dp,zero9"], "zero9"),
 ])
-def test_cli_refuses_bad_input_in_one_paragraph(args, says, capsys):
-    """In-process: each is refused before any device is simulated."""
+def test_cli_refuses_bad_input_in_one_paragraph(args, says, capsys, monkeypatch):
+    """In-process: each is refused before any device is simulated. The planner's compile
+    flags go into XLA_FLAGS, which later tests' subprocesses would inherit: restored after."""
     from meshtrain import plan
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     assert plan.main(args) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
