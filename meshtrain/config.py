@@ -50,9 +50,11 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # nonfinite: "crash" stops at a step with a non-finite loss or gradient, "skip" leaves
     # params and optimizer state unchanged (at most max_skips steps in a row). stop_at > 0
     # ends the run after that step with a checkpoint; the lr schedule still spans steps.
+    # profile "START:STOP" writes a JAX profiler trace of those steps to WORKDIR/profile/
+    # (docs/profiling.md); "" is off.
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
-                   nonfinite="crash", max_skips=10, stop_at=0)
+                   nonfinite="crash", max_skips=10, stop_at=0, profile="")
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
     c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}

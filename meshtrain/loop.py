@@ -43,6 +43,50 @@ def check_config(t) -> None:
             f"of {', '.join(NONFINITE_POLICIES)} and max_skips >= 1.")
     if not 0 <= t.stop_at <= t.steps:
         raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
+    profile_steps(t)
+
+
+def profile_steps(t) -> tuple[int, int] | None:
+    """train.profile "START:STOP" -> (START, STOP), the steps to trace (inclusive); None if off."""
+    if not t.profile:
+        return None
+    first, sep, last = str(t.profile).partition(":")
+    try:
+        steps = (int(first), int(last)) if sep else None
+    except ValueError:
+        steps = None
+    if steps is None or not 1 <= steps[0] <= steps[1] <= t.steps:
+        raise UserError(
+            f"train.profile={t.profile!r}: give the first and last step to trace as START:STOP, "
+            f"1 <= START <= STOP <= train.steps={t.steps}, e.g. --config.train.profile=10:15 "
+            f"(after the first steps, which include compilation).")
+    return steps
+
+
+class Profiler:
+    """Traces steps START..STOP of train.profile into DIR/profile (jax.profiler: open it in
+    TensorBoard's profile plugin or Perfetto; docs/profiling.md)."""
+
+    def __init__(self, t, workdir, say):
+        self.steps, self.say, self.on = profile_steps(t), say, False
+        self.dir = None if workdir is None else workdir / "profile"
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0] and self.dir is not None:
+            jax.profiler.start_trace(str(self.dir))
+            self.on = True
+
+    def after(self, step: int, state) -> None:
+        if self.on and step == self.steps[1]:
+            self.stop(state)
+
+    def stop(self, state=None) -> None:
+        if self.on:
+            jax.block_until_ready(state)  # the traced steps' device work is in the trace
+            jax.profiler.stop_trace()
+            self.on = False
+            self.say(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.dir} "
+                     f"(TensorBoard's profile plugin or ui.perfetto.dev; docs/profiling.md)")
 
 
 def evaluate(exp: Experiment, params) -> float:
@@ -136,9 +180,12 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
                            skipped=(resume_meta or {}).get("skipped", 0))
     reader = _Reader(log, guard, time.perf_counter(), start)
     preemption = Preemption()
+    profiler = Profiler(t, log.dir, log.say)
     try:
         for step in range(start + 1, end + 1):
+            profiler.before(step)
             state, metrics = compiled_step(state, exp.put_batch(next(batches)))
+            profiler.after(step, state)
             reader.queue(step, metrics, timed=step % t.log_every == 0 or step == end)
             stop = preemption.reached(step)
             save = checkpointer is not None and (stop or step == end or checkpointer.due(step))
@@ -159,5 +206,6 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
                 checkpointer.check_errors()  # a failed background save stops the run early
         reader.flush()
     finally:
+        profiler.stop(state)  # a run that ends inside the traced steps still writes its trace
         preemption.close()
     return reader.rows

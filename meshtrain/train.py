@@ -159,6 +159,9 @@ def run(argv: list[str], started: dict | None = None) -> int:
     node = describe(exp, launch, cluster, source, say)
     lint_warnings(exp)
     workdir = flags.get("workdir")
+    if cfg.train.profile and not workdir and cfg.train.steps:
+        raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
+                        f"give --workdir=DIR, or leave train.profile empty.")
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log = None, None
     try:
