@@ -32,12 +32,14 @@ from meshtrain import layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import TARGETS, Layout, format_rules, mesh_axes_of
 from meshtrain.mesh import AXES
+from meshtrain.planner import hardware
 
 MiB = 2**20
 BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined step not flagged
-# Vendor data sheets: NVIDIA H100 SXM, NVLink 4 at 900 GB/s bidirectional = 450 GB/s per direction;
-# NVIDIA ConnectX-7 InfiniBand NDR, 400 Gb/s = 50 GB/s per GPU per direction.
-NVLINK_GBPS, IB_GBPS = 450, 50
+# The bandwidths the costs quote: the planner's H100 (NVLink 4 one way, one ConnectX-7 NDR
+# NIC per GPU), in GB/s.
+NVLINK_GBPS = round(hardware.TABLE["h100"].link_bandwidth / 1e9)
+IB_GBPS = round(hardware.TABLE["h100"].network_bandwidth / 1e9)
 # The layout that does the same as a sharded preset when its sharding axes have size 1.
 PLAIN = {"fsdp": "dp", "zero1": "dp", "fsdp_tp": "dp_tp", "fsdp_pp": "dp_pp", "zero1_pp": "dp_pp",
          "fsdp_pp_tp": "dp_pp_tp"}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, hlo
+from meshtrain import config as config_lib, hlo, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline
@@ -151,9 +151,11 @@ def test_nodes_follow_dcn_or_the_device_order():
     in_order = roofline.node_of_position(mesh, 4, None)
     assert not roofline.crosses_nodes(mesh, ("tensor",), in_order)
     assert roofline.crosses_nodes(mesh, ("data",), in_order)
-    across = roofline.node_of_position(mesh, 4, {"data": 1, "stage": 1, "fsdp": 1, "tensor": 2})
-    assert roofline.crosses_nodes(mesh, ("tensor",), across)
-    assert not roofline.crosses_nodes(mesh, ("data",), across)
+    dcn = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
+    hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
+    across = roofline.node_of_position(hybrid, 4, dcn)
+    assert roofline.crosses_nodes(hybrid, ("tensor",), across)
+    assert not roofline.crosses_nodes(hybrid, ("data",), across)
 
 
 def test_cpu_widened_bf16_reductions_count_at_16_bits():

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
+from meshtrain.experiment import logical_shards
 from meshtrain.layouts.rules import mesh_axes_of
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
@@ -52,9 +53,8 @@ def _size(mesh, axes) -> int:
 
 
 def _shards(exp, name: str, layout=None) -> tuple[int, tuple[str, ...]]:
-    layout = layout or exp.layout
-    axes = mesh_axes_of(layout.spec((name,), "activations")[0])
-    return _size(exp.mesh, axes), tuple(axes)
+    """(pieces, mesh axes) a lone logical dim `name` of the activations is split into."""
+    return logical_shards(layout or exp.layout, exp.mesh, name, "activations")
 
 
 def local_batch(exp) -> dict:

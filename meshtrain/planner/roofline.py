@@ -22,26 +22,21 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
+from meshtrain import distributed, mesh as mesh_lib
 from meshtrain.planner.hardware import Hardware
 
 EXPOSED_AXES = ("tensor", "stage")
 
 
 def node_of_position(mesh, devices_per_node: int, dcn: dict | None):
-    """-> f(device) = its node: contiguous blocks of `devices_per_node` in the mesh's device
-    order, or under mesh.dcn the DCN factor's position (meshtrain/mesh.py hybrid_grid)."""
+    """-> f(device) = its node: under mesh.dcn the node `mesh.nodes_of` gives it (the
+    granules `make_mesh` placed the DCN factors over), else contiguous blocks of
+    `devices_per_node` in the mesh's device order (how a cluster's processes fill it)."""
     flat = list(mesh.devices.flatten())
-    index = {d.id: i for i, d in enumerate(flat)}
     if dcn:
-        grid = np.arange(len(flat)).reshape(mesh.devices.shape)
-        shape = [mesh.shape[a] for a in mesh.axis_names]
-        factors = [dcn.get(a, 1) for a in mesh.axis_names]
-        pos = np.stack(np.unravel_index(grid.flatten(), shape), axis=1)
-        node = np.ravel_multi_index(tuple((pos[:, k] // (shape[k] // factors[k])) for k in range(len(shape))),
-                                    factors)
-        return lambda d: int(node[index[d.id]])
+        node, _ = mesh_lib.nodes_of(sorted(flat, key=lambda d: d.id), dcn, distributed.hosts())
+        return lambda d: node[d.id]
+    index = {d.id: i for i, d in enumerate(flat)}
     return lambda d: index[d.id] // devices_per_node
 
 

@@ -29,7 +29,7 @@ import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.planner import hardware as hardware_lib
+from meshtrain.planner import hardware as hardware_lib, text
 from meshtrain.progress import Progress, format_duration
 
 # preset -> (axes that must be above 1, axes it may use)
@@ -316,6 +316,4 @@ def _table(rows: list[dict]) -> list[str]:
     body = [[str(r["rank"]), r["candidate"], f"{1e3 * r['predicted_step_time_s']:.4g}",
              f"{100 * r['predicted_mfu']:.1f}%", f"{r['memory_per_device_bytes'] / 2**30:,.2f}",
              f"{r['collective_bytes_per_step'] / 2**20:,.0f}", r["why"]] for r in rows]
-    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    return ["  ".join(c.ljust(w) if i in (1, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths))).rstrip()
-            for x in [head] + body]
+    return text.table([head] + body, right={0, 2, 3, 4, 5})
