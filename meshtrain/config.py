@@ -43,6 +43,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
         dropout=0.0, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=True,
+        # auto | xla | cudnn | pallas (meshtrain/models/attention.py; docs/performance.md)
+        attention="auto",
     )
     # dcn: the inter-node factor of each axis, e.g. "data:2" (docs/multihost.md).
     c.mesh = dict(shape=mesh, dcn="")
@@ -51,10 +53,14 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # params and optimizer state unchanged (at most max_skips steps in a row). stop_at > 0
     # ends the run after that step with a checkpoint; the lr schedule still spans steps.
     # profile "START:STOP" writes a JAX profiler trace of those steps to WORKDIR/profile/
-    # (docs/profiling.md); "" is off.
+    # (docs/profiling.md); "" is off. loss_chunk: positions per chunk of the loss, whose
+    # float32 logits are recomputed in backward instead of kept (0: the whole sequence at
+    # once). grad_dtype: the dtype gradients are reduced in over the data axis ("" as the
+    # backward produces them). Both in docs/performance.md.
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
-                   nonfinite="crash", max_skips=10, stop_at=0, profile="")
+                   nonfinite="crash", max_skips=10, stop_at=0, profile="",
+                   loss_chunk=256, grad_dtype="")
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
     c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}
@@ -66,7 +72,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # other at start, and how long a silent process may stay silent before all stop.
     c.distributed = dict(init_timeout=300, heartbeat_timeout=60)
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
-                   weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+                   weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0,
+                   mu_dtype="")  # Adam's first moment dtype; "" is the param dtype
     # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain
     # worker processes, prefetch is batches read ahead by threads.
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",

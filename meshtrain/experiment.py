@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import checkpoint, distributed, init_from, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import checkpoint, distributed, grad_reduce, init_from, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -81,7 +81,8 @@ class Plan:
 
 def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     """Every check that needs no devices, each section by the module that owns its keys:
-    layout and batch here, pipeline.*, train.* (loop), checkpoint.*, data.*, optim.*, model.*.
+    layout and batch here, pipeline.*, train.* (loop; loss_chunk: loss), checkpoint.*, data.*,
+    optim.*, model.*.
 
     `mesh` may be a jax.sharding.AbstractMesh, so a 32-device config can be checked
     on a laptop without simulating its devices.
@@ -96,6 +97,8 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)
+    loss.check_config(cfg.train, dims["seq_len"])
+    grad_reduce.check(cfg.train.grad_dtype)
     checkpoint.check_config(cfg.checkpoint)
     source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
                          seed=cfg.train.seed)
@@ -167,8 +170,10 @@ class Experiment:
         shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh)
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings,
-            microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite)
-        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params)
+            microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite,
+            loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype)
+        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params,
+                                            loss_chunk=cfg.train.loss_chunk)
         batch_sharding = step_lib.batch_sharding(layout, mesh)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
                    train_step, eval_step, batch_sharding, dcn, plan.init)

@@ -1,5 +1,9 @@
 """AdamW with warmup + cosine (or constant) schedule, clipping and a decay mask.
 
+optim.mu_dtype stores Adam's first moment in another dtype (bfloat16 halves its bytes);
+the second moment stays in the param dtype, since bfloat16's 8-bit mantissa loses the
+small squared gradients it sums (docs/performance.md gives the cost in loss).
+
 Weight decay applies to matrices and embeddings only: parameters with at least two
 logical axes besides the stacked `layers`/`stage` axes. Biases and LayerNorm
 parameters are not decayed (as in GPT-2 / nanoGPT).
@@ -14,6 +18,7 @@ import optax
 from meshtrain.errors import UserError
 
 SCHEDULES = ("cosine", "constant")
+MU_DTYPES = ("", "float32", "bfloat16")
 _STACK_AXES = ("layers", "stage")
 
 
@@ -45,6 +50,9 @@ def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> optax.G
     parts = []
     if o.grad_clip and o.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(o.grad_clip))
-    parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps,
+    if o.mu_dtype not in MU_DTYPES:
+        raise UserError(f"optim.mu_dtype={o.mu_dtype!r}: choose bfloat16, float32, or \"\" for the "
+                        f"param dtype.")
+    parts.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, mu_dtype=o.mu_dtype or None,
                              weight_decay=o.weight_decay, mask=decay_mask(axes_tree)))
     return optax.chain(*parts)

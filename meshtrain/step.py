@@ -16,16 +16,20 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import pipeline
+from meshtrain import grad_reduce, loss as loss_lib, pipeline
 from meshtrain.layouts import Layout
 from meshtrain.state import ModelDef, TrainState
 from meshtrain import tree_paths
 
 
 def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
-    """The model's `constrain(x, axes)` hook: pins activations to the layout."""
+    """The model's `constrain(x, axes)` hook: pins activations to the layout. It also
+    carries `mesh` and `spec(axes)`, for kernels GSPMD cannot split, which models run
+    per device under shard_map (models/attention.py)."""
     def constrain(x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec(axes, "activations")))
+    constrain.mesh = mesh
+    constrain.spec = lambda axes: layout.spec(axes, "activations")
     return constrain
 
 
@@ -34,10 +38,17 @@ def batch_sharding(layout: Layout, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, layout.spec(("batch", None), "activations"))
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token loss in float32."""
-    logits = logits_btv.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
+def is_matrix(axes) -> bool:
+    """Two or more logical axes besides layers/stage: a weight that matmuls read."""
+    return sum(a not in ("layers", "stage") for a in axes) >= 2
+
+
+def produced_dtypes(model: ModelDef) -> dict:
+    """Params-shaped tree of the dtype the backward pass produces each gradient in: the
+    compute dtype for matrices (make_cast), the param dtype for the rest."""
+    cfg = model.cfg
+    return jax.tree.map(lambda axes: cfg.dtype if is_matrix(axes) else cfg.param_dtype, model.axes,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
@@ -51,15 +62,16 @@ def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
         return lambda params: params
 
     def cast(p, axes):
-        if sum(a not in ("layers", "stage") for a in axes) < 2:
+        if not is_matrix(axes):
             return p
         sharding = NamedSharding(mesh, layout.spec(axes, "params"))
         return jax.lax.with_sharding_constraint(p.astype(dtype), sharding)
     return lambda params: jax.tree.map(cast, params, model.axes)
 
 
-def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
-    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set."""
+def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0) -> Callable:
+    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set,
+    over chunks of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
     constrain = make_constrain(layout, mesh)
     cast = make_cast(model, layout, mesh)
     run_layers = None
@@ -69,8 +81,9 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
 
     def loss_fn(params, tokens_bt1, key):
         inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-        logits = model.bind(cast(params))(inputs, constrain, key, run_layers)
-        return cross_entropy(logits, targets)
+        return loss_lib.next_token_loss(model.bind(cast(params)), inputs, targets, key, run_layers,
+                                        constrain=constrain, layout=layout, mesh=mesh,
+                                        loss_chunk=loss_chunk)
     return loss_fn
 
 
@@ -95,7 +108,8 @@ def gradient_names(model: ModelDef) -> list[str]:
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
-                    microbatches: int, nonfinite: str = "crash") -> Callable:
+                    microbatches: int, nonfinite: str = "crash", loss_chunk: int = 0,
+                    grad_dtype: str = "") -> Callable:
     """Returns the jitted step.
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
@@ -106,14 +120,23 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     `shardings` is the TrainState of NamedShardings; `grad_shardings` (params-shaped)
     is where gradients are reduced to: the optimizer moments' shardings, so under
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them.
+    With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
+    in that dtype, once per step (meshtrain/grad_reduce.py).
     """
-    loss_fn = make_loss_fn(model, layout, mesh)
-    grad_fn = jax.value_and_grad(loss_fn)
+    by_hand = bool(grad_dtype) or microbatches > 1
+    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params) if by_hand else ()
+    reduce_dtypes = grad_dtype or produced_dtypes(model)
+    if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
+        inner = grad_reduce.inner_layout(layout, replicas)
+        grad_fn = grad_reduce.per_replica(
+            jax.value_and_grad(make_loss_fn(model, inner, mesh, loss_chunk)), replicas, mesh)
+    else:
+        grad_fn = jax.value_and_grad(make_loss_fn(model, layout, mesh, loss_chunk))
     batches = batch_sharding(layout, mesh)
     micro_sharding = NamedSharding(mesh, layout.spec((None, "batch", None), "activations"))
     dropout_on = model.cfg.dropout > 0
 
-    def grads_and_loss(params, tokens, key):
+    def summed_grads(params, tokens, key):
         if microbatches == 1:
             loss, grads = grad_fn(params, tokens, key)
             return grads, loss
@@ -122,14 +145,21 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         micro = tokens.reshape(b // microbatches, microbatches, t1).swapaxes(0, 1)
         micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         keys = None if key is None else jax.random.split(key, microbatches)
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0]))
 
         def body(acc, xs):
             mb, k = xs
             loss, grads = grad_fn(params, mb, k)
             return jax.tree.map(jnp.add, acc, (grads, loss)), None
-        (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (micro, keys))
+        (grads, loss), _ = jax.lax.scan(body, (zeros[1], zeros[0]), (micro, keys))
         return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
+
+    def grads_and_loss(params, tokens, key):
+        grads, loss = summed_grads(params, tokens, key)
+        if replicas:
+            return grad_reduce.reduce(grads, reduce_dtypes, params), loss.mean()
+        return grads, loss
 
     def train_step(state: TrainState, tokens: jax.Array):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
@@ -151,9 +181,10 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                    out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
+def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
+                   loss_chunk: int = 0) -> Callable:
     """eval_step(params, tokens [B, T+1]) -> mean loss (no dropout)."""
-    loss_fn = make_loss_fn(model, layout, mesh)
+    loss_fn = make_loss_fn(model, layout, mesh, loss_chunk)
     return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
                    in_shardings=(param_shardings, batch_sharding(layout, mesh)),
                    out_shardings=NamedSharding(mesh, P()))

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from meshtrain import config as config_lib, distributed, launch as launch_lib, mesh as mesh_lib
+from meshtrain import config as config_lib, distributed, launch as launch_lib, mesh as mesh_lib, xla_gpu
 from meshtrain.errors import UserError, run_command, warn
 
 FLAGS = ("workdir", "coordinator", "num_processes", "process_id")
@@ -102,6 +102,8 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     -> device id -> node, for the collectives report."""
     import jax
 
+    from meshtrain import models
+
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
         for line in cluster.describe():
@@ -112,6 +114,8 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     m = exp.model.cfg
     say(f"model: {exp.model.family.describe(m)} | {exp.num_params():,} parameters (closed form), "
         f"vocab {m.vocab_size} padded to {m.padded_vocab_size}")
+    impl, why = models.attention_choice(exp.cfg.model.attention, m)
+    say(f"attention: {impl} ({why})")
     pipe = exp.model.pipeline
     if pipe is not None:
         say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
@@ -146,6 +150,7 @@ def run(argv: list[str], started: dict | None = None) -> int:
     `started["cluster"]` receives the joined processes, so `main` can tell the others
     how this process ended."""
     name, cfg, flags = load_config(argv)
+    xla_line = xla_gpu.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
     launch, cluster, source = join(cfg, flags, started)
 
     import jax
@@ -156,6 +161,8 @@ def run(argv: list[str], started: dict | None = None) -> int:
 
     exp = Experiment.build(cfg)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    if xla_line:
+        say(xla_line)
     node = describe(exp, launch, cluster, source, say)
     lint_warnings(exp)
     workdir = flags.get("workdir")

@@ -12,6 +12,8 @@ from meshtrain import hlo, pipeline, step as step_lib
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import Pipeline
 
+from gradients import loss_and_grads
+
 
 def items(pipe):
     """{(stage, tick): (microbatch, repeat)} for every non-bubble cell of the schedule."""
@@ -58,20 +60,6 @@ def test_storage_order_round_trips_and_places_circular_chunks():
     # Stage 0 holds chunks 0 and 2 (layers 0-1 and 4-5), stage 1 chunks 1 and 3.
     assert staged[:, :, 0].tolist() == [[0, 3, 12, 15], [6, 9, 18, 21]]
     np.testing.assert_array_equal(pipeline.from_stages(staged, pipe), layers)
-
-
-def loss_and_grads(cfg, devices=None, mesh_shape=None):
-    """Loss and gradients of one batch, gradients in model layer order on the host."""
-    exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    state = exp.init_state()
-    batch = exp.put_batch(next(exp.train_batches()))
-    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
-                             in_shardings=(exp.shardings.params, exp.batch_sharding))
-    loss, grads = jax.device_get(value_and_grad(state.params, batch))
-    if exp.model.pipeline is not None:
-        grads["blocks"] = pipeline.from_stages(grads["blocks"], exp.model.pipeline)
-    return float(loss), grads
 
 
 CASES = {  # name: (mesh, layout, layers, overrides)

@@ -12,12 +12,13 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import family, gpt2, llama, remat  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, family, gpt2, llama, remat  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.
-COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers")
+COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers",
+               "attention")
 
 
 def size_dims(m: ml_collections.ConfigDict) -> dict:
@@ -39,12 +40,14 @@ def size_dims(m: ml_collections.ConfigDict) -> dict:
 
 
 def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards: int = 1,
-                 dims: dict | None = None) -> ModelConfig:
+                 dims: dict | None = None, platform: attention.Platform | None = None) -> ModelConfig:
     """Config keys -> the family's config. `model.size` fills dims; explicit keys win;
     `dims` (a checkpoint's architecture, see init.from) replaces both.
 
     `vocab_size` is the data's vocabulary; the table is padded to a multiple of
     lcm(model.vocab_multiple, vocab_shards) so any layout can split it evenly.
+    `model.attention` is resolved for `platform` (default: the running backend); the
+    reason for the choice is `attention_choice(m.attention, cfg)`.
     """
     fam = family.get(m.name)
     dims = dict(size_dims(m) if dims is None else dims)
@@ -64,9 +67,19 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     cfg = fam.config(**{k: v for k, v in dims.items() if k in known}, padded_vocab_size=padded,
                      dropout=float(m.dropout), dtype=m.dtype, param_dtype=m.param_dtype,
                      remat=m.remat, scan_layers=bool(m.scan_layers))
+    impl, _ = attention_choice(m.attention, cfg, platform)
+    cfg = dataclasses.replace(cfg, attention=impl)
     if fam.check is not None:
         fam.check(cfg)
     return cfg
+
+
+def attention_choice(requested: str, cfg: ModelConfig,
+                     platform: attention.Platform | None = None) -> tuple[str, str]:
+    """(implementation, why) for `model.attention=requested` with this model (attention.choose)."""
+    head_dim = getattr(cfg, "head_dim", None) or 0
+    return attention.choose(requested, platform=platform or attention.Platform.current(),
+                            dtype=cfg.dtype, head_dim=head_dim, seq_len=cfg.seq_len)
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -1,27 +1,155 @@
-"""Causal dot-product attention, with or without a KV cache (shared by the models).
+"""Causal dot-product attention, with or without a KV cache (shared by the models), and
+the choice of kernel behind it (`model.attention`).
 
 Shapes: B batch, T query positions, S cache positions, H query heads, K key/value
 heads (K divides H: grouped-query attention when K < H), E head width.
+
+Implementations, all computing softmax(q k^T / sqrt(E) + causal mask) v:
+
+  xla     jax.nn.dot_product_attention's XLA path: materialises the [B, H, T, T] scores
+          (and keeps the probabilities for backward unless remat recomputes them)
+  cudnn   cuDNN's fused flash attention (jax.nn.dot_product_attention, implementation
+          "cudnn"): never materialises [T, T]; needs an NVIDIA GPU of compute capability
+          >= 8.0, bf16 or fp16, and a head width that is a multiple of 8 up to 128
+          (256 from compute capability 9.0). JAX partitions it over batch and heads.
+  pallas  JAX's Pallas/Triton flash-attention kernel (jax.experimental.pallas.ops.gpu):
+          for what cuDNN refuses (float32, other head widths). On CPU it runs in Pallas's
+          interpret mode, slowly: that is how the tests check it against the others.
+  auto    cudnn where it applies, else xla. It never picks pallas: that would need a
+          measurement showing it beats XLA where cuDNN cannot run.
+
+Decoding with a KV cache always uses xla: its mask is the cache's fill level, not the
+causal square these kernels are given.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from meshtrain.errors import UserError
+
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+BTHE = ("batch", "length", "heads", "head_dim")
+# Pallas's kernel tiles the sequence in blocks of 128 (forward) and 32 (backward).
+_PALLAS_BLOCKS = (128, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the choice depends on besides the model: the backend ("cpu", "gpu", "tpu"),
+    the GPU's compute capability ("9.0") and whether cuDNN is loaded."""
+
+    name: str
+    compute_capability: str | None = None
+    cudnn: bool = False
+
+    @classmethod
+    def current(cls) -> "Platform":
+        device = jax.devices()[0]
+        if device.platform != "gpu":
+            return cls(device.platform)
+        try:
+            from jax._src.lib import cuda_versions  # absent on ROCm builds
+            cudnn = cuda_versions is not None and cuda_versions.cudnn_get_version() > 0
+        except ImportError:
+            cudnn = False
+        return cls("gpu", getattr(device, "compute_capability", None), cudnn)
+
+
+def _cudnn_refusal(platform: Platform, dtype: str, head_dim: int) -> str | None:
+    """Why cuDNN flash attention cannot run here, or None when it can."""
+    if platform.name != "gpu":
+        return f"cuDNN flash attention needs an NVIDIA GPU; this backend is {platform.name}"
+    if not platform.cudnn:
+        return "cuDNN is not loaded (ROCm, or a CUDA install without cuDNN)"
+    capability = tuple(int(x) for x in (platform.compute_capability or "0.0").split("."))
+    if capability < (8, 0):
+        return f"compute capability {platform.compute_capability} is below 8.0 (Ampere)"
+    if dtype not in ("bfloat16", "float16"):
+        return f"model.dtype={dtype}: cuDNN flash attention runs in bfloat16 or float16"
+    widest = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > widest:
+        return f"head width {head_dim}: cuDNN needs a multiple of 8 up to {widest}"
+    return None
+
+
+def _pallas_refusal(seq_len: int) -> str | None:
+    if any(seq_len % min(block, seq_len) for block in _PALLAS_BLOCKS):
+        return (f"model.seq_len={seq_len} does not tile into Pallas's blocks of "
+                f"{' and '.join(map(str, _PALLAS_BLOCKS))} positions")
+    return None
+
+
+def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int,
+           seq_len: int) -> tuple[str, str]:
+    """-> (implementation, why): what `model.attention=requested` runs as, and the reason
+    in words for the start-up log. An explicit choice that cannot run is a UserError."""
+    if requested not in IMPLEMENTATIONS:
+        raise UserError(f"model.attention={requested!r} is not an attention implementation. "
+                        f"Choose one of: {', '.join(IMPLEMENTATIONS)} (docs/performance.md).")
+    cudnn_no = _cudnn_refusal(platform, dtype, head_dim)
+    if requested == "auto":
+        if cudnn_no is None:
+            return "cudnn", "auto: cuDNN flash attention applies (GPU, 16-bit, head width fits)"
+        return "xla", f"auto: XLA attention, since {cudnn_no}"
+    if requested == "cudnn" and cudnn_no is not None:
+        raise UserError(f"model.attention=cudnn cannot run: {cudnn_no}. Use model.attention=auto "
+                        f"(cuDNN where it applies, else XLA) or model.attention=xla.")
+    if requested == "pallas":
+        pallas_no = _pallas_refusal(seq_len)
+        if pallas_no is not None:
+            raise UserError(f"model.attention=pallas cannot run: {pallas_no}. Pick a seq_len "
+                            f"divisible by 128 (or below 128 and divisible by 32), or "
+                            f"model.attention=auto.")
+        if platform.name != "gpu":
+            return "pallas", f"as asked; on {platform.name} Pallas runs in interpret mode (slow)"
+    return requested, "as asked"
+
+
+def _pallas(q_bthe, k_bthe, v_bthe, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    return pallas_attention.mha(q_bthe, k_bthe, v_bthe, None, sm_scale=q_bthe.shape[-1] ** -0.5,
+                                causal=True, interpret=interpret)
+
+
+def _pallas_sharded(q_bthe, k_bthe, v_bthe, constrain):
+    """The Pallas kernel on each device's own rows and heads. GSPMD cannot split a custom
+    kernel, so the split is written out with shard_map from the layout's activation spec
+    (the `mesh` and `spec` that step.make_constrain attaches to its `constrain`)."""
+    interpret = jax.devices()[0].platform != "gpu"
+    kernel = functools.partial(_pallas, interpret=interpret)
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is None or mesh.size == 1:
+        return kernel(q_bthe, k_bthe, v_bthe)
+    spec = constrain.spec(BTHE)
+    if spec[1] is not None or spec[3] is not None:
+        raise UserError(f"model.attention=pallas runs whole sequences and heads on one device; "
+                        f"this layout splits length or head_dim ({spec}). Use model.attention=auto.")
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q_bthe, k_bthe, v_bthe)
 
 
 def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
-           cache: Cache | None = None, pos: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+           cache: Cache | None = None, pos: jax.Array | None = None, *,
+           implementation: str = "xla", constrain=None) -> tuple[jax.Array, Cache | None]:
     """-> (out [B, T, H, E], cache).
 
-    Without a cache, position i attends to positions <= i of this call. With one,
-    k and v are written at cache positions pos..pos+T-1 and query i (at position
-    pos + i) attends to cache positions <= pos + i; the rest of the cache is masked.
+    Without a cache, position i attends to positions <= i of this call, with the chosen
+    `implementation` (already resolved by `choose`: xla, cudnn or pallas; pallas needs
+    K = H). With one, k and v are written at cache positions pos..pos+T-1 and query i
+    (at position pos + i) attends to cache positions <= pos + i; the rest of the cache
+    is masked.
     """
     if cache is None:
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True), None
+        if implementation == "pallas":
+            return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
+        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True,
+                                            implementation=implementation), None
     ck, cv = cache
     ck = jax.lax.dynamic_update_slice_in_dim(ck, k_btke.astype(ck.dtype), pos, axis=1)
     cv = jax.lax.dynamic_update_slice_in_dim(cv, v_btke.astype(cv.dtype), pos, axis=1)

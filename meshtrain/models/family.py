@@ -9,7 +9,13 @@ A family gives:
                   __call__(tokens [B, T] int32, constrain, key, run_layers) -> logits [B, T, V]
               carries logical axes on every nnx.Param (`out_sharding` metadata), pins its
               activations with `constrain`, and runs its stacked layers through
-              `stack.run_layers` so a pipeline can take the pass over
+              `stack.run_layers` so a pipeline can take the pass over; optionally also
+                  hidden(tokens, constrain, key, run_layers) -> (h [B, T, D] after the
+                      final norm, w: the output projection as compute wants it)
+                  project(h [B, t, D], w, constrain) -> logits [B, t, V]
+              with __call__ = project(*hidden(...)) and project reading nothing but its
+              arguments: the loss then projects a chunk of positions at a time
+              (meshtrain/loss.py); without them it takes whole logits
   sizes       model.size -> {field: value}; fields named like a `model.*` config key are
               overridden by that key when it is set; every size has num_layers, vocab_size
               and seq_len
@@ -59,6 +65,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
     remat: str = "none"           # see models/remat.py
     scan_layers: bool = True
+    attention: str = "xla"        # xla | cudnn | pallas, resolved from model.attention (models/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,8 @@ class Attention(nnx.Module):
         dt = x_btd.dtype
         qkv = jnp.einsum("btd,dkhe->btkhe", x_btd, self.w_qkv[...].astype(dt)) + self.b_qkv[...].astype(dt)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-        o_bthe, cache = attend(q, k, v, cache, pos)
+        o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
+                               constrain=constrain)
         o_bthe = constrain(o_bthe, ("batch", "length", "heads", "head_dim"))
         y = jnp.einsum("bthe,hed->btd", o_bthe, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
         return y if cache is None else (y, cache)
@@ -138,13 +139,25 @@ class GPT2(nnx.Module):
         `run_layers` replaces the sequential pass over the block stack (the pipeline
         passes its schedule here); the default runs the layers in order.
         """
+        return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+
+    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+               key: jax.Array | None = None, run_layers: RunLayers | None = None):
+        """tokens [B, T] int32 -> (h [B, T, D] after the final LayerNorm, the tied table
+        [V, D]), both in the compute dtype: what `project` turns into logits, so the loss
+        can project a few positions at a time (meshtrain/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, 0, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
-        return self._logits(wte_vd, x_btd, constrain)
+        return self.ln_f(x_btd), wte_vd
+
+    def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+        """h [B, t, D], table [V, D] -> logits [B, t, V], the padding columns masked."""
+        logits_btv = jnp.einsum("btd,vd->btv", h_btd, wte_vd)
+        return constrain(stack.mask_padding(logits_btv, self.cfg.vocab_size), ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """Zeros (k, v), each [L, B, max_len, H, E] in the compute dtype."""
@@ -163,7 +176,7 @@ class GPT2(nnx.Module):
         wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, pos, constrain, None)
         x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
-        return self._logits(wte_vd, x_btd, constrain), cache
+        return self.project(self.ln_f(x_btd), wte_vd, constrain), cache
 
     def _table(self, constrain) -> jax.Array:
         """The table as compute wants it, [V, D] in the compute dtype (gathered over FSDP,
@@ -178,11 +191,6 @@ class GPT2(nnx.Module):
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + wpe_td
         x_btd = _dropout(x_btd, self.cfg.dropout, key)
         return constrain(x_btd, ("batch", "length", "embed"))
-
-    def _logits(self, wte_vd, x_btd, constrain) -> jax.Array:
-        cfg = self.cfg
-        logits_btv = jnp.einsum("btd,vd->btv", self.ln_f(x_btd), wte_vd)
-        return constrain(stack.mask_padding(logits_btv, cfg.vocab_size), ("batch", "length", "vocab"))
 
 
 def activations(cfg: GPT2Config, b: int):

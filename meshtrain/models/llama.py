@@ -153,7 +153,8 @@ class Attention(nnx.Module):
             k, v = (constrain(jnp.repeat(a, group, axis=2), BTHE) for a in (k, v))
         # With a cache, attend stores the K heads and dot_product_attention groups the
         # H query heads over them itself (K < H), so the cache is H/K times smaller.
-        o_bthe, cache = attend(q, k, v, cache, pos)
+        o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
+                               constrain=constrain)
         o_bthe = constrain(o_bthe, BTHE)
         y = jnp.einsum("bthe,hed->btd", o_bthe, self.wo[...].astype(dt))
         if cache is None:
@@ -217,13 +218,28 @@ class Llama(nnx.Module):
         `run_layers` replaces the sequential pass over the block stack (the pipeline
         passes its schedule here); the default runs the layers in order.
         """
+        return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+
+    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+               key: jax.Array | None = None, run_layers: RunLayers | None = None):
+        """tokens [B, T] int32 -> (h [B, T, D] after the final norm, the output projection:
+        the tied table [V, D] or the head [D, V]), both in the compute dtype: what `project`
+        turns into logits, so the loss can project a few positions at a time
+        (meshtrain/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         embed_vd = self._table(constrain)
         x_btd = self._embed(embed_vd, tokens_bt, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
-        return self._logits(embed_vd, x_btd, constrain)
+        return self.final_norm(x_btd), self._head(embed_vd, constrain)
+
+    def project(self, h_btd: jax.Array, w: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+        """h [B, t, D], w from `hidden` ([V, D] tied, [D, V] untied) -> logits [B, t, V],
+        the padding columns masked."""
+        spec = "btd,vd->btv" if self.cfg.tie_embeddings else "btd,dv->btv"
+        logits_btv = jnp.einsum(spec, h_btd, w)
+        return constrain(stack.mask_padding(logits_btv, self.cfg.vocab_size), ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """Zeros (k, v), each [L, B, max_len, K, E] in the compute dtype (the K kv heads)."""
@@ -242,7 +258,7 @@ class Llama(nnx.Module):
         embed_vd = self._table(constrain)
         x_btd = self._embed(embed_vd, tokens_bt, constrain, None)
         x_btd, cache = stack.decode_layers(self.blocks, x_btd, constrain, cache, pos)
-        return self._logits(embed_vd, x_btd, constrain), cache
+        return self.project(self.final_norm(x_btd), self._head(embed_vd, constrain), constrain), cache
 
     def _table(self, constrain) -> jax.Array:
         """The input table [V, D] in the compute dtype, as compute wants it (gathered over
@@ -255,17 +271,12 @@ class Llama(nnx.Module):
         x_btd = _dropout(x_btd, self.cfg.dropout, key)
         return constrain(x_btd, ("batch", "length", "embed"))
 
-    def _logits(self, embed_vd, x_btd, constrain) -> jax.Array:
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        x_btd = self.final_norm(x_btd)
-        if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, embed_vd)
-        else:
-            # As the compute wants it: gathered over FSDP, split over vocab under TP.
-            head_dv = constrain(self.lm_head[...], ("embed", "vocab"))
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt))
-        return constrain(stack.mask_padding(logits_btv, cfg.vocab_size), ("batch", "length", "vocab"))
+    def _head(self, embed_vd, constrain) -> jax.Array:
+        """The output projection in the compute dtype: the table [V, D] when tied, else the
+        head [D, V] as compute wants it (gathered over FSDP, split over vocab under TP)."""
+        if self.cfg.tie_embeddings:
+            return embed_vd
+        return constrain(self.lm_head[...], ("embed", "vocab")).astype(self.cfg.dtype)
 
 
 def activations(cfg: LlamaConfig, b: int):

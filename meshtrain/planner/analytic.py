@@ -3,12 +3,16 @@
 Memory per device (bytes), for fp32 master weights and AdamW:
   params       sum over leaves of size / (shards of its params spec) x param bytes
   optimizer    2 moments x size / (shards of its opt_state spec) x param bytes
+               (the first moment in optim.mu_dtype's bytes when set)
   gradients    the params' sharding and dtype (the backward writes them there), plus an
                fp32 accumulator at the optimizer's sharding when train.microbatches > 1
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device,
                plus one layer's full activations when a remat policy recomputes them, plus
-               the logits (compute dtype) with their float32 log-softmax and gradient
+               the logits (compute dtype) with their float32 log-softmax and gradient: of
+               one chunk of train.loss_chunk positions when the loss runs in chunks
+               (meshtrain/loss.py), with then the output projection's gradient summed
+               over the chunks in float32
 On a plain data-parallel mesh these reduce to ZeRO's stage formulas (arXiv 1910.02054):
 stage 0 (dp) 16 Psi, stage 1 (zero1) 8 Psi + 8 Psi / N, stage 3 (fsdp) 16 Psi / N with
 fp32 gradients and no microbatching.
@@ -18,14 +22,16 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                all-reduce 2 (n-1)/n x local bytes; over an axis that shards only its optimizer
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
                bytes, in the compute dtype (the narrowest the backward computes gradients
-               in; norms kept in float32 send more, and say so).
+               in; norms kept in float32 send more, and say so), or in train.grad_dtype
+               over the replica axes when it is set.
   fsdp         weights sharded over an axis that also splits the batch: gathered for the
                forward and again for the backward pass of every microbatch, (n-1)/n x
                gathered bytes each in the compute dtype, and one reduce-scatter of the
                gradients, (n-1)/n x gathered bytes: ZeRO-3's 3 Psi (arXiv 1910.02054 §7).
   tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
-               2 backward per microbatch, plus 2 when the vocabulary is split (the embedding
-               lookup forward, the output projection's input gradient backward).
+               2 backward per microbatch, plus, when the vocabulary is split, the embedding
+               lookup forward and the output projection's input gradient backward, once per
+               loss chunk (meshtrain/loss.py: n chunks send n all-reduces of [b, T/n, D]).
   stage        each microbatch crosses each stage boundary once forward and once backward,
                [b, T, D] in the compute dtype, (S-1)/S of the devices sending.
 """
@@ -37,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import tree_paths
+from meshtrain import grad_reduce, loss as loss_lib, tree_paths
 from meshtrain.experiment import logical_shards
 from meshtrain.layouts.rules import mesh_axes_of
 
@@ -82,7 +88,8 @@ def memory(exp) -> dict[str, float]:
     opt = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
               zip(shapes, jax.tree.leaves(exp.grad_shardings)))
     grads = params * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
-    return {"params": params * pbytes, "optimizer": 2 * opt * pbytes, "gradients": grads,
+    mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
+    return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
             "activations": activations(exp)}
 
 
@@ -100,8 +107,19 @@ def activations(exp) -> float | None:
     kept = layers * per_layer(cfg, b["stage_rows"] * t, b["tensor"], cfg.remat)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
         kept += per_layer(cfg, b["pipeline_rows"] * t, b["tensor"], "none")
-    logits = b["rows"] * t * cfg.padded_vocab_size / b["vocab"] * (jnp.dtype(cfg.dtype).itemsize + 8)
-    return kept + logits
+    chunks = loss_chunks(exp)
+    v_local = cfg.padded_vocab_size / b["vocab"]
+    logits = b["rows"] * t // chunks * v_local * (jnp.dtype(cfg.dtype).itemsize + 8)
+    projection = v_local * _embed_dim(m) * 4 if chunks > 1 else 0
+    return kept + logits + projection
+
+
+def loss_chunks(exp) -> int:
+    """How many chunks of positions the loss runs in (meshtrain/loss.py): 1 when the model
+    has no hidden/project seam, which then takes whole logits."""
+    if not loss_lib.has_seam(exp.model.family.module):
+        return 1
+    return loss_lib.num_chunks(exp.model.cfg.seq_len, exp.cfg.train.loss_chunk)
 
 
 def collective_bounds(exp) -> list[dict]:
@@ -125,6 +143,8 @@ def collective_bounds(exp) -> list[dict]:
 
     _, batch_axes = _shards(exp, "batch")
     inner_axes = batch_axes if m.pipeline is None else _shards(exp, "batch", exp.layout.without("stage"))[1]
+    grad_bytes = jnp.dtype(exp.cfg.train.grad_dtype).itemsize if exp.cfg.train.grad_dtype else 0
+    replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params)
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
@@ -134,6 +154,8 @@ def collective_bounds(exp) -> list[dict]:
         local = math.prod(shape.shape) / _size(mesh, p_axes)
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
+        if grad_bytes and reduce_axes and set(reduce_axes) <= set(replicas):
+            g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/grad_reduce.py)
         zero = [a for a in reduce_axes if a in o_axes]
         plain = [a for a in reduce_axes if a not in o_axes]
         # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.
@@ -159,9 +181,10 @@ def collective_bounds(exp) -> list[dict]:
         add("all-reduce", t_axes, 4 * layers, 4 * layers * 2 * (n - 1) / n * activation,
             "Megatron: 2 all-reduces per layer forward, 2 backward")
         if b["vocab"] > 1:
-            whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * exp.cfg.train.microbatches
-            add("all-reduce", t_axes, 2 * exp.cfg.train.microbatches, 2 * 2 * (n - 1) / n * whole,
-                "vocab-parallel embedding: lookup forward, output projection backward")
+            k, chunks = exp.cfg.train.microbatches, loss_chunks(exp)
+            whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * k
+            add("all-reduce", t_axes, (1 + chunks) * k, 2 * 2 * (n - 1) / n * whole,
+                "vocab-parallel embedding: lookup forward, output projection backward per loss chunk")
     if stages > 1:
         sends = 2 * b["micro"]
         add("collective-permute", ("stage",), sends, sends * activation * (stages - 1) / stages,

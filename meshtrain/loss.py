@@ -1,0 +1,160 @@
+"""The training loss: mean next-token cross entropy in float32, a chunk of positions at a time.
+
+Taken whole, the loss holds the float32 logits [B, T, V] and their gradient at once
+(GPT-2 small at 16 x 1024 tokens: 3.3 GB each). With train.loss_chunk = c < T the model
+stops before its output projection (`hidden`, models/family.py) and the loss computes its
+value and its gradient together, one chunk of positions at a time:
+
+    h [B, T, D] -> [n, B, c, D], targets [B, T] -> [n, B, c]       n = T / c
+    total, dw = 0, zeros like w in float32
+    for i in range(n):                                    # lax.scan
+        logits = float32(project(h[i], w))                # [B, c, V], this chunk's only
+        total += sum over [B, c] of logsumexp(logits) - logits[targets[i]]
+        dlogits = softmax(logits) - onehot(targets[i])    # d total / d logits
+        dh[i], dw += dlogits pulled back through project  # d total / d h[i], d total / d w
+    loss = total / (B T)
+
+A custom VJP hands dh and dw, times the loss's cotangent, to autodiff. So at most one
+chunk of float32 logits and its gradient is alive, and nothing is recomputed: the matmuls
+are the whole loss's (2 B T V D for the logits, 4 B T V D for the two gradients), run in
+the forward pass. The primal alone (eval, no gradient) computes only the loss. This is
+the fused linear cross entropy of Liger Kernel (Hsu et al. 2024, arXiv 2410.10989, §3.2),
+in XLA ops.
+
+dw is summed over the chunks in float32, and each batch shard sums its own: the shards'
+sums meet once, over the batch axes, in w's dtype (see `chunked_cross_entropy`), so the
+gradient's data-parallel reduction sends what it sends without chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshtrain.errors import UserError
+from meshtrain.layouts import Layout
+from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.models.stack import Constrain, RunLayers
+
+
+def num_chunks(seq_len: int, loss_chunk: int) -> int:
+    """How many pieces the loss cuts a sequence of `seq_len` positions into: 1 when
+    loss_chunk is 0 or at least seq_len, else seq_len / loss_chunk (which must divide)."""
+    if loss_chunk < 0:
+        raise UserError(
+            f"train.loss_chunk={loss_chunk}: must be >= 0, the positions in each chunk of the loss "
+            f"(a divisor of model.seq_len={seq_len}), or 0 for the whole sequence at once.")
+    if 0 < loss_chunk < seq_len and seq_len % loss_chunk:
+        below = max(c for c in range(1, loss_chunk) if seq_len % c == 0)
+        raise UserError(
+            f"train.loss_chunk={loss_chunk} does not divide model.seq_len={seq_len}: the loss "
+            f"projects the sequence in equal chunks of loss_chunk positions. Use a divisor of "
+            f"{seq_len}, e.g. {below}, or 0 for the whole sequence at once.")
+    return seq_len // loss_chunk if 0 < loss_chunk < seq_len else 1
+
+
+def has_seam(module) -> bool:
+    """Whether a model (class or instance) splits its forward into hidden and project."""
+    return hasattr(module, "hidden") and hasattr(module, "project")
+
+
+def check_config(t, seq_len: int) -> None:
+    """train.loss_chunk against the model's sequence length (see `num_chunks`)."""
+    num_chunks(seq_len, t.loss_chunk)
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token loss in float32 over whole logits [B, T, V]."""
+    logits = logits_btv.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
+
+
+def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, targets_bt: jax.Array,
+                          chunks: int, layout: Layout, mesh: Mesh) -> jax.Array:
+    """`cross_entropy(project(h, w), targets)` over `chunks` equal pieces of the length,
+    with its gradient computed alongside (module docstring). h [B, T, D], targets [B, T].
+
+    project(h [b, c, D], w, constrain) -> logits [b, c, V] in w's dtype, for the b rows of
+    one batch shard; it must read nothing but its arguments (a custom VJP cannot pass a
+    gradient to values it closes over). The n batch shards each run the chunks on their own
+    copy of w, so w's gradient adds up on each device and is reduced over the batch axes
+    once, when autodiff transposes the copy (as meshtrain/pipeline.py copies the stage
+    weights): summed in the scan, it would be all-reduced once per chunk. A chunk sees the
+    layout without the batch axes; the vmap puts them back.
+    """
+    batch_axes = mesh_axes_of(layout.spec(("batch",), "activations")[0])
+    n = math.prod(mesh.shape[a] for a in batch_axes)
+    inner = layout
+    for axis in batch_axes:
+        inner = inner.without(axis)
+    shard = batch_axes or None
+
+    def inner_constrain(x, axes):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner.spec(axes, "activations")))
+
+    b, t, d = h_btd.shape
+    c = t // chunks
+    # [B, T, D] -> [chunks, n, B/n, c, D]: shard k keeps its rows, chunk i holds positions
+    # i*c .. i*c + c-1 of each.
+    h = h_btd.reshape(n, b // n, chunks, c, d).transpose(2, 0, 1, 3, 4)
+    h = jax.lax.with_sharding_constraint(h, NamedSharding(
+        mesh, P(None, shard, *inner.spec(("batch", "length", "embed"), "activations"))))
+    y = targets_bt.reshape(n, b // n, chunks, c).transpose(2, 0, 1, 3)
+    y = jax.lax.with_sharding_constraint(y, NamedSharding(
+        mesh, P(None, shard, *inner.spec(("batch", "length"), "activations"))))
+    # One copy of w per batch shard: each shard sums its gradient over the chunks, and
+    # autodiff's transpose of the copy reduces the shards' sums over the batch axes once, in
+    # w's dtype, as narrow as without chunks.
+    per_shard = NamedSharding(mesh, P(shard, *(P.UNCONSTRAINED,) * w.ndim))
+    copies = jax.lax.with_sharding_constraint(jnp.broadcast_to(w[None], (n, *w.shape)), per_shard)
+
+    def zeros_n():  # [n] float32, a sum per batch shard
+        return jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), NamedSharding(mesh, P(shard)))
+
+    def shard_loss(w, h_bcd, y_bc):  # one batch shard, one chunk: h [B/n, c, D] -> summed loss
+        logits_bcv = project(h_bcd, w, inner_constrain).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_bcv, y_bc).sum()
+
+    def shard_grads(w, h_bcd, y_bc):  # -> (summed loss, its gradient for w in float32, for h)
+        loss, (dw, dh) = jax.value_and_grad(shard_loss, argnums=(0, 1))(w, h_bcd, y_bc)
+        return loss, dw.astype(jnp.float32), dh
+
+    @jax.custom_vjp
+    def summed(copies, h, y):  # -> [n] each shard's summed loss
+        def body(total_n, hy):
+            return total_n + jax.vmap(shard_loss, spmd_axis_name=shard)(copies, *hy), None
+        return jax.lax.scan(body, zeros_n(), (h, y))[0]
+
+    def summed_fwd(copies, h, y):
+        def body(carry, hy):
+            total_n, dw_n = carry
+            loss_n, dw, dh = jax.vmap(shard_grads, spmd_axis_name=shard)(copies, *hy)
+            return (total_n + loss_n, dw_n + dw), dh
+        dw0 = jax.lax.with_sharding_constraint(jnp.zeros(copies.shape, jnp.float32), per_shard)
+        (total_n, dw_n), dh = jax.lax.scan(body, (zeros_n(), dw0), (h, y))
+        return total_n, (dw_n, dh)
+
+    def summed_bwd(residuals, g_n):  # g_n [n]: the cotangent of each shard's sum
+        dw_n, dh = residuals
+        dw = (g_n.reshape(n, *(1,) * w.ndim) * dw_n).astype(w.dtype)
+        return dw, (g_n.reshape(1, n, 1, 1, 1) * dh).astype(dh.dtype), None
+
+    summed.defvjp(summed_fwd, summed_bwd)
+    return summed(copies, h, y).sum() / (b * t)
+
+
+def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: jax.Array | None,
+                    run_layers: RunLayers | None, *, constrain: Constrain, layout: Layout, mesh: Mesh,
+                    loss_chunk: int) -> jax.Array:
+    """Mean loss of a bound model on inputs [B, T] against targets [B, T]: over whole
+    logits when the sequence is one chunk or the model has no hidden/project seam."""
+    chunks = num_chunks(inputs_bt.shape[1], loss_chunk)
+    if chunks == 1 or not has_seam(module):
+        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt)
+    h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
+    return chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh)

@@ -1,0 +1,156 @@
+"""The XLA flags meshtrain sets for training on NVIDIA GPUs, in one table (docs/xla_flags.md).
+
+XLA reads XLA_FLAGS once, when the JAX backend starts, and aborts the process on a flag
+it does not know. So `apply()` runs before anything touches a device, and decides
+"GPU?" without starting the backend:
+
+    JAX_PLATFORMS set         its first entry: cuda or gpu -> GPU, anything else -> not
+    else                      a CUDA plugin for jax is installed (`jax[cuda12]` or
+                              `jax[cuda13]` install jax_cuda1X_plugin)
+
+Precedence: a non-empty XLA_FLAGS is the user's and is used as given (none of ours are
+added); MESHTRAIN_XLA_GPU=0 runs with XLA's defaults; otherwise, on a GPU, XLA_FLAGS
+becomes our flags. Each flag was checked against the XLA inside jaxlib 0.10.2, which
+shares its flag table between the CPU and GPU backends: it parses, and its value differs
+from XLA's default (tests/test_xla_gpu.py checks both). A later jaxlib may drop a flag,
+so `apply` first parses ours in a CPU-only child process and leaves out any it rejects.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import MutableMapping
+from typing import NamedTuple
+
+DOCS = "docs/xla_flags.md"
+OFF_SWITCH = "MESHTRAIN_XLA_GPU"
+GPU_PLATFORMS = ("cuda", "gpu")
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+# Sources, short names used below:
+#   jax-perf   JAX's GPU performance tips, docs/gpu_performance_tips.md (jax-ml/jax)
+#   jax-tbx    NVIDIA JAX-Toolbox, docs/GPU_performance.md ("Tips for High-Performance LLMs")
+#   maxtext    AI-Hypercomputer/maxtext, src/MaxText/configs/a3/llama_2_7b/1vm.sh (8 x H100)
+
+
+class Flag(NamedTuple):
+    name: str
+    value: str
+    reason: str   # why it helps training throughput
+    source: str
+
+
+TABLE: tuple[Flag, ...] = (
+    Flag("xla_gpu_enable_latency_hiding_scheduler", "true",
+         "schedules asynchronous collectives (gradient all-reduce, FSDP all-gather and "
+         "reduce-scatter, pipeline sends) to run under compute instead of waiting for them; "
+         "XLA's default is off", "jax-perf; jax-tbx; maxtext"),
+    Flag("xla_gpu_all_reduce_combine_threshold_bytes", "134217728",
+         "merges the per-parameter gradient all-reduces into ones of up to 128 MiB (default "
+         "30 MiB): fewer NCCL launches, each nearer full link bandwidth", "jax-perf; maxtext"),
+    Flag("xla_gpu_all_gather_combine_threshold_bytes", "134217728",
+         "merges FSDP weight all-gathers up to 128 MiB (default 30 MiB), so a layer's weights "
+         "arrive in one collective instead of one per matrix", "jax-perf; jax-tbx; maxtext"),
+    Flag("xla_gpu_reduce_scatter_combine_threshold_bytes", "67108864",
+         "merges FSDP gradient reduce-scatters up to 64 MiB (default 30 MiB), for the same "
+         "reason as the all-gathers", "jax-perf; jax-tbx; maxtext"),
+    Flag("xla_gpu_enable_pipelined_all_gather", "true",
+         "in the scanned layer loop, starts the next layer's weight all-gather during this "
+         "layer's compute (FSDP); default off", "jax-tbx; maxtext"),
+    Flag("xla_gpu_enable_pipelined_all_reduce", "true",
+         "in the scanned layer loop, overlaps a layer's gradient all-reduce with the backward "
+         "of the layer before it (data parallel); default off", "jax-tbx; maxtext"),
+    Flag("xla_gpu_enable_while_loop_double_buffering", "true",
+         "unrolls the layer loop by two, so the pipelined collectives of one layer have the "
+         "next layer's compute to hide under; default off", "jax-tbx; maxtext"),
+)
+FLAGS: dict[str, str] = {f.name: f.value for f in TABLE}
+
+
+def flag_string(flags: dict[str, str] | None = None) -> str:
+    """`--name=value --name=value ...`, as XLA_FLAGS takes them."""
+    return " ".join(f"--{k}={v}" for k, v in (FLAGS if flags is None else flags).items())
+
+
+def on_gpu(environ: MutableMapping[str, str], platform: str | None = None) -> tuple[bool, str]:
+    """Whether JAX will run on an NVIDIA GPU, decided without starting its backend: (yes, why).
+    `platform`, when the caller knows it, wins over the environment."""
+    if platform:
+        return platform.lower() in GPU_PLATFORMS, f"platform {platform!r}"
+    chosen = [p.strip().lower() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if chosen:
+        return chosen[0] in GPU_PLATFORMS, f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}"
+    plugin = next((m for m in CUDA_PLUGINS if _installed(m)), None)
+    return plugin is not None, f"CUDA plugin {plugin}" if plugin else "no CUDA plugin for jax installed"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def _backend_started() -> bool:
+    """Whether this process's JAX backend is up (then XLA_FLAGS is read already)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # no public query for this; stable since 0.4
+    return xla_bridge.backends_are_initialized()
+
+
+def rejected(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[list[str], str]:
+    """Parses `flags` in a CPU-only child process, the way the backend will: -> (names this
+    jaxlib does not know, another failure's last line or ""). The flag table is shared by
+    XLA's backends, so a CPU parse answers for the GPU one, and costs about a second."""
+    env = {**environ, "XLA_FLAGS": flag_string(flags), "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           capture_output=True, text=True)
+    if probe.returncode == 0:
+        return [], ""
+    unknown = re.findall(r"Unknown flags? in XLA_FLAGS: --([A-Za-z0-9_]+)", probe.stderr)
+    if unknown:
+        return unknown, ""
+    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+    return [], lines[-1] if lines else f"exit status {probe.returncode}"
+
+
+def apply(environ: MutableMapping[str, str] = os.environ, platform: str | None = None,
+          check: bool = True) -> str:
+    """Sets XLA_FLAGS in `environ` to our flags when the run will be on a GPU and the user
+    has set neither XLA_FLAGS nor MESHTRAIN_XLA_GPU=0. Call before the JAX backend starts.
+    Returns the line to log ("" when not on a GPU: nothing to say). `check` parses the
+    flags in a child process first and drops the ones this jaxlib rejects."""
+    gpu, why = on_gpu(environ, platform)
+    if not gpu:
+        return ""
+    n = len(TABLE)
+    if environ.get("XLA_FLAGS", "").strip():
+        return (f"XLA flags: XLA_FLAGS is set, so it is used as given; meshtrain's {n} GPU flags "
+                f"({DOCS}) are not added.")
+    if environ.get(OFF_SWITCH, "").strip() == "0":
+        return f"XLA flags: {OFF_SWITCH}=0, so none are added; XLA's defaults apply ({DOCS})."
+    if _backend_started():
+        return f"XLA flags: none set, the JAX backend had already started in this process ({DOCS})."
+    flags, dropped = dict(FLAGS), []
+    while check and flags:
+        unknown, failure = rejected(flags, environ)
+        if failure:
+            return (f"XLA flags: none added: a CPU-only parse of them failed ({failure}); XLA's "
+                    f"defaults apply ({DOCS}).")
+        unknown = [u for u in unknown if u in flags]
+        if not unknown:
+            break
+        for name in unknown:
+            del flags[name]
+        dropped += unknown
+    if not flags:
+        return f"XLA flags: this jaxlib rejects all {n} of meshtrain's GPU flags; XLA's defaults apply ({DOCS})."
+    environ["XLA_FLAGS"] = flag_string(flags)
+    left_out = f"; left out, unknown to this jaxlib: {', '.join(dropped)}" if dropped else ""
+    return (f"XLA flags: {len(flags)} GPU flags set in XLA_FLAGS ({why}; {DOCS}){left_out}. "
+            f"Set XLA_FLAGS yourself, or {OFF_SWITCH}=0, to run without them.")
