@@ -38,12 +38,14 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from meshtrain import grad_reduce, loss as loss_lib, tree_paths
+from meshtrain.errors import UserError
 from meshtrain.experiment import logical_shards
 from meshtrain.layouts.rules import mesh_axes_of
 
@@ -78,8 +80,24 @@ def local_batch(exp) -> dict:
             "micro": k * (pipe.microbatches if pipe else 1)}
 
 
-def memory(exp) -> dict[str, float]:
-    """Per-device bytes by the formulas in the module docstring."""
+def attention_on(exp, hw=None) -> str:
+    """The attention kernel the run would use on `hw` (a planner/hardware.py entry; None:
+    the backend running now): the planner compiles on CPU, where auto is always XLA,
+    but a flash kernel on the GPU keeps no [T, T] probabilities."""
+    if hw is None:
+        return exp.model.cfg.attention
+    from meshtrain import models
+    from meshtrain.models.attention import Platform
+    try:
+        return models.attention_choice(exp.cfg.model.attention, exp.model.cfg,
+                                       Platform("gpu", hw.compute_capability, cudnn=True))[0]
+    except UserError:  # an explicit kernel the GPU cannot run: train would refuse it there
+        return exp.model.cfg.attention
+
+
+def memory(exp, hw=None) -> dict[str, float]:
+    """Per-device bytes by the formulas in the module docstring, with the attention kernel
+    the run would use on `hw` (`attention_on`)."""
     m = exp.model
     pbytes = jnp.dtype(m.cfg.param_dtype).itemsize
     shapes = jax.tree.leaves(m.shapes)
@@ -90,17 +108,17 @@ def memory(exp) -> dict[str, float]:
     grads = params * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
     mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
     return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
-            "activations": activations(exp)}
+            "activations": activations(exp, hw)}
 
 
-def activations(exp) -> float | None:
+def activations(exp, hw=None) -> float | None:
     """Activation bytes per device (see the module docstring); None when the model family
     gives no per-layer formula."""
     m, b = exp.model, local_batch(exp)
     per_layer = m.family.layer_activation_bytes
     if per_layer is None:
         return None
-    cfg = m.cfg
+    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw))
     t = cfg.seq_len
     stages = m.pipeline.stages if m.pipeline else 1
     layers = cfg.num_layers // stages

@@ -31,6 +31,7 @@ class Hardware:
     matmul_efficiency: float = 0.75   # share of peak_flops large matmuls reach
     link_efficiency: float = 0.8      # share of link/network bandwidth ring collectives reach
     usable_memory: float = 0.9        # share of hbm_bytes a run may plan on (runtime, fragmentation)
+    compute_capability: str = "9.0"   # CUDA's, for which attention kernel model.attention=auto takes
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
@@ -51,9 +52,10 @@ TABLE: dict[str, Hardware] = {
     "h200": Hardware("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
                      141e9, 4.8e12, 8, 450e9, 50e9),
     "a100": Hardware("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-                     80e9, 2.039e12, 8, 300e9, 25e9, matmul_efficiency=0.85),
+                     80e9, 2.039e12, 8, 300e9, 25e9, matmul_efficiency=0.85, compute_capability="8.0"),
     "a100_40gb": Hardware("a100_40gb", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-                          40e9, 1.555e12, 8, 300e9, 25e9, matmul_efficiency=0.85),
+                          40e9, 1.555e12, 8, 300e9, 25e9, matmul_efficiency=0.85,
+                          compute_capability="8.0"),
 }
 
 

@@ -59,7 +59,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     cfg, mesh = exp.model.cfg, exp.mesh
     devices = mesh.devices.size
     node_of = roofline.node_of_position(mesh, hw.devices_per_node, exp.dcn)
-    formula = analytic.memory(exp)
+    formula = analytic.memory(exp, hw)
     memory = compiled_memory(exp, compiled, formula)
     formula["total"] = sum(v or 0.0 for k, v in formula.items() if k in MEMORY_KEYS)
     rows = hlo.collective_table(compiled, mesh)
@@ -78,6 +78,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     return {
         "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
         "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
+        "attention": analytic.attention_on(exp, hw),
         "compile_time_s": compile_s,
         "memory_per_device_bytes": memory,
         "analytic_memory_per_device_bytes": formula,

@@ -184,7 +184,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
         except UserError as e:
             dropped[f"does not divide: {str(e).split(':')[0][:60]}"] += 1
             continue
-        memory = analytic.memory(exp)
+        memory = analytic.memory(exp, hw)
         total = sum(v or 0.0 for v in memory.values())
         if total > hw.hbm_bytes * hw.usable_memory:
             dropped[f"does not fit {hw.hbm_bytes * hw.usable_memory / 2**30:.0f} GiB (formulas)"] += 1

@@ -28,7 +28,9 @@ def render(r: dict) -> str:
              + (f" (dcn {r['dcn']})" if r.get("dcn") else "")
              + f" | layout {r['layout']}"
              + (f" | compiled in {r['compile_time_s']:.1f}s" if r.get("compile_time_s") is not None else ""),
-             f"model: {r['model']}", f"hardware: {r['hardware']}", "",
+             f"model: {r['model']}", f"hardware: {r['hardware']}",
+             f"attention on it: {r.get('attention', '?')} (model.attention; the formulas use it, "
+             f"the CPU compile runs xla)", "",
              "memory per device (MiB)"]
     mem, formula, ratio = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"], r["memory_ratio"]
     rows = [["", "compiled", "formula", "compiled/formula"]]
