@@ -27,18 +27,11 @@ from meshtrain import checkpoint, distributed, grad_reduce, init_from, layouts, 
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
-from meshtrain.layouts.rules import mesh_axes_of
-
-
-def logical_shards(layout: Layout, mesh: Mesh, name: str, target: str) -> tuple[int, tuple[str, ...]]:
-    """How many pieces a lone logical dim `name` is split into under `target`, and over what."""
-    axes = mesh_axes_of(layout.spec((name,), target)[0])
-    return math.prod(mesh.shape[a] for a in axes), axes
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:
     """lcm over the rule tables: the table must split evenly wherever it is sharded."""
-    return math.lcm(*(logical_shards(layout, mesh, "vocab", t)[0] for t in layouts.rules.TARGETS))
+    return math.lcm(*(layout.shards("vocab", mesh.shape, t)[0] for t in layouts.rules.TARGETS))
 
 
 def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
@@ -48,7 +41,7 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
     k = t.microbatches
     if t.batch_size < 1 or k < 1:
         raise UserError(f"train.batch_size={t.batch_size} and train.microbatches={k} must be >= 1.")
-    shards, over = logical_shards(layout, mesh, "batch", "activations")
+    shards, over = layout.shards("batch", mesh.shape)
     if t.batch_size % (k * shards):
         raise UserError(
             f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
@@ -56,7 +49,7 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
             f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
     if pipe is not None:
         m = pipe.microbatches
-        inner, over = logical_shards(layout.without("stage"), mesh, "batch", "activations")
+        inner, over = layout.without("stage").shards("batch", mesh.shape)
         if t.batch_size % (k * m * inner):
             raise UserError(
                 f"train.batch_size={t.batch_size} must be divisible by train.microbatches x "

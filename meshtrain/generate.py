@@ -21,7 +21,6 @@ L layers, S = P + N cache positions, K key/value heads, E head width.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -29,15 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain.layouts import Layout
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.layouts import Layout, make_constrain
 from meshtrain.state import ModelDef
-from meshtrain.step import batch_sharding, make_constrain
+from meshtrain.step import batch_sharding
 
 
 def batch_shards(layout: Layout, mesh: Mesh) -> int:
     """How many pieces the activations' batch is split into (rows must be a multiple)."""
-    return math.prod(mesh.shape[a] for a in mesh_axes_of(layout.spec(("batch",), "activations")[0]))
+    return layout.shards("batch", mesh.shape)[0]
 
 
 def padded_rows(n: int, layout: Layout, mesh: Mesh) -> int:

@@ -26,6 +26,7 @@ The replica axes are the mesh axes the batch is split over and no parameter is (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -48,25 +49,16 @@ def check(grad_dtype: str) -> None:
 def replica_axes(layout: Layout, mesh: Mesh, param_shardings) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the batch and no parameter: over these a gradient
     is a sum of whole, per-replica gradients."""
-    batch = mesh_axes_of(layout.spec(("batch",), "activations")[0])
+    _, batch = layout.shards("batch", mesh.shape)
     used = {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes_of(entry)}
     return tuple(a for a in batch if a not in used and mesh.shape[a] > 1)
 
 
-def inner_layout(layout: Layout, axes: tuple[str, ...]) -> Layout:
-    """The layout a replica's computation sees: the vmapped dim holds the replica axes."""
-    for a in axes:
-        layout = layout.without(a)
-    return layout
-
-
 def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh) -> Callable:
-    """value_and_grad(params, tokens [b, T+1], key) -> (loss, grads), built on the inner
-    layout, -> fn(params, tokens [B, T+1], key) -> (loss [n], grads [n, ...]), replica i
+    """value_and_grad(params, tokens [b, T+1], key) -> (loss, grads), built on the layout
+    without the replica axes (`Layout.without(*axes)`), -> fn(params, tokens [B, T+1], key) -> (loss [n], grads [n, ...]), replica i
     on rows i*B/n .. (i+1)*B/n, the rows its devices hold."""
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
+    n = math.prod(mesh.shape[a] for a in axes)
     split = NamedSharding(mesh, P(axes))
 
     def fn(params, tokens, key):

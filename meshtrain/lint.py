@@ -130,7 +130,7 @@ def _axes_of(layout: Layout, names, target: str) -> tuple[str, ...]:
 
 
 def _batch_shards(layout: Layout, shape) -> int:
-    return _n(shape, _axes_of(layout, ("batch",), "activations"))
+    return layout.shards("batch", shape)[0]
 
 
 def _batch_multiple(run: _Run, m: int) -> int:

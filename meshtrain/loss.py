@@ -28,7 +28,6 @@ gradient's data-parallel reduction sends what it sends without chunks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -37,8 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import Constrain, RunLayers
 
 
@@ -87,15 +85,11 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     weights): summed in the scan, it would be all-reduced once per chunk. A chunk sees the
     layout without the batch axes; the vmap puts them back.
     """
-    batch_axes = mesh_axes_of(layout.spec(("batch",), "activations")[0])
-    n = math.prod(mesh.shape[a] for a in batch_axes)
-    inner = layout
-    for axis in batch_axes:
-        inner = inner.without(axis)
+    n, batch_axes = layout.shards("batch", mesh.shape)
+    inner = layout.without(*batch_axes)
     shard = batch_axes or None
 
-    def inner_constrain(x, axes):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner.spec(axes, "activations")))
+    inner_constrain = make_constrain(inner, mesh)
 
     b, t, d = h_btd.shape
     c = t // chunks

@@ -16,10 +16,10 @@ import ml_collections
 import optax
 
 from meshtrain.errors import UserError
+from meshtrain.models.stack import is_matrix
 
 SCHEDULES = ("cosine", "constant")
 MU_DTYPES = ("", "float32", "bfloat16")
-_STACK_AXES = ("layers", "stage")
 
 
 def schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -39,8 +39,7 @@ def schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
 
 def decay_mask(axes_tree) -> dict:
     """True for parameters that get weight decay. `axes_tree` mirrors params with axis tuples."""
-    return jax.tree.map(lambda axes: sum(a not in _STACK_AXES for a in axes) >= 2,
-                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(is_matrix, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> optax.GradientTransformation:

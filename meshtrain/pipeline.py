@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
+from meshtrain.layouts import Layout, make_constrain
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
 
@@ -209,17 +209,13 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     see the layout without those mesh axes; the vmaps put them back.
     """
     s, r, n_micro = pipe.stages, pipe.repeats, pipe.microbatches
-    batch_axes = mesh_axes_of(layout.without("stage").spec(("batch",), "activations")[0])
-    n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    inner = layout
-    for axis in ("stage", *batch_axes):
-        inner = inner.without(axis)
+    n_shards, batch_axes = layout.without("stage").shards("batch", mesh.shape)
+    inner = layout.without("stage", *batch_axes)
 
     def sharding(*spec):
         return NamedSharding(mesh, P(*spec))
 
-    def inner_constrain(x, axes):
-        return jax.lax.with_sharding_constraint(x, sharding(*inner.spec(axes, "activations")))
+    inner_constrain = make_constrain(inner, mesh)
 
     shard = batch_axes or None
     btd = inner.spec(("batch", "length", "embed"), "activations")

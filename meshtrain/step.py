@@ -17,30 +17,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import grad_reduce, loss as loss_lib, pipeline
-from meshtrain.layouts import Layout
+from meshtrain.layouts import Layout, make_constrain
+from meshtrain.models.stack import is_matrix
 from meshtrain.state import ModelDef, TrainState
 from meshtrain import tree_paths
-
-
-def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
-    """The model's `constrain(x, axes)` hook: pins activations to the layout. It also
-    carries `mesh` and `spec(axes)`, for kernels GSPMD cannot split, which models run
-    per device under shard_map (models/attention.py)."""
-    def constrain(x, axes):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec(axes, "activations")))
-    constrain.mesh = mesh
-    constrain.spec = lambda axes: layout.spec(axes, "activations")
-    return constrain
 
 
 def batch_sharding(layout: Layout, mesh: Mesh) -> NamedSharding:
     """Where a batch of token rows [B, T+1] lives: rows split like the activations' batch."""
     return NamedSharding(mesh, layout.spec(("batch", None), "activations"))
-
-
-def is_matrix(axes) -> bool:
-    """Two or more logical axes besides layers/stage: a weight that matmuls read."""
-    return sum(a not in ("layers", "stage") for a in axes) >= 2
 
 
 def produced_dtypes(model: ModelDef) -> dict:
@@ -125,9 +110,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     """
     by_hand = bool(grad_dtype) or microbatches > 1
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params) if by_hand else ()
-    reduce_dtypes = grad_dtype or produced_dtypes(model)
     if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
-        inner = grad_reduce.inner_layout(layout, replicas)
+        inner = layout.without(*replicas)
         grad_fn = grad_reduce.per_replica(
             jax.value_and_grad(make_loss_fn(model, inner, mesh, loss_chunk)), replicas, mesh)
     else:
@@ -158,7 +142,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     def grads_and_loss(params, tokens, key):
         grads, loss = summed_grads(params, tokens, key)
         if replicas:
-            return grad_reduce.reduce(grads, reduce_dtypes, params), loss.mean()
+            return grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params), loss.mean()
         return grads, loss
 
     def train_step(state: TrainState, tokens: jax.Array):

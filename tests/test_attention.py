@@ -65,12 +65,13 @@ def test_cudnn_on_cpu_is_refused_when_the_run_is_built(make_config):
 
 
 @pytest.mark.parametrize("name, mesh", [("gpt2_tiny_dp2_tp4", None), ("gpt2_tiny_dp2_tp4", "data:1"),
-                                        ("llama_tiny_dp2_tp4", None)])
+                                        ("llama_tiny_dp2_tp4", None), ("gpt2_tiny_pp2_dp4", None)])
 def test_pallas_flash_attention_equals_xla(name, mesh, make_config):
     """Same loss and gradients (float32, float tolerance) from XLA's attention and the
-    Pallas kernel; on 8 devices the kernel runs per (data, tensor) shard under shard_map."""
+    Pallas kernel; on 8 devices the kernel runs per (data, tensor) shard under shard_map,
+    and inside the pipeline's stage and batch-shard vmaps."""
     devices = jax.devices()[:1] if mesh else None
-    short = {"train.batch_size": 8, "model.attention": "xla"}
+    short = {"train.batch_size": 16, "model.attention": "xla"}
     (loss_x, grads_x) = loss_and_grads(make_config(name, **short), devices, mesh)
     pallas = make_config(name, **{**short, "model.attention": "pallas"})
     assert Experiment.build(pallas, devices=devices, mesh_shape=mesh).model.cfg.attention == "pallas"

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib, step as step_lib, tree_paths
+from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
@@ -172,7 +172,7 @@ def test_decode_and_forward_under_dp_tp_match_one_device():
     sharded = jax.device_put(params, param_shardings(abstract_model(cfg), layout, mesh, "params"))
     assert sharded["blocks"]["attn"]["wq"].sharding.spec[2] == "tensor"
     assert all(s is None for s in sharded["blocks"]["attn"]["wk"].sharding.spec)
-    constrain = step_lib.make_constrain(layout, mesh)
+    constrain = layouts.make_constrain(layout, mesh)
     tokens = TOKENS[:, :12]
     logits, cache = decode_logits(cfg, sharded, tokens, prompt=5, constrain=constrain)
     assert cache[0].sharding.spec[1] == "data"

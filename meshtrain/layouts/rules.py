@@ -18,6 +18,7 @@ So rule order is priority: with "batch:data+fsdp;embed:fsdp", activations
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from jax.sharding import PartitionSpec as P
@@ -46,14 +47,21 @@ class Layout:
         """Logical axes, e.g. ("embed", "mlp") -> PartitionSpec("fsdp", "tensor")."""
         return resolve(axes, self.rules(target), where=where)
 
-    def without(self, mesh_axis: str) -> "Layout":
-        """The layout with `mesh_axis` struck from every rule (emptied rules dropped).
-        Inside a pipeline stage the `stage` axis is already taken by the vmapped dim."""
+    def without(self, *mesh_axes: str) -> "Layout":
+        """The layout with `mesh_axes` struck from every rule (emptied rules dropped): what
+        code vmapped over those axes sees (inside a pipeline stage the `stage` axis, per
+        batch shard or replica the batch axes, are taken by the vmapped dim)."""
         def strip(rules: Rules) -> Rules:
-            kept = ((n, tuple(a for a in axes if a != mesh_axis)) for n, axes in rules)
+            kept = ((n, tuple(a for a in axes if a not in mesh_axes)) for n, axes in rules)
             return tuple((n, axes) for n, axes in kept if axes)
-        return Layout(f"{self.name} without {mesh_axis}", strip(self.params),
+        return Layout(f"{self.name} without {'+'.join(mesh_axes)}", strip(self.params),
                       strip(self.opt_state), strip(self.activations))
+
+    def shards(self, name: str, shape, target: str = "activations") -> tuple[int, tuple[str, ...]]:
+        """How many pieces a lone logical dim `name` is split into under `target`, and over
+        which mesh axes; `shape` maps mesh axes to sizes (a Mesh's `.shape`, or a dict)."""
+        axes = mesh_axes_of(self.spec((name,), target)[0])
+        return math.prod(shape[a] for a in axes), axes
 
     def describe(self) -> str:
         """The layout in the string grammar (round-trips through `parse`)."""

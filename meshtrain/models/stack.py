@@ -26,6 +26,13 @@ Constrain = Callable[[jax.Array, Axes], jax.Array]
 RunLayers = Callable[..., jax.Array]
 
 
+def is_matrix(axes: Axes) -> bool:
+    """Two or more logical axes besides the stacked layers/stage: a weight matmuls read
+    (matrices and embeddings). The step casts these to the compute dtype once, and the
+    optimizer decays only these."""
+    return sum(a not in ("layers", "stage") for a in axes) >= 2
+
+
 def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
     del axes
     return x

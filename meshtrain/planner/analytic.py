@@ -46,7 +46,6 @@ import jax.numpy as jnp
 
 from meshtrain import grad_reduce, loss as loss_lib, tree_paths
 from meshtrain.errors import UserError
-from meshtrain.experiment import logical_shards
 from meshtrain.layouts.rules import mesh_axes_of
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
@@ -62,7 +61,7 @@ def _size(mesh, axes) -> int:
 
 def _shards(exp, name: str, layout=None) -> tuple[int, tuple[str, ...]]:
     """(pieces, mesh axes) a lone logical dim `name` of the activations is split into."""
-    return logical_shards(layout or exp.layout, exp.mesh, name, "activations")
+    return (layout or exp.layout).shards(name, exp.mesh.shape)
 
 
 def local_batch(exp) -> dict:
