@@ -80,7 +80,7 @@ class Bench:
     """The compiled step, the state it threads through, and the timed operations on them."""
 
     def __init__(self, exp, compiled, tokens, parent: str | None):
-        from meshtrain.checkpoint import run_summary
+        from meshtrain.checkpoints.store import run_summary
         self.exp, self.compiled, self.tokens, self.parent = exp, compiled, tokens, parent
         self.state = exp.init_state()
         self.n = 0  # steps run, also the checkpoint step numbers (Orbax wants them increasing)
@@ -106,7 +106,7 @@ class Bench:
 
     def measure(self, use_async: bool) -> dict[str, float]:
         """One repeat of one mode, in a directory of its own that is removed afterwards."""
-        from meshtrain.checkpoint import Checkpointer
+        from meshtrain.checkpoints.store import Checkpointer
         directory = tempfile.mkdtemp(prefix="meshtrain-ckpt-bench-", dir=self.parent)
         try:
             # keep=0 keeps every step: no old checkpoint is deleted inside a timed save.

@@ -4,7 +4,7 @@ picks the largest batch that fits and times it.
 
 FLOPs per token, two conventions (both count a training step as 3 x the forward matmuls):
 
-  llm.c  6 N + 6 L D T       meshtrain.reporting.flops_per_token, what the training log
+  llm.c  6 N + 6 L D T       meshtrain.metrics.flops_per_token, what the training log
                              uses: causal attention counted at half (karpathy/llm.c
                              train_gpt2.cu, gpt2_estimate_mfu)
   PaLM   6 N + 12 L H Q T    attention's QK^T and AV matmuls over the full T x T square,
@@ -15,7 +15,7 @@ N is the same in both: every parameter the matmuls touch, the tied embedding onc
 meshtrain's families count it). PaLM's own N includes its shared embedding: its 46.2%
 MFU for 540B at 238.3K tokens/s on 6,144 TPU v4 is reproduced with all 540.35B, not
 with the non-embedding count (45.8%). MFU = FLOPs per token x tokens/s / peak, with the
-dense bf16 peak of meshtrain.reporting.PEAK_FLOPS; null (with a reason) where it is unknown.
+dense bf16 peak of meshtrain.metrics.PEAK_FLOPS; null (with a reason) where it is unknown.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import time
 
 import jax
 
-from meshtrain import config as config_lib, models, reporting
+from meshtrain import config as config_lib, models
+from meshtrain import metrics
 from meshtrain.experiment import Experiment
 
 # name -> (model.name, model.size, seq_len); gpt2_tiny is for --allow-cpu (the tests).
@@ -77,7 +78,7 @@ def probe() -> dict:
     stats = device.memory_stats() or {}
     return {"platform": device.platform, "device_kind": device.device_kind,
             "device_count": jax.device_count(), "bytes_limit": stats.get("bytes_limit"),
-            "peak_flops": reporting.peak_flops(device), "versions": versions()}
+            "peak_flops": metrics.peak_flops(device), "versions": versions()}
 
 
 def make_config(model: str, remat: str, batch: int, overrides: list[tuple[str, str]] = ()):
@@ -97,7 +98,7 @@ def make_config(model: str, remat: str, batch: int, overrides: list[tuple[str, s
 def palm_flops_per_token(m) -> float:
     """6 N + 12 L H Q T: llm.c's count with its causal 6 L D T replaced by the full square."""
     llmc_attention = 6.0 * m.num_layers * m.embed_dim * m.seq_len
-    return reporting.flops_per_token(m) - llmc_attention + 12.0 * m.num_layers * m.num_heads * m.head_dim * m.seq_len
+    return metrics.flops_per_token(m) - llmc_attention + 12.0 * m.num_layers * m.num_heads * m.head_dim * m.seq_len
 
 
 def batches_from(cap: int) -> list[int]:
@@ -156,7 +157,7 @@ def run(model: str, remat: str, cap: int, steps: int, repeats: int, warmup: int,
             tried.append({"batch": batch, "outcome": "out of memory while compiling"})
             continue
         compile_s = time.perf_counter() - t0
-        memory = reporting.memory_report(compiled)
+        memory = metrics.memory_report(compiled)
         estimate = memory.get("peak_estimate")
         if limit and estimate and estimate > limit:
             tried.append({"batch": batch, "outcome": f"compiled estimate {estimate / GIB:.1f} GiB > "
@@ -188,8 +189,8 @@ def _row(model, remat, exp, device, limit, memory, compile_s, per_step, loss, tr
     tokens = exp.cfg.train.batch_size * m.seq_len
     median = statistics.median(per_step)
     tokens_per_s = tokens / median
-    flops = {"llmc": reporting.flops_per_token(m), "palm": palm_flops_per_token(m)}
-    peak = reporting.peak_flops(device)
+    flops = {"llmc": metrics.flops_per_token(m), "palm": palm_flops_per_token(m)}
+    peak = metrics.peak_flops(device)
     stats = device.memory_stats() or {}
     in_use = stats.get("peak_bytes_in_use")
     choice = getattr(models, "attention_choice", None)  # model.attention's resolution, where it exists
@@ -203,11 +204,11 @@ def _row(model, remat, exp, device, limit, memory, compile_s, per_step, loss, tr
         "step_s": per_step, "step_s_median": median,
         "spread": (max(per_step) - min(per_step)) / median,
         "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops, "flops_convention": reporting.flops_convention(m),
+        "flops_per_token": flops, "flops_convention": metrics.flops_convention(m),
         "model_tflops_per_s": {k: v * tokens_per_s / 1e12 for k, v in flops.items()},
         "mfu": {k: (v * tokens_per_s / peak if peak else None) for k, v in flops.items()},
         "mfu_note": None if peak else (f"no dense bf16 peak known for device kind {device.device_kind!r} "
-                                       f"(meshtrain.reporting.PEAK_FLOPS), so no MFU"),
+                                       f"(meshtrain.metrics.PEAK_FLOPS), so no MFU"),
         "memory": {"peak_bytes_in_use": in_use, "bytes_limit": limit, "compiled": memory,
                    "peak_over_estimate": in_use / memory["peak_estimate"]
                    if in_use and memory.get("peak_estimate") else None,

@@ -21,7 +21,9 @@ import time
 import jax
 import numpy as np
 
-from meshtrain import config as config_lib, hlo, reporting, step as step_lib
+from meshtrain import config as config_lib, step as step_lib
+from meshtrain.planner import hlo
+from meshtrain import metrics
 from meshtrain.experiment import Experiment
 
 
@@ -78,7 +80,7 @@ def main(argv: list[str]) -> int:
         exp = build(args.config, overrides, chunk)
         t0 = time.perf_counter()
         compiled = exp.compile()
-        secs, mem = time.perf_counter() - t0, reporting.memory_report(compiled)
+        secs, mem = time.perf_counter() - t0, metrics.memory_report(compiled)
         c = exp.model.cfg
         logits = exp.cfg.train.batch_size * c.seq_len * c.padded_vocab_size * 4
         rows.append((chunk, mem["temp"], mem["peak_estimate"], secs, logits, hlo.dot_flops(compiled)))

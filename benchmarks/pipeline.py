@@ -9,7 +9,7 @@ compiles the train step of a GPT-2 tiny with `--layers` layers on a `stage:S` me
 of fake CPU devices and compares the work all S devices execute with the useful work:
 
     formula            (S - 1) / (r*M + S - 1)
-    matmul bubble      (E - U) / (E - U_head)   from matmul FLOPs (meshtrain.hlo.dot_flops,
+    matmul bubble      (E - U) / (E - U_head)   from matmul FLOPs (meshtrain.planner.hlo.dot_flops,
                        loop trip counts included): E = per-device x S, pipelined;
                        U = one-stage program, same M and r (no bubble); U_head = the
                        matmuls outside the layers (unpipelined step at L and L/2 layers)
@@ -24,7 +24,7 @@ The matmul count has no such noise, and it is the work that takes the time.
 
 It also reports, from the normal (rolled) program, the per-device peak memory
 estimate (temp + arguments + outputs - aliased) and the collectives per step by
-kind (meshtrain.hlo.collectives, loop trip counts included). Results: docs/benchmarks.md.
+kind (meshtrain.planner.hlo.collectives, loop trip counts included). Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 
-from meshtrain import config as config_lib, hlo, reporting, step as step_lib  # noqa: E402
+from meshtrain import config as config_lib, step as step_lib  # noqa: E402
+from meshtrain.planner import hlo
+from meshtrain import metrics
 from meshtrain.experiment import Experiment  # noqa: E402
 
 
@@ -101,7 +103,7 @@ def main(argv: list[str]) -> None:
             d_exec, d_useful = hlo.dot_flops(compiled) * s, hlo.dot_flops(one_stage.compile())
             c_exec, c_useful = ((float("nan"),) * 2 if args.no_cost_analysis else
                                 (flops(exp, unroll=True) * s, flops(one_stage, unroll=True)))
-            peak = reporting.memory_report(compiled)["peak_estimate"] / 2**20
+            peak = metrics.memory_report(compiled)["peak_estimate"] / 2**20
             coll = hlo.collectives(compiled)
 
             def fmt(kind):

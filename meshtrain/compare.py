@@ -1,6 +1,6 @@
 """Compare training runs: eval loss against wall time and tokens, throughput over time.
 
-    python -m meshtrain.compare W1 W2 ... --out=FILE.png [--labels=a,b] [--smooth=N]
+    meshtrain compare W1 W2 ... --out=FILE.png [--labels=a,b] [--smooth=N]
 
 Each W is a workdir written by `python -m meshtrain.train --workdir=W`; the command reads
 its run.json and metrics.jsonl and draws one figure (.png, .pdf or .svg) of three panels:
@@ -31,10 +31,9 @@ import json
 import sys
 from pathlib import Path
 
-from meshtrain.errors import UserError, run_command
+from meshtrain import cli
+from meshtrain.errors import UserError
 
-USAGE = "python -m meshtrain.compare W1 [W2 ...] --out=FILE.png|.pdf|.svg [--labels=a,b,...] [--smooth=N]"
-FLAGS = ("out", "labels", "smooth")
 FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -60,44 +59,38 @@ class Run:
         return max((t for _, t, _ in self.train + self.evals), default=0.0)
 
 
-def parse_args(argv: list[str]) -> tuple[list[Path], Path, list[str] | None, int]:
-    """argv -> (workdirs, output path, labels or None, smoothing window >= 1)."""
-    workdirs, flags, args = [], {}, list(argv)
-    while args:
-        arg = args.pop(0)
-        if not arg.startswith("--"):
-            workdirs.append(Path(arg))
-            continue
-        name, sep, value = arg[2:].partition("=")
-        if name not in FLAGS:
-            raise UserError(f"Unknown flag {arg!r}; the flags are --out, --labels and --smooth. Usage: {USAGE}")
-        if not sep:
-            if not args:
-                raise UserError(f"Flag --{name} needs a value, e.g. --{name}=VALUE. Usage: {USAGE}")
-            value = args.pop(0)
-        flags[name] = value
+def parser() -> cli.Parser:
+    p = cli.command_parser("meshtrain compare", __doc__)
+    p.add_argument("workdirs", nargs="*", type=Path, metavar="WORKDIR",
+                   help="workdirs of `meshtrain train --workdir=DIR` runs")
+    p.add_argument("--out", type=Path, metavar="FILE", help=f"the figure: {', '.join(FORMATS)} (required)")
+    p.add_argument("--labels", metavar="A,B", help="one label per workdir, in order "
+                                                   "(default: config, layout and mesh)")
+    p.add_argument("--smooth", type=int, default=1, metavar="N",
+                   help="draw each curve as the trailing mean of N points")
+    return p
+
+
+def check_args(args) -> tuple[list[Path], Path, list[str] | None, int]:
+    """-> (workdirs, output path, labels or None, smoothing window >= 1), checked."""
+    workdirs, out = args.workdirs, args.out
     if not workdirs:
-        raise UserError(f"No workdir given: name at least one directory that `python -m meshtrain.train "
-                        f"--workdir=DIR` wrote. Usage: {USAGE}")
-    out = Path(flags.get("out", ""))
-    if "out" not in flags or out.suffix.lower() not in FORMATS:
-        given = f"--out={flags['out']!r}" if "out" in flags else "no --out"
+        raise UserError("No workdir given: name at least one directory that `meshtrain train "
+                        "--workdir=DIR` wrote, e.g. `meshtrain compare runs/a runs/b --out=runs.png`.")
+    if out is None or out.suffix.lower() not in FORMATS:
+        given = f"--out={str(out)!r}" if out is not None else "no --out"
         raise UserError(f"{given}: the figure's file must end in {', '.join(FORMATS)} (the format "
-                        f"follows the suffix), e.g. --out=compare.png. Usage: {USAGE}")
+                        f"follows the suffix), e.g. --out=compare.png.")
     if not out.parent.is_dir():
         raise UserError(f"--out={str(out)!r}: the directory {str(out.parent)!r} does not exist; create it first.")
-    labels = None if "labels" not in flags else flags["labels"].split(",")
+    labels = None if args.labels is None else args.labels.split(",")
     if labels is not None and len(labels) != len(workdirs):
-        raise UserError(f"--labels={flags['labels']!r} names {len(labels)} run(s), but {len(workdirs)} "
+        raise UserError(f"--labels={args.labels!r} names {len(labels)} run(s), but {len(workdirs)} "
                         f"workdir(s) were given: give one comma-separated label per workdir, in order.")
-    try:
-        smooth = int(flags.get("smooth", 1))
-    except ValueError:
-        smooth = 0
-    if smooth < 1:
-        raise UserError(f"--smooth={flags['smooth']!r}: give a whole number of points >= 1 (1 draws the "
+    if args.smooth < 1:
+        raise UserError(f"--smooth={args.smooth!r}: give a whole number of points >= 1 (1 draws the "
                         f"curves as logged).")
-    return workdirs, out, labels, smooth
+    return workdirs, out, labels, args.smooth
 
 
 def read_rows(workdir: Path, notes: list[str]) -> list[dict]:
@@ -251,8 +244,8 @@ def plot(runs: list[Run], out: Path, smooth: int) -> None:
         plt.close(fig)
 
 
-def run(argv: list[str]) -> int:
-    workdirs, out, labels, smooth = parse_args(argv)
+def execute(args) -> int:
+    workdirs, out, labels, smooth = check_args(args)
     notes: list[str] = []
     runs = [load_run(w, labels[i] if labels else None, notes) for i, w in enumerate(workdirs)]
     if not any(r.train or r.evals for r in runs):
@@ -272,8 +265,13 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(run, argv, "meshtrain.compare")
+def run(argv: list[str]) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    return cli.run(execute, parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return cli.main(execute, parser(), argv, prog)
 
 
 if __name__ == "__main__":

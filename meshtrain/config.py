@@ -3,7 +3,7 @@
 `load(name_or_path)` imports the file and calls its `get_config()`; `override`
 applies `--config.key=value` strings to the locked ConfigDict, parsing each value
 to the type of the key it replaces. Unknown keys and bad values are `UserError`s
-with a suggestion.
+with a suggestion. The command line itself is meshtrain/cli.py's.
 """
 
 from __future__ import annotations
@@ -18,17 +18,9 @@ import ml_collections
 from meshtrain.errors import UserError
 
 
-
-def _config_dir() -> pathlib.Path:
-    """configs/ at the repository root. Installs map it to the package meshtrain.configs
-    (pyproject.toml); a source tree on PYTHONPATH has it beside meshtrain/."""
-    spec = importlib.util.find_spec("meshtrain.configs")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        return pathlib.Path(location)
-    return pathlib.Path(__file__).resolve().parent.parent / "configs"
-
-
-CONFIG_DIR = _config_dir()
+# The shipped configs are the package meshtrain.configs (configs/ at the repository root
+# links to it), so `--config=NAME` finds them after any kind of install.
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
 def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_collections.ConfigDict:
@@ -118,11 +110,20 @@ def load(name_or_path: str) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+def keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every dotted key of `cfg`, in its order: ["model.name", ..., "data.prefetch"]."""
     out = []
     for k, v in cfg.items():
-        out.extend(_keys(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"])
+        out.extend(keys(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"])
     return out
+
+
+def get(cfg: ml_collections.ConfigDict, key: str):
+    """The value of dotted `key`."""
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
 
 
 def _parse_value(key: str, old, text: str):
@@ -160,14 +161,14 @@ def _parse_value(key: str, old, text: str):
 
 def override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
     """Sets dotted `key` from its command-line text; unknown keys are errors."""
-    keys = _keys(cfg)
-    if key not in keys:
-        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    known = keys(cfg)
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
         section = key.split(".")[0]
-        listed = [k for k in keys if k.startswith(section + ".")] or keys
+        listed = [k for k in known if k.startswith(section + ".")] or known
         raise UserError(
-            f"Unknown config key {key!r}.{hint} Known keys{' in ' + section if listed is not keys else ''}: "
+            f"Unknown config key {key!r}.{hint} Known keys{' in ' + section if listed is not known else ''}: "
             f"{', '.join(listed)}.")
     *parents, leaf = key.split(".")
     node = cfg
@@ -175,39 +176,3 @@ def override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
         node = node[p]
     with node.unlocked():
         node[leaf] = _parse_value(key, node[leaf], text)
-
-
-def parse_args(argv: list[str]) -> tuple[str, list[tuple[str, str]], dict[str, str]]:
-    """argv -> (config name, [(key, value) overrides], other --flags).
-
-    Accepts `--config.a.b=v` and `--config.a.b v`, `--noconfig.flag` for False.
-    """
-    name, overrides, flags = None, [], {}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if not arg.startswith("--"):
-            raise UserError(f"Unexpected argument {arg!r}. Usage: python -m meshtrain.train "
-                            f"--config=NAME [--config.key=value ...] [--workdir=DIR]")
-        body = arg[2:]
-        flag, sep, value = body.partition("=")
-        if flag.startswith("noconfig."):
-            overrides.append((flag[len("noconfig."):], "false"))
-            continue
-        if not sep:
-            if flag.startswith("config.") and (not args or args[0].startswith("--")):
-                value = "true"  # a bare boolean flag
-            elif args:
-                value = args.pop(0)
-            else:
-                raise UserError(f"Flag --{flag} needs a value, e.g. --{flag}=VALUE.")
-        if flag == "config":
-            name = value
-        elif flag.startswith("config."):
-            overrides.append((flag[len("config."):], value))
-        else:
-            flags[flag] = value
-    if name is None:
-        raise UserError(f"No --config given. Usage: python -m meshtrain.train --config=NAME "
-                        f"[--config.key=value ...] [--workdir=DIR]; names: {', '.join(available())}.")
-    return name, overrides, flags

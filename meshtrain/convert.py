@@ -1,7 +1,7 @@
 """Convert Hugging Face causal LMs to meshtrain checkpoints and back.
 
-    python -m meshtrain.convert from_hf --model=HF_DIR --out=CKPT
-    python -m meshtrain.convert to_hf --workdir=W [--step=N] --out=HF_DIR [--dtype=bfloat16]
+    meshtrain convert from_hf --model=HF_DIR --out=CKPT
+    meshtrain convert to_hf --workdir=W [--step=N] --out=HF_DIR [--dtype=bfloat16]
 
 from_hf reads config.json and the safetensors weights (one file or shards) of a
 GPT2LMHeadModel or LlamaForCausalLM directory, one tensor at a time, and writes CKPT: a
@@ -26,11 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-USAGE = ("Usage: python -m meshtrain.convert from_hf --model=HF_DIR --out=CKPT | "
-         "python -m meshtrain.convert to_hf --workdir=W [--step=N] --out=HF_DIR "
-         "[--dtype=float32|bfloat16|float16]")
-FLAGS = {"from_hf": ("model", "out"), "to_hf": ("workdir", "step", "out", "dtype")}
-REQUIRED = {"from_hf": ("model", "out"), "to_hf": ("workdir", "out")}
 DTYPES = ("float32", "bfloat16", "float16")
 # Orbax writes arrays in chunks, and OCDBT data files, of at most this many bytes: a run
 # on many devices then reads each shard without decoding a whole leaf, and the writer
@@ -38,21 +33,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 CHUNK_BYTES = 64 * 2**20
 
 
-def parse(argv: list[str]) -> tuple[str, dict[str, str]]:
-    from meshtrain.errors import UserError
-    if not argv or argv[0] not in FLAGS:
-        raise UserError(f"Give a command, from_hf or to_hf (got {argv[0] if argv else 'nothing'!r}). {USAGE}")
-    command, flags = argv[0], {}
-    for arg in argv[1:]:
-        name, sep, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep or name not in FLAGS[command]:
-            raise UserError(f"{command}: unexpected argument {arg!r}; its flags are "
-                            f"{', '.join('--' + f + '=...' for f in FLAGS[command])}. {USAGE}")
-        flags[name] = value
-    missing = [f for f in REQUIRED[command] if not flags.get(f)]
-    if missing:
-        raise UserError(f"{command} needs {', '.join('--' + f for f in missing)}. {USAGE}")
-    return command, flags
+def parser():
+    from meshtrain import cli
+    p = cli.command_parser("meshtrain convert", __doc__)
+    commands = p.add_subparsers(dest="command", metavar="{from_hf,to_hf}",
+                                title="commands (`meshtrain convert COMMAND --help` for its flags)")
+    hf_in = commands.add_parser("from_hf", help="a Hugging Face GPT-2 or Llama directory -> a meshtrain checkpoint",
+                                description="Read config.json and the safetensors weights of a GPT2LMHeadModel "
+                                            "or LlamaForCausalLM directory, one tensor at a time, and write a "
+                                            "checkpoint to fine-tune (--config.init.from=CKPT), evaluate or sample.")
+    hf_in.add_argument("--model", required=True, metavar="HF_DIR", help="the Hugging Face model directory")
+    hf_in.add_argument("--out", required=True, metavar="CKPT", help="a new directory for the checkpoint")
+    hf_out = commands.add_parser("to_hf", help="a run or a checkpoint -> a directory transformers loads",
+                                 description="Write safetensors shards, config.json, generation_config.json "
+                                             "and the tokenizer files of a run (or a converted checkpoint), "
+                                             "the vocabulary padding stripped.")
+    hf_out.add_argument("--workdir", required=True, metavar="W",
+                        help="a training workdir, its checkpoint directory, one step_N, or a converted CKPT")
+    hf_out.add_argument("--step", type=int, metavar="N", help="this committed step instead of the latest")
+    hf_out.add_argument("--out", required=True, metavar="HF_DIR", help="a new directory for the model")
+    hf_out.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: the checkpoint's)")
+    return p
 
 
 def _fresh_dir(out: Path, flag: str) -> None:
@@ -79,12 +80,14 @@ def from_hf(model_dir: str, out: str, say=print) -> None:
 
 
 def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) -> None:
-    from meshtrain import init_from, state as state_lib, tree_paths
-    from meshtrain.hf import safetensors_io, tensors, tokenizer
+    from meshtrain import state as state_lib, tree_paths
+    from meshtrain.checkpoints import init_from
+    from meshtrain.hf import safetensors_io, tensors
+    from meshtrain.hf import tokenizer_files
     t0 = time.perf_counter()
     where = str(model_dir / "config.json")
     # The tokenizer first: it is small, and a broken one should fail before the weights.
-    spec, copied = tokenizer.copy_files(model_dir, out / init_from.TOKENIZER_DIR)
+    spec, copied = tokenizer_files.copy_files(model_dir, out / init_from.TOKENIZER_DIR)
     reader = safetensors_io.Reader(model_dir)
     try:
         names = reader.keys()
@@ -124,7 +127,8 @@ def write_checkpoint(out: Path, params: dict, meta: dict) -> None:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from meshtrain import checkpoint as checkpoint_lib, init_from
+    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.checkpoints import init_from
     # No deep copy of numpy leaves (Orbax's default copies the whole model first: we hold
     # the only reference); the jax.Array entry only keeps Orbax from warning it has none.
     registry = ocp.type_handlers.create_type_handler_registry(
@@ -148,9 +152,11 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     """A meshtrain checkpoint (workdir, checkpoint dir, step dir or converted CKPT) -> HF_DIR."""
     import numpy as np
 
-    from meshtrain import hf, init_from, state as state_lib, tree_paths
+    from meshtrain import hf, state as state_lib, tree_paths
+    from meshtrain.checkpoints import init_from
     from meshtrain.errors import UserError
-    from meshtrain.hf import safetensors_io, tensors, tokenizer
+    from meshtrain.hf import safetensors_io, tensors
+    from meshtrain.hf import tokenizer_files
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r}: choose one of {', '.join(DTYPES)} (or leave it out "
                         f"to keep the checkpoint's).")
@@ -190,14 +196,14 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
                               None if dtype is None else _np_dtype(dtype), total, say)
         files = writer.close()
         source = src.hf_source()
-        config = conv.hf_config(arch, source.get("config"), out_dtype, tokenizer.token_ids(src.tokenizer))
+        config = conv.hf_config(arch, source.get("config"), out_dtype, tokenizer_files.token_ids(src.tokenizer))
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = dict(source.get("generation_config") or {"_from_model_config": True})
         for key in ("bos_token_id", "eos_token_id"):
             if config.get(key) is not None:
                 generation.setdefault(key, config[key])
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-        tok_files = tokenizer.write_hf_files(src.tokenizer, out)
+        tok_files = tokenizer_files.write_hf_files(src.tokenizer, out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # it was new or empty: nothing of the user's
         raise
@@ -211,22 +217,27 @@ def _np_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def run(argv: list[str]) -> int:
+def execute(args) -> int:
     from meshtrain.errors import UserError
-    command, flags = parse(argv)
-    if command == "from_hf":
-        from_hf(flags["model"], flags["out"])
+    if args.command is None:
+        raise UserError("Give a command, from_hf or to_hf: `meshtrain convert from_hf --model=HF_DIR "
+                        "--out=CKPT` or `meshtrain convert to_hf --workdir=W --out=HF_DIR`.")
+    if args.command == "from_hf":
+        from_hf(args.model, args.out)
         return 0
-    step = flags.get("step")
-    if step is not None and not step.isdigit():
-        raise UserError(f"--step={step!r}: expected a step number (a step_N of the checkpoints).")
-    to_hf(flags["workdir"], flags["out"], None if step is None else int(step), flags.get("dtype"))
+    to_hf(args.workdir, args.out, args.step, args.dtype)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from meshtrain.errors import run_command
-    return run_command(run, argv, "meshtrain.convert")
+def run(argv: list[str]) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    from meshtrain import cli
+    return cli.run(execute, parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from meshtrain import cli
+    return cli.main(execute, parser(), argv, prog)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import checkpoint, distributed, grad_reduce, init_from, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain.cluster import distributed
+from meshtrain.checkpoints import init_from, store as checkpoint_store
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -61,30 +63,52 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
 
 
 @dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What a config names on disk, read once per run: the checkpoint `init.from` starts
+    from and the data source (a text corpus is tokenized here). A planner search builds
+    every candidate from one."""
+
+    init: init_from.InitSource | None
+    source: Any
+
+
+def read_inputs(cfg: ml_collections.ConfigDict) -> Inputs:
+    """Reads init.from's checkpoint description and builds the data source."""
+    init = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
+    cfg = resolve(cfg, init)
+    dims = init_from.model_dims(init, cfg.model) if init else models.size_dims(cfg.model)
+    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
+                         seed=cfg.train.seed)
+    return Inputs(init, source)
+
+
+def resolve(cfg: ml_collections.ConfigDict, init: init_from.InitSource | None) -> ml_collections.ConfigDict:
+    """The config a run uses and prints: `cfg` itself, or with init.from a copy whose
+    model.* and data.tokenizer follow the checkpoint (init_from.resolve)."""
+    return cfg if init is None else init_from.resolve(cfg, init)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What a config resolves to on a mesh, before anything is traced."""
 
     layout: Layout
     model: state_lib.ModelDef
-    source: Any
     params: Any     # params-shaped NamedShardings: how weights are stored
     opt_state: Any  # params-shaped NamedShardings: optimizer moments, and where gradients reduce to
-    init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
 
 
-def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
+def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     """Every check that needs no devices, each section by the module that owns its keys:
     layout and batch here, pipeline.*, train.* (loop; loss_chunk: loss), checkpoint.*, data.*,
-    optim.*, model.*.
+    optim.*, model.*. It only reads: `cfg` is resolved already (`resolve`), and what it
+    names on disk was read once (`inputs`).
 
     `mesh` may be a jax.sharding.AbstractMesh, so a 32-device config can be checked
     on a laptop without simulating its devices.
     """
     layout = layouts.get(cfg.layout)
-    # init.from fixes the architecture; model.name and data.tokenizer follow the checkpoint.
-    src = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
-    if src is not None:
-        init_from.configure(cfg, src)
+    src, source = inputs.init, inputs.source
     dims = init_from.model_dims(src, cfg.model) if src else models.size_dims(cfg.model)
     pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"])
     pipeline.check_layout(layout, pipe)
@@ -92,9 +116,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     loop.check_config(cfg.train)
     loss.check_config(cfg.train, dims["seq_len"])
     grad_reduce.check(cfg.train.grad_dtype)
-    checkpoint.check_config(cfg.checkpoint)
-    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
-                         seed=cfg.train.seed)
+    checkpoint_store.check_config(cfg.checkpoint)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
              else _model_vocab(cfg.model, source, cfg.data.kind))
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
@@ -106,7 +128,14 @@ def validate(cfg: ml_collections.ConfigDict, mesh) -> Plan:
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
     # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
-    return Plan(layout, model, source, params, opt_state, src)
+    return Plan(layout, model, params, opt_state)
+
+
+def check_config(cfg: ml_collections.ConfigDict, mesh) -> Plan:
+    """Everything a config can get wrong, without devices: read_inputs, resolve, validate
+    (what `meshtrain train` checks before tracing; tests and notebooks call this)."""
+    inputs = read_inputs(cfg)
+    return validate(resolve(cfg, inputs.init), mesh, inputs)
 
 
 def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
@@ -141,19 +170,23 @@ class Experiment:
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
-              mesh_shape: dict | None = None) -> "Experiment":
-        """Validates `cfg` and builds everything short of tracing.
+              mesh_shape: dict | None = None, inputs: Inputs | None = None) -> "Experiment":
+        """Validates `cfg` and builds everything short of tracing. `cfg` is not changed:
+        the experiment keeps its resolved copy (`exp.cfg`, what run.json records).
 
         `devices` defaults to all devices; `mesh_shape` overrides cfg.mesh.shape
-        (tests use a 1-device mesh as the reference).
+        (tests use a 1-device mesh as the reference); `inputs` (read_inputs(cfg)) is read
+        here when not given.
         """
+        inputs = read_inputs(cfg) if inputs is None else inputs
+        cfg = resolve(cfg, inputs.init)
         devices = list(devices if devices is not None else jax.devices())
         shape = mesh_lib.parse_shape(mesh_shape if mesh_shape is not None else cfg.mesh.shape)
         shape = mesh_lib.resolve_shape(shape, len(devices))
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape) if mesh_shape is None else None
         mesh = mesh_lib.make_mesh(shape, devices, dcn=dcn, hosts=distributed.hosts())
-        plan = validate(cfg, mesh)
-        layout, model, source = plan.layout, plan.model, plan.source
+        plan = validate(cfg, mesh, inputs)
+        layout, model, source = plan.layout, plan.model, inputs.source
 
         total = max(cfg.train.steps, 1)
         schedule = optim.schedule(cfg.optim, total)
@@ -169,7 +202,7 @@ class Experiment:
                                             loss_chunk=cfg.train.loss_chunk)
         batch_sharding = step_lib.batch_sharding(layout, mesh)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, dcn, plan.init)
+                   train_step, eval_step, batch_sharding, dcn, inputs.init)
 
     @property
     def batch_shape(self) -> tuple[int, int]:

@@ -15,16 +15,11 @@ import time
 import jax
 import numpy as np
 
-from typing import TYPE_CHECKING
-
+from meshtrain.checkpoints.store import Checkpointer
+from meshtrain.cluster.preemption import Preemption
 from meshtrain.errors import RunFailed, UserError, warn
-from meshtrain.preemption import Preemption
+from meshtrain.metrics import RunLog
 from meshtrain.step import NONFINITE_POLICIES, gradient_names
-
-if TYPE_CHECKING:  # the experiment imports this module to check train.*
-    from meshtrain.checkpoint import Checkpointer
-    from meshtrain.experiment import Experiment
-    from meshtrain.reporting import RunLog
 
 
 def check_config(t) -> None:
@@ -89,7 +84,8 @@ class Profiler:
                      f"(TensorBoard's profile plugin or ui.perfetto.dev; docs/profiling.md)")
 
 
-def evaluate(exp: Experiment, params) -> float:
+def evaluate(exp, params) -> float:
+    """Mean loss of `exp`'s (an Experiment's) eval batches under `params`."""
     losses = [exp.eval_step(params, exp.put_batch(b)) for b in exp.eval_batches()]
     return float(np.mean(jax.device_get(losses)))
 
@@ -161,10 +157,11 @@ class _Reader:
         self.last_time, self.last_step = time.perf_counter() if now is None else now, step
 
 
-def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
+def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
                run_summary: dict | None = None) -> list[dict]:
-    """Runs to train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
+    """Runs `exp` (an Experiment: experiment.py, which sits above this module) to
+    train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
 
     Returns the logged rows. `compiled_step` is exp.compile(). With a checkpointer it
     saves every checkpoint.every steps, at the last step, and on SIGTERM (then stops).
@@ -181,6 +178,7 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
     reader = _Reader(log, guard, time.perf_counter(), start)
     preemption = Preemption()
     profiler = Profiler(t, log.dir, log.say)
+    step, stop = start, False
     try:
         for step in range(start + 1, end + 1):
             profiler.before(step)
@@ -205,6 +203,7 @@ def train_loop(exp: Experiment, compiled_step, log: RunLog, state=None, *,
             if checkpointer is not None and step % t.log_every == 0:
                 checkpointer.check_errors()  # a failed background save stops the run early
         reader.flush()
+        log.ended(step, stop)
     finally:
         profiler.stop(state)  # a run that ends inside the traced steps still writes its trace
         preemption.close()

@@ -37,6 +37,32 @@ def schedule(o: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
         decay_steps=max(total_steps, warmup + 1), end_value=o.min_lr)
 
 
+def describe(o: ml_collections.ConfigDict, total_steps: int, stop_at: int = 0) -> tuple[str, list[str]]:
+    """The schedule in one line, and warnings where warm-up or decay does not fit in
+    `total_steps` (train.steps): -> (line, [warning, ...])."""
+    warmup = int(o.warmup_steps)
+    lr = schedule(o, total_steps)
+    rise = f"warm-up 0 -> {o.lr:g} over {min(warmup, total_steps)} steps, " if warmup else f"{o.lr:g} from step 1, "
+    fall = (f"cosine to {o.min_lr:g} at step {total_steps}" if o.schedule == "cosine"
+            else f"then constant")
+    line = f"lr: {rise}{fall} (optim.schedule={o.schedule})"
+    if stop_at:
+        line += f"; this run stops at step {stop_at} (train.stop_at), lr {float(lr(stop_at)):.3g} there"
+    warnings = []
+    if warmup >= total_steps > 0:
+        warnings.append(
+            f"optim.warmup_steps={warmup} is not less than train.steps={total_steps}: the warm-up "
+            f"takes the whole run (cut to {total_steps} steps), so the lr reaches optim.lr={o.lr:g} "
+            f"only at the last step and never decays. Use fewer warm-up steps, e.g. "
+            f"--config.optim.warmup_steps={max(total_steps // 10, 1)} (a tenth of the run).")
+    elif o.schedule == "cosine" and warmup > total_steps // 2:
+        warnings.append(
+            f"optim.warmup_steps={warmup} is more than half of train.steps={total_steps}: the cosine "
+            f"decay to optim.min_lr={o.min_lr:g} has only {total_steps - warmup} steps. Use fewer "
+            f"warm-up steps, e.g. --config.optim.warmup_steps={max(total_steps // 10, 1)}.")
+    return line, warnings
+
+
 def decay_mask(axes_tree) -> dict:
     """True for parameters that get weight decay. `axes_tree` mirrors params with axis tuples."""
     return jax.tree.map(is_matrix, axes_tree, is_leaf=lambda x: isinstance(x, tuple))

@@ -1,8 +1,9 @@
-"""Plan a layout before renting the hardware: memory, collectives and step time.
+"""Plan a layout before renting the hardware: memory, collectives and step time per
+device, from the real train step compiled on simulated devices.
 
-    python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 [--config.key=value ...]
+    meshtrain plan --config=gpt2_medium_dp8_tp4 [--config.key=value ...]
         [--hardware=h100|h200|a100|a100_40gb|FILE.json] [--json]
-    python -m meshtrain.plan --config=NAME --search --devices=32 [--nodes=4]
+    meshtrain plan --config=NAME --search --devices=32 [--nodes=4]
         [--budget=600] [--top=10] [--jobs=2] [--layouts=dp,fsdp,...] [--remat=none,...]
         [--cache_dir=DIR] [--json]
 
@@ -16,85 +17,84 @@ The layout linter runs first. docs/planner.md explains every figure.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
 
-from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError, run_command, warn
+from meshtrain import cli, mesh as mesh_lib
+from meshtrain.errors import UserError, warn
 
-FLAGS = ("hardware", "devices", "nodes", "budget", "top", "jobs", "cache_dir", "layouts", "remat")
 SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "cache_dir", "layouts", "remat")
-SWITCHES = ("json", "search")
-USAGE = ("Usage: python -m meshtrain.plan --config=NAME [--config.key=value ...] [--hardware=h100] "
-         "[--json] [--search --devices=N [--nodes=K] [--budget=SECONDS] [--top=10] [--jobs=J] "
-         "[--layouts=dp,fsdp,...] [--remat=none,full] [--cache_dir=DIR]]")
 
 
-def parse(argv: list[str]):
-    """argv -> (config name, config with overrides, overrides, flags, switches)."""
-    switches = {s for s in SWITCHES if f"--{s}" in argv}
-    rest = [a for a in argv if a.removeprefix("--") not in SWITCHES]
-    name, overrides, flags = config_lib.parse_args(rest)
-    unknown = set(flags) - set(FLAGS)
-    if unknown:
-        raise UserError(f"Unknown flag(s) {', '.join('--' + f for f in sorted(unknown))}. {USAGE}")
-    if "search" not in switches and set(SEARCH_FLAGS) & set(flags):
-        raise UserError(f"{', '.join('--' + f for f in SEARCH_FLAGS)} go with --search. {USAGE}")
-    cfg = config_lib.load(name)
-    for key, value in overrides:
-        config_lib.override(cfg, key, value)
-    return name, cfg, overrides, flags, switches
+def parser() -> cli.Parser:
+    from meshtrain.planner import hardware, search
+    p = cli.command_parser("meshtrain plan", __doc__, config=True)
+    p.add_argument("--hardware", default="h100",
+                   help=f"the hardware table entry to predict for ({', '.join(hardware.TABLE)}) "
+                        f"or a JSON file of the same fields")
+    p.add_argument("--json", action="store_true", help="print the report (or the ranking) as JSON")
+    s = p.add_argument_group("search (--search --devices=N)")
+    s.add_argument("--search", action="store_true",
+                   help="rank meshes, layouts, remat policies and microbatches for --devices")
+    s.add_argument("--devices", type=_positive, metavar="N", help="the device count to plan for")
+    s.add_argument("--nodes", type=_positive, metavar="K", help="nodes the devices are on (mesh.dcn)")
+    s.add_argument("--budget", type=_positive, metavar="SECONDS",
+                   help="wall time for compiling candidates, the rest ranked by formula (default 600)")
+    s.add_argument("--top", type=_positive, metavar="N", help="rows of the ranking to show (default 10)")
+    s.add_argument("--jobs", type=_positive, metavar="J", help="compiling worker processes (default 2)")
+    s.add_argument("--layouts", type=_choices(tuple(search.PRESET_AXES)), metavar="A,B",
+                   help=f"layout presets to try, from {', '.join(search.PRESET_AXES)} (default all)")
+    s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
+                   help=f"remat policies to try, from {', '.join(search.REMAT)} (default all)")
+    s.add_argument("--cache_dir", metavar="DIR", help="keep compiled reports here between searches")
+    return p
 
 
-def int_flag(flags: dict, key: str, default: int | None, least: int = 1) -> int | None:
-    if key not in flags:
-        return default
-    try:
-        value = int(flags[key])
-    except ValueError:
-        value = None
-    if value is None or value < least:
-        raise UserError(f"--{key}={flags[key]!r}: give a whole number >= {least}. {USAGE}")
-    return value
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number >= 1, not {text!r}")
+    return int(text)
 
 
-def list_flag(flags: dict, key: str, choices) -> tuple[str, ...] | None:
-    """`--layouts=dp,fsdp` -> ("dp", "fsdp"), each checked against `choices`; None if absent."""
-    if key not in flags:
-        return None
-    values = tuple(v.strip() for v in flags[key].split(",") if v.strip())
-    bad = [v for v in values if v not in choices]
-    if bad or not values:
-        raise UserError(f"--{key}={flags[key]!r}: {', '.join(bad) or 'nothing given'} not among "
-                        f"{', '.join(choices)}. Give a comma-separated list of them.")
-    return values
+def _choices(choices):
+    """`dp,fsdp` -> ("dp", "fsdp"), each one of `choices`."""
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'nothing given'} not among "
+                                             f"{', '.join(choices)}; give a comma-separated list of them")
+        return values
+    return parse
 
 
-def run(argv: list[str]) -> int:
-    name, cfg, overrides, flags, switches = parse(argv)
+def execute(args) -> int:
+    name, cfg = args.config_name, args.config
+    given = [f for f in SEARCH_FLAGS if getattr(args, f) is not None]
+    if not args.search and given:
+        raise UserError(f"{', '.join('--' + f for f in given)} go with --search (--search --devices=N).")
     from meshtrain.planner import fast_compile, hardware
-    hw = hardware.get(flags.get("hardware", "h100"))
+    hw = hardware.get(args.hardware)
     # Before JAX starts; it sets XLA_FLAGS in this process's environment, which search
     # workers inherit (and so would any other child: a caller in-process, like a test,
     # restores it).
     fast_compile()
-    if "search" in switches:
+    if args.search:
         from meshtrain.planner import search
-        devices = int_flag(flags, "devices", None)
-        if devices is None:
-            raise UserError(f"--search needs --devices=N, the device count to plan for. {USAGE}")
-        result = search.run(name, cfg, overrides, hw, devices=devices, nodes=int_flag(flags, "nodes", None),
-                            budget_s=int_flag(flags, "budget", 600), top=int_flag(flags, "top", 10),
-                            jobs=int_flag(flags, "jobs", 2), cache_dir=flags.get("cache_dir"),
-                            layouts=list_flag(flags, "layouts", tuple(search.PRESET_AXES)),
-                            remats=list_flag(flags, "remat", search.REMAT) or search.REMAT,
-                            say=(lambda *a, **k: None) if "json" in switches else print)
-        if "json" in switches:
+        if args.devices is None:
+            raise UserError("--search needs --devices=N, the device count to plan for.")
+        result = search.run(name, cfg, args.overrides, hw, devices=args.devices, nodes=args.nodes,
+                            budget_s=args.budget or 600, top=args.top or 10, jobs=args.jobs or 2,
+                            cache_dir=args.cache_dir,
+                            layouts=args.layouts, remats=args.remat or search.REMAT,
+                            say=(lambda *a, **k: None) if args.json else print)
+        if args.json:
             print(json.dumps(result, indent=2, default=str))
         return 0
-    report = plan_config(name, cfg, hw, say=warn if "json" in switches else print)
-    if "json" in switches:
+    report = plan_config(name, cfg, hw, say=warn if args.json else print)
+    if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         from meshtrain.planner import text
@@ -106,20 +106,21 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     """Lint, simulate the mesh's devices, build, compile and report one config. `devices`:
     the devices to build on (default all; a notebook with more simulated devices than
     the mesh passes `jax.devices()[:n]`)."""
-    from meshtrain import lint
+    from meshtrain.experiment import Experiment, read_inputs, resolve
+    from meshtrain.planner import lint, report as report_lib
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     if -1 in shape.values():
         raise UserError(f"mesh.shape={cfg.mesh.shape!r} has an axis of size -1: the planner needs "
                         f"every size, e.g. --config.mesh.shape=data:8,tensor:4.")
     dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
+    mesh_lib.simulate_cpu_devices(shape)  # before anything starts the JAX backend
+    inputs = read_inputs(cfg)
+    cfg = resolve(cfg, inputs.init)
     findings = lint.lint(cfg, shape, dcn)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise UserError(" ".join(str(f) for f in errors))
-    mesh_lib.simulate_cpu_devices(shape)
-    from meshtrain.experiment import Experiment
-    from meshtrain.planner import report as report_lib
-    exp = Experiment.build(cfg, devices=devices)
+    exp = Experiment.build(cfg, devices=devices, inputs=inputs)
     findings = _unique(findings + lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model))
     for f in findings:
         say(f"lint: {f}")
@@ -138,8 +139,13 @@ def _unique(findings: list) -> list:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(run, argv, "meshtrain.plan")
+def run(argv: list[str]) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    return cli.run(execute, parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return cli.main(execute, parser(), argv, prog)
 
 
 if __name__ == "__main__":

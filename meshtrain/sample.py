@@ -1,7 +1,7 @@
-"""Sample text from a trained run or a converted Hugging Face model (nanoGPT's sample.py,
-on a device mesh).
+"""Sample text from a trained run or a converted Hugging Face model, with a KV cache on the
+run's mesh (nanoGPT's sample.py, on a device mesh).
 
-    python -m meshtrain.sample (--workdir=W | --checkpoint=CKPT) [--step=N] --prompt=TEXT
+    meshtrain sample (--workdir=W | --checkpoint=CKPT) [--step=N] --prompt=TEXT
         [--num_samples=1] [--max_new_tokens=N] [--temperature=0.8] [--top_k=0] [--top_p=1.0]
         [--seed=0] [--mesh=SHAPE] [--layout=NAME] [--dtype=float32]
 
@@ -16,7 +16,7 @@ under --layout (default dp); the tokenizer is the checkpoint's (`from_checkpoint
 
 Either way CPU devices are simulated to fit the mesh (as in training), a mesh of fewer
 devices than the host has uses the first ones, the params are read straight into the
-layout's shardings, and the generation (meshtrain/generate.py) is compiled once.
+layout's shardings, and the generation (meshtrain/sampling/generate.py) is compiled once.
 Samples go to stdout, each followed by a separator line; what was loaded and how fast
 it ran go to stderr. Bad input exits with status 2 and one paragraph. See
 docs/sampling.md.
@@ -27,56 +27,45 @@ from __future__ import annotations
 import sys
 import time
 
-from meshtrain import mesh as mesh_lib
-from meshtrain.errors import UserError, run_command
-from meshtrain.sample_sources import DTYPES, from_checkpoint, from_workdir
+from meshtrain import cli, mesh as mesh_lib
+from meshtrain.errors import UserError
+from meshtrain.sampling.sources import DTYPES, from_checkpoint, from_workdir
 
-USAGE = ("python -m meshtrain.sample (--workdir=DIR | --checkpoint=CKPT) [--step=N] [--prompt=TEXT] "
-         "[--num_samples=N] [--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] "
-         "[--seed=S] [--mesh=SHAPE] [--layout=NAME] [--dtype=float32|bfloat16|float16]")
 SEPARATOR = "---------------"
-# Flag -> (type, default). max_new_tokens None: the rest of the context, at most 256.
-FLAGS = {
-    "workdir": (str, None), "checkpoint": (str, None), "step": (int, None), "prompt": (str, ""),
-    "num_samples": (int, 1), "max_new_tokens": (int, None), "temperature": (float, 0.8),
-    "top_k": (int, 0), "top_p": (float, 1.0), "seed": (int, 0),
-    "mesh": (str, None), "layout": (str, None), "dtype": (str, None),
-}
 DEFAULT_MAX_NEW = 256
 
 
-def parse_flags(argv: list[str]) -> dict:
-    """`--name=value` or `--name value` for the FLAGS; anything else is a UserError."""
-    given: dict[str, str] = {}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        name, sep, value = arg[2:].partition("=") if arg.startswith("--") else (arg, "", "")
-        if not arg.startswith("--") or name not in FLAGS:
-            raise UserError(f"Unknown argument {arg!r}. Usage: {USAGE}.")
-        if not sep:
-            if not args:
-                raise UserError(f"Flag --{name} needs a value, e.g. --{name}=VALUE. Usage: {USAGE}.")
-            value = args.pop(0)
-        given[name] = value
-    flags = {}
-    for name, (kind, default) in FLAGS.items():
-        if name not in given:
-            flags[name] = default
-            continue
-        try:
-            flags[name] = kind(given[name])
-        except ValueError:
-            what = {int: "an integer", float: "a number"}[kind]
-            raise UserError(f"--{name}={given[name]!r}: expected {what}. Usage: {USAGE}.") from None
+def parser() -> cli.Parser:
+    p = cli.command_parser("meshtrain sample", __doc__)
+    src = p.add_argument_group("what to sample from (one of)")
+    src.add_argument("--workdir", metavar="DIR", help="a run's workdir (`meshtrain train --workdir=DIR`)")
+    src.add_argument("--checkpoint", metavar="CKPT", help="a converted checkpoint (`meshtrain convert from_hf`)")
+    src.add_argument("--step", type=int, metavar="N", help="this committed step instead of the latest (--workdir)")
+    p.add_argument("--prompt", default="", help="text to continue (token ids like 3,17,42 when the model "
+                                                "has no tokenizer); empty starts a document")
+    p.add_argument("--num_samples", type=int, default=1, metavar="N", help="samples to draw, in one batch")
+    p.add_argument("--max_new_tokens", type=int, metavar="N",
+                   help=f"tokens to generate (default: the rest of the context, at most {DEFAULT_MAX_NEW})")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top_k", type=int, default=0, help="keep the K most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="keep the smallest set of tokens with this much "
+                                                              "probability (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    layout = p.add_argument_group("where it runs (--checkpoint; a --workdir run uses its own)")
+    layout.add_argument("--mesh", metavar="SHAPE", help="the mesh, e.g. data:2,tensor:4 (default data:1)")
+    layout.add_argument("--layout", metavar="NAME", help="the layout (default dp)")
+    layout.add_argument("--dtype", choices=DTYPES, help="the compute dtype (default: the run's, or float32)")
+    return p
+
+
+def check_flags(args) -> dict:
+    """The parsed flags as a dict, checked: exactly one source, values in range."""
+    flags = vars(args)
     if (flags["workdir"] is None) == (flags["checkpoint"] is None):
         given = "Both --workdir and --checkpoint were given" if flags["workdir"] else "No --workdir or --checkpoint given"
         raise UserError(f"{given}: pass exactly one, --workdir=DIR for a run trained with "
-                        f"`python -m meshtrain.train --workdir=DIR`, or --checkpoint=CKPT for a "
-                        f"model converted with `python -m meshtrain.convert from_hf --model=HF_DIR "
-                        f"--out=CKPT`. Usage: {USAGE}.")
-    if flags["dtype"] is not None and flags["dtype"] not in DTYPES:
-        raise UserError(f"--dtype={flags['dtype']!r}: the compute dtype is one of {', '.join(DTYPES)}.")
+                        f"`meshtrain train --workdir=DIR`, or --checkpoint=CKPT for a model converted "
+                        f"with `meshtrain convert from_hf --model=HF_DIR --out=CKPT`.")
     checks = [("num_samples", flags["num_samples"] >= 1, "at least 1"),
               ("max_new_tokens", flags["max_new_tokens"] is None or flags["max_new_tokens"] >= 1, "at least 1"),
               ("temperature", flags["temperature"] >= 0, ">= 0 (0 is greedy)"),
@@ -89,10 +78,10 @@ def parse_flags(argv: list[str]) -> dict:
     return flags
 
 
-def run(argv: list[str]) -> int:
-    flags = parse_flags(argv)
+def execute(args) -> int:
+    flags = check_flags(args)
     src = from_workdir(flags) if flags["workdir"] is not None else from_checkpoint(flags)
-    from meshtrain import generate as gen
+    from meshtrain.sampling import generate as gen
     model, layout, mesh = src.model, src.layout, src.mesh
     prompt = encode_prompt(flags["prompt"], src.tokenizer, model.cfg.vocab_size)
     n_new = new_tokens(len(prompt), flags["max_new_tokens"], model.cfg.seq_len)
@@ -183,8 +172,13 @@ def decode(tok, prompt: list[int], new) -> str:
     return " ".join(map(str, ids)) if tok is None else tok.decode(ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(run, argv, "meshtrain.sample")
+def run(argv: list[str]) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    return cli.run(execute, parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return cli.main(execute, parser(), argv, prog)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Train a model on a device mesh.
+"""Train a config on its device mesh: checkpoints, eval and metrics in --workdir, a
+summary at the end; rerunning the same command resumes.
 
-    python -m meshtrain.train --config=gpt2_tiny_dp2_tp4 --workdir=runs/tiny [--config.key=value ...]
+    meshtrain train --config=gpt2_tiny_dp2_tp4 --workdir=runs/tiny [--config.key=value ...]
+    python -m meshtrain.train ...   (the same)
 
 `--config.train.steps=0` builds, shards and compiles the step, writes run.json
 (with the compiled per-device memory) and exits: a compile-only check of a layout.
@@ -9,79 +11,29 @@ Bad input exits with status 2 and one paragraph on stderr, never a traceback.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
+import shlex
 import sys
 import time
 
-from meshtrain import config as config_lib, distributed, launch as launch_lib, mesh as mesh_lib, xla_gpu
-from meshtrain.errors import UserError, run_command, warn
+from meshtrain import cli, mesh as mesh_lib
+from meshtrain.cluster import distributed, launch as launch_lib, xla_flags
+from meshtrain.errors import UserError, warn
+
+
+def parser() -> cli.Parser:
+    p = cli.command_parser("meshtrain train", __doc__, config=True)
+    p.add_argument("--workdir", metavar="DIR",
+                   help="where run.json, metrics.jsonl, TensorBoard events and checkpoints go; "
+                        "rerunning with the same DIR resumes (none: nothing is saved)")
+    multi = p.add_argument_group("one of several processes (under srun: found, no flags needed)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (JAX_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num_processes", metavar="N", help="how many processes (JAX_NUM_PROCESSES)")
+    multi.add_argument("--process_id", metavar="I", help="this one, 0..N-1 (JAX_PROCESS_ID)")
+    return p
+
 
 FLAGS = ("workdir", "coordinator", "num_processes", "process_id")
-
-
-def _run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
-    import flax
-    import jax
-    import optax
-
-    from meshtrain import reporting
-    device = jax.devices()[0]
-    m = exp.model.cfg
-    return {
-        "config_name": name,
-        "config": exp.cfg.to_dict(),
-        "mesh": {"shape": dict(exp.mesh.shape), "axis_names": list(exp.mesh.axis_names)},
-        "layout": {"name": exp.layout.name, "rules": exp.layout.describe()},
-        "device_kind": device.device_kind, "platform": device.platform,
-        "device_count": jax.device_count(), "devices_source": simulated,
-        "process_count": jax.process_count(),
-        "num_params": exp.num_params(), "num_params_stored": exp.num_stored_params(),
-        "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
-        "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
-        "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
-        "flops_per_token": reporting.flops_per_token(m), "flops_convention": reporting.flops_convention(m),
-        "peak_flops_per_device": reporting.peak_flops(device),
-        "compile_time_s": compile_s,
-        "compiled_memory_per_device": compiled_memory,
-        "data": exp.source.info,
-        "pipeline": _pipeline_info(exp.model.pipeline),
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
-    }
-
-
-def _data_line(info: dict, vocab: int, windows: int) -> str:
-    """What the run reads, and how far into it the run goes."""
-    if "best_loss" in info:
-        return (f"data: {info['kind']}, best possible loss {info['best_loss']:.4f} "
-                f"(log vocab = {math.log(vocab):.4f})")
-    what = info.get("name") or info.get("path")
-    return (f"data: {info['kind']} {what} | tokenizer {info['tokenizer']} ({info['vocab_size']} ids, "
-            f"log vocab = {math.log(vocab):.4f}) | train {info['train_tokens']:,} tokens, "
-            f"eval {info['val_tokens']:,} | this run reads {windows / max(info['train_windows'], 1):.2f} "
-            f"epochs{' of random-offset windows' if info.get('random_offsets') else ''}")
-
-
-def _pipeline_info(pipe) -> dict | None:
-    if pipe is None:
-        return None
-    return {"stages": pipe.stages, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
-            "ticks": pipe.ticks, "bubble": pipe.bubble}
-
-
-def load_config(argv: list[str]):
-    """argv -> (config name, locked config with overrides applied, other flags)."""
-    name, overrides, flags = config_lib.parse_args(argv)
-    unknown = set(flags) - set(FLAGS)
-    if unknown:
-        raise UserError(f"Unknown flag(s) {', '.join('--' + f for f in sorted(unknown))}. The flags "
-                        f"are --config=NAME, --config.key=value, --workdir=DIR and, for one of several "
-                        f"processes, --coordinator=HOST:PORT --num_processes=N --process_id=I.")
-    cfg = config_lib.load(name)
-    for key, value in overrides:
-        config_lib.override(cfg, key, value)
-    return name, cfg, flags
 
 
 def join(cfg, flags: dict, started: dict | None):
@@ -124,10 +76,10 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
 
 
 def lint_warnings(exp) -> None:
-    """The layout linter's warnings (meshtrain/lint.py), once each; they include what
+    """The layout linter's warnings (meshtrain/planner/lint.py), once each; they include what
     pipeline.warnings_for and mesh.dcn_warnings say, which are therefore not printed too.
     Its errors were already raised by validation."""
-    from meshtrain import lint
+    from meshtrain.planner import lint
     for finding in lint.lint(exp.cfg, dict(exp.mesh.shape), exp.dcn, exp.model):
         if finding.severity == "warning":
             warn(str(finding))
@@ -135,31 +87,35 @@ def lint_warnings(exp) -> None:
 
 def compile_step(exp, say):
     """AOT-compiles the train step: -> (compiled, per-device memory, seconds)."""
-    from meshtrain import reporting
+    from meshtrain import metrics
     t0 = time.perf_counter()
     compiled = exp.compile()
     compile_s = time.perf_counter() - t0
-    memory = reporting.memory_report(compiled)
+    memory = metrics.memory_report(compiled)
     say(f"compiled train step in {compile_s:.1f}s; per device: "
         + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in memory.items()))
     return compiled, memory, compile_s
 
 
-def run(argv: list[str], started: dict | None = None) -> int:
-    """The CLI, in phases: config, join the processes, build, checkpoints, compile, train.
-    `started["cluster"]` receives the joined processes, so `main` can tell the others
-    how this process ended."""
-    name, cfg, flags = load_config(argv)
-    xla_line = xla_gpu.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
+def execute(args, started: dict | None = None) -> int:
+    """The command, in phases: config, join the processes, build, checkpoints, compile,
+    train. `started["cluster"]` receives the joined processes, so `main` can tell the
+    others how this process ended."""
+    started_at = time.perf_counter()
+    name, cfg = args.config_name, args.config
+    flags = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
+    xla_line = xla_flags.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
     launch, cluster, source = join(cfg, flags, started)
 
     import jax
 
-    from meshtrain import checkpoint as checkpoint_lib, reporting
+    from meshtrain import metrics, optim
+    from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
 
     exp = Experiment.build(cfg)
+    cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if xla_line:
         say(xla_line)
@@ -182,11 +138,11 @@ def run(argv: list[str], started: dict | None = None) -> int:
         compiled, memory, compile_s = compile_step(exp, say)
         m = exp.model.cfg
         tokens_per_step = cfg.train.batch_size * m.seq_len
-        log = reporting.RunLog(workdir, cfg.train.steps, tokens_per_step,
-                               reporting.flops_per_token(m) * tokens_per_step,
-                               reporting.peak_flops(jax.devices()[0]), jax.device_count(),
+        log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,
+                               metrics.flops_per_token(m) * tokens_per_step,
+                               metrics.peak_flops(jax.devices()[0]), jax.device_count(),
                                resume_step=resume_step)
-        info = _run_info(name, exp, memory, compile_s, source)
+        info = metrics.run_info(name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
         if exp.dcn or launch.multiprocess:
             info["collectives_by_axes"] = _traffic(compiled, exp.mesh, node, say)
@@ -197,7 +153,11 @@ def run(argv: list[str], started: dict | None = None) -> int:
         if cfg.train.steps == 0:
             say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
             return 0
-        say(_data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
+        say(metrics.data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
+        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at)
+        say(lr_line)
+        for w in lr_warnings:
+            warn(w)
         if resume_step is None and exp.init is not None:
             say(f"init.from: {exp.init.source} ({exp.init.step_dir}): step 0, fresh optimizer")
         state, meta = None, None
@@ -205,6 +165,17 @@ def run(argv: list[str], started: dict | None = None) -> int:
             state, meta = checkpointer.restore(resume_step, exp)
         train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
                    run_summary=checkpoint_lib.run_summary(exp))
+        if checkpointer is not None:
+            checkpointer.wait()  # the last save committed before the summary names it
+            last = checkpointer.latest_step()
+            saved = None if last is None else checkpointer.where(last)
+        else:
+            saved = None
+        for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
+                                    wall_s=time.perf_counter() - started_at, checkpoint=saved,
+                                    workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
+                                    steps=cfg.train.steps):
+            say(line)
     finally:
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save; a failed one raises RunFailed
@@ -238,7 +209,7 @@ def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
 
 def _traffic(compiled, mesh, node: dict[int, int], say) -> dict:
     """Says which collectives cross nodes (`node`: device id -> node); returns them for run.json."""
-    from meshtrain import hlo
+    from meshtrain.planner import hlo
     traffic = hlo.collectives_by_axes(compiled, mesh, lambda d: node[d.id])
     parts = []
     for axes, entry in traffic.items():
@@ -253,7 +224,7 @@ def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
     """Process 0 locks the workdir, and the checkpoint dir when it lies elsewhere."""
     import jax
 
-    from meshtrain.lock import DirectoryLock
+    from meshtrain.checkpoints.lock import DirectoryLock
     if jax.process_index() != 0:
         return []
     locks = [DirectoryLock(workdir, "workdir")] if workdir else []
@@ -264,7 +235,7 @@ def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
 
 def open_checkpoints(cfg, exp, workdir: str | None, say):
     """(Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
-    from meshtrain import checkpoint as checkpoint_lib
+    from meshtrain.checkpoints import store as checkpoint_lib
     ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
     c = cfg.checkpoint
     if ckpt_dir is None or cfg.train.steps == 0:
@@ -293,14 +264,19 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
     return checkpointer, step, saved
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI. One of several processes tells the others how it ended, so a failure
-    on one stops them all, and leaves at once: waiting in JAX's shutdown barrier for
-    processes that will not come would only delay the exit."""
+def run(argv: list[str], started: dict | None = None) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    return cli.run(lambda a: execute(a, started), parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Runs the command. One of several processes tells the others how it ended, so a
+    failure on one stops them all, and leaves at once: waiting in JAX's shutdown barrier
+    for processes that will not come would only delay the exit."""
     started: dict = {}
     ended: dict = {}
     try:
-        status = run_command(lambda a: run(a, started), argv, "meshtrain", ended)
+        status = cli.main(lambda a: execute(a, started), parser(), argv, prog, ended)
     except BaseException as e:  # a bug, or Ctrl-C: still tell the others before going
         cluster = started.get("cluster")
         if cluster is None or not cluster.launch.multiprocess:

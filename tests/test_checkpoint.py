@@ -11,9 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, config as config_lib, reporting
+from meshtrain import config as config_lib
+from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain import metrics
 from meshtrain.experiment import Experiment
-from meshtrain.lock import DirectoryLock
+from meshtrain.checkpoints.lock import DirectoryLock
 from meshtrain.loop import train_loop
 from meshtrain.pipeline import from_stages
 from meshtrain.train import main
@@ -132,7 +134,7 @@ def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
 
     fsdp4.cfg.unlock()
     fsdp4.cfg.train.stop_at = 13
-    log = reporting.RunLog(None, 20, 1, 1.0, None, 4)
+    log = metrics.RunLog(None, 20, 1, 1.0, None, 4)
     rows = train_loop(fsdp4, fsdp4.compile(), log, b, resume_meta=meta)
     ref = losses(straight)
     np.testing.assert_allclose([r["loss"] for r in rows], [ref[s] for s in (11, 12, 13)], rtol=1e-5)
@@ -232,7 +234,7 @@ def test_a_failed_async_save_stops_the_run_with_a_nonzero_exit(tmp_path, capsys,
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
     assert train("gpt2_tiny_dp8", tmp_path, "--config.checkpoint.every=5") == 1
     err = capsys.readouterr().err
-    assert "meshtrain: error: Saving checkpoint step 5 in" in err, err
+    assert "meshtrain train: error: Saving checkpoint step 5 in" in err, err
     assert "No space left on device (injected)" in err and "The last committed step is None" in err
     assert max(losses(tmp_path)) < 20  # stopped early instead of training on without checkpoints
     assert not (tmp_path / "checkpoints" / "step_5").exists()

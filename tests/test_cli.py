@@ -114,4 +114,4 @@ def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
     assert "Traceback" not in r.stderr
     assert message in r.stderr, r.stderr
     paragraph = r.stderr.strip()
-    assert paragraph.startswith("meshtrain: error:") and "\n\n" not in paragraph
+    assert paragraph.startswith("meshtrain train: error:") and "\n\n" not in paragraph

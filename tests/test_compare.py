@@ -1,5 +1,5 @@
 """meshtrain.compare on two real short runs (two layouts), its errors, and the `time_s`
-column that reporting.RunLog writes (continued across a resume)."""
+column that metrics.RunLog writes (continued across a resume)."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from meshtrain import compare, reporting
+from meshtrain import compare
+from meshtrain import metrics
 from meshtrain.train import main as train_main
 
 RUN = ["--config.train.steps=12", "--config.train.eval_every=6", "--config.train.log_every=3",
@@ -122,19 +123,19 @@ def test_bad_input_is_one_paragraph_without_traceback(runs, tmp_path, case, mess
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and message in r.stderr, r.stderr
     paragraph = r.stderr.strip()
-    assert paragraph.startswith("meshtrain.compare: error:") and "\n" not in paragraph
+    assert paragraph.startswith("meshtrain compare: error:") and "\n" not in paragraph
     assert not (tmp_path / "c.png").exists()
 
 
 def test_a_resumed_runlog_continues_the_clock(tmp_path):
-    log = reporting.RunLog(str(tmp_path), 10, 1, 1.0, None, 8)
+    log = metrics.RunLog(str(tmp_path), 10, 1, 1.0, None, 8)
     log.started -= 100.0  # as if the first run had been going for 100 s
     for step in (1, 2, 3):
         log.log_eval(step, 1.0)
     log.close()
     kept = rows_of(tmp_path)[1]["time_s"]
     assert kept >= 100.0
-    log = reporting.RunLog(str(tmp_path), 10, 1, 1.0, None, 8, resume_step=2)
+    log = metrics.RunLog(str(tmp_path), 10, 1, 1.0, None, 8, resume_step=2)
     log.log_eval(3, 0.5)
     log.close()
     rows = rows_of(tmp_path)

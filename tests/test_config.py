@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import abstract_mesh, validate
+from meshtrain.experiment import abstract_mesh, check_config
 
 NAMES = config_lib.available()
 PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor"}
@@ -42,7 +42,7 @@ def test_name_matches_mesh_and_validates(name):
         expected[PART_AXIS[kind]] = int(n)
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     assert shape == expected, f"{name}: mesh {cfg.mesh.shape} does not match the name"
-    validate(cfg, abstract_mesh(shape))
+    check_config(cfg, abstract_mesh(shape))
 
 
 def test_override_types_and_unknown_keys():
@@ -63,13 +63,14 @@ def test_unknown_config_name_lists_names():
         config_lib.load("gpt2_tiny_dp9")
 
 
-def test_parse_args_forms():
-    name, overrides, flags = config_lib.parse_args(
+def test_override_forms():
+    from meshtrain import cli
+    rest, overrides = cli.split_overrides(
         ["--config=gpt2_tiny_dp8", "--config.train.steps", "5", "--noconfig.model.scan_layers",
-         "--workdir=w"])
-    assert name == "gpt2_tiny_dp8"
-    assert overrides == [("train.steps", "5"), ("model.scan_layers", "false")]
-    assert flags == {"workdir": "w"}
+         "--workdir=w", "--config.model.scan_layers", "--config.train.seed=3"])
+    assert rest == ["--config=gpt2_tiny_dp8", "--workdir=w"]
+    assert overrides == [("train.steps", "5"), ("model.scan_layers", "false"),
+                         ("model.scan_layers", "true"), ("train.seed", "3")]
 
 
 def check(name, mesh, message, **overrides):
@@ -77,7 +78,7 @@ def check(name, mesh, message, **overrides):
     for k, v in overrides.items():
         config_lib.override(cfg, k, str(v))
     with pytest.raises(UserError) as e:
-        validate(cfg, abstract_mesh(mesh_lib.parse_shape(mesh)))
+        check_config(cfg, abstract_mesh(mesh_lib.parse_shape(mesh)))
     assert re.search(message, str(e.value)), str(e.value)
 
 
@@ -114,7 +115,7 @@ def test_validation_messages(key, value, message):
     cfg = config_lib.load("gpt2_tiny_dp8")
     config_lib.override(cfg, key, value)
     with pytest.raises(UserError, match=message):
-        validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+        check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
 
 
 def test_vocab_smaller_than_tokenizer(tmp_path):
@@ -152,10 +153,10 @@ def test_few_microbatches_warn():
     from meshtrain import pipeline
     cfg = config_lib.load("gpt2_tiny_pp4_dp2")
     config_lib.override(cfg, "pipeline.microbatches", "2")
-    model = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
+    model = check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
     (warning,) = pipeline.warnings_for(model.pipeline)
     assert re.search(r"pipeline.microbatches=2 < stage=4: the bubble \(S-1\)/\(r\*M\+S-1\) = 60% "
                      r"of the pipelined work dominates; use M >= 16", warning), warning
     config_lib.override(cfg, "pipeline.microbatches", "4")
-    model = validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
+    model = check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model
     assert pipeline.warnings_for(model.pipeline) == []

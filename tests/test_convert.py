@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import hf_models  # noqa: E402
-from meshtrain import config as config_lib, convert, init_from, state as state_lib, tree_paths  # noqa: E402
+from meshtrain import config as config_lib, convert, state as state_lib, tree_paths  # noqa: E402
+from meshtrain.checkpoints import init_from
 from meshtrain.errors import UserError  # noqa: E402
 from meshtrain.experiment import Experiment  # noqa: E402
 
@@ -166,7 +167,7 @@ def test_bad_directories_are_one_paragraph(tmp_path, capsys):
     # The CLI: status 2, the paragraph on stderr, no traceback.
     assert convert.main(["from_hf", f"--model={tmp_path / 'bert'}", f"--out={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshtrain.convert: error: ") and "Traceback" not in err
+    assert err.startswith("meshtrain convert: error: ") and "Traceback" not in err
     assert convert.main(["to_hf", "--model=x"]) == 2
 
 
@@ -319,7 +320,8 @@ def test_a_finetuned_run_exports_with_its_origins_config(tmp_path):
     """A fine-tuned run's checkpoint, whose meta["run"] names its family, architecture and
     init.from (what training records), exports its own params with the converted model's
     config.json settings (context length, token ids)."""
-    from meshtrain import checkpoint as checkpoint_lib, models
+    from meshtrain import models
+    from meshtrain.checkpoints import store as checkpoint_lib
     hf = hf_models.llama(tmp_path / "hf")
     convert.from_hf(hf, tmp_path / "ckpt", say=quiet)
     src, cfg = finetune_config(tmp_path / "ckpt", "data:1", "dp", seq_len=16)

@@ -93,10 +93,11 @@ def test_docs_rewrite_replaces_only_the_marked_section(smoke, tmp_path):
 
 def test_flops_conventions_match_the_reference_numbers():
     """GPT-2 small at V=50257: llm.c 6N + 6LDT and PaLM 6N + 12LHQT (docs/benchmarks.md)."""
-    from meshtrain import models, reporting
+    from meshtrain import models
+    from meshtrain import metrics
     m = models.model_config(gpu_runs.make_config("gpt2_small", "none", 8).model, vocab_size=50257, vocab_shards=1)
     n, l, d, t = 124_439_808, 12, 768, 1024
-    assert reporting.flops_per_token(m) == 6 * n + 6 * l * d * t  # 803.3M
+    assert metrics.flops_per_token(m) == 6 * n + 6 * l * d * t  # 803.3M
     assert gpu_runs.palm_flops_per_token(m) == 6 * n + 12 * l * d * t  # 859.9M
 
 
@@ -111,7 +112,7 @@ def test_the_batch_search_steps_down_past_the_estimate_and_an_oom_at_run_time(mo
     memory; batch 1 is measured. (The estimates and the OOM are stand-ins: CPU has neither.)"""
     estimates = iter([200, 50, 25])
     monkeypatch.setattr(gpu_runs, "memory_limit", lambda device: 100)
-    monkeypatch.setattr(gpu_runs.reporting, "memory_report", lambda compiled: {"peak_estimate": next(estimates)})
+    monkeypatch.setattr(gpu_runs.metrics, "memory_report", lambda compiled: {"peak_estimate": next(estimates)})
     calls = []
 
     def measure(exp, compiled, steps, repeats, warmup):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import hlo
+from meshtrain.planner import hlo
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 

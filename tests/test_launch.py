@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import hlo, launch, mesh
+from meshtrain import mesh
+from meshtrain.planner import hlo
+from meshtrain.cluster import launch
 from meshtrain.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""The layout linter (meshtrain/lint.py): one test per finding on a shipped config, the numbers
+"""The layout linter (meshtrain/planner/lint.py): one test per finding on a shipped config, the numbers
 against their formula, and each fix applied as the command line would apply it."""
 
 import math
@@ -9,9 +9,10 @@ import sys
 import jax
 import pytest
 
-from meshtrain import config as config_lib, lint, mesh as mesh_lib, pipeline
+from meshtrain import config as config_lib, mesh as mesh_lib, pipeline
+from meshtrain.planner import lint
 from meshtrain.errors import UserError
-from meshtrain.experiment import abstract_mesh, validate
+from meshtrain.experiment import abstract_mesh, check_config
 
 MiB = 2**20
 
@@ -24,7 +25,7 @@ def load(name, **overrides):
 
 
 def plan(cfg):
-    return validate(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
+    return check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape)))
 
 
 def run_lint(cfg, with_model=True):

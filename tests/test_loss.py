@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import hlo, step as step_lib
+from meshtrain import step as step_lib
+from meshtrain.planner import hlo
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 

@@ -96,10 +96,10 @@ def test_a_model_outside_meshtrain_trains_under_every_layout(name, one_device):
 
 
 def test_the_toy_model_reports_through_the_seam():
-    from meshtrain import reporting
+    from meshtrain import metrics
     from meshtrain.experiment import Experiment
     exp = Experiment.build(toy_config("data:1", "dp", 0), devices=jax.devices()[:1], mesh_shape="data:1")
     cfg = exp.model.cfg
     assert exp.model.stacked == "layers"
     assert exp.num_params() == 2 * 256 * 32 + 2 * 4 * 32 * 64 == exp.num_stored_params()
-    assert reporting.flops_per_token(cfg) == 6.0 * exp.num_params()
+    assert metrics.flops_per_token(cfg) == 6.0 * exp.num_params()

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from meshtrain import hlo, mesh as mesh_lib
+from meshtrain import mesh as mesh_lib
+from meshtrain.planner import hlo
 from meshtrain.experiment import Experiment
 from meshtrain.train import main
 from processes import ENV, ROOT, free_port, local_sh, logged, losses, processes, steps_on_disk, trainer, wait_for

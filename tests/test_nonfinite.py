@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import reporting
-from meshtrain.checkpoint import Checkpointer
+from meshtrain import metrics
+from meshtrain.checkpoints.store import Checkpointer
 from meshtrain.errors import RunFailed
 from meshtrain.experiment import Experiment
 from meshtrain.loop import train_loop
@@ -64,7 +64,7 @@ def test_crash_stops_with_the_step_and_first_bad_leaf_and_saves_nothing_past_it(
     exp = experiment(make_config, **{"train.nonfinite": "crash"})
     poison_steps(exp, {3})
     ck = Checkpointer(tmp_path, every=1, keep=0, use_async=True)
-    log = reporting.RunLog(None, 8, 1, 1.0, None, 8)
+    log = metrics.RunLog(None, 8, 1, 1.0, None, 8)
     with pytest.raises(RunFailed, match=r"^step 3: loss nan, 16 of 16 gradient leaves non-finite "
                                         r"\(first: blocks/attn/b_out\)\. Stopped \(train.nonfinite=crash\)"):
         train_loop(exp, exp.compile(), log, checkpointer=ck)
@@ -75,7 +75,7 @@ def test_crash_stops_with_the_step_and_first_bad_leaf_and_saves_nothing_past_it(
 def test_skip_counts_in_metrics_and_stops_after_max_skips_in_a_row(make_config, capsys):
     exp = experiment(make_config, **{"train.nonfinite": "skip", "train.max_skips": 3})
     poison_steps(exp, {2, 4, 5})  # never 3 in a row
-    rows = train_loop(exp, exp.compile(), reporting.RunLog(None, 8, 1, 1.0, None, 8))
+    rows = train_loop(exp, exp.compile(), metrics.RunLog(None, 8, 1, 1.0, None, 8))
     assert [r["skipped"] for r in rows] == [0, 1, 1, 2, 3, 3, 3, 3]
     assert np.isfinite(rows[-1]["loss"]) and rows[-1]["loss"] < rows[0]["loss"]
     assert "step 4: loss nan, 16 of 16 gradient leaves non-finite (first: blocks/attn/b_out); " \
@@ -85,4 +85,4 @@ def test_skip_counts_in_metrics_and_stops_after_max_skips_in_a_row(make_config, 
     poison_steps(exp, {4, 5, 6})
     with pytest.raises(RunFailed, match=r"3 steps in a row were non-finite, the last step 6: .* "
                                         r"\(train.max_skips=3\); params are those of step 3\."):
-        train_loop(exp, exp.compile(), reporting.RunLog(None, 8, 1, 1.0, None, 8))
+        train_loop(exp, exp.compile(), metrics.RunLog(None, 8, 1, 1.0, None, 8))

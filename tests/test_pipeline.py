@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import hlo, pipeline, step as step_lib
+from meshtrain import pipeline, step as step_lib
+from meshtrain.planner import hlo
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import Pipeline
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, hlo, mesh as mesh_lib
+from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.planner import hlo
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline
@@ -234,7 +235,7 @@ def test_cli_refuses_bad_input_in_one_paragraph(args, says, capsys, monkeypatch)
     assert plan.main(args) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
-    assert err.startswith("meshtrain.plan: error:") and err.count("\n") == 1
+    assert err.startswith("meshtrain plan: error:") and err.count("\n") == 1
 
 
 def test_search_ranks_compiled_layouts_and_caches_them(tmp_path):

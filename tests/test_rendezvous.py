@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from meshtrain.errors import RunFailed
-from meshtrain.rendezvous import Rendezvous, first_difference
+from meshtrain.cluster.rendezvous import Rendezvous, first_difference
 from processes import free_port
 
 

@@ -14,7 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import checkpoint as checkpoint_lib, config as config_lib, generate as gen, sample
+from meshtrain import config as config_lib, sample
+from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.sampling import generate as gen
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import from_stages
 
@@ -192,19 +194,19 @@ def test_cli_bad_input_is_one_paragraph_with_status_2(trained):
     r = run_cli("meshtrain.sample", f"--workdir={trained}", "--prompt=" + "x" * 120,
                 "--max_new_tokens=20", timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith("meshtrain.sample: error: The prompt (120 tokens) plus "
+    assert r.stderr.startswith("meshtrain sample: error: The prompt (120 tokens) plus "
                                "--max_new_tokens=20 is 140 tokens") and "\n\n" not in r.stderr.strip()
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--workdir={w}", "--bogus=1"], "Unknown argument '--bogus=1'"),
+    (["--workdir={w}", "--bogus=1"], "Unrecognized arguments: --bogus=1. `meshtrain sample --help` lists the flags"),
     (["--prompt=hi"], "No --workdir or --checkpoint given: pass exactly one"),
     (["--workdir={w}", "--checkpoint={w}"], "Both --workdir and --checkpoint were given"),
-    (["--workdir={w}", "--temperature=hot"], "--temperature='hot': expected a number"),
+    (["--workdir={w}", "--temperature=hot"], "Argument --temperature: invalid float value: 'hot'"),
     (["--workdir={w}", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
     (["--workdir={w}", "--top_k=-1"], "--top_k=-1: must be >= 0"),
     (["--workdir={w}", "--num_samples=0"], "--num_samples=0: must be at least 1"),
-    (["--workdir={w}", "--max_new_tokens"], "Flag --max_new_tokens needs a value"),
+    (["--workdir={w}", "--max_new_tokens"], "Argument --max_new_tokens: expected one argument"),
     (["--workdir={w}/nowhere"], "nowhere/run.json does not exist"),
     (["--workdir={w}", "--step=3"], "has no committed step 3; it has 4"),
     (["--workdir={w}", "--prompt=" + "x" * 128], "The prompt is 128 tokens, but the model's context is"),
@@ -218,7 +220,7 @@ def test_bad_input(trained, tmp_path, capsys, args, message):
     args = [a.format(w=trained, empty=empty) for a in args]
     assert sample.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("meshtrain.sample: error:") and "\n" not in err, err
+    assert err.startswith("meshtrain sample: error:") and "\n" not in err, err
     assert message in err, err
 
 
@@ -284,7 +286,8 @@ def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
     from tokenizers import Tokenizer, processors
     from transformers import AutoTokenizer
 
-    from meshtrain import convert, init_from
+    from meshtrain import convert
+    from meshtrain.checkpoints import init_from
     from meshtrain.data.tokenizers import make_tokenizer
     hf = hf_models.llama(tmp_path / "hf", initializer_range=0.5)
     hf_models.add_tokenizer(hf, eos="</s>")
@@ -316,7 +319,7 @@ def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint={ckpt}", "--workdir={ckpt}"], "Both --workdir and --checkpoint were given"),
     (["--checkpoint={ckpt}/nowhere"], "nowhere' does not exist. Give the --out directory of"),
-    (["--checkpoint={ckpt}", "--dtype=int8"], "--dtype='int8': the compute dtype is one of"),
+    (["--checkpoint={ckpt}", "--dtype=int8"], "Argument --dtype: invalid choice: 'int8' (choose from"),
     (["--checkpoint={ckpt}", "--mesh=data:16"], "needs 16 x 1 x 1 x 1 = 16 devices, more than the 8"),
     (["--checkpoint={ckpt}", "--layout=nope"], "Unknown layout 'nope'"),
     (["--checkpoint={ckpt}"], "holds no meshtrain checkpoint"),
@@ -325,5 +328,5 @@ def test_checkpoint_bad_input(tmp_path, capsys, args, message):
     args = [a.format(ckpt=tmp_path) for a in args]  # an empty directory
     assert sample.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("meshtrain.sample: error:") and "\n" not in err, err
+    assert err.startswith("meshtrain sample: error:") and "\n" not in err, err
     assert message in err, err

@@ -1,29 +1,28 @@
-"""Turn local text into a TFDS ArrayRecord dataset of token ids, offline.
+"""Turn local text into a TFDS ArrayRecord dataset of token ids (train and validation
+splits, the tokenizer saved beside them), offline: no TensorFlow, no network.
 
-    python -m meshtrain.data.prepare --input='corpus/*.txt' --name=mytext \\
+    meshtrain prepare --input='corpus/*.txt' --name=mytext \\
         --data_dir=~/tensorflow_datasets --tokenizer=char [--val_fraction=0.05]
-    python -m meshtrain.data.prepare ... --tokenizer=bpe --train_bpe=2048
+    meshtrain prepare ... --tokenizer=bpe --train_bpe=2048
+    python -m meshtrain.data.prepare ...   (the same)
 
 Then train on it with --config.data.kind=tfds --config.data.name=mytext
---config.data.data_dir=DIR. Needs neither TensorFlow nor network. The format is
+--config.data.data_dir=DIR. The format is
 described in meshtrain/data/token_dataset.py and docs/data.md.
 """
 
-import argparse
 import sys
 import time
 
+from meshtrain import cli
 from meshtrain.data.corpus import Corpus
 from meshtrain.data.tokenizers import check_tokenizer_spec, make_tokenizer
-from meshtrain.errors import UserError, run_command
+from meshtrain.errors import UserError
 from meshtrain.progress import Progress, format_duration
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m meshtrain.data.prepare",
-        description="Tokenize local text into a TFDS ArrayRecord dataset (train and "
-                    "validation splits, tokenizer saved beside it), offline.")
+def parser() -> cli.Parser:
+    p = cli.command_parser("meshtrain prepare", __doc__)
     p.add_argument("--input", required=True, help="a text file or a glob, e.g. 'data/*.txt'")
     p.add_argument("--name", required=True, help="dataset name (lower snake case)")
     p.add_argument("--data_dir", required=True, help="TFDS data directory to write into")
@@ -38,13 +37,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "document); backslash escapes such as \\n are understood")
     p.add_argument("--record_tokens", type=int, default=4096, help="tokens per record")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
-    return p.parse_args(argv)
+    return p
 
 
-def run(argv: list[str]) -> int:
+def execute(args) -> int:
     from meshtrain.data import token_dataset  # imports TFDS: after argument errors
 
-    args = parse(argv)
     token_dataset.check_name(args.name)
     spec = _tokenizer_spec(args)
     if args.record_tokens < 1:
@@ -108,8 +106,13 @@ def _build_tokenizer(spec: str, args, corpus: Corpus):
     return make_tokenizer(spec, corpus.text() if spec == "char" else None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(run, argv, "meshtrain.data.prepare")
+def run(argv: list[str]) -> int:
+    """The command on `argv`; bad input raises UserError (`main` prints it)."""
+    return cli.run(execute, parser(), argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return cli.main(execute, parser(), argv, prog)
 
 
 if __name__ == "__main__":

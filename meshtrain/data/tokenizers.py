@@ -9,7 +9,7 @@ Specs (the value of `data.tokenizer` and of `prepare --tokenizer`):
             reads `vocab.bpe` and `encoder.json` from DIR.
   hf:DIR    a Hugging Face model's own tokenizer (DIR/tokenizer.json, or Meta's Llama 3
             tiktoken tokenizer.model) with the model's end-of-sequence token as end of
-            text (meshtrain.hf.tokenizer); converted checkpoints name it.
+            text (meshtrain.data.hf_tokenizer); converted checkpoints name it.
 
 Every tokenizer has `name`, `vocab_size` (end of text included), `eot_id`,
 `encode(text) -> [n] int32` (never adds special ids), `encode_batch(texts)`,
@@ -148,7 +148,7 @@ def make_tokenizer(spec: str, corpus_text: str | None = None):
     if kind == "bpe":
         return subword.BPETokenizer.from_file(arg)
     if kind == "hf":
-        from meshtrain.hf import tokenizer as hf_tokenizer
+        from meshtrain.data import hf_tokenizer
         return hf_tokenizer.load(arg)
     return subword.GPT2Tokenizer.load(arg or None)
 
@@ -164,7 +164,7 @@ def from_json(spec: dict, where: str):
         from meshtrain.data import subword
         return subword.GPT2Tokenizer.load(spec.get("dir"))
     if kind == "hf":
-        from meshtrain.hf import tokenizer as hf_tokenizer
+        from meshtrain.data import hf_tokenizer
         return hf_tokenizer.from_json(spec, where)
     if isinstance(spec, dict) and "model" in spec:
         from meshtrain.data import subword

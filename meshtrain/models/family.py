@@ -1,4 +1,4 @@
-"""The model seam: what the core (state, step, pipeline, checkpoints, reporting) knows of
+"""The model seam: what the core (state, step, pipeline, checkpoints, metrics) knows of
 a model. A model is a file in meshtrain/models/ that builds a `Family` and calls
 `register(family)`; nothing else in meshtrain names it.
 
@@ -34,7 +34,7 @@ A family gives:
   check       optional: cfg -> None, raising UserError for a combination the family refuses
   describe    cfg -> one line, for logs and checkpoint metadata
 
-Optional decoding (meshtrain/sample.py, meshtrain/generate.py): a module with
+Optional decoding (meshtrain/sample.py, meshtrain/sampling/generate.py): a module with
     init_cache(batch, max_len) -> cache (a pytree of arrays)
     cache_axes() -> the logical axes of each cache leaf (the cache's tree structure)
     decode(tokens [B, t], cache, pos [] int32, constrain) -> (logits [B, t, V], cache)

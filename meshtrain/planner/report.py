@@ -17,7 +17,8 @@ import time
 
 import jax
 
-from meshtrain import hlo, reporting
+from meshtrain.planner import hlo
+from meshtrain import metrics
 from meshtrain.planner import analytic, roofline
 from meshtrain.planner.hardware import Hardware
 
@@ -29,7 +30,7 @@ def compiled_memory(exp, compiled, formula: dict) -> dict[str, float]:
     its input shardings; gradients at the parameters' compiled shardings (plus the
     microbatch accumulator of `formula`), since XLA reports them inside temp; activations
     and temporaries = temp - gradients; with XLA's totals."""
-    ma = reporting.memory_report(compiled)
+    ma = metrics.memory_report(compiled)
     state_shardings = compiled.input_shardings[0][0]
     abstract = exp.abstract_state()
 
@@ -67,7 +68,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
     bounds = analytic.collective_bounds(exp)
     tokens = exp.cfg.train.batch_size * cfg.seq_len
-    model_flops = reporting.flops_per_token(cfg) * tokens
+    model_flops = metrics.flops_per_token(cfg) * tokens
     flops_dev = hlo.dot_flops(compiled)
     for r in bounds:
         r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
@@ -91,7 +92,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "collectives_by_axes": by_axes(rows, bounds, analytic.known_excess(exp)),
         "flops_per_step": flops_dev * devices,
         "model_flops_per_step": model_flops,
-        "flops_convention": (reporting.flops_convention(cfg) + "; flops_per_step: the compiled "
+        "flops_convention": (metrics.flops_convention(cfg) + "; flops_per_step: the compiled "
                              "program's matmul FLOPs on all devices, loops counted (remat and the "
                              "full attention square included)"),
         "predicted_step_time_s": predicted["step_time_s"],

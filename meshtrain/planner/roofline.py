@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 
-from meshtrain import distributed, mesh as mesh_lib
+from meshtrain import mesh as mesh_lib
+from meshtrain.cluster import distributed
 from meshtrain.planner.hardware import Hardware
 
 EXPOSED_AXES = ("tensor", "stage")

@@ -145,11 +145,17 @@ def _worker_init(devices: int) -> None:
     jax.config.update("jax_num_cpu_devices", devices)
 
 
+_WORKER_INPUTS: dict = {}  # a worker reads the config's data and init.from once, not per candidate
+
+
 def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) -> dict:
     """In a worker: build, compile and report one candidate (the parts the ranking needs)."""
-    from meshtrain.experiment import Experiment
+    from meshtrain.experiment import Experiment, read_inputs
     from meshtrain.planner import report as report_lib
-    exp = Experiment.build(_build(name, base, cand_overrides))
+    key = (name, tuple(map(tuple, base)))
+    if key not in _WORKER_INPUTS:
+        _WORKER_INPUTS[key] = read_inputs(_build(name, base, []))
+    exp = Experiment.build(_build(name, base, cand_overrides), inputs=_WORKER_INPUTS[key])
     r = report_lib.plan(exp, hardware_lib.Hardware(**hw_fields))
     r.pop("config", None)
     return r
@@ -162,10 +168,12 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     if nodes and devices % nodes:
         raise UserError(f"--devices={devices} is not divisible by --nodes={nodes}.")
     mesh_lib.simulate_cpu_devices({"data": devices})
-    from meshtrain import lint, models
-    from meshtrain.experiment import Experiment
+    from meshtrain import models
+    from meshtrain.planner import lint
+    from meshtrain.experiment import Experiment, read_inputs, resolve
     from meshtrain.planner import analytic, roofline
-    dims = models.size_dims(cfg.model)
+    inputs = read_inputs(cfg)  # the data and init.from, once for every candidate
+    dims = models.size_dims(resolve(cfg, inputs.init).model)
     candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats)
     say(f"search: {len(candidates)} candidates for {devices} devices"
         + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); checking them against the formulas")
@@ -173,14 +181,14 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
         progress.update(1)
-        c = _build(name, overrides, cand.overrides())
+        c = resolve(_build(name, overrides, cand.overrides()), inputs.init)
         shape = dict(cand.mesh)
         errors = [f for f in lint.lint(c, shape, mesh_lib.parse_dcn(c.mesh.dcn, shape)) if f.severity == "error"]
         if errors:
             dropped[f"does not divide: {errors[0].code}"] += 1
             continue
         try:
-            exp = Experiment.build(c)
+            exp = Experiment.build(c, inputs=inputs)
         except UserError as e:
             dropped[f"does not divide: {str(e).split(':')[0][:60]}"] += 1
             continue
@@ -210,10 +218,10 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
 
 def _estimate(exp, hw, memory, analytic, roofline) -> float:
     """Step time from the formulas alone: the order in which to compile."""
-    from meshtrain import reporting
+    from meshtrain import metrics
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
-    model_flops = reporting.flops_per_token(cfg) * exp.cfg.train.batch_size * cfg.seq_len
+    model_flops = metrics.flops_per_token(cfg) * exp.cfg.train.batch_size * cfg.seq_len
     waste = pipe.ticks / (pipe.microbatches * pipe.repeats) if pipe else 1.0
     node_of = roofline.node_of_position(exp.mesh, hw.devices_per_node, exp.dcn)
     rows = [{**r, "crosses_nodes": roofline.crosses_nodes(exp.mesh, r["mesh_axes"], node_of)}

@@ -9,7 +9,7 @@ batch shell without srun) is tested with a dict of variables:
     SLURM_* under srun                                           (detected)
 
 Ports. `HOST:PORT` is JAX's coordination service; meshtrain's own rendezvous and
-liveness channel (meshtrain/rendezvous.py) listens on PORT + 1 on the same host.
+liveness channel (meshtrain/cluster/rendezvous.py) listens on PORT + 1 on the same host.
 Under SLURM both come from the job id: PORT = 57344 + 2 x (job id mod 2048), so
 two jobs whose first node is the same never share a port (JAX's own default,
 61440 + job id mod 4096, would make job j's PORT + 1 job j+1's PORT).

@@ -2,7 +2,7 @@
 Hugging Face (`python -m meshtrain.convert from_hf`) or another run's checkpoint.
 
     src = init_from.read(cfg.init["from"])   # family, architecture, tokenizer, where from
-    init_from.configure(cfg, src)            # model.name and data.tokenizer follow it
+    cfg = init_from.resolve(cfg, src)        # a copy: model.* and data.tokenizer follow it
     dims = init_from.model_dims(src, cfg.model)        # replaces models.size_dims
     vocab = init_from.vocab_size(src, data_vocab)      # the checkpoint's rows
     ...                                                # Experiment.build as usual
@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import checkpoint as checkpoint_lib, models, restage, tree_paths
+from meshtrain import models, tree_paths
+from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.checkpoints import restage
 from meshtrain.errors import UserError
 from meshtrain.pipeline import Pipeline, from_stages, to_stages
 
@@ -175,12 +177,20 @@ def read(path, step: int | None = None) -> InitSource:
 
 # --- the run's config follows the checkpoint -----------------------------------------
 
-def configure(cfg, src: InitSource) -> None:
-    """Sets model.name, and data.tokenizer when the data is tokenized text and the
-    tokenizer is the default ('byte'); a different explicit tokenizer is a UserError."""
+def resolve(cfg, src: InitSource):
+    """A copy of `cfg` with what `src` implies, for the run to use and print: model.name
+    and the architecture's model.* dims are the checkpoint's, and data.tokenizer too when
+    the data is tokenized text and the tokenizer is the default ('byte'). A model.* dim set
+    to another value, or another explicit tokenizer, is a UserError (model_dims says which)."""
+    import copy
+    dims = model_dims(src, cfg.model)
+    cfg = copy.deepcopy(cfg)
     cfg.model.name = src.family
+    for key in cfg.model.keys():
+        if key not in models.COMMON_KEYS and key in dims:
+            cfg.model[key] = dims[key]
     if src.tokenizer is None or cfg.data.kind == "synthetic":
-        return
+        return cfg
     if cfg.data.tokenizer not in ("byte", src.tokenizer):
         raise UserError(
             f"data.tokenizer={cfg.data.tokenizer!r}, but init.from={str(src.step_dir)!r} was "
@@ -188,6 +198,7 @@ def configure(cfg, src: InitSource) -> None:
             f"Leave data.tokenizer unset (it follows the checkpoint) or set it to "
             f"{src.tokenizer!r}.")
     cfg.data.tokenizer = src.tokenizer
+    return cfg
 
 
 def model_dims(src: InitSource, m) -> dict:
@@ -235,7 +246,7 @@ def check_model(src: InitSource, cfg: models.ModelConfig) -> None:
     if models.family_of(cfg).name != src.family:
         raise UserError(f"The run's model is {models.family_of(cfg).name!r} but init.from="
                         f"{str(src.step_dir)!r} holds a {src.family!r} model. Set "
-                        f"model.name={src.family} (init_from.configure does).")
+                        f"model.name={src.family} (init_from.resolve does).")
     diff = [f"{k}: run {ours.get(k)!r}, checkpoint {v!r}" for k, v in src.architecture.items()
             if ours.get(k) != v and k not in FREE_DIMS]  # load_params checks positions
     if diff:

@@ -7,8 +7,10 @@ bf16 peak of the device when it is known, and is null otherwise (e.g. on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import math
 import os
 import pathlib
 import time
@@ -50,6 +52,55 @@ def memory_report(compiled) -> dict:
     return out
 
 
+def run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
+    """run.json (docs/architecture.md, "Outputs"): the resolved config, mesh, devices, model,
+    memory, data and versions of a built Experiment `exp`."""
+    import flax
+    import optax
+
+    device = jax.devices()[0]
+    m = exp.model.cfg
+    return {
+        "config_name": name,
+        "config": exp.cfg.to_dict(),
+        "mesh": {"shape": dict(exp.mesh.shape), "axis_names": list(exp.mesh.axis_names)},
+        "layout": {"name": exp.layout.name, "rules": exp.layout.describe()},
+        "device_kind": device.device_kind, "platform": device.platform,
+        "device_count": jax.device_count(), "devices_source": simulated,
+        "process_count": jax.process_count(),
+        "num_params": exp.num_params(), "num_params_stored": exp.num_stored_params(),
+        "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
+        "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
+        "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
+        "flops_per_token": flops_per_token(m), "flops_convention": flops_convention(m),
+        "peak_flops_per_device": peak_flops(device),
+        "compile_time_s": compile_s,
+        "compiled_memory_per_device": compiled_memory,
+        "data": exp.source.info,
+        "pipeline": pipeline_info(exp.model.pipeline),
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+    }
+
+
+def data_line(info: dict, vocab: int, windows: int) -> str:
+    """What the run reads, and how far into it the run goes."""
+    if "best_loss" in info:
+        return (f"data: {info['kind']}, best possible loss {info['best_loss']:.4f} "
+                f"(log vocab = {math.log(vocab):.4f})")
+    what = info.get("name") or info.get("path")
+    return (f"data: {info['kind']} {what} | tokenizer {info['tokenizer']} ({info['vocab_size']} ids, "
+            f"log vocab = {math.log(vocab):.4f}) | train {info['train_tokens']:,} tokens, "
+            f"eval {info['val_tokens']:,} | this run reads {windows / max(info['train_windows'], 1):.2f} "
+            f"epochs{' of random-offset windows' if info.get('random_offsets') else ''}")
+
+
+def pipeline_info(pipe) -> dict | None:
+    if pipe is None:
+        return None
+    return {"stages": pipe.stages, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
+            "ticks": pipe.ticks, "bubble": pipe.bubble}
+
+
 class RunLog:
     """Writes the run's outputs under `workdir` (process 0 only) and prints progress."""
 
@@ -75,6 +126,15 @@ class RunLog:
             self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
         self.resume_step = resume_step
         self.metrics = None  # opened at the first row, so a compile-only run leaves it alone
+        # For the summary: the last rows, and how the loop ended (`ended`).
+        self.last_train: dict | None = None
+        self.last_eval: dict | None = None
+        self.end_step: int | None = None
+        self.preempted = False
+
+    def ended(self, step: int, preempted: bool) -> None:
+        """The training loop's last step, and whether SIGTERM stopped it there."""
+        self.end_step, self.preempted = step, preempted
 
     def write_run(self, info: dict) -> None:
         if self.enabled and self.dir:
@@ -89,6 +149,7 @@ class RunLog:
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "step_time_s": step_time, "mfu": mfu, "skipped": skipped}
         self._write(row)
+        self.last_train = row
         remaining = (self.total - step) * step_time
         mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
         self.say(f"step {step:>{len(str(self.total))}}/{self.total} ({100 * step / max(self.total, 1):3.0f}%)"
@@ -98,7 +159,8 @@ class RunLog:
         return row
 
     def log_eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
+        self.last_eval = {"step": step, "eval_loss": eval_loss}
+        self._write(dict(self.last_eval))
         self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}")
 
     def _open_metrics(self):
@@ -150,3 +212,36 @@ def last_time_s(path: pathlib.Path) -> float:
         if line.strip() and "time_s" in (row := json.loads(line)):
             return float(row["time_s"])
     return 0.0
+
+
+def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, checkpoint: str | None,
+            workdir: str | None, command: str, steps: int) -> list[str]:
+    """The lines a run ends with: how far it got and how long it took, its last losses
+    beside the data's best possible loss, what it left on disk, and what to run next."""
+    end = log.end_step if log.end_step is not None else (log.resume_step or 0)
+    first = (log.resume_step or 0) + 1
+    tokens = (end - first + 1) * log.tokens_per_step
+    how = "preempted (SIGTERM) at" if log.preempted else ("stopped at" if end < steps else "trained to")
+    lines = [f"done: {how} step {end} of {steps}; this run: steps {first}-{end}, {tokens:,} tokens "
+             f"in {format_duration(wall_s)}"]
+    losses = []
+    if log.last_train:
+        losses.append(f"train loss {log.last_train['loss']:.4f} (step {log.last_train['step']})")
+    if log.last_eval:
+        losses.append(f"eval_loss {log.last_eval['eval_loss']:.4f} (step {log.last_eval['step']})")
+    floor = (f"best possible {best_loss:.4f} (the data's entropy rate)" if best_loss is not None else
+             f"best possible unknown for this data; uniform guessing scores ln {vocab} = {math.log(vocab):.4f}")
+    lines.append("  " + " | ".join(losses + [floor]))
+    if checkpoint:
+        lines.append(f"  checkpoint: {checkpoint}")
+    elif workdir:
+        lines.append("  no checkpoint saved")
+    else:
+        lines.append("  nothing saved: give --workdir=DIR to keep checkpoints, metrics and the tokenizer")
+    if workdir and checkpoint:
+        if end < steps:
+            lines.append(f"  resume: {command}")
+        else:
+            lines.append(f"  next: meshtrain sample --workdir={workdir} | meshtrain eval --workdir={workdir} | "
+                         f"meshtrain convert to_hf --workdir={workdir} --out=DIR")
+    return lines

@@ -12,7 +12,7 @@ Precedence: a non-empty XLA_FLAGS is the user's and is used as given (none of ou
 added); MESHTRAIN_XLA_GPU=0 runs with XLA's defaults; otherwise, on a GPU, XLA_FLAGS
 becomes our flags. Each flag was checked against the XLA inside jaxlib 0.10.2, which
 shares its flag table between the CPU and GPU backends: it parses, and its value differs
-from XLA's default (tests/test_xla_gpu.py checks both). A later jaxlib may drop a flag,
+from XLA's default (tests/test_xla_flags.py checks both). A later jaxlib may drop a flag,
 so `apply` first parses ours in a CPU-only child process and leaves out any it rejects.
 """
 

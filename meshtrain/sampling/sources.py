@@ -102,7 +102,7 @@ def from_workdir(flags: dict) -> Loaded:
     cfg = run_config(saved_run, flags)
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
-    from meshtrain import checkpoint as checkpoint_lib
+    from meshtrain.checkpoints import store as checkpoint_lib
     model, layout, mesh, shardings = build(cfg, saved_run, shape, devices, flags["dtype"])
     # Absolute: Orbax wants it. A relative checkpoint.dir is relative to where we start.
     ckpt_dir = pathlib.Path(checkpoint_lib.checkpoint_dir(cfg, flags["workdir"])).absolute()
@@ -121,7 +121,8 @@ def from_checkpoint(flags: dict) -> Loaded:
                         f"directory of `python -m meshtrain.convert from_hf --model=HF_DIR --out=CKPT`.")
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(flags["mesh"] or CHECKPOINT_MESH))
 
-    from meshtrain import init_from, layouts
+    from meshtrain import layouts
+    from meshtrain.checkpoints import init_from
     layout = layouts.get(flags["layout"] or CHECKPOINT_LAYOUT)
     src = init_from.read(path, flags["step"])
     model, mesh, shardings = build_from_source(src, layout, shape, devices, flags["dtype"] or CHECKPOINT_DTYPE)
@@ -160,7 +161,8 @@ def build_from_source(src, layout, shape: dict, devices, dtype: str):
     import ml_collections
     import numpy as np
 
-    from meshtrain import config as config_lib, init_from, models, state as state_lib
+    from meshtrain import config as config_lib, models, state as state_lib
+    from meshtrain.checkpoints import init_from
     from meshtrain.experiment import vocab_shards
     mesh = mesh_lib.make_mesh(shape, devices)
     stored = [np.dtype(m.dtype).name for m in init_from.saved_params(src).values()]
@@ -177,7 +179,7 @@ def load_source_params(src, model, shardings):
     """The checkpoint's params straight into `shardings` (init_from.load_params: each
     device reads its shards, vocabulary rows past the checkpoint's are zero, a pipelined
     training checkpoint's stacks are put back in layer order)."""
-    from meshtrain import init_from
+    from meshtrain.checkpoints import init_from
     return init_from.load_params(src, model, shardings)
 
 
@@ -186,7 +188,7 @@ def checkpoint_tokenizer(src):
     prompt and the samples are then ids. A converted model's tokenizer.json encodes the
     prompt as transformers' `tokenizer(prompt)` does (PromptTokenizer)."""
     from meshtrain.data.tokenizers import make_tokenizer
-    from meshtrain.hf.tokenizer import HFTokenizer
+    from meshtrain.data.hf_tokenizer import HFTokenizer
     if src.tokenizer is None:
         return None
     try:
@@ -218,7 +220,7 @@ class PromptTokenizer:
 def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
     """The committed step to read: `step`, or the latest. Read-only: the directory may
     belong to a run still training, so nothing in it is moved or cleaned."""
-    from meshtrain import checkpoint as checkpoint_lib
+    from meshtrain.checkpoints import store as checkpoint_lib
     steps = checkpoint_lib.committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
     if not steps:
         raise UserError(f"No committed checkpoint in {ckpt_dir}: the run has not saved one yet "
@@ -242,7 +244,8 @@ def restore_params(ckpt_dir: pathlib.Path, step: int, model, shardings):
     import jax
     import orbax.checkpoint as ocp
 
-    from meshtrain import checkpoint as checkpoint_lib, restage
+    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.checkpoints import restage
     where = ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}"
     meta = json.loads((where / "meta" / "metadata").read_text())
     saved_arr = restage.arrangement((meta.get("run") or {}).get("pipeline"))

@@ -20,8 +20,8 @@ import socket
 import time
 
 from meshtrain.errors import UserError
-from meshtrain.launch import Launch
-from meshtrain.rendezvous import Rendezvous
+from meshtrain.cluster.launch import Launch
+from meshtrain.cluster.rendezvous import Rendezvous
 
 
 @dataclasses.dataclass

@@ -8,8 +8,7 @@ End of text is the model's end-of-sequence token: `eos_token` of tokenizer_confi
 else `eos_token_id` of generation_config.json or config.json. Unlike `bpe:PATH`, no
 "<|endoftext|>" is added, so the ids stay inside the model's vocabulary.
 
-`copy_files` puts a model directory's tokenizer into a converted checkpoint and returns
-the spec that names it there.
+Conversions copy these files with meshtrain.hf.tokenizer_files.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_to
 LLAMA3_SPECIAL += [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL) + 2)]
 
 
-def _json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError:
@@ -43,13 +42,13 @@ def _json(path: Path) -> dict:
 
 def eos_token(directory: Path, id_to_token) -> str | None:
     """The end-of-sequence token a model directory names, or None."""
-    eos = _json(directory / "tokenizer_config.json").get("eos_token")
+    eos = read_json(directory / "tokenizer_config.json").get("eos_token")
     if isinstance(eos, dict):  # AddedToken serialised
         eos = eos.get("content")
     if isinstance(eos, str) and eos:
         return eos
     for name in ("generation_config.json", "config.json"):
-        ids = _json(directory / name).get("eos_token_id")
+        ids = read_json(directory / name).get("eos_token_id")
         ids = ids if isinstance(ids, list) else [ids]
         if ids and isinstance(ids[0], int) and id_to_token(ids[0]) is not None:
             return id_to_token(ids[0])
@@ -155,65 +154,3 @@ def from_json(spec: dict, where: str):
     if "tiktoken" in spec:
         return TiktokenTokenizer(spec["tiktoken"], where, spec["eot"])
     return HFTokenizer(Tokenizer.from_str(json.dumps(spec["tokenizer"])), where, spec["eot"])
-
-
-def copy_files(model_dir: Path, out: Path) -> tuple[str | None, str]:
-    """Copies a model directory's tokenizer into `out`; (spec relative to out's parent,
-    what was copied). tokenizer.json wins; then GPT-2's vocab.bpe + encoder.json (or their
-    Hugging Face names merges.txt + vocab.json); then a tiktoken tokenizer.model."""
-    model_dir = Path(model_dir)
-    if (model_dir / "tokenizer.json").is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        copied = [f for f in (*HF_FILES, "vocab.json", "merges.txt") if (model_dir / f).is_file()]
-        for f in copied:
-            shutil.copyfile(model_dir / f, out / f)
-        tok = load(model_dir)  # fails now, not at training time, if it cannot be read
-        config = _json(out / "tokenizer_config.json")
-        if config.get("eos_token") is None:  # record what load() found, for the copy
-            config["eos_token"] = tok.eot
-            (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return f"hf:{out.name}", f"{', '.join(copied)} ({tok.describe()})"
-    for bpe, encoder in (("vocab.bpe", "encoder.json"), ("merges.txt", "vocab.json")):
-        if (model_dir / bpe).is_file() and (model_dir / encoder).is_file():
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(model_dir / bpe, out / "vocab.bpe")
-            shutil.copyfile(model_dir / encoder, out / "encoder.json")
-            return f"gpt2:{out.name}", f"{bpe} + {encoder} as GPT-2's vocab.bpe + encoder.json"
-    for model in (model_dir / "tokenizer.model", model_dir / "original" / "tokenizer.model"):
-        if model.is_file() and is_tiktoken_file(model):
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(model, out / "tokenizer.model")
-            return f"hf:{out.name}", f"{model.relative_to(model_dir)} (tiktoken, Llama 3 special tokens)"
-    return None, "none (no tokenizer.json, GPT-2 vocab files or tiktoken tokenizer.model)"
-
-
-def write_hf_files(spec: str | None, out: Path) -> list[str]:
-    """Puts the tokenizer a spec names into an exported model directory, in Hugging
-    Face's names; returns the files written ([] when there is nothing to copy)."""
-    if not spec or ":" not in spec:
-        return []
-    kind, _, arg = spec.partition(":")
-    src = Path(arg)
-    if kind == "bpe":
-        shutil.copyfile(src, out / "tokenizer.json")
-        return ["tokenizer.json"]
-    pairs = {"gpt2": [("vocab.bpe", "merges.txt"), ("encoder.json", "vocab.json")],
-             "hf": [(f, f) for f in (*HF_FILES, "vocab.json", "merges.txt", "tokenizer.model")]}.get(kind, [])
-    written = []
-    for a, b in pairs:
-        if (src / a).is_file():
-            shutil.copyfile(src / a, out / b)
-            written.append(b)
-    return written
-
-
-def token_ids(spec: str | None) -> dict:
-    """{"eos_token_id": end of text} for a config.json that lacks one, from the tokenizer
-    a spec names ({} if it names none or cannot be read)."""
-    if not spec:
-        return {}
-    from meshtrain.data.tokenizers import make_tokenizer
-    try:
-        return {"eos_token_id": int(make_tokenizer(spec).eot_id)}
-    except (UserError, ValueError):  # ValueError: 'char' needs its corpus
-        return {}

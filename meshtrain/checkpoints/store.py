@@ -29,9 +29,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import models, restage, tree_paths
+from meshtrain import models, tree_paths
+from meshtrain.checkpoints import restage
 from meshtrain.errors import RunFailed, UserError, warn
-from meshtrain.lock import LOCK_NAME
+from meshtrain.checkpoints.lock import LOCK_NAME
 
 STEP_PREFIX = "step"
 STEP_NAME = re.compile(rf"{STEP_PREFIX}_(\d+)")

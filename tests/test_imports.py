@@ -1,0 +1,133 @@
+"""The package's imports run one way: no circles, and no module imports one in a layer
+above its own. The layers are the table in docs/architecture.md ("Layers"), read here,
+so the document and the code cannot drift apart."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "meshtrain"
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """'meshtrain.x.y' -> file, for every module of the package (configs are data)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if "configs" in parts:
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports, anywhere in it (inside functions too:
+    a lazy import is still a dependency)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `import meshtrain.a.b.c` of a non-module name
+                t = t.rpartition(".")[0]
+            if t.startswith("meshtrain") and t != name and t != "meshtrain":
+                found.add(t)
+    return found
+
+
+def layers() -> list[list[str]]:
+    """docs/architecture.md's layer table, bottom first: [[entries of layer 1], ...]."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    assert rows, "docs/architecture.md has no '## Layers' table"
+    return [re.findall(r"`([^`]+)`", row.split("|")[2]) for row in rows]
+
+
+def layer_of(name: str, table: list[list[str]]) -> int | None:
+    """The layer of the longest table entry naming `name` (`cluster/` names a package)."""
+    best, level = -1, None
+    rel = name.removeprefix("meshtrain.").replace(".", "/")
+    for i, entries in enumerate(table):
+        for entry in entries:
+            entry = entry.removesuffix(".py")
+            if rel == entry.rstrip("/") or (entry.endswith("/") and rel.startswith(entry)):
+                if len(entry) > best:
+                    best, level = len(entry), i
+    return level
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_every_module_has_a_layer():
+    table = layers()
+    missing = [m for m in graph() if m != "meshtrain" and layer_of(m, table) is None]
+    assert not missing, f"add these modules to the layer table of docs/architecture.md: {missing}"
+
+
+def test_no_module_imports_one_in_a_higher_layer():
+    table = layers()
+    g = graph()
+    upward = [f"{a} (layer {layer_of(a, table) + 1}) imports {b} (layer {layer_of(b, table) + 1})"
+              for a, targets in g.items() for b in targets
+              if a != "meshtrain" and layer_of(b, table) is not None and layer_of(a, table) is not None
+              and layer_of(b, table) > layer_of(a, table)]
+    assert not upward, "imports against the layers of docs/architecture.md:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    g = graph()
+    # Tarjan's strongly connected components; any of more than one module is a circle.
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
+    """The rules above fail on what they should: a fake pair of modules importing each
+    other, one of them from a higher layer."""
+    a = tmp_path / "a.py"
+    a.write_text("from meshtrain import train\n")
+    found = imports("meshtrain.mesh", a, {"meshtrain.train", "meshtrain.mesh"})
+    assert found == {"meshtrain.train"}
+    table = layers()
+    assert layer_of("meshtrain.train", table) > layer_of("meshtrain.mesh", table)
