@@ -153,16 +153,14 @@ def main(argv: list[str]) -> None:
     args, rest = ap.parse_known_args(argv)
     jax.config.update("jax_num_cpu_devices", args.devices)  # before any JAX operation
 
-    from meshtrain import config as config_lib
+    from meshtrain import cli
     from meshtrain.experiment import Experiment
 
-    _, overrides, flags = config_lib.parse_args(["--config", args.config, *rest])
-    if flags:
-        ap.error(f"unknown flags: {', '.join('--' + f for f in flags)}")
-    cfg = config_lib.load(args.config)
-    for key, value in overrides:
-        config_lib.override(cfg, key, value)
-    exp = Experiment.build(cfg)
+    others, overrides = cli.split_overrides(rest)
+    if others:
+        ap.error(f"unknown flags: {' '.join(others)}")
+    exp = Experiment.build(cli.load_config(args.config, overrides, "benchmarks/overhead.py"))
+    cfg = exp.cfg
     m = exp.model.cfg
     unsupported = {"model.dropout": m.dropout != 0, "model.remat": m.remat != "none",
                    "model.scan_layers": not m.scan_layers, "train.microbatches": cfg.train.microbatches != 1}

@@ -29,6 +29,7 @@ SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "cache_dir", "layou
 
 
 def parser() -> cli.Parser:
+    from meshtrain.layouts.presets import PRESET_AXES
     from meshtrain.planner import hardware, search
     p = cli.command_parser("meshtrain plan", __doc__, config=True)
     p.add_argument("--hardware", default="h100",
@@ -44,8 +45,8 @@ def parser() -> cli.Parser:
                    help="wall time for compiling candidates, the rest ranked by formula (default 600)")
     s.add_argument("--top", type=_positive, metavar="N", help="rows of the ranking to show (default 10)")
     s.add_argument("--jobs", type=_positive, metavar="J", help="compiling worker processes (default 2)")
-    s.add_argument("--layouts", type=_choices(tuple(search.PRESET_AXES)), metavar="A,B",
-                   help=f"layout presets to try, from {', '.join(search.PRESET_AXES)} (default all)")
+    s.add_argument("--layouts", type=_choices(tuple(PRESET_AXES)), metavar="A,B",
+                   help=f"layout presets to try, from {', '.join(PRESET_AXES)} (default all)")
     s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
                    help=f"remat policies to try, from {', '.join(search.REMAT)} (default all)")
     s.add_argument("--cache_dir", metavar="DIR", help="keep compiled reports here between searches")

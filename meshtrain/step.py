@@ -1,6 +1,12 @@
 """The training and eval steps: pure functions, jitted with shardings and donation.
 
-    train_step(state, tokens [B, T+1] int32) -> (state, {"loss", "grad_norm", "lr"})
+    train_step(state, tokens [B, T+1] int32) -> (state, metrics)
+    eval_step(params, tokens [B, T+1] int32) -> mean loss over the B x T targets []
+
+metrics, each a scalar: "loss" (mean over the batch's targets), "grad_norm" (global L2
+norm before clipping), "lr" (this step's), "nonfinite_grads" (gradient leaves holding a
+NaN or Inf) and "first_nonfinite" (index into gradient_names(model) of the first, -1 for
+none); train.nonfinite decides what the loop does with the last two (loop.py).
 
 With train.microbatches = k the batch is cut into k microbatches of B/k rows and
 gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is

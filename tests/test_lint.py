@@ -198,9 +198,25 @@ def test_zero_saves_nothing(name, mesh, plain, alternative):
     assert f.cost.startswith(f"{mib(state)} of params and Adam moments per device, the same as {plain!r}")
     plain_cfg = load(name, **{"mesh.shape": mesh})
     assert apply(plain_cfg, f.fix) == [("layout", plain)]
-    assert run_lint(plain_cfg) == []
+    # zero1 on fsdp:8 names no rule for fsdp: its devices also repeat each other's work.
+    assert [g.code for g in run_lint(plain_cfg)] == (["unused-axis"] if mesh == "fsdp:8" else [])
     assert f"--config.mesh.shape={alternative}" in f.fix  # the other way out: shard for real
     assert run_lint(load(name, **{"mesh.shape": alternative})) == []
+
+
+@pytest.mark.parametrize("name, mesh, idle, fixed", [
+    ("gpt2_tiny_dp8", "data:2,fsdp:2,tensor:2", "fsdp=2 x tensor=2", "fsdp_tp"),  # the case
+    ("gpt2_tiny_dp8", "data:4,tensor:2", "tensor=2", "dp_tp"),
+    ("gpt2_tiny_dp8_zero1", "data:2,fsdp:4", "fsdp=4", "fsdp"),  # no preset keeps zero1 with fsdp
+])
+def test_unused_axis(name, mesh, idle, fixed):
+    cfg = load(name, **{"mesh.shape": mesh})
+    f = only(run_lint(cfg), "unused-axis")
+    assert f.severity == "warning" and f"has {idle}, which layout" in f.what
+    n = math.prod(int(part.split("=")[1]) for part in idle.split(" x "))
+    assert f.cost.startswith(f"{n}x the work per step for the same result: {n - 1} of every {n}")
+    assert apply(cfg, f.fix) == [("layout", fixed)]
+    assert "unused-axis" not in [g.code for g in run_lint(cfg)]
 
 
 KNOWN = {"gpt2_tiny_pp4_dp2": ["pipeline-bubble"]}

@@ -1,5 +1,7 @@
-"""The model seam: a model defined here, outside meshtrain/, registers itself and trains
-under data, FSDP, tensor and pipeline layouts exactly like on one device."""
+"""The model seam: a model written from docs/models.md, defined here outside meshtrain/,
+registers itself and trains under data, FSDP, tensor and pipeline layouts exactly like on
+one device, with the chunked loss (its hidden/project split) and the planner's formulas
+(its layer_activation_bytes)."""
 
 import dataclasses
 
@@ -39,11 +41,20 @@ class Toy(nnx.Module):
         self.layers = ToyLayer(cfg, rngs, cfg.num_layers)
         self.head = stack.param(rngs, (d, v), ("embed", "vocab"), None, jnp.float32, "normal")
 
-    def __call__(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+    def hidden(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+        """-> (h [B, T, D], the head [D, V]): everything before the output projection."""
         x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "embed"))
         x = stack.run_layers(self.layers, x, constrain, key, run_layers, num_layers=self.cfg.num_layers,
                              remat_policy=self.cfg.remat, scan=self.cfg.scan_layers)
-        return constrain(x @ self.head[...], ("batch", "length", "vocab"))
+        return x, self.head[...]
+
+    @staticmethod
+    def project(h_btd, w_dv, constrain=stack.no_constraint):
+        """h [B, t, D] -> logits [B, t, V], from its arguments alone (the loss calls it per chunk)."""
+        return constrain(h_btd @ w_dv, ("batch", "length", "vocab"))
+
+    def __call__(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+        return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
 
 
 def toy_activations(cfg: ToyConfig, b: int):
@@ -80,7 +91,7 @@ def toy_config(mesh: str, layout: str, pipeline_microbatches: int):
     c.model.name = "toy"
     c.model.vocab_multiple = 8
     c.pipeline.microbatches = pipeline_microbatches
-    c.train.update(batch_size=16, eval_every=0)
+    c.train.update(batch_size=16, eval_every=0, loss_chunk=8)  # 4 chunks of the 32 positions
     c.optim.update(lr=1e-2, warmup_steps=2)
     return c
 
@@ -103,3 +114,30 @@ def test_the_toy_model_reports_through_the_seam():
     assert exp.model.stacked == "layers"
     assert exp.num_params() == 2 * 256 * 32 + 2 * 4 * 32 * 64 == exp.num_stored_params()
     assert metrics.flops_per_token(cfg) == 6.0 * exp.num_params()
+
+
+def test_the_chunked_loss_takes_the_seam_and_equals_whole_logits():
+    from meshtrain import loss
+    from meshtrain.experiment import Experiment
+    assert loss.has_seam(Toy)
+    chunked = Experiment.build(toy_config("data:2,tensor:4", "dp_tp", 0))
+    assert loss.num_chunks(chunked.model.cfg.seq_len, chunked.cfg.train.loss_chunk) == 4
+    whole = toy_config("data:2,tensor:4", "dp_tp", 0)
+    config_lib.override(whole, "train.loss_chunk", "0")
+    assert_same_training("whole logits", losses_and_grads(whole), losses_and_grads(toy_config("data:2,tensor:4", "dp_tp", 0)))
+
+
+def test_the_planner_reads_the_toy_through_the_seam():
+    """Activation memory from the family's layer_activation_bytes, logits of one chunk."""
+    from meshtrain.experiment import Experiment
+    from meshtrain.planner import analytic, hardware, report
+    exp = Experiment.build(toy_config("data:2,tensor:4", "dp_tp", 0))
+    cfg, rows = exp.model.cfg, 16 // 2
+    layers = cfg.num_layers * family.korthikanti_bytes(rows * cfg.seq_len, 4, whole=cfg.embed_dim,
+                                                       split=cfg.mlp_dim, scores=0, tensor=4)
+    logits = rows * (cfg.seq_len // 4) * (cfg.padded_vocab_size / 4) * (4 + 8)
+    projection = cfg.padded_vocab_size / 4 * cfg.embed_dim * 4
+    assert analytic.activations(exp) == pytest.approx(layers + logits + projection)
+    r = report.plan(exp, hardware.get("h100"))
+    assert r["predicted_step_time_s"] > 0
+    assert r["analytic_memory_per_device_bytes"]["activations"] == analytic.activations(exp)

@@ -56,7 +56,9 @@ def test_stored_notebook_is_clear_and_starts_with_the_colab_cell(name):
             f"{name}: stored with outputs; clear them (jupyter nbconvert --clear-output --inplace)"
     first, second = (c.source for c in code_cells(nb)[:2])
     assert 'IN_COLAB = "google.colab" in sys.modules' in first
-    assert "if IN_COLAB:\n    %pip install" in first, "the install runs only in Colab"
+    assert "if IN_COLAB:\n" in first and first.count("%pip install") == 1, "the install runs only in Colab"
+    # From the repository, never by a bare name ("meshtrain" on the package index is another project).
+    assert '%pip install --quiet "meshtrain-jax[notebooks] @ {SOURCE}"' in first
     assert "sys.path.insert" in first, "a checkout without an install finds the repository root"
     # The device count is set in the second cell, before anything touches a device.
     for setting in ('jax.config.update("jax_platforms", "cpu")', 'jax.config.update("jax_num_cpu_devices"'):

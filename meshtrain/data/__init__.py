@@ -48,7 +48,7 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int) -> DataSo
     if kind == "text":
         return make_text_source(
             data_cfg.get("path"), tokenizer=data_cfg.get("tokenizer", "byte"),
-            val_fraction=data_cfg.get("val_fraction", 0.1), seq_len=seq_len, seed=seed,
+            val_fraction=data_cfg.get("val_fraction", 0.05), seq_len=seq_len, seed=seed,
             random_offsets=bool(data_cfg.get("random_offsets", False)))
     if kind == "tfds":
         from meshtrain.data.tfds_source import make_tfds_source  # lazy: imports TFDS

@@ -27,7 +27,7 @@ def parser() -> cli.Parser:
     p.add_argument("--name", required=True, help="dataset name (lower snake case)")
     p.add_argument("--data_dir", required=True, help="TFDS data directory to write into")
     p.add_argument("--tokenizer", default="byte",
-                   help="byte | char | bpe:PATH | bpe (with --train_bpe) | gpt2 | gpt2:DIR")
+                   help="byte | char | bpe:PATH | bpe (with --train_bpe) | gpt2 | gpt2:DIR | hf:DIR")
     p.add_argument("--train_bpe", type=int, default=0, metavar="VOCAB_SIZE",
                    help="train a byte-level BPE of this vocabulary on the training split")
     p.add_argument("--val_fraction", type=float, default=0.05,

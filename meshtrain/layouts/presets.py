@@ -44,6 +44,19 @@ PRESETS = {
     "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP};embed:fsdp",
 }
 PIPELINE_PRESETS = tuple(name for name in PRESETS if "pp" in name)
+# preset -> (mesh axes it needs, mesh axes it may use) when those have size > 1: a mesh
+# axis of size > 1 outside the second set is left unused (every device on it repeats the
+# same work). The planner's search and the linter read this.
+PRESET_AXES = {
+    "dp": ({"data"}, {"data"}), "zero1": ({"data"}, {"data"}),
+    "fsdp": ({"fsdp"}, {"data", "fsdp"}), "tp": ({"tensor"}, {"tensor"}),
+    "dp_tp": ({"data", "tensor"}, {"data", "tensor"}),
+    "fsdp_tp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
+    "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
+    "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),
+    "dp_pp_tp": ({"stage", "tensor"}, {"data", "stage", "tensor"}),
+    "fsdp_pp_tp": ({"stage", "fsdp", "tensor"}, {"data", "stage", "fsdp", "tensor"}),
+}
 
 
 def get(name_or_rules: str) -> Layout:

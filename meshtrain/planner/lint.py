@@ -16,6 +16,9 @@ back. The checks, by code:
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
   zero-saves-nothing  (warning) the layout shards weights or moments over data/fsdp, all of size 1
+  unused-axis         (warning) a mesh axis of size > 1 that no rule of the layout names: every
+                      device along it repeats the same work; the fix is the preset that uses
+                      every axis (layouts.presets.PRESET_AXES)
 
 `stage` on DCN is not flagged: a pipeline sends one microbatch slot between neighbouring
 stages per tick, the lightest traffic of any axis (docs/multihost.md).
@@ -102,7 +105,8 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = _Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model)
-    found = [*_batch(run), *_heads(run), *_replicated(run), *_tensor_on_dcn(run), *_bubble(run), *_zero(run)]
+    found = [*_batch(run), *_heads(run), *_unused(run), *_replicated(run), *_tensor_on_dcn(run), *_bubble(run),
+             *_zero(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -371,3 +375,31 @@ def _zero(run: _Run) -> list[Finding]:
     return [Finding("zero-saves-nothing", "warning",
                     f"layout {lay.name!r} shards weights or optimizer moments over {'/'.join(zero)}, but the "
                     f"mesh has {over} ({_mesh_text(shape)})", cost, fix + ")")]
+
+
+def _unused(run: _Run) -> list[Finding]:
+    lay, shape = run.layout, run.shape
+    named = {a for t in TARGETS for _, axes in lay.rules(t) for a in axes}
+    idle = [a for a in AXES if shape[a] > 1 and a not in named]
+    if not idle:
+        return []
+    big = {a for a in AXES if shape[a] > 1}
+    fits = [name for name, (needs, may) in layouts.presets.PRESET_AXES.items() if needs <= big <= may]
+    # Keep the layout's kind where one fits (zero1 stays zero1, fsdp stays fsdp).
+    fits.sort(key=lambda name: name.split("_")[0] != lay.name.split("_")[0])
+    fix = (f"no preset uses {_mesh_text(shape)}: put the devices on the axes layout {lay.name!r} names, "
+           f"or write rules for {', '.join(idle)} (docs/layouts.md)")
+    if fits:
+        fix = _override("layout", fits[0])
+        if "stage" in idle and run.cfg.pipeline.microbatches <= 0:
+            m = 4 * shape["stage"]
+            fix += " " + _override("pipeline.microbatches", m) + (
+                "" if run.cfg.train.batch_size % _batch_multiple(run, m) == 0
+                else " " + _override("train.batch_size", _batch_multiple(run, m)))
+    n = _n(shape, idle)
+    return [Finding("unused-axis", "warning",
+                    f"mesh {_mesh_text(shape)} has {' x '.join(f'{a}={shape[a]}' for a in idle)}, which layout "
+                    f"{lay.name!r} never names: the {n} devices along {'+'.join(idle)} hold the same weights "
+                    f"and compute the same rows",
+                    f"{n}x the work per step for the same result: {n - 1} of every {n} devices add nothing",
+                    fix)]

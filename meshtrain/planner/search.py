@@ -28,21 +28,12 @@ import pathlib
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.layouts import presets
 from meshtrain.errors import UserError
 from meshtrain.planner import hardware as hardware_lib, text
 from meshtrain.progress import Progress, format_duration
 
 # preset -> (axes that must be above 1, axes it may use)
-PRESET_AXES = {
-    "dp": ({"data"}, {"data"}), "zero1": ({"data"}, {"data"}),
-    "fsdp": ({"fsdp"}, {"data", "fsdp"}), "tp": ({"tensor"}, {"tensor"}),
-    "dp_tp": ({"data", "tensor"}, {"data", "tensor"}),
-    "fsdp_tp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
-    "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
-    "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),
-    "dp_pp_tp": ({"stage", "tensor"}, {"data", "stage", "tensor"}),
-    "fsdp_pp_tp": ({"stage", "fsdp", "tensor"}, {"data", "stage", "fsdp", "tensor"}),
-}
 REMAT = ("none", "save_dots", "full")
 REMAT_FLOPS = {"none": 1.0, "save_dots": 1.1, "full": 4 / 3}  # executed / model, for ordering only
 
@@ -96,7 +87,7 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
     for sizes in factorizations(devices):
         shape = dict(zip(mesh_lib.AXES, sizes))
         used = {a for a, n in shape.items() if n > 1}
-        for layout, (required, allowed) in PRESET_AXES.items():
+        for layout, (required, allowed) in presets.PRESET_AXES.items():
             if (layouts and layout not in layouts) or not (required <= used <= allowed):
                 continue
             dcn = _dcn_for(shape, nodes)
