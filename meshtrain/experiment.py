@@ -232,8 +232,11 @@ class Experiment:
                                          process_count=jax.process_count(), start_step=start_step,
                                          workers=d.workers, prefetch=d.prefetch)
 
-    def eval_batches(self):
-        return self.source.eval_batches(self.cfg.train.batch_size, self.cfg.train.eval_steps,
+    def eval_batches(self, num_batches: int | None = None):
+        """This process's rows [B / processes, T+1] of held-out batches 0 .. num_batches - 1
+        (default train.eval_steps), the same every call."""
+        n = self.cfg.train.eval_steps if num_batches is None else num_batches
+        return self.source.eval_batches(self.cfg.train.batch_size, n,
                                         process_index=jax.process_index(),
                                         process_count=jax.process_count())
 

@@ -84,9 +84,17 @@ class Profiler:
                      f"(TensorBoard's profile plugin or ui.perfetto.dev; docs/profiling.md)")
 
 
-def evaluate(exp, params) -> float:
-    """Mean loss of `exp`'s (an Experiment's) eval batches under `params`."""
-    losses = [exp.eval_step(params, exp.put_batch(b)) for b in exp.eval_batches()]
+def evaluate(exp, params, batches=None, each=None) -> float:
+    """Mean loss of `exp`'s (an Experiment's) eval batches under `params`: the mean of
+    the batches' mean losses. `batches` (this process's rows [B / processes, T+1] of
+    each batch) replaces exp.eval_batches(); `each(tokens [B, T+1], loss [])`, when given,
+    is called after each batch is dispatched (meshtrain eval: its progress bar and logits)."""
+    losses = []
+    for rows in exp.eval_batches() if batches is None else batches:
+        tokens = exp.put_batch(rows)
+        losses.append(exp.eval_step(params, tokens))
+        if each is not None:
+            each(tokens, losses[-1])
     return float(np.mean(jax.device_get(losses)))
 
 

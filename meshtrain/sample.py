@@ -29,7 +29,7 @@ import time
 
 from meshtrain import cli, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.sampling.sources import DTYPES, from_checkpoint, from_workdir
+from meshtrain.sampling.sources import DTYPES, check_source, from_checkpoint, from_workdir
 
 SEPARATOR = "---------------"
 DEFAULT_MAX_NEW = 256
@@ -61,11 +61,7 @@ def parser() -> cli.Parser:
 def check_flags(args) -> dict:
     """The parsed flags as a dict, checked: exactly one source, values in range."""
     flags = vars(args)
-    if (flags["workdir"] is None) == (flags["checkpoint"] is None):
-        given = "Both --workdir and --checkpoint were given" if flags["workdir"] else "No --workdir or --checkpoint given"
-        raise UserError(f"{given}: pass exactly one, --workdir=DIR for a run trained with "
-                        f"`meshtrain train --workdir=DIR`, or --checkpoint=CKPT for a model converted "
-                        f"with `meshtrain convert from_hf --model=HF_DIR --out=CKPT`.")
+    check_source(flags)
     checks = [("num_samples", flags["num_samples"] >= 1, "at least 1"),
               ("max_new_tokens", flags["max_new_tokens"] is None or flags["max_new_tokens"] >= 1, "at least 1"),
               ("temperature", flags["temperature"] >= 0, ">= 0 (0 is greedy)"),

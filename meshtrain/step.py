@@ -60,15 +60,21 @@ def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     return lambda params: jax.tree.map(cast, params, model.axes)
 
 
-def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0) -> Callable:
-    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set,
-    over chunks of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
-    constrain = make_constrain(layout, mesh)
-    cast = make_cast(model, layout, mesh)
+def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
+    """(constrain, cast, run_layers): what every forward pass of `model` on `mesh` under
+    `layout` takes (the layout's constrain hook, make_cast, and the pipeline's schedule
+    when model.pipeline is set, else None: the layers run in order)."""
     run_layers = None
     if model.pipeline is not None:
         run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes[model.stacked],
                                           scan_layers=model.cfg.scan_layers)
+    return make_constrain(layout, mesh), make_cast(model, layout, mesh), run_layers
+
+
+def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0) -> Callable:
+    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set,
+    over chunks of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
+    constrain, cast, run_layers = forward_parts(model, layout, mesh)
 
     def loss_fn(params, tokens_bt1, key):
         inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
@@ -178,3 +184,17 @@ def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
     return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
                    in_shardings=(param_shardings, batch_sharding(layout, mesh)),
                    out_shardings=NamedSharding(mesh, P()))
+
+
+def make_logits_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
+    """logits_step(params, tokens [B, T] int32) -> float32 logits [B, T, V padded] (no
+    dropout): the model the loss takes, whole, laid out like the activations ("batch",
+    "length", "vocab"). The model masks the logits of padding ids; callers strip them
+    ([..., :model.cfg.vocab_size]). For parity checks (meshtrain eval --dump_logits):
+    training never holds these [B, T, V] float32 logits when train.loss_chunk < T."""
+    constrain, cast, run_layers = forward_parts(model, layout, mesh)
+
+    def logits_step(params, tokens_bt):
+        return model.bind(cast(params))(tokens_bt, constrain, None, run_layers).astype(jnp.float32)
+    return jax.jit(logits_step, in_shardings=(param_shardings, batch_sharding(layout, mesh)),
+                   out_shardings=NamedSharding(mesh, layout.spec(("batch", "length", "vocab"), "activations")))

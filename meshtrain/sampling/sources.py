@@ -102,11 +102,8 @@ def from_workdir(flags: dict) -> Loaded:
     cfg = run_config(saved_run, flags)
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
-    from meshtrain.checkpoints import store as checkpoint_lib
     model, layout, mesh, shardings = build(cfg, saved_run, shape, devices, flags["dtype"])
-    # Absolute: Orbax wants it. A relative checkpoint.dir is relative to where we start.
-    ckpt_dir = pathlib.Path(checkpoint_lib.checkpoint_dir(cfg, flags["workdir"])).absolute()
-    step = pick_step(ckpt_dir, flags["step"])
+    ckpt_dir, step = workdir_step(cfg, flags["workdir"], flags["step"])
     return Loaded(model, layout, mesh, shardings, tokenizer(cfg, flags["workdir"], model.cfg),
                   f"step {step} of {flags['workdir']}", why,
                   lambda: restore_params(ckpt_dir, step, model, shardings))
@@ -115,10 +112,7 @@ def from_workdir(flags: dict) -> Loaded:
 def from_checkpoint(flags: dict) -> Loaded:
     """A checkpoint `meshtrain.convert from_hf` wrote (or any checkpoint init.from reads):
     its architecture on --mesh under --layout, its params, its tokenizer."""
-    path = pathlib.Path(flags["checkpoint"]).expanduser().absolute()
-    if not path.exists():
-        raise UserError(f"--checkpoint={flags['checkpoint']!r} does not exist. Give the --out "
-                        f"directory of `python -m meshtrain.convert from_hf --model=HF_DIR --out=CKPT`.")
+    path = checkpoint_path(flags["checkpoint"])
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(flags["mesh"] or CHECKPOINT_MESH))
 
     from meshtrain import layouts
@@ -215,6 +209,33 @@ class PromptTokenizer:
     def encode(self, text: str):
         import numpy as np
         return np.asarray(self.tok.hf.encode(text, add_special_tokens=True).ids, np.int32)
+
+
+def check_source(flags: dict) -> None:
+    """Exactly one of flags["workdir"] and flags["checkpoint"] (sample's and eval's flags)."""
+    if (flags["workdir"] is None) == (flags["checkpoint"] is None):
+        given = "Both --workdir and --checkpoint were given" if flags["workdir"] else "No --workdir or --checkpoint given"
+        raise UserError(f"{given}: pass exactly one, --workdir=DIR for a run trained with "
+                        f"`meshtrain train --workdir=DIR`, or --checkpoint=CKPT for a model converted "
+                        f"with `meshtrain convert from_hf --model=HF_DIR --out=CKPT`.")
+
+
+def checkpoint_path(given: str) -> pathlib.Path:
+    """--checkpoint=CKPT as an absolute path; a UserError when it does not exist."""
+    path = pathlib.Path(given).expanduser().absolute()
+    if not path.exists():
+        raise UserError(f"--checkpoint={given!r} does not exist. Give the --out directory of "
+                        f"`python -m meshtrain.convert from_hf --model=HF_DIR --out=CKPT`.")
+    return path
+
+
+def workdir_step(cfg, workdir: str, step: int | None) -> tuple[pathlib.Path, int]:
+    """(the run's checkpoint directory, absolute, the committed step to read: `step` or
+    the latest) of the run trained with --workdir=`workdir` and config `cfg`."""
+    from meshtrain.checkpoints import store as checkpoint_lib
+    # Absolute: Orbax wants it. A relative checkpoint.dir is relative to where we start.
+    ckpt_dir = pathlib.Path(checkpoint_lib.checkpoint_dir(cfg, workdir)).absolute()
+    return ckpt_dir, pick_step(ckpt_dir, step)
 
 
 def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
