@@ -14,6 +14,11 @@ that `init.from` accepts): the model is its architecture, with the vocabulary pa
 for the layout as training pads it; the mesh is --mesh (default data:1, one device)
 under --layout (default dp); the tokenizer is the checkpoint's (`from_checkpoint`).
 
+--max_len: the context to generate in (prompt + new tokens, the KV cache's length),
+model.seq_len by default; a RoPE model may go past it to the context it supports
+(ModelConfig.max_context: a converted Llama's max_position_embeddings), GPT-2's learned
+position table may not.
+
 Either way CPU devices are simulated to fit the mesh (as in training), a mesh of fewer
 devices than the host has uses the first ones, the params are read straight into the
 layout's shardings, and the generation (meshtrain/sampling/generate.py) is compiled once.
