@@ -11,7 +11,9 @@ tokenizer files beside it. Train from it with `--config.init.from=CKPT`.
 to_hf reads a training workdir (or checkpoint directory, or a converted CKPT), one
 params leaf at a time, and writes safetensors shards, config.json and
 generation_config.json that `transformers.AutoModelForCausalLM.from_pretrained` loads,
-with the vocabulary padding stripped and the tokenizer files copied.
+with the vocabulary padding stripped, and the run's tokenizer (any kind) as a
+tokenizer.json that `AutoTokenizer` loads; a run without one (synthetic data) gets a
+one-line warning that says why. Token ids in the configs lie inside the vocabulary.
 
 Memory: from_hf holds the whole converted model (the size of the weights in their
 dtype) plus one source tensor; to_hf holds one stacked leaf plus one shard (5 GiB).
@@ -148,12 +150,18 @@ def write_checkpoint(out: Path, params: dict, meta: dict) -> None:
     manager.close()
 
 
-def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None, say=print) -> None:
-    """A meshtrain checkpoint (workdir, checkpoint dir, step dir or converted CKPT) -> HF_DIR."""
+def _warn(line: str) -> None:
+    print(f"meshtrain convert: warning: {line}", file=sys.stderr, flush=True)
+
+
+def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None, say=print,
+          warn=_warn) -> None:
+    """A meshtrain checkpoint (workdir, checkpoint dir, step dir or converted CKPT) -> HF_DIR;
+    `warn` gets one line for what the export lacks (a tokenizer, an id past the vocabulary)."""
     import numpy as np
 
     from meshtrain import hf, state as state_lib, tree_paths
-    from meshtrain.checkpoints import init_from
+    from meshtrain.checkpoints import init_from, tokenizer as checkpoint_tokenizer
     from meshtrain.errors import UserError
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
@@ -177,6 +185,7 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     stored = sorted({np.dtype(m.dtype).name for m in saved.values()})
     out_dtype = dtype or max(stored, key=lambda d: sum(np.dtype(m.dtype).name == d for m in saved.values()))
     vocab = arch["vocab_size"]
+    tok, no_tokenizer = checkpoint_tokenizer.of(src)
 
     def read_leaf(leaf_path: str) -> np.ndarray:
         x = init_from.read_leaf(src, leaf_path, model.stacked)
@@ -196,17 +205,23 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
                               None if dtype is None else _np_dtype(dtype), total, say)
         files = writer.close()
         source = src.hf_source()
-        config = conv.hf_config(arch, source.get("config"), out_dtype, tokenizer_files.token_ids(src.tokenizer))
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        config = conv.hf_config(arch, source.get("config"), out_dtype, tokenizer_files.token_ids(tok))
         generation = dict(source.get("generation_config") or {"_from_model_config": True})
         for key in ("bos_token_id", "eos_token_id"):
             if config.get(key) is not None:
                 generation.setdefault(key, config[key])
+        dropped = tokenizer_files.keep_in_vocabulary([config, generation], vocab)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-        tok_files = tokenizer_files.write_hf_files(src.tokenizer, out)
+        tok_files = [] if tok is None else tokenizer_files.write_hf_files(tok, src.tokenizer, out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # it was new or empty: nothing of the user's
         raise
+    if tok is None:
+        warn(f"{out} has no tokenizer: {no_tokenizer}.")
+    if dropped:
+        warn(f"{', '.join(dropped)} set to null in config.json/generation_config.json: outside "
+             f"the vocabulary of {vocab} ids.")
     say(f"done in {time.perf_counter() - t0:.1f}s: {len(files)} safetensors file(s), config.json, "
         f"generation_config.json{', ' + ', '.join(tok_files) if tok_files else ' (no tokenizer files)'}")
 

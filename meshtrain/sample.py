@@ -2,7 +2,7 @@
 run's mesh (nanoGPT's sample.py, on a device mesh).
 
     meshtrain sample (--workdir=W | --checkpoint=CKPT) [--step=N] --prompt=TEXT
-        [--num_samples=1] [--max_new_tokens=N] [--temperature=0.8] [--top_k=0] [--top_p=1.0]
+        [--num_samples=1] [--max_new_tokens=N] [--max_len=N] [--temperature=0.8] [--top_k=0] [--top_p=1.0]
         [--seed=0] [--mesh=SHAPE] [--layout=NAME] [--dtype=float32]
 
 --workdir: the run is rebuilt from W/run.json: the model exactly as trained, the same
@@ -13,6 +13,11 @@ the tokenizer of the run's data config (`from_workdir`).
 that `init.from` accepts): the model is its architecture, with the vocabulary padded
 for the layout as training pads it; the mesh is --mesh (default data:1, one device)
 under --layout (default dp); the tokenizer is the checkpoint's (`from_checkpoint`).
+
+--max_len: the context to generate in (prompt + new tokens, the KV cache's length),
+model.seq_len by default; a RoPE model may go past it to the context it supports
+(ModelConfig.max_context: a converted Llama's max_position_embeddings), GPT-2's learned
+position table may not.
 
 Either way CPU devices are simulated to fit the mesh (as in training), a mesh of fewer
 devices than the host has uses the first ones, the params are read straight into the
@@ -45,7 +50,12 @@ def parser() -> cli.Parser:
                                                 "has no tokenizer); empty starts a document")
     p.add_argument("--num_samples", type=int, default=1, metavar="N", help="samples to draw, in one batch")
     p.add_argument("--max_new_tokens", type=int, metavar="N",
-                   help=f"tokens to generate (default: the rest of the context, at most {DEFAULT_MAX_NEW})")
+                   help=f"tokens to generate (default: the rest of --max_len; without it, the rest of "
+                        f"model.seq_len, at most {DEFAULT_MAX_NEW})")
+    p.add_argument("--max_len", type=int, metavar="N",
+                   help="the context to generate in, prompt and new tokens (default: model.seq_len); a "
+                        "RoPE model (llama) may go past model.seq_len up to the context it supports "
+                        "(max_position_embeddings), GPT-2's learned positions may not")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top_k", type=int, default=0, help="keep the K most likely tokens (0: all)")
     p.add_argument("--top_p", type=float, default=1.0, help="keep the smallest set of tokens with this much "
@@ -64,6 +74,8 @@ def check_flags(args) -> dict:
     check_source(flags)
     checks = [("num_samples", flags["num_samples"] >= 1, "at least 1"),
               ("max_new_tokens", flags["max_new_tokens"] is None or flags["max_new_tokens"] >= 1, "at least 1"),
+              ("max_len", flags["max_len"] is None or flags["max_len"] >= 2,
+               "at least 2 (a prompt token and a new one)"),
               ("temperature", flags["temperature"] >= 0, ">= 0 (0 is greedy)"),
               ("top_k", flags["top_k"] >= 0, ">= 0 (0 keeps every token)"),
               ("top_p", 0 < flags["top_p"] <= 1, "in (0, 1] (1 keeps every token)"),
@@ -80,7 +92,7 @@ def execute(args) -> int:
     from meshtrain.sampling import generate as gen
     model, layout, mesh = src.model, src.layout, src.mesh
     prompt = encode_prompt(flags["prompt"], src.tokenizer, model.cfg.vocab_size)
-    n_new = new_tokens(len(prompt), flags["max_new_tokens"], model.cfg.seq_len)
+    n_new = new_tokens(len(prompt), flags["max_new_tokens"], flags["max_len"], model.cfg)
     rows = gen.padded_rows(flags["num_samples"], layout, mesh)
     check_cache(model, layout, mesh, rows, len(prompt) + n_new)
     params = src.restore()
@@ -106,19 +118,28 @@ def execute(args) -> int:
     return 0
 
 
-def new_tokens(prompt_len: int, asked: int | None, seq_len: int) -> int:
-    """--max_new_tokens, or the rest of the context (at most DEFAULT_MAX_NEW); the prompt
-    and the new tokens must fit in the model's seq_len (its position table, for GPT-2)."""
-    if prompt_len >= seq_len:
-        raise UserError(f"The prompt is {prompt_len} tokens, but the model's context is "
-                        f"model.seq_len={seq_len} tokens, and at least one new token must fit. "
-                        f"Shorten the prompt.")
-    n_new = asked or min(DEFAULT_MAX_NEW, seq_len - prompt_len)
-    if prompt_len + n_new > seq_len:
+def new_tokens(prompt_len: int, asked: int | None, max_len: int | None, model_cfg) -> int:
+    """--max_new_tokens, else the rest of the context: of --max_len when it is given, else
+    of model.seq_len but at most DEFAULT_MAX_NEW. The prompt and the new tokens (the KV
+    cache's length) must fit in --max_len (default model.seq_len), and --max_len in what
+    the model's positions reach (`max_context()`: GPT-2's position table is model.seq_len
+    rows; Llama's RoPE goes to its max_position_embeddings)."""
+    limit, why = model_cfg.max_context()
+    if max_len is not None and max_len > limit:
+        raise UserError(f"--max_len={max_len} is longer than this model can decode: {why}. "
+                        f"Use --max_len={limit} or less.")
+    context = max_len or model_cfg.seq_len
+    name = f"--max_len={context}" if max_len else f"model.seq_len={context}"
+    longer = f", or a longer --max_len (up to {limit})" if context < limit else ""
+    if prompt_len >= context:
+        raise UserError(f"The prompt is {prompt_len} tokens, but the model's context is {name} "
+                        f"tokens, and at least one new token must fit. Shorten the prompt{longer}.")
+    n_new = asked or (context - prompt_len if max_len else min(DEFAULT_MAX_NEW, context - prompt_len))
+    if prompt_len + n_new > context:
         raise UserError(f"The prompt ({prompt_len} tokens) plus --max_new_tokens={n_new} is "
-                        f"{prompt_len + n_new} tokens, more than the model's context, "
-                        f"model.seq_len={seq_len}. Use --max_new_tokens={seq_len - prompt_len} "
-                        f"or less, or a shorter prompt.")
+                        f"{prompt_len + n_new} tokens, more than the model's context, {name}. "
+                        f"Use --max_new_tokens={context - prompt_len} or less, or a shorter "
+                        f"prompt{longer}.")
     return n_new
 
 

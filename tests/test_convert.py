@@ -294,9 +294,11 @@ def test_a_run_whose_model_differs_is_refused(gpt2_ckpt):
         init_from.load_params(src, exp.model, exp.shardings.params)
 
 
-def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path):
+def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path, capsys):
     """A pipelined run's checkpoint (padded vocabulary, [stage, layer] stacks) goes to
-    Hugging Face with the logits of its params, and into a dp2_tp4 run unchanged."""
+    Hugging Face with the logits of its params, and into a dp2_tp4 run unchanged. Its
+    synthetic data has no tokenizer: one warning line says so, and the configs carry no
+    token id (GPT2Config's default, 50256, would lie outside its 200 ids)."""
     from meshtrain import train
     work = tmp_path / "run"
     assert train.run(["--config=gpt2_tiny_pp2_dp4", f"--workdir={work}", "--config.train.steps=2",
@@ -304,7 +306,14 @@ def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path):
                       "--config.checkpoint.async=false"]) == 0
     src = init_from.read(work)
     assert src.family == "gpt2" and src.pipeline == (2, 1) and src.architecture["vocab_size"] == 200
+    capsys.readouterr()
     convert.to_hf(work, tmp_path / "hf", say=quiet)
+    assert capsys.readouterr().err == (f"meshtrain convert: warning: {tmp_path / 'hf'} has no tokenizer: the run "
+                                       f"trained on synthetic data, token ids that stand for no text.\n")
+    assert not list((tmp_path / "hf").glob("tokenizer*"))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((tmp_path / "hf" / name).read_text())
+        assert config.get("eos_token_id") is None and config.get("bos_token_id") is None, config
     tokens = TOKENS % 200
     assert_logits_match(meshtrain_logits(work, tokens)[..., :200], hf_models.logits(tmp_path / "hf", tokens))
     _, cfg = finetune_config(work, *LAYOUTS["dp2_tp4"])

@@ -316,6 +316,46 @@ def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
     assert "prompt 1 tokens + 8 new" in out.err
 
 
+def test_llama31_samples_past_its_trained_context_as_transformers(tmp_path, capsys):
+    """A Llama 3.1-style model (rope_type llama3 from 32 original positions, 256 supported)
+    samples --max_len=200 positions past its seq_len of 32: greedy, token for token what
+    transformers' generate gives, on one device and under dp_tp; past 256 is refused."""
+    pytest.importorskip("transformers")
+    from meshtrain import convert
+    scaling = dict(hf_models.LLAMA3_SCALING, original_max_position_embeddings=32)
+    # seed 5: over 195 greedy steps the top two logits never come closer than 5e-3.
+    hf = hf_models.llama(tmp_path / "hf", seed=5, scaling=scaling, max_position_embeddings=256,
+                         initializer_range=0.5)
+    convert.from_hf(hf, tmp_path / "ckpt", say=_quiet)
+    expected, gap = hf_models.greedy(hf, HF_PROMPT, 200 - len(HF_PROMPT))
+    assert len(set(expected)) > 8 and gap > 1e-3, (expected, gap)
+    args = [f"--checkpoint={tmp_path / 'ckpt'}", f"--prompt={','.join(map(str, HF_PROMPT))}", "--temperature=0"]
+    for where in ([], ["--mesh=data:1,tensor:2", "--layout=dp_tp"]):
+        assert sample.main(args + ["--max_len=200", *where]) == 0
+        out = capsys.readouterr()
+        assert _samples(out.out) == [HF_PROMPT + expected]
+        assert "seq_len 32 (supports 256)" in out.err and "prompt 5 tokens + 195 new" in out.err, out.err
+    assert sample.main(args + ["--max_len=257"]) == 2
+    err = capsys.readouterr().err
+    assert "--max_len=257 is longer than this model can decode: this llama supports " \
+           "max_position_embeddings=256 positions, its RoPE stretched from 32" in err and "--max_len=256 or less" in err
+    assert sample.main(args + ["--max_new_tokens=40"]) == 2  # without --max_len: model.seq_len, as before
+    err = capsys.readouterr().err
+    assert "more than the model's context, model.seq_len=32" in err and "longer --max_len (up to 256)" in err, err
+
+
+def test_max_len_past_the_positions_is_refused(hf_ckpt, capsys):
+    """GPT-2's learned position table ends at n_positions (64); a plain Llama converted
+    with max_position_embeddings 64 goes no further either."""
+    ckpt, _ = hf_ckpt
+    assert sample.main([f"--checkpoint={ckpt}", "--prompt=1,2", "--max_len=65"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshtrain sample: error: --max_len=65 is longer than this model can decode: ")
+    assert "\n" not in err and err.endswith("Use --max_len=64 or less.")
+    assert ("position table (wpe) has model.seq_len=64 rows" in err or
+            "this llama supports max_position_embeddings=64 positions" in err), err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint={ckpt}", "--workdir={ckpt}"], "Both --workdir and --checkpoint were given"),
     (["--checkpoint={ckpt}/nowhere"], "nowhere' does not exist. Give the --out directory of"),

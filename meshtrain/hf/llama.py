@@ -81,13 +81,15 @@ def architecture(config: dict, where: str) -> dict:
     if head_dim is not None and int(head_dim) != d // h:
         refuse(f"head_dim={head_dim} differs from hidden_size / num_attention_heads = {d // h}")
     theta, scaling = rope_settings(config, refuse)
-    # The context it was pretrained at: with Llama 3.1 scaling, the original length (the
-    # scaled RoPE reaches max_position_embeddings when seq_len is raised), as sizes.py.
-    seq_len = int(scaling["original_max_position_embeddings"] if scaling else
-                  config.get("max_position_embeddings", 2048))
+    # The context it was pretrained at: with Llama 3.1 scaling, the original length, as
+    # sizes.py; the scaled RoPE reaches max_position_embeddings, the context it supports
+    # (sampling's --max_len goes up to it; training raises seq_len to use it).
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    seq_len = int(scaling["original_max_position_embeddings"]) if scaling else max_positions
     return dict(num_layers=layers, num_heads=h, num_kv_heads=int(config.get("num_key_value_heads") or h),
                 embed_dim=d, mlp_dim=mlp, vocab_size=vocab, seq_len=seq_len, rope_theta=theta,
-                rope_scaling=scaling, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                rope_scaling=scaling, max_position_embeddings=max_positions,
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                 norm_eps=float(config.get("rms_norm_eps", 1e-6)))
 
 
@@ -136,7 +138,8 @@ def hf_config(arch: dict, base: dict | None, dtype: str, special: dict) -> dict:
     config = {k: v for k, v in (base or {}).items() if k not in drop}
     d, h = arch["embed_dim"], arch["num_heads"]
     scaling = arch.get("rope_scaling")
-    max_pos = max(int(config.get("max_position_embeddings", 0)), arch["seq_len"])
+    max_pos = max(int(config.get("max_position_embeddings", 0)), arch["seq_len"],
+                  arch.get("max_position_embeddings") or 0)
     config.update(
         architectures=[ARCHITECTURE], model_type=MODEL_TYPE, vocab_size=arch["vocab_size"],
         hidden_size=d, intermediate_size=arch["mlp_dim"], num_hidden_layers=arch["num_layers"],

@@ -38,6 +38,7 @@ Optional decoding (meshtrain/sample.py, meshtrain/sampling/generate.py): a modul
     init_cache(batch, max_len) -> cache (a pytree of arrays)
     cache_axes() -> the logical axes of each cache leaf (the cache's tree structure)
     decode(tokens [B, t], cache, pos [] int32, constrain) -> (logits [B, t, V], cache)
+and a config whose `max_context()` says how far past model.seq_len decoding may go.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class ModelConfig:
     remat: str = "none"           # see models/remat.py
     scan_layers: bool = True
     attention: str = "xla"        # xla | cudnn | pallas, resolved from model.attention (models/attention.py)
+
+    def max_context(self) -> tuple[int, str]:
+        """(the most positions the model can decode over, why that many), for sampling's
+        --max_len: model.seq_len here; a family whose positions go further says so
+        (models/llama.py), one whose positions are a table says why not (models/gpt2.py)."""
+        return self.seq_len, f"the model was trained at model.seq_len={self.seq_len} positions"
 
 
 @dataclasses.dataclass(frozen=True)

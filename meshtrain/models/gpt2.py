@@ -37,6 +37,12 @@ class GPT2Config(family.ModelConfig):
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
 
+    def max_context(self) -> tuple[int, str]:
+        return self.seq_len, (f"GPT-2 learns one embedding per position, and its position table "
+                              f"(wpe) has model.seq_len={self.seq_len} rows, so there is no "
+                              f"position past {self.seq_len} to decode at (a RoPE model such as "
+                              f"llama computes its positions and can go further)")
+
 
 def num_params(cfg: GPT2Config, vocab_size: int | None = None) -> int:
     """Closed form: L (12 D^2 + 13 D) + V D + T D + 2 D (tied embedding)."""

@@ -58,6 +58,9 @@ class LlamaConfig(family.ModelConfig):
     mlp_dim: int
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling | None = None
+    # The context the model supports at inference (Hugging Face's max_position_embeddings,
+    # e.g. 131072 for Llama 3.1 8B, trained at seq_len 8192 and scaled); None: seq_len.
+    max_position_embeddings: int | None = None
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
 
@@ -71,6 +74,22 @@ class LlamaConfig(family.ModelConfig):
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    def max_context(self) -> tuple[int, str]:
+        """RoPE computes each position's rotation, so decoding may go past seq_len up to
+        max_position_embeddings (the context the model supports), never further."""
+        most, trained = self.max_position_embeddings, self.seq_len
+        if most is None:
+            return trained, (f"this llama was trained at model.seq_len={trained} and records no "
+                             f"longer context it supports (max_position_embeddings, which a model "
+                             f"converted from Hugging Face carries)")
+        if trained > most:
+            return trained, (f"this llama was trained at model.seq_len={trained}, past the "
+                             f"max_position_embeddings={most} it started from")
+        scaled = "" if self.rope_scaling is None else (
+            f", its RoPE stretched from {self.rope_scaling.original_max_position_embeddings} "
+            f"positions by Llama 3.1's frequency scaling")
+        return most, f"this llama supports max_position_embeddings={most} positions{scaled}"
 
 
 def num_params(cfg: LlamaConfig, vocab_size: int | None = None) -> int:
@@ -333,6 +352,8 @@ def _check(cfg: LlamaConfig) -> None:
             f"embeddings rotate pairs of dims. Pick dims with an even head width.")
     if not isinstance(cfg.tie_embeddings, bool):
         raise UserError(f"model.tie_embeddings={cfg.tie_embeddings!r}: must be True or False.")
+    if cfg.max_position_embeddings is not None and cfg.max_position_embeddings < 1:
+        raise UserError(f"max_position_embeddings={cfg.max_position_embeddings}: must be >= 1.")
     if not (cfg.rope_theta > 0 and cfg.norm_eps > 0):
         raise UserError(f"model.rope_theta={cfg.rope_theta}, norm_eps={cfg.norm_eps}: both must be > 0.")
     s = cfg.rope_scaling
@@ -345,8 +366,10 @@ def _check(cfg: LlamaConfig) -> None:
 
 def _describe(c: LlamaConfig) -> str:
     scaling = "" if c.rope_scaling is None else f" (llama3 scaling x{c.rope_scaling.factor:g})"
+    longest = c.max_context()[0]
+    reach = f" (supports {longest})" if longest > c.seq_len else ""
     return (f"llama: {c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv), embed "
-            f"{c.embed_dim}, mlp {c.mlp_dim}, vocab {c.padded_vocab_size}, seq_len {c.seq_len}, "
+            f"{c.embed_dim}, mlp {c.mlp_dim}, vocab {c.padded_vocab_size}, seq_len {c.seq_len}{reach}, "
             f"rope theta {c.rope_theta:g}{scaling}, {'tied' if c.tie_embeddings else 'untied'} "
             f"output, params {c.param_dtype}")
 

@@ -27,11 +27,14 @@ _LLAMA3_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0
                           original_max_position_embeddings=8192)
 
 
-def _llama(layers, heads, kv_heads, embed, mlp, vocab, seq_len, theta, tied, scaling=None, eps=1e-5):
-    """rope_scaling and norm_eps have no model.* key: they come from this table only."""
+def _llama(layers, heads, kv_heads, embed, mlp, vocab, seq_len, theta, tied, scaling=None, eps=1e-5,
+           max_positions=None):
+    """rope_scaling, max_position_embeddings (the context supported at inference; None:
+    seq_len) and norm_eps have no model.* key: they come from this table only."""
     return dict(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, embed_dim=embed,
                 mlp_dim=mlp, vocab_size=vocab, seq_len=seq_len, rope_theta=theta,
-                tie_embeddings=tied, rope_scaling=scaling, norm_eps=eps)
+                tie_embeddings=tied, rope_scaling=scaling, max_position_embeddings=max_positions,
+                norm_eps=eps)
 
 
 LLAMA_SIZES = {
@@ -39,7 +42,8 @@ LLAMA_SIZES = {
     # Llama 3.2 1B (1,235,814,400 params). seq_len 8192: the context Llama 3 pretrained at
     # (the scaling's original_max_position_embeddings), so a converted checkpoint trains
     # at its native length; the scaled RoPE reaches 128K when seq_len is raised.
-    "llama3_1b": _llama(16, 32, 8, 2048, 8192, 128_256, 8192, 500_000.0, True, _LLAMA3_SCALING_32),
+    "llama3_1b": _llama(16, 32, 8, 2048, 8192, 128_256, 8192, 500_000.0, True, _LLAMA3_SCALING_32,
+                        max_positions=131_072),
     # Llama 2 7B (6,738,415,616 params).
     "llama2_7b": _llama(32, 32, 32, 4096, 11008, 32_000, 4096, 10_000.0, False),
     # Llama 3 8B (8,030,261,248 params); no RoPE scaling (that came with 3.1).

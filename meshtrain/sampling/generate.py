@@ -77,7 +77,8 @@ def make_generate(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, 
            top_p [] f32) -> new tokens [B, N] int32
 
     B must be a multiple of `batch_shards(layout, mesh)` (see `generate`), and
-    P + N at most the model's seq_len. `model` is unpipelined: decoding runs the
+    P + N at most `model.cfg.max_context()` (past seq_len only where the positions are
+    computed, as Llama's RoPE). `model` is unpipelined: decoding runs the
     layers in order on every device of a stage (see docs/sampling.md).
     """
     if model.pipeline is not None:

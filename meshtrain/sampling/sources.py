@@ -178,19 +178,16 @@ def load_source_params(src, model, shardings):
 
 
 def checkpoint_tokenizer(src):
-    """The checkpoint's tokenizer (meta "tokenizer", an hf:/gpt2:/bpe: spec), or None: the
+    """The checkpoint's tokenizer (checkpoints/tokenizer.py: a training run's saved
+    WORKDIR/tokenizer.json, a converted model's files), or None when it has none: the
     prompt and the samples are then ids. A converted model's tokenizer.json encodes the
     prompt as transformers' `tokenizer(prompt)` does (PromptTokenizer)."""
-    from meshtrain.data.tokenizers import make_tokenizer
+    from meshtrain.checkpoints import tokenizer as checkpoint_tokenizer_lib
     from meshtrain.data.hf_tokenizer import HFTokenizer
-    if src.tokenizer is None:
-        return None
-    try:
-        tok = make_tokenizer(src.tokenizer)
-    except ValueError:  # 'char' rebuilds its vocabulary from the corpus
-        raise UserError(f"{src.step_dir} was trained with the {src.tokenizer!r} tokenizer, which "
-                        f"is rebuilt from the run's corpus. Sample it with --workdir=W, the "
-                        f"directory of that run.") from None
+    tok, why = checkpoint_tokenizer_lib.of(src)
+    if tok is None and src.tokenizer is not None:  # it had one: prompts are not ids
+        raise UserError(f"{src.step_dir} has no tokenizer to read: {why}. Sample the run with "
+                        f"--workdir=W, its directory, which rebuilds it from the run's corpus.")
     return PromptTokenizer(tok) if isinstance(tok, HFTokenizer) and "source" in src.meta else tok
 
 
