@@ -29,7 +29,7 @@ def test_named_config_keys_exist(path, text):
 
 @pytest.mark.parametrize("path,text", texts(), ids=lambda x: str(x) if isinstance(x, pathlib.Path) else "")
 def test_named_commands_exist(path, text):
-    modules = set(re.findall(r"python3? -m (meshtrain(?:\.\w+)*)", text))
+    modules = set(re.findall(r"python3? -m (meshtrain(?:\.[a-z_]+)*)\b", text))
     missing = [m for m in sorted(modules) if importlib.util.find_spec(m) is None]
     assert not missing, f"{path} runs modules that do not exist: {missing}"
     code = re.findall(r"```.*?```|`[^`\n]+`", text, re.S)  # commands are in code, not prose
@@ -52,7 +52,7 @@ def test_named_files_exist(path, text):
 def test_nothing_installs_meshtrain_by_a_bare_name(path, text):
     """`pip install meshtrain` would fetch an unrelated project of that name; installs are
     from a checkout (`pip install .`, `-e .`) or from the repository (`meshtrain-jax @ URL`)."""
-    for command in re.findall(r"pip install[^\n`]*", text):
+    for command in re.findall(r"pip install[^\n`&;|]*", text):
         for word in command.split()[2:]:
             word = word.strip("\"'")
             if re.fullmatch(r"meshtrain(-jax)?(\[[\w,]+\])?", word):
