@@ -125,13 +125,19 @@ def parse(parser: Parser, argv: list[str]) -> argparse.Namespace | None:
     `config_name` and `overrides`."""
     wants_help = any(a in ("-h", "--help") for a in argv)
     rest, overrides = split_overrides(argv) if parser.takes_overrides else (list(argv), [])
-    if wants_help:
+    if wants_help and parser.takes_config:
         parser.print_help()
-        if parser.takes_config:
-            known, _ = parser.parse_known_args([a for a in rest if a not in ("-h", "--help")])
-            if known.config:
-                print("\n" + describe_config(known.config, load_config(known.config, overrides, parser.prog),
-                                             overrides))
+        known, _ = parser.parse_known_args([a for a in rest if a not in ("-h", "--help")])
+        if known.config:
+            print("\n" + describe_config(known.config, load_config(known.config, overrides, parser.prog),
+                                         overrides))
+        return None
+    if wants_help:  # argparse answers, a subcommand's own help included (`convert to_hf -h`)
+        try:
+            parser.parse_args(rest)
+        except SystemExit as e:
+            if e.code:
+                raise
         return None
     args = parser.parse_args(rest)
     args.prog, args.argv = parser.prog, list(argv)  # the command as given, e.g. for a resume line
