@@ -14,8 +14,9 @@
 #     the installed meshtrain (pip install, editable or not), else this checkout's.
 #   - Logs: one file per process, DIR/logs/process_I.log (./meshtrain-logs/ without
 #     --workdir), appended, each launch headed by a line; process 0's is also shown here.
-#     Lines no one can act on are left out: gloo's "Rank R is connected to K peer ranks"
-#     when K is all of them, and XLA's "SIGTERM caught" after a Ctrl-C.
+#     Lines no one can act on are left out: gloo's "[Gloo] Rank R is connected to K peer
+#     ranks" (a connection gloo cannot make fails the run with an error of its own), and
+#     XLA's "SIGTERM caught" after a Ctrl-C.
 #   - Failure: when a process exits non-zero the others stop on their own (they are told
 #     which one was lost); any still running after $GRACE s (default 30) are killed.
 #   - Ctrl-C: SIGTERM to every process, which saves a checkpoint at the next step and
@@ -90,9 +91,17 @@ if ((gpus > 0 && gpus % N)); then
   exit 2
 fi
 
-# What no one can act on (see the top); gloo's line stays when a peer is missing.
-noise='^\[Gloo\] Rank [0-9]+ is connected to ([0-9]+) peer ranks\. Expected number of connected peer ranks is : \1$'
-noise+='|^W[0-9]{4} [0-9:.]+ +[0-9]+ preemption_notifier\.cc:[0-9]+\] SIGTERM caught at '
+# What no one can act on (see the top). Gloo writes its line in pieces to std::cout from
+# several threads at once, so one line may hold pieces of several, and a count may end up
+# on a line of its own: lines made of those pieces go, and a bare number right after one.
+quiet() {
+  awk -v gloo='[[]Gloo] Rank | is connected to | peer ranks[.] |Expected number of connected peer ranks is : ' '
+    $0 ~ "^(" gloo "|[0-9]+)*(" gloo ")(" gloo "|[0-9]+)*$" { gloo_line = 1; next }
+    gloo_line && /^[0-9]+$/ { next }
+    { gloo_line = 0 }
+    /^W[0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ preemption_notifier[.]cc:[0-9]+] SIGTERM caught at / { next }
+    { print; fflush() }'
+}
 
 set -m  # each process in its own process group: Ctrl-C reaches this script, not them
 pids=() done=() statuses=()
@@ -110,7 +119,7 @@ for ((i = 0; i < N; i++)); do
   fi
   env "${env[@]}" "$PYTHON" -m meshtrain.train --config="$CONFIG" --coordinator="127.0.0.1:$PORT" \
     --num_processes="$N" --process_id="$i" "$@" \
-    > >(grep --line-buffered -v -E "$noise" >>"$logs/process_$i.log") 2>&1 &
+    > >(quiet >>"$logs/process_$i.log") 2>&1 &
   pids+=($!) done+=(0) statuses+=("")
 done
 say "$N processes (pids ${pids[*]}), coordinator 127.0.0.1:$PORT, logs in $logs/process_I.log"
