@@ -9,8 +9,14 @@
 # written by every process.
 #   - Devices: on a CPU-only machine each process simulates its share of the mesh
 #     (mesh size / N). With GPUs, each process gets GPUs/N of them via CUDA_VISIBLE_DEVICES.
+#   - Paths: relative ones (--workdir, data.path, checkpoint.dir) are relative to the
+#     directory you run this from, as with python -m meshtrain.train. The processes import
+#     the installed meshtrain (pip install, editable or not), else this checkout's.
 #   - Logs: one file per process, DIR/logs/process_I.log (./meshtrain-logs/ without
 #     --workdir), appended, each launch headed by a line; process 0's is also shown here.
+#     Lines no one can act on are left out: gloo's "[Gloo] Rank R is connected to K peer
+#     ranks" (a connection gloo cannot make fails the run with an error of its own), and
+#     XLA's "SIGTERM caught" after a Ctrl-C.
 #   - Failure: when a process exits non-zero the others stop on their own (they are told
 #     which one was lost); any still running after $GRACE s (default 30) are killed.
 #   - Ctrl-C: SIGTERM to every process, which saves a checkpoint at the next step and
@@ -30,7 +36,20 @@ N=$1 CONFIG=$2
 shift 2
 PYTHON=${PYTHON:-python}
 GRACE=${GRACE:-30}
-cd "$(dirname "$0")/.." || exit 2
+exec 3>&2  # local.sh's own messages (the wait loop below closes stderr)
+say() { echo "local.sh: $*" >&3; }
+
+command -v "$PYTHON" >/dev/null || { say "no Python at PYTHON=$PYTHON"; exit 2; }
+# The processes run here, so relative paths mean what they do to the user. meshtrain is the
+# installed package if there is one, else the checkout this script belongs to.
+if ! "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("meshtrain") is None)' 2>/dev/null; then
+  checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if [[ ! -f $checkout/meshtrain/__init__.py ]]; then
+    say "$PYTHON cannot import meshtrain: install it (pip install -e $checkout) or set PYTHON"
+    exit 2
+  fi
+  export PYTHONPATH=$checkout${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 workdir=""
 args=("$@")
@@ -60,7 +79,7 @@ for _ in range(200):
     break
 EOF
 )}
-[[ -n $PORT ]] || { echo "local.sh: found no two free ports; set PORT" >&2; exit 2; }
+[[ -n $PORT ]] || { say "found no two free ports; set PORT"; exit 2; }
 
 # GPUs, if any: an equal share for each process.
 gpus=0
@@ -68,9 +87,21 @@ if [[ -z ${CUDA_VISIBLE_DEVICES+x} ]] && command -v nvidia-smi >/dev/null; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 fi
 if ((gpus > 0 && gpus % N)); then
-  echo "local.sh: $gpus GPUs do not split evenly between $N processes; use N dividing $gpus" >&2
+  say "$gpus GPUs do not split evenly between $N processes; use N dividing $gpus"
   exit 2
 fi
+
+# What no one can act on (see the top). Gloo writes its line in pieces to std::cout from
+# several threads at once, so one line may hold pieces of several, and a count may end up
+# on a line of its own: lines made of those pieces go, and a bare number right after one.
+quiet() {
+  awk -v gloo='[[]Gloo] Rank | is connected to | peer ranks[.] |Expected number of connected peer ranks is : ' '
+    $0 ~ "^(" gloo "|[0-9]+)*(" gloo ")(" gloo "|[0-9]+)*$" { gloo_line = 1; next }
+    gloo_line && /^[0-9]+$/ { next }
+    { gloo_line = 0 }
+    /^W[0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ preemption_notifier[.]cc:[0-9]+] SIGTERM caught at / { next }
+    { print; fflush() }'
+}
 
 set -m  # each process in its own process group: Ctrl-C reaches this script, not them
 pids=() done=() statuses=()
@@ -87,19 +118,20 @@ for ((i = 0; i < N; i++)); do
     env=("CUDA_VISIBLE_DEVICES=$(seq -s, $((i * per)) $((i * per + per - 1)))")
   fi
   env "${env[@]}" "$PYTHON" -m meshtrain.train --config="$CONFIG" --coordinator="127.0.0.1:$PORT" \
-    --num_processes="$N" --process_id="$i" "$@" >>"$logs/process_$i.log" 2>&1 &
+    --num_processes="$N" --process_id="$i" "$@" \
+    > >(quiet >>"$logs/process_$i.log") 2>&1 &
   pids+=($!) done+=(0) statuses+=("")
 done
-echo "local.sh: $N processes (pids ${pids[*]}), coordinator 127.0.0.1:$PORT, logs in $logs/process_I.log" >&2
+say "$N processes (pids ${pids[*]}), coordinator 127.0.0.1:$PORT, logs in $logs/process_I.log"
 
 interrupts=0
 on_interrupt() {
   interrupts=$((interrupts + 1))
   if ((interrupts == 1)); then
-    echo "local.sh: SIGTERM to every process: each saves at the next step and exits 0 (Ctrl-C again to kill)" >&2
+    say "SIGTERM to every process: each saves at the next step and exits 0 (Ctrl-C again to kill)"
     signal=TERM
   else
-    echo "local.sh: killing every process" >&2
+    say "killing every process"
     signal=KILL
   fi
   for ((i = 0; i < N; i++)); do
@@ -108,6 +140,9 @@ on_interrupt() {
 }
 trap on_interrupt INT TERM
 
+# bash reports a child killed by a signal on its own stderr ("local.sh: line 140: 4242 Killed
+# env ... >> ..."), whenever its next command ends; the loop runs with that stderr closed,
+# and says itself which process ended how.
 deadline=0 worst=0 left=$N
 while ((left > 0)); do
   for ((i = 0; i < N; i++)); do
@@ -118,21 +153,22 @@ while ((left > 0)); do
     done[i]=1 statuses[i]=$rc left=$((left - 1))
     ((rc > worst)) && worst=$rc
     if ((rc != 0 && deadline == 0 && left > 0)); then
-      echo "local.sh: process $i exited with status $rc (see $logs/process_$i.log); the others stop too" >&2
+      ((rc > 128)) && how="killed by SIG$(kill -l $((rc - 128))); " || how=""
+      say "process $i exited with status $rc (${how}see $logs/process_$i.log); the others stop too"
       deadline=$((SECONDS + GRACE))
     fi
   done
   if ((deadline > 0 && SECONDS >= deadline && left > 0)); then
-    echo "local.sh: processes still running $GRACE s after the first failure; killing them" >&2
+    say "processes still running $GRACE s after the first failure; killing them"
     for ((i = 0; i < N; i++)); do
       ((done[i])) || kill -KILL "${pids[i]}" 2>/dev/null
     done
     deadline=$((SECONDS + 3600))
   fi
   ((left > 0)) && sleep 0.2
-done
+done 2>/dev/null
 sleep 0.3  # let tail show process 0's last lines
 kill "$tailer" 2>/dev/null
 wait "$tailer" 2>/dev/null
-echo "local.sh: exit statuses by process: ${statuses[*]}; logs in $logs/" >&2
+say "exit statuses by process: ${statuses[*]}; logs in $logs/"
 exit "$worst"

@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -21,6 +22,17 @@ from processes import ENV, ROOT, free_port, local_sh, logged, losses, processes,
 pytestmark = pytest.mark.slow
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0"]
 TINY = "gpt2_tiny_dp8"
+# Lines no one can act on, which must not reach the output: gloo's "Rank R is connected to K
+# peer ranks", Orbax's absl "Reached preemption sync point", XLA's "SIGTERM caught at", and
+# bash's reports of its jobs ("local.sh: line 140: 4242 Killed ...", "[1]+  Done ...").
+NOISE = ("[Gloo]", "Reached preemption sync point", "SIGTERM caught at")
+JOB_LINE = re.compile(r"line \d+: +\d+ |^\[\d+\][+-]? ", re.M)
+
+
+def assert_quiet(*outputs: str) -> None:
+    for out in outputs:
+        found = [n for n in NOISE if n in out] + JOB_LINE.findall(out)
+        assert not found, (found, out[-3000:])
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +61,49 @@ def test_two_local_processes_train_like_one(tmp_path, reference):
     run = json.loads((w / "run.json").read_text())["distributed"]
     assert run["num_processes"] == 2 and [len(p["devices"]) for p in run["processes"]] == [4, 4]
     assert "processes: 2 (flags: process 0 of 2" in done.stdout
+    assert_quiet(done.stdout, done.stderr, *logs)
+
+
+def test_local_sh_from_another_directory_keeps_its_relative_paths_and_no_noise(tmp_path):
+    """Run from the user's directory: a relative --workdir and data.path are theirs, the
+    processes import the installed meshtrain, and process 0's output is meshtrain's lines
+    without gloo's connection lines."""
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 300)
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    before = (ROOT / "runs" / "two").exists()
+    done = subprocess.run([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp2_tp4", "--workdir=runs/two",
+                           "--config.data.kind=text", "--config.data.path=corpus.txt",
+                           "--config.train.steps=4", "--config.train.log_every=1",
+                           "--config.train.eval_every=0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    w = tmp_path / "runs" / "two"
+    assert (w / "run.json").is_file() and (w / "metrics.jsonl").is_file()
+    assert (w / "checkpoints" / "step_4").is_dir()
+    assert sorted(p.name for p in (w / "logs").iterdir()) == ["process_0.log", "process_1.log"]
+    assert json.loads((w / "run.json").read_text())["data"]["path"] == "corpus.txt"
+    assert (ROOT / "runs" / "two").exists() == before
+    assert "logs in runs/two/logs/process_I.log" in done.stderr
+    log0 = (w / "logs" / "process_0.log").read_text()
+    for out in (done.stdout, log0):  # meshtrain's lines are all there, the noise is not
+        assert "processes: 2 (flags: process 0 of 2" in out and "step 4/4" in out and "checkpoint: " in out
+    assert_quiet(done.stdout, done.stderr, log0, (w / "logs" / "process_1.log").read_text())
+
+
+def test_local_sh_runs_the_checkout_it_belongs_to_when_meshtrain_is_not_installed(tmp_path):
+    hide = tmp_path / "hide"  # a Python whose editable install of meshtrain is switched off
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n")
+    env = {**{k: v for k, v in ENV.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(hide)}
+    probe = subprocess.run([sys.executable, "-c", "import meshtrain"], cwd=tmp_path, env=env,
+                           capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("meshtrain is installed here other than editable: nothing to fall back from")
+    done = subprocess.run([str(ROOT / "launch" / "local.sh"), "1", TINY, "--config.train.steps=-1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "meshtrain-logs" / "process_0.log").read_text()
+    assert done.returncode == 2 and "train.steps=-1: must be >= 0" in log, (done.stderr, log)
 
 
 def test_dcn_keeps_tensor_collectives_inside_a_process_and_trains_like_one(tmp_path):
@@ -133,7 +188,9 @@ def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
     assert script.wait(timeout=60) == 137  # the worst status: process 0's SIGKILL
     assert time.monotonic() - killed < 10
     rest = script.stderr.read()
-    assert "process 0 exited with status 137" in rest or "process 1 exited with status 1" in rest, rest
+    assert ("process 0 exited with status 137 (killed by SIGKILL" in rest
+            or "process 1 exited with status 1" in rest), rest
+    assert_quiet(rest)  # bash's own "line N: PID Killed ..." report of process 0
     log1 = (w / "logs" / "process_1.log").read_text()
     assert "process 0 (host" in log1 and f"pid {pids[0]}) was lost" in log1, log1[-2000:]
 
@@ -185,6 +242,7 @@ def test_local_sh_ctrl_c_saves_one_step_on_every_process_and_exits_0(tmp_path):
     assert "SIGTERM to every process" in err and "exit statuses by process: 0 0" in err
     stopped = int(out.split("preempted (SIGTERM) at step ")[1].split(":")[0])
     assert steps_on_disk(w) == [stopped]
+    assert_quiet(out, err, *[(w / "logs" / f"process_{i}.log").read_text() for i in range(2)])
     for i in range(2):
         assert (w / "checkpoints" / f"step_{stopped}" / "state" / f"ocdbt.process_{i}").is_dir()
 

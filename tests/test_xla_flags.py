@@ -1,9 +1,11 @@
-"""meshtrain/xla_flags.py: when XLA_FLAGS is set for GPUs, and that every flag is real.
+"""meshtrain/cluster/xla_flags.py: when XLA_FLAGS gets meshtrain's GPU flags, how they merge
+with the user's, what launch/slurm.sbatch leaves of them, and that every flag is real.
 
-Most tests pass a dict as the environment, so no JAX backend starts; the last two run
-this jaxlib's XLA (on CPU: its flag table is the GPU backend's too) in a child process.
+Most tests pass a dict as the environment, so no JAX backend starts; the ones that probe
+run this jaxlib's XLA (on CPU: its flag table is the GPU backend's too) in a child process.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +13,10 @@ import sys
 import pytest
 
 from meshtrain.cluster import xla_flags
+from processes import ROOT
+
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+AR = "xla_gpu_all_reduce_combine_threshold_bytes"
 
 
 @pytest.fixture(autouse=True)
@@ -19,11 +25,99 @@ def backend_not_started(monkeypatch):
     monkeypatch.setattr(xla_flags, "_backend_started", lambda: False)
 
 
-def test_user_xla_flags_are_left_as_given():
-    env = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_dump_to=dump"}
+def effective(text: str) -> dict[str, str]:
+    """The flags XLA reads from an XLA_FLAGS string: the last value of each, a bare --name true."""
+    out = {}
+    for name, token in xla_flags.user_flags(text):
+        out[name] = token.partition("=")[2] or "true"
+    return out
+
+
+def merged(user: str, **env) -> tuple[str, str]:
+    env = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": user, **env}
     line = xla_flags.apply(env, check=False)
-    assert env["XLA_FLAGS"] == "--xla_dump_to=dump"
-    assert "used as given" in line and "not added" in line and "\n" not in line
+    assert "\n" not in line
+    return env.get("XLA_FLAGS"), line
+
+
+def test_a_users_flag_overrides_that_one_entry_and_the_rest_of_ours_are_added():
+    flags, line = merged(f"--{LHS}=false")
+    ours = xla_flags.flag_string({k: v for k, v in xla_flags.FLAGS.items() if k != LHS})
+    assert flags == f"{ours} --{LHS}=false"
+    assert effective(flags) == {**xla_flags.FLAGS, LHS: "false"}
+    assert f"{len(xla_flags.FLAGS) - 1} of meshtrain's {len(xla_flags.FLAGS)} GPU flags added" in line
+    assert f"yours override 1: --{LHS}=false (ours: true)" in line and "other flag" not in line
+
+
+def test_a_users_unrelated_flags_are_kept_in_order_after_all_of_ours():
+    user = '--xla_dump_to=/tmp/d  --xla_gpu_enable_command_buffer="+WHILE" --xla_dump_hlo_as_text'
+    flags, line = merged(user)
+    assert flags == f"{xla_flags.flag_string()} {user}"  # the user's string exactly as written
+    assert [name for name, _ in xla_flags.user_flags(user)] == [
+        "xla_dump_to", "xla_gpu_enable_command_buffer", "xla_dump_hlo_as_text"]  # "quoted" stays whole
+    assert f"{len(xla_flags.FLAGS)} of meshtrain's" in line and "3 other flags of yours kept" in line
+    assert "override" not in line
+
+
+def test_a_flag_given_twice_is_read_as_xla_reads_it_the_last_value():
+    flags, line = merged(f"--{AR}=1 --xla_dump_to=d --{AR}=2")
+    assert f"--{AR}=134217728" not in flags and flags.endswith(f"--{AR}=1 --xla_dump_to=d --{AR}=2")
+    assert effective(flags)[AR] == "2"
+    assert f"yours override 1: --{AR}=2 (ours: 134217728)" in line and "1 other flag of yours kept" in line
+
+
+def test_a_bare_flag_is_the_users_true_and_ours_is_not_added():
+    flags, line = merged(f"--{LHS}")
+    assert flags.count(LHS) == 1 and flags.endswith(f" --{LHS}")
+    assert effective(flags)[LHS] == "true" and f"yours override 1: --{LHS} (ours: true)" in line
+
+
+def test_a_user_who_sets_every_flag_gets_exactly_their_string():
+    user = " ".join(f"--{k}={v}" for k, v in xla_flags.FLAGS.items())
+    flags, line = merged(user)
+    assert flags == user and f"0 of meshtrain's {len(xla_flags.FLAGS)}" in line
+
+
+def test_the_off_switch_adds_none_of_ours():
+    flags, line = merged("--xla_dump_to=d", MESHTRAIN_XLA_GPU="0")
+    assert flags == "--xla_dump_to=d" and "MESHTRAIN_XLA_GPU=0" in line and "used as given" in line
+    env = {"JAX_PLATFORMS": "cuda", "MESHTRAIN_XLA_GPU": "0"}
+    line = xla_flags.apply(env, check=False)
+    assert "XLA_FLAGS" not in env and "XLA's defaults apply" in line
+
+
+def template_environment(environ: dict) -> dict:
+    """The environment launch/slurm.sbatch gives its tasks: its own export and unset lines,
+    run by bash on `environ` (the submitter's, which sbatch passes on)."""
+    lines = [line for line in (ROOT / "launch" / "slurm.sbatch").read_text().splitlines()
+             if re.match(r"\s*(export|unset)\s", line)]
+    assert lines, "the template exports nothing: the test no longer follows it"
+    out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(lines) + "\nenv -0"],
+                         env=environ, capture_output=True, check=True).stdout.decode()
+    return dict(entry.split("=", 1) for entry in out.split("\0") if entry)
+
+
+@pytest.mark.parametrize("user", ["", f"--{LHS}=false --xla_dump_to=DUMP"])
+def test_the_slurm_template_leaves_meshtrain_the_gpu_flags(user, tmp_path):
+    """A task of the sbatch job on a GPU node: the template's environment, then train's apply()
+    with the probe (on CPU). The result is our whole table, with the user's values winning."""
+    user = user.replace("DUMP", str(tmp_path))
+    submitter = {"PATH": os.environ["PATH"], **({"XLA_FLAGS": user} if user else {})}
+    env = template_environment(submitter)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90" and env["NCCL_DEBUG"] == "WARN"
+    line = xla_flags.apply(env, platform="cuda")
+    assert effective(env["XLA_FLAGS"]) == {**xla_flags.FLAGS, **effective(user)}
+    assert "left out" not in line and "none added" not in line
+    if not user:
+        assert env["XLA_FLAGS"] == xla_flags.flag_string()
+        return
+    # And XLA reads them so: its dump lists the options that differ from its defaults.
+    subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
+                   env={**env, "JAX_PLATFORMS": "cpu"}, check=True, capture_output=True)
+    (dumped,) = tmp_path.glob("*.debug_options")
+    options = dict(line.split(": ", 1) for line in dumped.read_text().splitlines())
+    assert LHS not in options  # the user's false, XLA's default
+    assert all(options.get(k) == v for k, v in xla_flags.FLAGS.items() if k != LHS)
 
 
 def test_nothing_is_set_or_said_off_the_gpu():
@@ -40,13 +134,8 @@ def test_on_a_gpu_the_flags_are_set_and_the_line_says_where_they_are_documented(
         env = {"JAX_PLATFORMS": platforms, "XLA_FLAGS": "  "}  # blank counts as unset
         line = xla_flags.apply(env, check=False)
         assert env["XLA_FLAGS"] == xla_flags.flag_string()
-        assert f"{len(xla_flags.TABLE)} GPU flags" in line and xla_flags.DOCS in line and "\n" not in line
-
-
-def test_the_off_switch_runs_with_xla_defaults():
-    env = {"JAX_PLATFORMS": "cuda", "MESHTRAIN_XLA_GPU": "0"}
-    line = xla_flags.apply(env, check=False)
-    assert "XLA_FLAGS" not in env and "MESHTRAIN_XLA_GPU=0" in line
+        assert f"{len(xla_flags.TABLE)} of meshtrain's {len(xla_flags.TABLE)} GPU flags added" in line
+        assert xla_flags.DOCS in line and "\n" not in line and "yours" not in line
 
 
 def test_after_the_backend_started_nothing_is_set(monkeypatch):

@@ -92,6 +92,15 @@ def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
         f"checkpoint.dir.")
 
 
+class _SyncPointLines(logging.Filter):
+    """Drops Orbax's "Reached preemption sync point, step=N" warnings, which every process
+    repeats for each thread that asks, after a SIGTERM: the loop says it once
+    ("preempted (SIGTERM) at step N: saved ..."). Orbax's other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Reached preemption sync point" not in str(record.msg)
+
+
 class Checkpointer:
     """An Orbax CheckpointManager with meshtrain's rules: commit checks, errors that surface."""
 
@@ -111,7 +120,10 @@ class Checkpointer:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("meshtrain checkpoint directory checked")
         # Orbax logs every save at INFO through absl; keep the run's output readable.
-        logging.getLogger("absl").setLevel(logging.WARNING)
+        absl = logging.getLogger("absl")
+        absl.setLevel(logging.WARNING)
+        if not any(isinstance(f, _SyncPointLines) for f in absl.filters):
+            absl.addFilter(_SyncPointLines())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None, step_prefix=STEP_PREFIX, cleanup_tmp_directories=True,
             enable_async_checkpointing=use_async, create=True)

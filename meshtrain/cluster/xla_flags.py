@@ -8,12 +8,15 @@ it does not know. So `apply()` runs before anything touches a device, and decide
     else                      a CUDA plugin for jax is installed (`jax[cuda12]` or
                               `jax[cuda13]` install jax_cuda1X_plugin)
 
-Precedence: a non-empty XLA_FLAGS is the user's and is used as given (none of ours are
-added); MESHTRAIN_XLA_GPU=0 runs with XLA's defaults; otherwise, on a GPU, XLA_FLAGS
-becomes our flags. Each flag was checked against the XLA inside jaxlib 0.10.2, which
-shares its flag table between the CPU and GPU backends: it parses, and its value differs
-from XLA's default (tests/test_xla_flags.py checks both). A later jaxlib may drop a flag,
-so `apply` first parses ours in a CPU-only child process and leaves out any it rejects.
+Precedence: MESHTRAIN_XLA_GPU=0 adds none of ours (XLA_FLAGS, if set, is used as given);
+otherwise, on a GPU, our flags are merged with the user's XLA_FLAGS: the user's string is
+kept as written, after ours, and a flag of ours that the user sets (`--name=value`, or a
+bare `--name`, which XLA reads as true) is left out, so the user's value wins. Each flag
+was checked against the XLA inside jaxlib 0.10.2, which shares its flag table between the
+CPU and GPU backends: it parses, and its value differs from XLA's default
+(tests/test_xla_flags.py checks both). A later jaxlib may drop a flag, so `apply` first
+parses the ones it adds in a CPU-only child process and leaves out any it rejects (the
+user's flags are the user's: XLA itself says if one is unknown).
 """
 
 from __future__ import annotations
@@ -119,38 +122,81 @@ def rejected(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[
     return [], lines[-1] if lines else f"exit status {probe.returncode}"
 
 
-def apply(environ: MutableMapping[str, str] = os.environ, platform: str | None = None,
-          check: bool = True) -> str:
-    """Sets XLA_FLAGS in `environ` to our flags when the run will be on a GPU and the user
-    has set neither XLA_FLAGS nor MESHTRAIN_XLA_GPU=0. Call before the JAX backend starts.
-    Returns the line to log ("" when not on a GPU: nothing to say). `check` parses the
-    flags in a child process first and drops the ones this jaxlib rejects."""
-    gpu, why = on_gpu(environ, platform)
-    if not gpu:
-        return ""
-    n = len(TABLE)
-    if environ.get("XLA_FLAGS", "").strip():
-        return (f"XLA flags: XLA_FLAGS is set, so it is used as given; meshtrain's {n} GPU flags "
-                f"({DOCS}) are not added.")
-    if environ.get(OFF_SWITCH, "").strip() == "0":
-        return f"XLA flags: {OFF_SWITCH}=0, so none are added; XLA's defaults apply ({DOCS})."
-    if _backend_started():
-        return f"XLA flags: none set, the JAX backend had already started in this process ({DOCS})."
-    flags, dropped = dict(FLAGS), []
-    while check and flags:
+TOKEN = re.compile(r'(?:[^\s"]|"[^"]*")+')  # XLA's tokens: split on blanks, "quoted" kept whole
+FLAG = re.compile(r"--([A-Za-z0-9_]+)(?:=(.*))?", re.S)
+
+
+def user_flags(text: str) -> list[tuple[str | None, str]]:
+    """The tokens of an XLA_FLAGS string, in order, each with its flag's name (None for a
+    token that is not `--name` or `--name=value`)."""
+    return [((m := FLAG.fullmatch(t)) and m.group(1), t) for t in TOKEN.findall(text)]
+
+
+def merge(user: str, flags: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(XLA_FLAGS with `flags` and the user's string, the ones of `flags` the user's string
+    does not set). Ours come first and the user's string follows as written: XLA keeps the
+    last value of a flag given twice, and ours that the user sets are left out anyway."""
+    theirs = {name for name, _ in user_flags(user)}
+    added = {k: v for k, v in flags.items() if k not in theirs}
+    return " ".join(s for s in (flag_string(added), user.strip()) if s), added
+
+
+def usable(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[dict[str, str], list[str], str]:
+    """(`flags` less those this jaxlib rejects, the names rejected, a failed parse's last line or "")."""
+    flags, dropped = dict(flags), []
+    while flags:
         unknown, failure = rejected(flags, environ)
         if failure:
-            return (f"XLA flags: none added: a CPU-only parse of them failed ({failure}); XLA's "
-                    f"defaults apply ({DOCS}).")
+            return {}, dropped, failure
         unknown = [u for u in unknown if u in flags]
         if not unknown:
             break
         for name in unknown:
             del flags[name]
         dropped += unknown
-    if not flags:
-        return f"XLA flags: this jaxlib rejects all {n} of meshtrain's GPU flags; XLA's defaults apply ({DOCS})."
-    environ["XLA_FLAGS"] = flag_string(flags)
-    left_out = f"; left out, unknown to this jaxlib: {', '.join(dropped)}" if dropped else ""
-    return (f"XLA flags: {len(flags)} GPU flags set in XLA_FLAGS ({why}; {DOCS}){left_out}. "
-            f"Set XLA_FLAGS yourself, or {OFF_SWITCH}=0, to run without them.")
+    return flags, dropped, ""
+
+
+def describe(added: dict[str, str], user: str, dropped: list[str], why: str) -> str:
+    """The start-up line: how many of ours went in, which the user's XLA_FLAGS overrode."""
+    tokens = user_flags(user)
+    last = {name: token for name, token in tokens if name in FLAGS}  # XLA reads the last one
+    parts = [f"XLA flags: {len(added)} of meshtrain's {len(FLAGS)} GPU flags added to XLA_FLAGS "
+             f"({why}; {DOCS})"]
+    if last:
+        parts.append(f"yours override {len(last)}: "
+                     + ", ".join(f"{token} (ours: {FLAGS[name]})" for name, token in last.items()))
+    others = sum(name not in FLAGS for name, _ in tokens)
+    if others:
+        parts.append(f"{others} other flag{'s' * (others != 1)} of yours kept")
+    if dropped:
+        parts.append(f"left out, unknown to this jaxlib: {', '.join(dropped)}")
+    return "; ".join(parts) + f". {OFF_SWITCH}=0 adds none of ours."
+
+
+def apply(environ: MutableMapping[str, str] = os.environ, platform: str | None = None,
+          check: bool = True) -> str:
+    """On a GPU, merges our flags into XLA_FLAGS in `environ` (the user's flags win, see
+    `merge`), unless MESHTRAIN_XLA_GPU=0. Call before the JAX backend starts. Returns the
+    line to log ("" when not on a GPU: nothing to say). `check` parses the flags it adds in
+    a child process first and drops the ones this jaxlib rejects."""
+    gpu, why = on_gpu(environ, platform)
+    if not gpu:
+        return ""
+    user = environ.get("XLA_FLAGS", "").strip()
+    as_given = "XLA_FLAGS is used as given" if user else "XLA's defaults apply"
+    if environ.get(OFF_SWITCH, "").strip() == "0":
+        return f"XLA flags: {OFF_SWITCH}=0, so none of meshtrain's are added; {as_given} ({DOCS})."
+    if _backend_started():
+        return (f"XLA flags: none added, the JAX backend had already started in this process; "
+                f"{as_given} ({DOCS}).")
+    _, wanted = merge(user, FLAGS)
+    flags, dropped, failure = usable(wanted, environ) if check else (wanted, [], "")
+    if failure:
+        return (f"XLA flags: none added: a CPU-only parse of them failed ({failure}); {as_given} "
+                f"({DOCS}).")
+    if wanted and not flags:
+        return (f"XLA flags: this jaxlib rejects all {len(wanted)} of meshtrain's GPU flags; "
+                f"{as_given} ({DOCS}).")
+    environ["XLA_FLAGS"], _ = merge(user, flags)
+    return describe(flags, user, dropped, why)
