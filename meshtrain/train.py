@@ -174,7 +174,7 @@ def execute(args, started: dict | None = None) -> int:
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
                                     wall_s=time.perf_counter() - started_at, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
-                                    steps=cfg.train.steps):
+                                    steps=cfg.train.steps, processes=jax.process_count()):
             say(line)
     finally:
         if checkpointer is not None:
