@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError, run_command
@@ -76,6 +77,8 @@ def command_parser(prog: str, doc: str | None, *, config: bool = False, override
     elif overrides:
         epilog = ("Keys of the run's config can be overridden: --config.KEY=VALUE (e.g. "
                   "--config.data.kind=text --config.data.path=FILE), or --noconfig.KEY for false.")
+    if epilog:  # the formatter keeps line breaks as written, so break the lines here
+        epilog = textwrap.fill(epilog, 88)
     p = Parser(prog=prog, description=description, epilog=epilog, takes_config=config,
                takes_overrides=overrides)
     if config:
@@ -180,6 +183,18 @@ def describe_config(name: str, cfg, overrides) -> str:
             note = f"  # {sized[key[len('model.'):]]!r} from model.size={cfg.model.size!r}"
         lines.append(f"{key:<{width}} = {value!r}{note}")
     return "\n".join(lines)
+
+
+def entry_points(parser, execute):
+    """A command's `run(argv)` (raises UserError: for tests and notebooks) and
+    `main(argv=None, prog=None)` (prints it, status 2: for the command line), from its
+    `parser()` factory and `execute(args)`."""
+    def command_run(argv: list[str]) -> int:
+        return run(execute, parser(), argv)
+
+    def command_main(argv: list[str] | None = None, prog: str | None = None) -> int:
+        return main(execute, parser(), argv, prog)
+    return command_run, command_main
 
 
 def run(execute, parser: Parser, argv: list[str]) -> int:

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from meshtrain import cli
+
 DTYPES = ("float32", "bfloat16", "float16")
 # Orbax writes arrays in chunks, and OCDBT data files, of at most this many bytes: a run
 # on many devices then reads each shard without decoding a whole leaf, and the writer
@@ -36,7 +38,6 @@ CHUNK_BYTES = 64 * 2**20
 
 
 def parser():
-    from meshtrain import cli
     p = cli.command_parser("meshtrain convert", __doc__)
     commands = p.add_subparsers(dest="command", metavar="{from_hf,to_hf}",
                                 title="commands (`meshtrain convert COMMAND --help` for its flags)")
@@ -244,15 +245,7 @@ def execute(args) -> int:
     return 0
 
 
-def run(argv: list[str]) -> int:
-    """The command on `argv`; bad input raises UserError (`main` prints it)."""
-    from meshtrain import cli
-    return cli.run(execute, parser(), argv)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from meshtrain import cli
-    return cli.main(execute, parser(), argv, prog)
+run, main = cli.entry_points(parser, execute)
 
 
 if __name__ == "__main__":

@@ -189,13 +189,7 @@ def decode(tok, prompt: list[int], new) -> str:
     return " ".join(map(str, ids)) if tok is None else tok.decode(ids)
 
 
-def run(argv: list[str]) -> int:
-    """The command on `argv`; bad input raises UserError (`main` prints it)."""
-    return cli.run(execute, parser(), argv)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return cli.main(execute, parser(), argv, prog)
+run, main = cli.entry_points(parser, execute)
 
 
 if __name__ == "__main__":

@@ -106,13 +106,7 @@ def _build_tokenizer(spec: str, args, corpus: Corpus):
     return make_tokenizer(spec, corpus.text() if spec == "char" else None)
 
 
-def run(argv: list[str]) -> int:
-    """The command on `argv`; bad input raises UserError (`main` prints it)."""
-    return cli.run(execute, parser(), argv)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return cli.main(execute, parser(), argv, prog)
+run, main = cli.entry_points(parser, execute)
 
 
 if __name__ == "__main__":
