@@ -45,6 +45,8 @@ def describe(o: ml_collections.ConfigDict, total_steps: int, stop_at: int = 0) -
     rise = f"warm-up 0 -> {o.lr:g} over {min(warmup, total_steps)} steps, " if warmup else f"{o.lr:g} from step 1, "
     fall = (f"cosine to {o.min_lr:g} at step {total_steps}" if o.schedule == "cosine"
             else f"then constant")
+    if warmup >= total_steps:
+        rise, fall = f"warm-up 0 -> {o.lr:g} over all {total_steps} steps, ", "no decay"
     line = f"lr: {rise}{fall} (optim.schedule={o.schedule})"
     if stop_at:
         line += f"; this run stops at step {stop_at} (train.stop_at), lr {float(lr(stop_at)):.3g} there"
@@ -52,8 +54,8 @@ def describe(o: ml_collections.ConfigDict, total_steps: int, stop_at: int = 0) -
     if warmup >= total_steps > 0:
         warnings.append(
             f"optim.warmup_steps={warmup} is not less than train.steps={total_steps}: the warm-up "
-            f"takes the whole run (cut to {total_steps} steps), so the lr reaches optim.lr={o.lr:g} "
-            f"only at the last step and never decays. Use fewer warm-up steps, e.g. "
+            f"takes the whole run (cut to {total_steps} steps): the lr rises all the way, never holds "
+            f"at optim.lr={o.lr:g} and never decays. Use fewer warm-up steps, e.g. "
             f"--config.optim.warmup_steps={max(total_steps // 10, 1)} (a tenth of the run).")
     elif o.schedule == "cosine" and warmup > total_steps // 2:
         warnings.append(

@@ -80,6 +80,7 @@ def test_the_lr_line_and_its_warnings():
     assert warnings == []
     _, (w,) = lr_line(20, 30)  # the issue's `train.steps=20` with the default warm-up
     assert "optim.warmup_steps=30 is not less than train.steps=20" in w and "never decays" in w
+    assert lr_line(20, 30)[0] == "lr: warm-up 0 -> 0.003 over all 20 steps, no decay (optim.schedule=cosine)"
     assert "--config.optim.warmup_steps=2" in w
     _, (w,) = lr_line(100, 60)
     assert "more than half of train.steps=100" in w and "only 40 steps" in w
