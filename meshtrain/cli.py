@@ -5,8 +5,7 @@
         p.add_argument("--hardware", default="h100", help="...")
         return p
     def execute(args): ...        # args.config: the locked config, overrides applied
-    def run(argv): return cli.run(execute, parser(), argv)      # raises UserError
-    def main(argv=None, prog=None): return cli.main(execute, parser(), argv, prog)
+    run, main = cli.entry_points(parser, execute)   # run(argv) raises UserError; main prints it
 
 What every command gets:
   --help, -h          usage, every flag with its default and one line of help; exit 0.
@@ -158,12 +157,11 @@ def describe_config(name: str, cfg, overrides) -> str:
     """The config as the run reads it, one `key = value` a line; init.from resolved (the
     model and tokenizer a checkpoint implies), and model dims left to model.size shown
     with the value the size gives them."""
-    from meshtrain.checkpoints import init_from
     from meshtrain import models
-    init = None
-    if cfg.init["from"]:
-        init = init_from.read(cfg.init["from"])
-        cfg = init_from.resolve(cfg, init)
+    from meshtrain.checkpoints import init_from
+    from meshtrain.experiment import resolve
+    init = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
+    cfg = resolve(cfg, init)
     sized = {}
     if init is None:
         try:

@@ -215,11 +215,12 @@ def last_time_s(path: pathlib.Path) -> float:
 
 
 def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, checkpoint: str | None,
-            workdir: str | None, command: str, steps: int, processes: int = 1) -> list[str]:
+            workdir: str | None, command: str, processes: int = 1) -> list[str]:
     """The lines a run ends with: how far it got and how long it took, its last losses
     beside the data's best possible loss, what it left on disk, and what to run next.
     `command` reruns this process; a run of several processes is resumed by whatever
     started them (launch/local.sh, sbatch), which this process does not know."""
+    steps = log.total
     end = log.end_step if log.end_step is not None else (log.resume_step or 0)
     first = (log.resume_step or 0) + 1
     tokens = (end - first + 1) * log.tokens_per_step

@@ -42,12 +42,12 @@ def describe(o: ml_collections.ConfigDict, total_steps: int, stop_at: int = 0) -
     `total_steps` (train.steps): -> (line, [warning, ...])."""
     warmup = int(o.warmup_steps)
     lr = schedule(o, total_steps)
-    rise = f"warm-up 0 -> {o.lr:g} over {min(warmup, total_steps)} steps, " if warmup else f"{o.lr:g} from step 1, "
-    fall = (f"cosine to {o.min_lr:g} at step {total_steps}" if o.schedule == "cosine"
-            else f"then constant")
     if warmup >= total_steps:
-        rise, fall = f"warm-up 0 -> {o.lr:g} over all {total_steps} steps, ", "no decay"
-    line = f"lr: {rise}{fall} (optim.schedule={o.schedule})"
+        shape = f"warm-up 0 -> {o.lr:g} over all {total_steps} steps, no decay"
+    else:
+        rise = f"warm-up 0 -> {o.lr:g} over {warmup} steps, " if warmup else f"{o.lr:g} from step 1, "
+        shape = rise + (f"cosine to {o.min_lr:g} at step {total_steps}" if o.schedule == "cosine" else "then constant")
+    line = f"lr: {shape} (optim.schedule={o.schedule})"
     if stop_at:
         line += f"; this run stops at step {stop_at} (train.stop_at), lr {float(lr(stop_at)):.3g} there"
     warnings = []

@@ -26,6 +26,9 @@ from meshtrain import cli, mesh as mesh_lib
 from meshtrain.errors import UserError, warn
 
 SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "cache_dir", "layouts", "remat")
+# Defaults of the search flags, applied in `execute`: argparse keeps None for "not given",
+# so that giving one without --search is refused.
+SEARCH_DEFAULTS = {"budget": 600, "top": 10, "jobs": 2}
 
 
 def parser() -> cli.Parser:
@@ -42,9 +45,12 @@ def parser() -> cli.Parser:
     s.add_argument("--devices", type=_positive, metavar="N", help="the device count to plan for")
     s.add_argument("--nodes", type=_positive, metavar="K", help="nodes the devices are on (mesh.dcn)")
     s.add_argument("--budget", type=_positive, metavar="SECONDS",
-                   help="wall time for compiling candidates, the rest ranked by formula (default 600)")
-    s.add_argument("--top", type=_positive, metavar="N", help="rows of the ranking to show (default 10)")
-    s.add_argument("--jobs", type=_positive, metavar="J", help="compiling worker processes (default 2)")
+                   help=f"wall time for compiling candidates, the rest ranked by formula "
+                        f"(default {SEARCH_DEFAULTS['budget']})")
+    s.add_argument("--top", type=_positive, metavar="N",
+                   help=f"rows of the ranking to show (default {SEARCH_DEFAULTS['top']})")
+    s.add_argument("--jobs", type=_positive, metavar="J",
+                   help=f"compiling worker processes (default {SEARCH_DEFAULTS['jobs']})")
     s.add_argument("--layouts", type=_choices(tuple(PRESET_AXES)), metavar="A,B",
                    help=f"layout presets to try, from {', '.join(PRESET_AXES)} (default all)")
     s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
@@ -87,7 +93,8 @@ def execute(args) -> int:
         if args.devices is None:
             raise UserError("--search needs --devices=N, the device count to plan for.")
         result = search.run(name, cfg, args.overrides, hw, devices=args.devices, nodes=args.nodes,
-                            budget_s=args.budget or 600, top=args.top or 10, jobs=args.jobs or 2,
+                            budget_s=args.budget or SEARCH_DEFAULTS["budget"],
+                            top=args.top or SEARCH_DEFAULTS["top"], jobs=args.jobs or SEARCH_DEFAULTS["jobs"],
                             cache_dir=args.cache_dir,
                             layouts=args.layouts, remats=args.remat or search.REMAT,
                             say=(lambda *a, **k: None) if args.json else print)

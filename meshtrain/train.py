@@ -139,9 +139,9 @@ def execute(args, started: dict | None = None) -> int:
         m = exp.model.cfg
         tokens_per_step = cfg.train.batch_size * m.seq_len
         log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,
-                               metrics.flops_per_token(m) * tokens_per_step,
-                               metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                               resume_step=resume_step)
+                             metrics.flops_per_token(m) * tokens_per_step,
+                             metrics.peak_flops(jax.devices()[0]), jax.device_count(),
+                             resume_step=resume_step)
         info = metrics.run_info(name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
         if exp.dcn or launch.multiprocess:
@@ -174,7 +174,7 @@ def execute(args, started: dict | None = None) -> int:
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
                                     wall_s=time.perf_counter() - started_at, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
-                                    steps=cfg.train.steps, processes=jax.process_count()):
+                                    processes=jax.process_count()):
             say(line)
     finally:
         if checkpointer is not None:

@@ -98,8 +98,7 @@ def summary(end, steps=300, preempted=False, workdir="runs/a", checkpoint="runs/
     log.last_eval = {"step": end, "eval_loss": 1.5234}
     log.ended(end, preempted)
     return metrics.summary(log, best_loss=best, vocab=256, wall_s=65.0, checkpoint=checkpoint, workdir=workdir,
-                           command="meshtrain train --config=x --workdir=runs/a", steps=steps,
-                           processes=processes)
+                           command="meshtrain train --config=x --workdir=runs/a", processes=processes)
 
 
 def test_the_summary_of_a_finished_run():

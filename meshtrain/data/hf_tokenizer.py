@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from pathlib import Path
 
 from meshtrain.data.subword import BPETokenizer, GPT2Tokenizer

@@ -129,6 +129,11 @@ def _mesh_text(shape) -> str:
     return mesh_lib.format_shape(shape) if text == "1" else text
 
 
+def _named_axes(layout: Layout) -> set[str]:
+    """The mesh axes some rule of the layout maps a logical name to, in any table."""
+    return {a for t in TARGETS for _, axes in layout.rules(t) for a in axes}
+
+
 def _axes_of(layout: Layout, names, target: str) -> tuple[str, ...]:
     return tuple(a for e in layout.spec(names, target) for a in mesh_axes_of(e))
 
@@ -288,8 +293,7 @@ def _replication_fix(run: _Run, leaf, missing, leaves) -> str:
 
 def _tensor_on_dcn(run: _Run) -> list[Finding]:
     dcn, shape = run.dcn, run.shape
-    uses_tensor = any("tensor" in axes for t in TARGETS for _, axes in run.layout.rules(t))
-    if not dcn or dcn["tensor"] <= 1 or not uses_tensor:
+    if not dcn or dcn["tensor"] <= 1 or "tensor" not in _named_axes(run.layout):
         return []
     import jax.numpy as jnp
     f, t, d = dcn["tensor"], shape["tensor"], run.dims
@@ -379,23 +383,16 @@ def _zero(run: _Run) -> list[Finding]:
 
 def _unused(run: _Run) -> list[Finding]:
     lay, shape = run.layout, run.shape
-    named = {a for t in TARGETS for _, axes in lay.rules(t) for a in axes}
-    idle = [a for a in AXES if shape[a] > 1 and a not in named]
+    idle = [a for a in AXES if shape[a] > 1 and a not in _named_axes(lay)]
     if not idle:
         return []
     big = {a for a in AXES if shape[a] > 1}
     fits = [name for name, (needs, may) in layouts.presets.PRESET_AXES.items() if needs <= big <= may]
     # Keep the layout's kind where one fits (zero1 stays zero1, fsdp stays fsdp).
     fits.sort(key=lambda name: name.split("_")[0] != lay.name.split("_")[0])
-    fix = (f"no preset uses {_mesh_text(shape)}: put the devices on the axes layout {lay.name!r} names, "
-           f"or write rules for {', '.join(idle)} (docs/layouts.md)")
-    if fits:
-        fix = _override("layout", fits[0])
-        if "stage" in idle and run.cfg.pipeline.microbatches <= 0:
-            m = 4 * shape["stage"]
-            fix += " " + _override("pipeline.microbatches", m) + (
-                "" if run.cfg.train.batch_size % _batch_multiple(run, m) == 0
-                else " " + _override("train.batch_size", _batch_multiple(run, m)))
+    fix = _override("layout", fits[0]) if fits else (
+        f"no preset uses {_mesh_text(shape)}: put the devices on the axes layout {lay.name!r} names, "
+        f"or write rules for {', '.join(idle)} (docs/layouts.md)")
     n = _n(shape, idle)
     return [Finding("unused-axis", "warning",
                     f"mesh {_mesh_text(shape)} has {' x '.join(f'{a}={shape[a]}' for a in idle)}, which layout "
