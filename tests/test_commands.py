@@ -117,3 +117,13 @@ def test_the_summary_of_runs_that_stop_early_or_save_nothing():
     unsaved = summary(300, workdir=None, checkpoint=None, best=None)
     assert "best possible unknown for this data; uniform guessing scores ln 256 = 5.5452" in unsaved[1]
     assert unsaved[-1].startswith("  nothing saved: give --workdir=DIR")
+
+
+def test_convert_without_a_command_says_which(capsys):
+    from meshtrain import convert
+    assert convert.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain convert: error: Give a command, from_hf or to_hf") and err.count("\n") == 1
+    assert convert.main(["from_hf", "--model=x"]) == 2
+    assert ("The following arguments are required: --out. `meshtrain convert from_hf --help` lists the flags"
+            in capsys.readouterr().err)

@@ -226,6 +226,7 @@ def test_cli_json_for_a_llama_config():
     (["--config=gpt2_tiny_dp8", "--devices=8"], "go with --search"),
     (["--config=gpt2_tiny_dp8", "--search"], "--search needs --devices"),
     (["--config=gpt2_tiny_dp8", "--search", "--devices=8", "--layouts=dp,zero9"], "zero9"),
+    (["--config=gpt2_tiny_dp8", "--search", "--devices=0"], "Argument --devices: give a whole number >= 1, not '0'"),
 ])
 def test_cli_refuses_bad_input_in_one_paragraph(args, says, capsys, monkeypatch):
     """In-process: each is refused before any device is simulated. The planner's compile
