@@ -54,8 +54,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
                    loss_chunk=256, grad_dtype="")
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
-    # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
-    c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}
+    # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
+    # every_minutes also saves at the first log step that many minutes after the last save
+    # (0: off), so a long run always has a recent step; keep=0 keeps all.
+    c.checkpoint = {"dir": "", "every": 1000, "every_minutes": 30.0, "keep": 3, "async": True}
     # init.from: a checkpoint to start from (fine-tuning): its params, step 0, fresh optimizer.
     c.init = {"from": ""}
     # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.

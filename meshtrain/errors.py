@@ -28,10 +28,15 @@ def warn(message: str) -> None:
 
 def run_command(run, argv, prog: str, ended: dict | None = None) -> int:
     """`run(argv)`'s exit status; a UserError becomes `PROG: error: MESSAGE` and status 2,
-    a RunFailed the same message and status 1. `ended["message"]` receives that message."""
+    a RunFailed the same message and status 1, Ctrl-C one line and status 130. `ended["message"]` receives that message."""
     import sys
     try:
         return run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C where no handler of ours saves anything: say so, no traceback
+        print(f"{prog}: interrupted (Ctrl-C); nothing was saved.", file=sys.stderr, flush=True)
+        if ended is not None:
+            ended["message"] = "interrupted (Ctrl-C)"
+        return 130
     except (UserError, RunFailed) as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         if ended is not None:

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from meshtrain import goodput
 from meshtrain.checkpoints.store import Checkpointer
 from meshtrain.cluster.preemption import Preemption
 from meshtrain.errors import RunFailed, UserError, warn
@@ -167,12 +168,15 @@ class _Reader:
 
 def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
-               run_summary: dict | None = None) -> list[dict]:
+               run_summary: dict | None = None, preemption: Preemption | None = None,
+               clock: goodput.Clock | None = None) -> list[dict]:
     """Runs `exp` (an Experiment: experiment.py, which sits above this module) to
     train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
 
     Returns the logged rows. `compiled_step` is exp.compile(). With a checkpointer it
-    saves every checkpoint.every steps, at the last step, and on SIGTERM (then stops).
+    saves every checkpoint.every steps, every checkpoint.every_minutes, at the last step,
+    and on SIGTERM or Ctrl-C (then stops). `preemption` (made before compiling, so a
+    signal then is kept) and `clock` (goodput shares) are made here when not given.
     """
     t = exp.cfg.train
     state = exp.init_state() if state is None else state
@@ -184,35 +188,66 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
     guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model),
                            skipped=(resume_meta or {}).get("skipped", 0))
     reader = _Reader(log, guard, time.perf_counter(), start)
-    preemption = Preemption()
+    own_preemption = preemption is None
+    preemption = Preemption() if own_preemption else preemption
+    clock = goodput.Clock(None) if clock is None else clock
     profiler = Profiler(t, log.dir, log.say)
     step, stop = start, False
+    preemption.lost = lambda: _lost(step, checkpointer)
+    clock.since_start("start-up")  # everything before the first step: build, compile, restore, init
     try:
         for step in range(start + 1, end + 1):
+            with clock.time("data"):
+                batch = exp.put_batch(next(batches))
+            began = time.perf_counter()
             profiler.before(step)
-            state, metrics = compiled_step(state, exp.put_batch(next(batches)))
+            state, metrics = compiled_step(state, batch)
             profiler.after(step, state)
-            reader.queue(step, metrics, timed=step % t.log_every == 0 or step == end)
+            log_step = step % t.log_every == 0 or step == end
+            reader.queue(step, metrics, timed=log_step)
             stop = preemption.reached(step)
-            save = checkpointer is not None and (stop or step == end or checkpointer.due(step))
+            save = checkpointer is not None and (stop or step == end or checkpointer.due(step, log_step))
             evaluate_now = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
             if save or evaluate_now:
                 reader.flush()  # no checkpoint or eval of a state past a crash-policy failure
+            # The host runs one step ahead of the device, so this is step-1's device time
+            # (the first step's includes none): near enough for where the time went.
+            clock.step(step, time.perf_counter() - began)
             if save:
-                checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
-                                                "skipped": guard.skipped, "run": run_summary or {}})
+                with clock.time("checkpoint"):
+                    checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
+                                                    "skipped": guard.skipped, "run": run_summary or {}})
             if evaluate_now:
-                log.log_eval(step, evaluate(exp, state.params))
+                with clock.time("eval"):
+                    log.log_eval(step, evaluate(exp, state.params))
                 reader.restart_clock(step)  # eval time is not training time (tokens/s, ETA)
             if stop:
                 saved = f"saved step {step} in {checkpointer.dir}" if checkpointer else "no checkpoint dir, nothing saved"
-                log.say(f"preempted (SIGTERM) at step {step}: {saved}; rerun the same command to resume.")
+                how = "interrupted (Ctrl-C)" if preemption.requested == "Ctrl-C" else "preempted (SIGTERM)"
+                log.say(f"{how} at step {step}: {saved}; rerun the same command to resume.")
                 break
-            if checkpointer is not None and step % t.log_every == 0:
-                checkpointer.check_errors()  # a failed background save stops the run early
+            if log_step:
+                if checkpointer is not None:
+                    with clock.time("checkpoint"):
+                        checkpointer.check_errors()  # a failed background save stops the run early
+                clock.save()  # a run killed later keeps its goodput up to here
+        began = time.perf_counter()
         reader.flush()
-        log.ended(step, stop)
+        clock.add("steps", time.perf_counter() - began)  # the last step's device time
+        log.ended(step, preemption.requested if stop else None)
     finally:
         profiler.stop(state)  # a run that ends inside the traced steps still writes its trace
-        preemption.close()
+        if own_preemption:
+            preemption.close()
     return reader.rows
+
+
+def _lost(step: int, checkpointer: Checkpointer | None) -> str:
+    """What quitting at `step` loses, for the second Ctrl-C."""
+    if checkpointer is None:
+        return f"steps 1-{step} are lost (no checkpoint dir)"
+    last = checkpointer.last_committed()
+    if last is None:
+        return f"steps 1-{step} are lost (no checkpoint committed yet in {checkpointer.dir})"
+    lost = f"steps {last + 1}-{step} are lost" if step > last else "nothing is lost"
+    return f"{lost}; the last committed checkpoint is step {last} in {checkpointer.dir}, and rerunning the same command resumes from it"

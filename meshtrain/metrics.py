@@ -119,8 +119,11 @@ class RunLog:
         self.started = time.perf_counter()
         self.time_offset = 0.0  # a resumed run's clock goes on from its last kept row
         self.tb = None
+        self.info: dict = {}
         if self.enabled and self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is None and total_steps:
+                self._start_over()
             from tensorboardX import SummaryWriter  # imported lazily: slow to import
             purge = None if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
@@ -130,15 +133,37 @@ class RunLog:
         self.last_train: dict | None = None
         self.last_eval: dict | None = None
         self.end_step: int | None = None
-        self.preempted = False
+        self.preempted: str | None = None
 
-    def ended(self, step: int, preempted: bool) -> None:
-        """The training loop's last step, and whether SIGTERM stopped it there."""
-        self.end_step, self.preempted = step, preempted
+    def _start_over(self) -> None:
+        """A fresh start in a workdir an earlier run logged to (no checkpoint to resume):
+        its rows move aside, so metrics.jsonl and goodput.jsonl hold one run, and it says so."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = []
+        for name in ("metrics.jsonl", "goodput.jsonl"):
+            path = self.dir / name
+            if path.exists():
+                path.replace(path.with_name(f"{path.stem}.{stamp}.jsonl"))
+                moved.append(f"{name} -> {path.stem}.{stamp}.jsonl")
+        if moved:
+            self.say(f"starting over at step 0: {self.dir} holds an earlier run's logs but no "
+                     f"checkpoint to resume; kept as {', '.join(moved)}")
+
+    def ended(self, step: int, preempted: str | None) -> None:
+        """The training loop's last step, and what stopped it there early ("SIGTERM",
+        "Ctrl-C"; None when nothing did)."""
+        self.end_step, self.preempted = step, preempted or None
 
     def write_run(self, info: dict) -> None:
+        self.info = info
         if self.enabled and self.dir:
-            (self.dir / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+            tmp = self.dir / "run.json.tmp"
+            tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
+            os.replace(tmp, self.dir / "run.json")
+
+    def update_run(self, **entries) -> None:
+        """Adds `entries` to run.json (what is known only at the end: goodput)."""
+        self.write_run({**self.info, **entries})
 
     def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
         """Records one logged step; `step_time` is the mean seconds per step since the last
@@ -168,8 +193,6 @@ class RunLog:
         if self.resume_step is not None and path.exists():
             keep_rows_up_to(path, self.resume_step)
             self.time_offset = last_time_s(path)
-        elif path.exists():  # a fresh start in a used workdir: keep the old rows apart
-            path.replace(path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
         return open(path, "a", buffering=1)
 
     def _write(self, row: dict) -> None:
@@ -215,7 +238,7 @@ def last_time_s(path: pathlib.Path) -> float:
 
 
 def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, checkpoint: str | None,
-            workdir: str | None, command: str, processes: int = 1) -> list[str]:
+            workdir: str | None, command: str, processes: int = 1, goodput: str | None = None) -> list[str]:
     """The lines a run ends with: how far it got and how long it took, its last losses
     beside the data's best possible loss, what it left on disk, and what to run next.
     `command` reruns this process; a run of several processes is resumed by whatever
@@ -224,7 +247,8 @@ def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, 
     end = log.end_step if log.end_step is not None else (log.resume_step or 0)
     first = (log.resume_step or 0) + 1
     tokens = (end - first + 1) * log.tokens_per_step
-    how = "preempted (SIGTERM) at" if log.preempted else ("stopped at" if end < steps else "trained to")
+    how = {"SIGTERM": "preempted (SIGTERM) at", "Ctrl-C": "interrupted (Ctrl-C) at"}.get(
+        log.preempted or "", "stopped at" if end < steps else "trained to")
     lines = [f"done: {how} step {end} of {steps}; this run: steps {first}-{end}, {tokens:,} tokens "
              f"in {format_duration(wall_s)}"]
     losses = []
@@ -235,6 +259,8 @@ def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, 
     floor = (f"best possible {best_loss:.4f} (the data's entropy rate)" if best_loss is not None else
              f"best possible unknown for this data; uniform guessing scores ln {vocab} = {math.log(vocab):.4f}")
     lines.append("  " + " | ".join(losses + [floor]))
+    if goodput:
+        lines.append(f"  {goodput}")
     if checkpoint:
         lines.append(f"  checkpoint: {checkpoint}")
     elif workdir:

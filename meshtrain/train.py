@@ -107,9 +107,20 @@ def execute(args, started: dict | None = None) -> int:
     xla_line = xla_flags.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
     launch, cluster, source = join(cfg, flags, started)
 
+    from meshtrain.cluster.preemption import Preemption
+
+    preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
+    try:
+        return _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at, preemption)
+    finally:
+        preemption.close()
+
+
+def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at, preemption) -> int:
+    """execute's build, checkpoints, compile and train phases."""
     import jax
 
-    from meshtrain import metrics, optim
+    from meshtrain import goodput, metrics, optim
     from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
@@ -142,6 +153,8 @@ def execute(args, started: dict | None = None) -> int:
                              metrics.flops_per_token(m) * tokens_per_step,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
                              resume_step=resume_step)
+        clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
+        clock.add("compile", compile_s)
         info = metrics.run_info(name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
         if exp.dcn or launch.multiprocess:
@@ -164,18 +177,21 @@ def execute(args, started: dict | None = None) -> int:
         if resume_step is not None:
             state, meta = checkpointer.restore(resume_step, exp)
         train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
-                   run_summary=checkpoint_lib.run_summary(exp))
+                   run_summary=checkpoint_lib.run_summary(exp), preemption=preemption, clock=clock)
+        saved = None
         if checkpointer is not None:
-            checkpointer.wait()  # the last save committed before the summary names it
+            with clock.time("checkpoint"):
+                checkpointer.wait()  # the last save committed before the summary names it
             last = checkpointer.latest_step()
             saved = None if last is None else checkpointer.where(last)
-        else:
-            saved = None
+        clock.save()
+        total = clock.total()
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
                                     wall_s=time.perf_counter() - started_at, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
-                                    processes=jax.process_count()):
+                                    processes=jax.process_count(), goodput=goodput.line(total)):
             say(line)
+        log.update_run(goodput={"this_run": clock.save(), "all_pieces": clock.total()})
     finally:
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save; a failed one raises RunFailed
@@ -242,9 +258,12 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
         if cfg.train.steps:
             say("checkpoints: off (give --workdir or checkpoint.dir to save and resume)")
         return None, None, None
-    checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, every=c.every, keep=c.keep, use_async=c["async"])
-    every = f"every {c.every} steps" if c.every else "at the end"
-    say(f"checkpoints: {checkpointer.dir}, {every} and on SIGTERM, keep "
+    checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, every=c.every, keep=c.keep, use_async=c["async"],
+                                               every_minutes=c.every_minutes)
+    every = [f"every {c.every} steps"] if c.every else []
+    every += [f"every {c.every_minutes:g} min"] if c.every_minutes else []
+    say(f"checkpoints: {checkpointer.dir}, {', '.join(every + ['at the end'])} and on "
+        f"SIGTERM or Ctrl-C, keep "
         f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
     step = checkpointer.latest_step()
     if step is None:

@@ -91,7 +91,7 @@ def test_the_lr_line_and_its_warnings():
     assert f"this run stops at step 150 (train.stop_at), lr {lr:.3g} there" in line
 
 
-def summary(end, steps=300, preempted=False, workdir="runs/a", checkpoint="runs/a/checkpoints/step_300",
+def summary(end, steps=300, preempted=None, workdir="runs/a", checkpoint="runs/a/checkpoints/step_300",
             processes=1, best=1.494):
     log = metrics.RunLog(None, steps, 4096, 1.0, None, 8)
     log.last_train = {"step": end, "loss": 1.5123}
@@ -111,7 +111,8 @@ def test_the_summary_of_a_finished_run():
 
 
 def test_the_summary_of_runs_that_stop_early_or_save_nothing():
-    assert summary(120, preempted=True)[0].startswith("done: preempted (SIGTERM) at step 120 of 300")
+    assert summary(120, preempted="SIGTERM")[0].startswith("done: preempted (SIGTERM) at step 120 of 300")
+    assert summary(120, preempted="Ctrl-C")[0].startswith("done: interrupted (Ctrl-C) at step 120 of 300")
     assert summary(120)[-1] == "  resume: meshtrain train --config=x --workdir=runs/a"
     assert summary(120, processes=2)[-1].startswith("  resume: rerun the command that started the 2 processes")
     unsaved = summary(300, workdir=None, checkpoint=None, best=None)

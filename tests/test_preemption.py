@@ -1,7 +1,8 @@
-"""Preemption and crashes, with real processes: SIGTERM saves at the next step and exits 0
-(one process, and two processes where only one is signalled); kill -9 at any moment,
-during an async save included, never breaks the next start, and the resumed run equals
-the run that was never interrupted, loss for loss.
+"""Preemption and crashes, with real processes: SIGTERM and Ctrl-C save at the next step
+and exit 0 (one process, and two processes where only one is signalled), a second Ctrl-C
+quits at once saying what it lost; kill -9 at any moment, during an async save included,
+never breaks the next start, and the resumed run equals the run that was never
+interrupted, loss for loss, with the steps it trained twice counted in goodput.jsonl.
 """
 
 import json
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 
+from meshtrain import goodput
 from meshtrain.train import main
 from processes import free_port, steps_on_disk, wait_for
 
@@ -62,11 +64,65 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_the_restart_resumes_there(tm
     assert sorted(losses(w)) == list(range(1, 41))
 
 
-def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An unbroken 30-step run (its losses are what every interrupted run must end with)."""
+    ref = tmp_path_factory.mktemp("ref") / "w"
+    assert main([*RUN, "--config.train.steps=30", f"--workdir={ref}"]) == 0
+    return ref
+
+
+def test_ctrl_c_saves_at_the_next_step_and_the_rerun_continues_one_metrics_file(tmp_path, reference):
+    w = tmp_path / "w"
+    args = ["--config.train.steps=30"]  # checkpoint.every=1000: only Ctrl-C saves before the end
+    p = start(w, *args)
+    wait_for(lambda: logged(w, 5), what="step 5")
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=120) == 0, output(w)
+    out = output(w)
+    assert "Ctrl-C: saving at the next step" in out and "Traceback" not in out
+    stopped = int(out.split("interrupted (Ctrl-C) at step ")[1].split(":")[0])
+    assert f"done: interrupted (Ctrl-C) at step {stopped} of 30" in out
+    assert steps_on_disk(w) == [stopped]
+
+    p = start(w, *args, log="restart.txt")
+    assert p.wait(timeout=180) == 0, output(w, "restart.txt")
+    assert f"resuming from step {stopped}" in output(w, "restart.txt")
+    assert losses(w) == losses(reference)  # one metrics.jsonl, both parts, bit for bit
+    shares = goodput.read_pieces(w)
+    assert [p["steps"]["first"] for p in shares] == [1, stopped + 1]
+    assert sum(p["steps"]["repeated"] for p in shares) == 0  # Ctrl-C saved where it stopped
+
+
+def test_a_second_ctrl_c_quits_at_once_and_says_what_it_lost(tmp_path):
+    w = tmp_path / "w"
+    p = start(w, "--config.train.steps=3000")  # long enough that the first Ctrl-C is still saving
+    wait_for(lambda: logged(w, 3), what="step 3")
+    p.send_signal(signal.SIGINT)
+    wait_for(lambda: "Ctrl-C: saving at the next step" in output(w), what="the first Ctrl-C")
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=60) == 130, output(w)
+    out = output(w)
+    assert "second Ctrl-C: quitting without saving; " in out and "Traceback" not in out
+    lost = out.split("second Ctrl-C: quitting without saving; ")[1].splitlines()[0]
+    assert lost.startswith(("steps 1-", "nothing is lost")), lost
+
+
+def test_a_fresh_start_in_a_used_workdir_says_so_and_keeps_the_old_logs(tmp_path, capsys):
+    w = tmp_path / "w"
+    short = [*RUN, "--config.train.steps=2", f"--workdir={w}"]
+    assert main([*short, f"--config.checkpoint.dir={tmp_path / 'a'}"]) == 0
+    assert main([*short, f"--config.checkpoint.dir={tmp_path / 'b'}"]) == 0  # nothing to resume
+    out = capsys.readouterr().out
+    assert f"starting over at step 0: {w} holds an earlier run's logs but no checkpoint to resume" in out
+    assert len(list(w.glob("metrics.*.jsonl"))) == len(list(w.glob("goodput.*.jsonl"))) == 1
+    assert sorted(losses(w)) == [1, 2] and len(goodput.read_pieces(w)) == 1
+
+
+def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, reference):
     """Saves every step (async), so kills land in saves; the end result equals a clean run."""
     args = ["--config.train.steps=30", "--config.checkpoint.every=1", "--config.checkpoint.keep=2"]
-    ref = tmp_path / "ref"
-    assert main([*RUN, *args, f"--workdir={ref}"]) == 0
+    ref = reference
 
     w = tmp_path / "w"
     w.mkdir()
@@ -90,6 +146,16 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path):
     assert p.wait(timeout=180) == 0, output(w, "run2.txt")
     assert not any("tmp" in q.name for q in ckpt.iterdir())
     assert losses(w) == losses(ref)  # bit for bit, every step
+    # Each restart trained again the steps its killed predecessor had reached but not
+    # committed; goodput.jsonl counts them, and its shares add up to each piece's wall time.
+    pieces = goodput.read_pieces(w)
+    assert len(pieces) == 3 and pieces[-1]["steps"]["last"] == 30
+    for i, piece in enumerate(pieces):
+        reached = max([0] + [q["steps"]["last"] for q in pieces[:i]])
+        first = piece["steps"]["first"]
+        assert piece["steps"]["repeated"] == max(0, min(reached, piece["steps"]["last"]) - first + 1)
+        assert sum(piece["seconds"].values()) == pytest.approx(piece["wall_s"], rel=1e-3)
+    assert goodput.add_up(pieces)["repeated_steps"] >= 1  # a kill mid-save leaves steps to redo
 
 
 @pytest.mark.slow

@@ -104,10 +104,13 @@ class _SyncPointLines(logging.Filter):
 class Checkpointer:
     """An Orbax CheckpointManager with meshtrain's rules: commit checks, errors that surface."""
 
-    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int, use_async: bool):
+    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int, use_async: bool,
+                 every_minutes: float = 0.0):
         # Orbax wants absolute paths; a relative checkpoint.dir is relative to where we start.
         self.dir = pathlib.Path(directory).absolute()
         self.every = every
+        self.every_s = 60 * every_minutes
+        self.saved_at = time.monotonic()  # the clock of checkpoint.every_minutes
         found = []
         if jax.process_index() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -174,8 +177,27 @@ class Checkpointer:
             state = restage.restack(state, current, saved, exp.shardings, exp.model.stacked)
         return state, restored.meta
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+    def due(self, step: int, log_step: bool = False) -> bool:
+        """Whether to save at `step`: every checkpoint.every steps, and at the first log step
+        after checkpoint.every_minutes since the last save. Time is decided at log steps
+        only, by process 0's clock, so every process saves the same step; the loop already
+        waits for the device at log steps, so asking the others costs no overlap."""
+        if self.every > 0 and step % self.every == 0:
+            return True
+        if not (self.every_s and log_step):
+            return False
+        late = time.monotonic() - self.saved_at >= self.every_s
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+        return late
+
+    def last_committed(self) -> int | None:
+        """The newest step committed on disk (Orbax lists a step as soon as its save starts)."""
+        try:
+            return max(committed_steps(self.dir), default=None)
+        except OSError:
+            return None
 
     def save(self, step: int, state, meta: dict) -> None:
         """Starts saving `state` as step `step` (returns once the arrays are copied off the
@@ -194,6 +216,7 @@ class Checkpointer:
             raise RunFailed(f"Orbax declined to save step {step} in {self.dir} (its latest step is "
                             f"{self.manager.latest_step()}); nothing was written.")
         self.last_saved = step
+        self.saved_at = time.monotonic()
 
     def check_errors(self) -> None:
         """Raises RunFailed if a background save has failed."""
@@ -211,11 +234,8 @@ class Checkpointer:
         self.check_errors()
 
     def failed(self, step, error: Exception) -> RunFailed:
-        # From the disk: Orbax lists a step as soon as its save starts.
-        try:
-            latest = max(committed_steps(self.dir), default=None)
-        except OSError:  # the directory itself may be what broke
-            latest = "unknown"
+        latest = self.last_committed()  # None also when the directory itself broke
+        latest = "unknown" if latest is None and not self.dir.is_dir() else latest
         return RunFailed(f"Saving checkpoint step {step} in {self.dir} failed: "
                          f"{type(error).__name__}: {error}. The last committed step is {latest}; "
                          f"rerunning the same command resumes from it.")
@@ -229,10 +249,11 @@ class Checkpointer:
 
 
 def check_config(c) -> None:
-    """checkpoint.* keys: every and keep."""
-    if c.every < 0 or c.keep < 0:
-        raise UserError(f"checkpoint.every={c.every}, checkpoint.keep={c.keep}: both must be >= 0 "
-                        f"(every=0 saves only at the end, at train.stop_at and on SIGTERM; keep=0 "
+    """checkpoint.* keys: every, every_minutes and keep."""
+    if c.every < 0 or c.keep < 0 or c.every_minutes < 0:
+        raise UserError(f"checkpoint.every={c.every}, checkpoint.every_minutes={c.every_minutes}, "
+                        f"checkpoint.keep={c.keep}: all must be >= 0 (every=0 and every_minutes=0 "
+                        f"save only at the end, at train.stop_at and on SIGTERM or Ctrl-C; keep=0 "
                         f"keeps every checkpoint).")
 
 
