@@ -3,11 +3,13 @@
     meshtrain compare W1 W2 ... --out=FILE.png [--labels=a,b] [--smooth=N]
 
 Each W is a workdir written by `python -m meshtrain.train --workdir=W`; the command reads
-its run.json and metrics.jsonl and draws one figure (.png, .pdf or .svg) of three panels:
+its run.json, metrics.jsonl and goodput.jsonl and draws one figure (.png, .pdf or .svg) of
+four panels:
 
   1. eval loss against wall time (seconds since the run's step was compiled),
   2. eval loss against tokens seen (step x run.json's tokens_per_step),
-  3. throughput (tokens/s of the train rows) against wall time.
+  3. throughput (tokens/s of the train rows) against wall time,
+  4. where each run's wall time went (meshtrain/goodput.py's shares, all pieces added up).
 
 A layout that is faster per step may need more steps: panel 1 says which wins (the
 statistical-efficiency view of Nichols et al., arXiv 2111.04949). Runs are labelled
@@ -20,7 +22,7 @@ existed fall back to the cumulative sum of step_time_s x the steps since the pre
 train row, which leaves out compile, eval and checkpoint time; a note says so.
 
 Stdout gets a table (per run: final eval loss, tokens, wall time, mean of the train rows'
-tokens/s) and which run first reached the lowest eval loss that every run reached. Bad
+tokens/s, goodput) and which run first reached the lowest eval loss that every run reached. Bad
 input exits with status 2 and one paragraph, no traceback.
 """
 
@@ -31,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshtrain import cli
+from meshtrain import cli, goodput
 from meshtrain.errors import UserError
 
 FORMATS = (".png", ".pdf", ".svg")
@@ -49,6 +51,7 @@ class Run:
     train: list[tuple[int, float, float]]
     evals: list[tuple[int, float, float]]
     fallback: bool
+    shares: dict | None = None  # goodput.add_up of the workdir's pieces; None before goodput.jsonl
 
     @property
     def last_step(self) -> int:
@@ -166,7 +169,9 @@ def load_run(workdir: Path, label: str | None, notes: list[str]) -> Run:
     run = Run(workdir, label, tokens_per_step, (info.get("data") or {}).get("best_loss"),
               [(r["step"], t, float(r["tokens_per_s"])) for r, t in zip(rows, times) if "loss" in r],
               [(r["step"], t, float(r["eval_loss"])) for r, t in zip(rows, times) if "eval_loss" in r],
-              fallback)
+              fallback, goodput.add_up(pieces) if (pieces := goodput.read_pieces(workdir)) else None)
+    if run.shares is None:
+        notes.append(f"{workdir}: no goodput.jsonl (a run from before it existed): no time-shares bar.")
     if fallback and rows:
         notes.append(f"{workdir}: metrics.jsonl has no time_s (logged before it existed); wall time is the "
                      f"cumulative step_time_s x steps, without compile, eval and checkpoint time.")
@@ -191,13 +196,14 @@ def table(runs: list[Run]) -> list[str]:
     reached = {id(r): next(t for _, t, v in r.evals if v <= target) for r in scored}
     width = max(len(r.label) for r in runs)
     lines = [f"{'run':<{width}}  {'final eval loss':>15}  {'tokens':>12}  {'wall time':>10}  "
-             f"{'mean tok/s':>11}  {'to target':>10}"]
+             f"{'mean tok/s':>11}  {'to target':>10}  {'goodput':>7}"]
     for r in runs:
         final = f"{r.evals[-1][2]:.4f}" if r.evals else "-"
         mean = f"{sum(v for *_, v in r.train) / len(r.train):,.0f}" if r.train else "-"
         to_target = f"{reached[id(r)]:.1f}s" if id(r) in reached else "-"
+        good = f"{100 * r.shares['goodput']:.0f}%" if r.shares and r.shares["goodput"] is not None else "-"
         lines.append(f"{r.label:<{width}}  {final:>15}  {r.last_step * r.tokens_per_step:>12,}  "
-                     f"{r.wall_s:>9.1f}s  {mean:>11}  {to_target:>10}")
+                     f"{r.wall_s:>9.1f}s  {mean:>11}  {to_target:>10}  {good:>7}")
     if target is None:
         return lines + ["no run has eval rows: no eval loss to compare."]
     first = min(scored, key=lambda r: reached[id(r)])
@@ -206,12 +212,12 @@ def table(runs: list[Run]) -> list[str]:
 
 
 def plot(runs: list[Run], out: Path, smooth: int) -> None:
-    """Writes the three-panel figure to `out` (format from the suffix), with Agg."""
+    """Writes the four-panel figure to `out` (format from the suffix), with Agg."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a_time, a_tokens, a_speed) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
+    fig, (a_time, a_tokens, a_speed, a_shares) = plt.subplots(1, 4, figsize=(21, 4.8), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(runs):
         color = colors[i % len(colors)]  # one color per run in every panel
@@ -231,10 +237,12 @@ def plot(runs: list[Run], out: Path, smooth: int) -> None:
     a_tokens.set(title="eval loss vs tokens seen", xlabel="tokens (step x tokens_per_step)", ylabel="eval loss")
     a_speed.set(title="throughput", xlabel="wall time (s)", ylabel="tokens/s")
     a_tokens.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    fig.legend(loc="outside lower center", ncols=min(len(runs) + 1, 4), frameon=False)
+    draw_shares(a_shares, runs)
+    handles = [h for ax in (a_time, a_tokens, a_speed) for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(runs) + 1, 4), frameon=False)
     smooth_note = f", trailing mean of {smooth} points" if smooth > 1 else ""
     fig.suptitle(f"{len(runs)} run(s): loss against time and tokens{smooth_note}")
-    for ax in (a_time, a_tokens, a_speed):
+    for ax in (a_time, a_tokens, a_speed, a_shares):
         ax.grid(alpha=0.3)
     try:
         fig.savefig(out, dpi=110)
@@ -242,6 +250,24 @@ def plot(runs: list[Run], out: Path, smooth: int) -> None:
         raise UserError(f"--out={str(out)!r}: cannot write the figure ({e}).") from None
     finally:
         plt.close(fig)
+
+
+def draw_shares(ax, runs: list[Run]) -> None:
+    """One horizontal bar per run: its wall time, split into goodput's shares."""
+    import matplotlib.pyplot as plt
+    cmap = plt.get_cmap("tab10")
+    drawn = [r for r in runs if r.shares]
+    for y, r in enumerate(drawn):
+        left = 0.0
+        for k, share in enumerate(goodput.SHARES):
+            width = r.shares["seconds"][share]
+            ax.barh(y, width, left=left, color=cmap(k), label=share if y == 0 else None)
+            left += width
+    ax.set_yticks(range(len(drawn)), [f"{r.label}\n{100 * (r.shares['goodput'] or 0):.0f}% goodput" for r in drawn],
+                  fontsize=7)
+    ax.set(title="where the wall time went (all pieces)", xlabel="seconds")
+    if drawn:
+        ax.legend(fontsize=7, loc="lower right")
 
 
 def execute(args) -> int:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshtrain import compare
+from meshtrain import compare, goodput
 from meshtrain import metrics
 from meshtrain.train import main as train_main
 
@@ -70,6 +70,12 @@ def test_compare_draws_a_png_and_names_both_runs(runs, tmp_path, capsys):
     assert "gpt2_tiny_dp8 (dp, data:8)" in text and "gpt2_tiny_dp2_tp4 (dp_tp, data:2,tensor:4)" in text
     assert "first there in wall time:" in text and "note:" not in text
     assert text.count("49,152") == 2  # 12 steps x 4,096 tokens, each run
+    for w in runs.values():  # the goodput column: productive steps over the wall time of the run
+        total = goodput.add_up(goodput.read_pieces(w))
+        assert total["pieces"] == 1 and 0 < total["goodput"] < 1
+        assert sum(total["seconds"].values()) == pytest.approx(total["wall_s"], rel=1e-3)
+        row = next(line for line in text.splitlines() if line.startswith(json.loads((w / "run.json").read_text())["config_name"] + " "))
+        assert row.endswith(f"{100 * total['goodput']:.0f}%")
 
 
 def test_labels_and_svg(runs, tmp_path, capsys):

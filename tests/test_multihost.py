@@ -49,10 +49,17 @@ def assert_same_losses(got: dict, want: dict) -> None:
 
 
 def test_two_local_processes_train_like_one(tmp_path, reference):
+    """Also saves by wall time (checkpoint.every_minutes, 0.3 s here): process 0's clock
+    picks the log step, so both processes save the same steps (or the save would hang)."""
     w = tmp_path / "w"
-    done = local_sh(2, TINY, f"--workdir={w}", *RUN)
+    done = local_sh(2, TINY, f"--workdir={w}", *RUN, "--config.checkpoint.every_minutes=0.005",
+                    "--config.checkpoint.keep=0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(losses(w), reference)
+    assert len(steps_on_disk(w)) >= 3 and steps_on_disk(w)[-1] == 20  # timed saves, then the end
+    for step in steps_on_disk(w):  # each save holds both processes' shards
+        assert sorted(q.name for q in (w / "checkpoints" / f"step_{step}" / "state").glob("ocdbt.process_*")) == [
+            "ocdbt.process_0", "ocdbt.process_1"]
     assert "exit statuses by process: 0 0" in done.stderr
     assert "step 20/20" in done.stdout  # process 0's log is shown as it runs
     logs = [(w / "logs" / f"process_{i}.log").read_text() for i in range(2)]
