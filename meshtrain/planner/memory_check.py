@@ -196,7 +196,7 @@ def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[F
         out.append(sharded)
     out.append(micro[2])
     strongest = ([full] if m.remat != "full" else []) + ([sharded] if sharded else [])
-    for extra in ([], [micro[2]]):
+    for extra in ([], [micro[0]], [micro[1]], [micro[2]]):
         if len(strongest + extra) > 1:
             out.append(_together(strongest + extra))
     for f in (2, 4):
