@@ -216,7 +216,6 @@ def find_fix(exp, budget: Budget, time_budget_s: float = FIX_COMPILE_BUDGET_S) -
     from meshtrain.experiment import Experiment, Inputs
     from meshtrain.planner import analytic
     inputs = Inputs(exp.init, exp.source)
-    devices = list(exp.mesh.devices.flat)
     deadline = time.perf_counter() + time_budget_s
     tried = []
     for fix in candidates(exp.cfg, dict(exp.mesh.shape), exp.dcn):
@@ -224,7 +223,7 @@ def find_fix(exp, budget: Budget, time_budget_s: float = FIX_COMPILE_BUDGET_S) -
         try:
             for key, value in fix.overrides:
                 config_lib.override(cfg, key, value)
-            other = Experiment.build(cfg, devices=devices, inputs=inputs)
+            other = Experiment.build(cfg, inputs=inputs)
         except UserError:
             continue  # does not divide, or the layout cannot hold it: not a fix for this config
         fix.formula = sum(v or 0.0 for v in analytic.memory(other).values())
