@@ -124,9 +124,11 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
     from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
+    from meshtrain.planner import memory_check
 
     exp = Experiment.build(cfg)
     cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
+    memory_check.check_config(cfg.train)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if xla_line:
         say(xla_line)
@@ -147,6 +149,8 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
                 f"({cfg.train.stop_at or cfg.train.steps}): nothing to train.")
             return 0
         compiled, memory, compile_s = compile_step(exp, say)
+        # Before init_state or a restore allocates: a step that cannot fit stops here, with fixes.
+        memory_check.check(exp, memory, say, skip=cfg.train.skip_memory_check, compile_only=not cfg.train.steps)
         m = exp.model.cfg
         tokens_per_step = cfg.train.batch_size * m.seq_len
         log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,

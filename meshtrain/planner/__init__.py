@@ -5,6 +5,7 @@
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time
   search     enumerate and rank layouts for a device count
+  memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   text       the report for a terminal
 """
 

@@ -1,0 +1,292 @@
+"""Whether the compiled train step fits the memory its devices have, checked after
+compiling and before anything is allocated; when it does not, the cheapest fixes the
+planner knows, each estimated before it is suggested.
+
+    check(exp, metrics.memory_report(compiled), say)   # raises UserError when it cannot fit
+
+What one device may use (`device_budget`):
+  accelerator  its own memory: memory_stats()["bytes_limit"] (what XLA's allocator may
+               take, already short of what CUDA and its libraries keep) less "bytes_in_use",
+               the smallest over this process's devices
+  CPU          the host's RAM, shared by every simulated device of every process on this
+               host: available = MemAvailable (/proc/meminfo), or the cgroup's limit less
+               its usage when that is lower (a Slurm job with --mem, a container); each
+               device gets available / (devices in this process x processes on this host)
+Fits when XLA's peak estimate (argument + output + temp - alias, per device) is at most
+MARGIN x that. The estimate is the compiler's buffer assignment, close on accelerators,
+but it leaves out what the process holds beside the step: the runtime, the input
+pipeline, an async checkpoint's host copy of the state, allocator fragmentation (on CPU,
+Python itself). The margins leave that room; they are the planner's `usable_memory`
+(planner/hardware.py) on the host, and a little more on an accelerator, whose bytes_limit
+already excludes the runtime.
+
+Fixes (`find_fix`): one change at a time, cheapest first (`candidates`), then combined;
+each is built (what does not divide is dropped), estimated by the planner's formulas
+(planner/analytic.py: a floor on CPU, whose compiler keeps float32 copies of bf16
+activations) and, when the formulas say it may fit, compiled here until one fits or the
+time budget is spent.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import time
+
+from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.errors import UserError, warn
+
+GIB = 2**30
+MARGIN = {"cpu": 0.90, "accelerator": 0.95}  # share of the budget the estimate may take (docstring)
+FIX_COMPILE_BUDGET_S = 60.0  # compiling candidate fixes stops after this (then formulas only)
+MEMINFO = "/proc/meminfo"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+# layout preset -> (the preset that shards the optimizer state only, the one that shards everything over fsdp)
+SHARDED = {"dp": ("zero1", "fsdp"), "zero1": (None, "fsdp"), "dp_tp": (None, "fsdp_tp"),
+           "dp_pp": ("zero1_pp", "fsdp_pp"), "zero1_pp": (None, "fsdp_pp"), "dp_pp_tp": (None, "fsdp_pp_tp")}
+
+
+def check_config(t) -> None:
+    """train.skip_memory_check: a bool (the override parser keeps the type; a config file may not)."""
+    if not isinstance(t.skip_memory_check, bool):
+        raise UserError(f"train.skip_memory_check={t.skip_memory_check!r}: must be true or false.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What each device of this process may use, in bytes."""
+
+    available: float   # on the host (CPU), or on the tightest device
+    sharing: int       # devices that share `available`: all on this host (CPU), else 1
+    margin: float
+    where: str         # how `available` was found, for the message
+    host: bool = True  # `available` is the host's RAM (simulated CPU devices)
+    processes: int = 1  # processes on this host whose devices share it
+
+    @property
+    def per_device(self) -> float:
+        return self.available * self.margin / self.sharing
+
+
+def host_available(meminfo: str = MEMINFO, cgroup_root: str = CGROUP_ROOT,
+                   self_cgroup: str = "/proc/self/cgroup") -> tuple[float, str] | None:
+    """(bytes this process may still take from the host's RAM, where that came from), or None."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        best = (float(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable in /proc/meminfo")
+    except (OSError, KeyError, ValueError):
+        best = None
+    for room, where in _cgroup_rooms(cgroup_root, self_cgroup):
+        if best is None or room < best[0]:
+            best = (room, where)
+    return best
+
+
+def _cgroup_rooms(root: str, self_cgroup: str):
+    """(limit - usage, where) of this process's memory cgroup and its ancestors that have a limit."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            try:
+                limit = open(os.path.join(d, files[0])).read().strip()
+                usage = float(open(os.path.join(d, files[1])).read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit != "max" and float(limit) < 2**60:  # v1 writes "no limit" as ~2^63
+                yield float(limit) - usage, f"the memory cgroup's limit less its usage ({d})"
+
+
+def device_budget(devices, processes_on_host: int = 1, host=None) -> Budget | None:
+    """This process's devices' budget (module docstring); None when it cannot be known.
+    `host()` reads the host's RAM (default `host_available`)."""
+    devices = list(devices)
+    if devices[0].platform == "cpu":
+        found = (host or host_available)()
+        if found is None:
+            return None
+        return Budget(found[0], len(devices) * processes_on_host, MARGIN["cpu"], found[1], host=True,
+                      processes=processes_on_host)
+    rooms = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
+        rooms.append((stats["bytes_limit"] - stats.get("bytes_in_use", 0), d))
+    room, d = min(rooms, key=lambda r: r[0])
+    return Budget(room, 1, MARGIN["accelerator"], f"{d}: memory_stats() bytes_limit less bytes_in_use",
+                  host=False)
+
+
+def fits(peak: float, budget: Budget) -> bool:
+    return peak <= budget.per_device
+
+
+def gib(x: float) -> str:
+    """Bytes as GiB (MiB below one GiB), three significant figures or more."""
+    if x < GIB:
+        return f"{x / 2**20:,.1f} MiB"
+    return f"{x / GIB:,.2f} GiB" if x < 10 * GIB else f"{x / GIB:,.1f} GiB"
+
+
+def arithmetic(peak: float, budget: Budget) -> str:
+    """The sentence that shows why it does (not) fit."""
+    if budget.host:
+        among = f" ({budget.sharing // budget.processes} in each of {budget.processes} processes)" \
+            if budget.processes > 1 else ""
+        return (f"{budget.sharing} simulated CPU devices{among} share this host's RAM: {budget.sharing} x "
+                f"{gib(peak)} = {gib(peak * budget.sharing)} against {gib(budget.available)} available "
+                f"({budget.where}), of which the check allows {budget.margin:.0%}, "
+                f"{gib(budget.available * budget.margin)}")
+    return (f"{gib(peak)} against {gib(budget.available)} on the device ({budget.where}), of which "
+            f"the check allows {budget.margin:.0%}, {gib(budget.per_device)}")
+
+
+@dataclasses.dataclass
+class Fix:
+    overrides: tuple[tuple[str, str], ...]
+    cost: str
+    formula: float | None = None   # bytes per device by planner/analytic.py
+    compiled: float | None = None  # XLA's peak estimate, when compiled here
+
+    def flags(self) -> str:
+        return " ".join(f"--config.{k}={v}" for k, v in self.overrides)
+
+
+def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[Fix]:
+    """The planner's levers, one at a time cheapest first, then combined; `shape` and
+    `dcn` are the run's resolved mesh (the layout fixes move its data axis to fsdp)."""
+    t, m = cfg.train, cfg.model
+    k = t.microbatches
+    micro = [Fix((("train.microbatches", str(k * f)),), f"the same update in {f}x as many smaller passes")
+             for f in (2, 4, 8)]
+    zero1, fsdp = SHARDED.get(cfg.layout, (None, None))
+    save_dots = Fix((("model.remat", "save_dots"),), "recomputes element-wise ops in backward, ~10% more compute")
+    full = Fix((("model.remat", "full"),), "recomputes each layer in backward, ~33% more compute")
+    out = [save_dots] if m.remat == "none" else []
+    out.append(micro[0])
+    if zero1:
+        out.append(Fix((("layout", zero1),), "shards the optimizer state over data, no more traffic"))
+    if m.remat != "full":
+        out.append(full)
+    out.append(micro[1])
+    sharded = None
+    if fsdp:
+        moved = {**shape, "fsdp": shape["fsdp"] * shape["data"], "data": 1}
+        over = (("layout", fsdp), ("mesh.shape", mesh_lib.format_factors(moved)))
+        if dcn and dcn["data"] > 1:
+            over += (("mesh.dcn", mesh_lib.format_factors({**dcn, "fsdp": dcn["fsdp"] * dcn["data"], "data": 1})),)
+        sharded = Fix(over, "shards params and optimizer state over fsdp, gathers weights per layer")
+        out.append(sharded)
+    out.append(micro[2])
+    strongest = ([full] if m.remat != "full" else []) + ([sharded] if sharded else [])
+    for extra in ([], [micro[0]], [micro[1]], [micro[2]]):
+        if len(strongest + extra) > 1:
+            out.append(_together(strongest + extra))
+    for f in (2, 4):
+        if t.batch_size % f == 0:
+            out.append(Fix((("train.batch_size", str(t.batch_size // f)),),
+                           f"changes the run: {f}x fewer tokens a step (retune optim.lr)"))
+    return out
+
+
+def _together(fixes: list[Fix]) -> Fix:
+    return Fix(sum((f.overrides for f in fixes), ()), "; ".join(f.cost for f in fixes))
+
+
+def find_fix(exp, budget: Budget, time_budget_s: float = FIX_COMPILE_BUDGET_S) -> tuple[Fix | None, list[Fix]]:
+    """(the cheapest candidate that fits, compiled here, or None; the cheaper ones tried)."""
+    from meshtrain import metrics
+    from meshtrain.experiment import Experiment, Inputs
+    from meshtrain.planner import analytic
+    inputs = Inputs(exp.init, exp.source)
+    deadline = time.perf_counter() + time_budget_s
+    tried = []
+    for fix in candidates(exp.cfg, dict(exp.mesh.shape), exp.dcn):
+        cfg = copy.deepcopy(exp.cfg)
+        try:
+            for key, value in fix.overrides:
+                config_lib.override(cfg, key, value)
+            other = Experiment.build(cfg, inputs=inputs)
+        except UserError:
+            continue  # does not divide, or the layout cannot hold it: not a fix for this config
+        fix.formula = sum(v or 0.0 for v in analytic.memory(other).values())
+        if fits(fix.formula, budget) and time.perf_counter() < deadline:
+            fix.compiled = metrics.memory_report(other.compile()).get("peak_estimate")
+            if fix.compiled is not None and fits(fix.compiled, budget):
+                return fix, tried
+        tried.append(fix)
+    return None, tried
+
+
+def explain(peak: float, budget: Budget, fix: Fix | None, tried: list[Fix], who: str = "") -> str:
+    """The one paragraph a run that cannot fit stops with."""
+    head = (f"{who}the compiled train step needs {gib(peak)} per device (XLA's peak estimate: arguments "
+            f"+ outputs + temporaries - aliased) and cannot fit: {arithmetic(peak, budget)}.")
+    if fix is not None:
+        total = f", {budget.sharing} x {gib(fix.compiled)} = {gib(fix.compiled * budget.sharing)}" \
+            if budget.host else ""
+        fixes = (f" The cheapest fix the planner knows that fits, compiled here: {fix.flags()} ({fix.cost}): "
+                 f"{gib(fix.compiled)} per device{total}.")
+    else:
+        fixes = (" None of the planner's fixes fits (remat, microbatches, an fsdp layout, a smaller batch, and "
+                 "those combined): the run needs more devices, or devices with more memory; `meshtrain plan "
+                 "--search --devices=N` ranks the layouts for N devices.")
+    if tried:
+        fixes += (" Not enough " + ("alone" if fix is not None else "either") + " (per device, compiled where "
+                  "marked, else by the planner's formulas, which on CPU are a floor): "
+                  + "; ".join(f"{f.flags()} {gib(f.compiled if f.compiled is not None else f.formula)}"
+                              + (" compiled" if f.compiled is not None else "") for f in tried) + ".")
+    return (head + fixes + " --config.train.steps=0 compiles a change and prints its figure without "
+            "training; --config.train.skip_memory_check=true starts anyway, for those who know better "
+            "(swap, or an estimate known to be pessimistic).")
+
+
+def check(exp, memory: dict, say, *, skip: bool = False, compile_only: bool = False,
+          budget: Budget | None = None, time_budget_s: float = FIX_COMPILE_BUDGET_S) -> bool:
+    """Compares the compiled per-device peak (`memory`: metrics.memory_report) with this
+    process's budget (default `device_budget`). Fits: one line through `say`, True.
+    Does not: a UserError with `explain`'s paragraph; a warning instead when `skip`
+    (the arithmetic only) or `compile_only` (nothing will be allocated). -> fits."""
+    import jax
+
+    from meshtrain.cluster import distributed
+    peak = memory.get("peak_estimate")
+    if budget is None:
+        hosts = distributed.hosts()
+        me = hosts[jax.process_index()] if jax.process_index() < len(hosts) else socket.gethostname()
+        budget = device_budget(jax.local_devices(), max(hosts.count(me), 1))
+    if peak is None or budget is None:
+        say("memory check: " + ("the compiler gives no memory estimate" if peak is None
+                                else "the devices report no memory limit") + "; not checked")
+        return True
+    if fits(peak, budget):
+        say(f"memory check: fits; {arithmetic(peak, budget)}")
+        return True
+    who = f"process {jax.process_index()} ({socket.gethostname()}): " if jax.process_count() > 1 else ""
+    if skip:
+        warn(f"{who}the compiled train step needs {gib(peak)} per device and may not fit: "
+             f"{arithmetic(peak, budget)}. Starting anyway (train.skip_memory_check=true).")
+        return False
+    fix, tried = find_fix(exp, budget, time_budget_s)
+    paragraph = explain(peak, budget, fix, tried, who)
+    if compile_only:
+        warn(paragraph.replace(" and cannot fit:", " and would not fit (a run stops here):", 1))
+        return False
+    raise UserError(paragraph)
