@@ -156,6 +156,38 @@ def test_without_a_secret_process_0_warns_once_and_still_drops_malformed_hellos(
                      r"1 of 2 processes\.", err), err
 
 
+def start_beside_a_silent_connection(after: float) -> float:
+    """Seconds process 0's start takes when a connection that says nothing comes first, and
+    process 1 `after` seconds later."""
+    port, out = free_port(), {}
+    p0 = Rendezvous(0, 2, ("localhost", port), init_timeout=20, heartbeat_timeout=5, config={}, secret=SECRET)
+    p1 = Rendezvous(1, 2, ("localhost", port), init_timeout=20, heartbeat_timeout=5, config={}, secret=SECRET)
+
+    def others():
+        out["silent"] = connect(port, "127.0.0.1")
+        time.sleep(after)
+        out[1] = p1.start()
+
+    thread = threading.Thread(target=others)
+    thread.start()
+    began = time.monotonic()
+    out[0] = p0.start()
+    took = time.monotonic() - began
+    thread.join()
+    for channel in [out["silent"], *p0.channels.values(), *p1.channels.values()]:
+        channel.close()
+    assert out[0] == out[1]
+    return took
+
+
+def test_a_silent_connection_holds_up_no_one_and_is_dropped_after_its_window(capfd, monkeypatch):
+    assert start_beside_a_silent_connection(after=0) < 15  # not after the silent one's 30 s
+    monkeypatch.setattr(handshake, "HELLO_WINDOW", 0.5)
+    start_beside_a_silent_connection(after=2)
+    assert re.search(r"dropped a connection from 127\.0\.0\.1:\d+: sent no hello within 0\.5 s; still "
+                     r"waiting for 1 of 2 processes\.", capfd.readouterr().err)
+
+
 def test_processes_that_disagree_on_having_a_secret_stop_saying_so():
     port = free_port()
     out = meet(2, port, {}, timeout=1.5, secrets={0: SECRET})

@@ -97,14 +97,14 @@ class Lobby:
             wake = min([deadline, *self.pending.values()])
             for key, _ in self.selector.select(max(0.0, wake - now)):
                 if key.data is None:
-                    self._accept(min(deadline, now + HELLO_WINDOW))
+                    self._accept(deadline)
                 elif key.data in self.pending:
                     found = self._hear(key.data)
                     if found:
                         return found
         return None
 
-    def _accept(self, by: float) -> None:
+    def _accept(self, deadline: float) -> None:
         try:
             sock, address = self.server.accept()
         except (BlockingIOError, InterruptedError):
@@ -117,7 +117,7 @@ class Lobby:
             return
         channel.challenge = nonce()
         channel.send(type="challenge", nonce=channel.challenge, auth=self.secret is not None)
-        self.pending[channel] = by
+        self.pending[channel] = min(deadline, time.monotonic() + HELLO_WINDOW)  # now: select may have waited
         self.selector.register(sock, selectors.EVENT_READ, channel)
 
     def _hear(self, channel: Channel) -> tuple[Channel, dict] | None:
