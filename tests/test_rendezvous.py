@@ -205,9 +205,12 @@ def test_another_secret_is_refused_and_told_why():
     assert "missing: process 1. 1 connection(s) were dropped" in out[0]
 
 
-def test_all_arrive_with_the_secret():
+def test_all_arrive_with_the_secret_and_a_short_one_draws_a_warning(capfd):
     out = meet(3, free_port(), {}, secrets={0: SECRET, 1: SECRET, 2: SECRET})
     assert out[0] == out[1] == out[2] and len(out[0]) == 3
+    assert capfd.readouterr().err == ""
+    out = meet(2, free_port(), {}, secrets={0: b"abc", 1: b"abc"})
+    assert out[0] == out[1] and "MESHTRAIN_SECRET has only 3 characters" in capfd.readouterr().err
 
 
 def test_a_process_0_that_does_not_know_the_secret_is_not_believed():

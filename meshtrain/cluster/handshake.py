@@ -24,7 +24,9 @@ that were sent, with no canonical re-encoding. The kind keeps a hello from passi
 welcome; the nonces, new for every connection, keep a recorded hello or welcome from
 being replayed. Process 0 compares MACs with `hmac.compare_digest`. Only a hello whose
 MAC holds can make the start fail (another config, a duplicate id): everything else is
-`Refused`, dropped with one log line, and the start goes on waiting.
+`Refused`, dropped with one log line, and the start goes on waiting. Process 0 (`Lobby`)
+hears every connection at once, gives each HELLO_WINDOW seconds for its hello, and keeps
+at most N + 64 waiting (more are closed at once, and a real process then retries).
 
 Not protected: messages after the welcome (heartbeats) are not signed, and nothing is
 encrypted (the config travels in the clear); JAX's own coordination port is not ours.
@@ -255,6 +257,14 @@ def warn_unauthenticated(port: int) -> None:
           f"job's processes, give every process the same secret: {MAKE_SECRET} before starting "
           f"them (launch/local.sh and launch/slurm.sbatch do this for you).",
           file=sys.stderr, flush=True)
+
+
+def warn_if_weak(secret: bytes) -> None:
+    """A short secret can be guessed offline from one recorded hello (its nonce, body and MAC)."""
+    if len(secret) < 16:
+        print(f"meshtrain: warning: {SECRET_VARIABLE} has only {len(secret)} characters, which can "
+              f"be guessed from one recorded hello; make it long and random: {MAKE_SECRET}.",
+              file=sys.stderr, flush=True)
 
 
 def _claims(body: str) -> str:

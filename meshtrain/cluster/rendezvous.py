@@ -104,6 +104,8 @@ class Rendezvous:
     def _gather(self) -> list[dict]:
         if self.secret is None:
             handshake.warn_unauthenticated(self.address[1])
+        else:
+            handshake.warn_if_weak(self.secret)
         deadline = time.monotonic() + self.init_timeout
         arrived = {0: self.me}
         with handshake.Lobby(self._listen(), self.n, self.secret) as lobby:
