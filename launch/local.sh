@@ -22,6 +22,8 @@
 #   - Ctrl-C: SIGTERM to every process, which saves a checkpoint at the next step and
 #     exits 0 (rerun the same command to resume). A second Ctrl-C kills them.
 #   - Exit status: the worst of the processes' (0 only if all exited 0).
+#   - Rendezvous: every process gets a new MESHTRAIN_SECRET, made here for this launch, so
+#     only they can join the start (one you exported is replaced).
 # Environment: PYTHON (default: python), PORT (first of two free ports; default: found
 # here), GRACE.
 set -uo pipefail
@@ -80,6 +82,13 @@ for _ in range(200):
 EOF
 )}
 [[ -n $PORT ]] || { say "found no two free ports; set PORT"; exit 2; }
+
+# The job's secret: only processes that know it may join the rendezvous on PORT + 1
+# (docs/multihost.md, "What is protected"). New for every launch, from the OS's randomness,
+# passed in the environment only (never on a command line, never printed).
+MESHTRAIN_SECRET=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+[[ -n $MESHTRAIN_SECRET ]] || { say "could not make the job's secret with $PYTHON"; exit 2; }
+export MESHTRAIN_SECRET
 
 # GPUs, if any: an equal share for each process.
 gpus=0

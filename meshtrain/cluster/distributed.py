@@ -6,8 +6,9 @@
     cluster.leave(status, message)                   # tell the others how this one ended
 
 One process needs none of this: `start` records the host and returns. Several
-processes first meet through meshtrain's rendezvous (which says who is missing
-when some never arrive, and stops them all when one is lost), then start JAX's
+processes first meet through meshtrain's rendezvous (which admits only processes
+that know the job's MESHTRAIN_SECRET, says who is missing when some never arrive,
+and stops them all when one is lost), then start JAX's
 runtime with the same addresses and timeouts, so every collective between them,
 gloo on CPU or NCCL on GPU, can run.
 """
@@ -20,6 +21,7 @@ import socket
 import time
 
 from meshtrain.errors import UserError
+from meshtrain.cluster import handshake
 from meshtrain.cluster.launch import Launch
 from meshtrain.cluster.rendezvous import Rendezvous
 
@@ -93,7 +95,8 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
         return _current
     rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous,
                             init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
-                            config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")})
+                            config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")},
+                            secret=handshake.secret_from(os.environ))
     t0 = time.perf_counter()
     table = rendezvous.start()
     rendezvous.watch()

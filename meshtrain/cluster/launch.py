@@ -15,6 +15,10 @@ two jobs whose first node is the same never share a port (JAX's own default,
 61440 + job id mod 4096, would make job j's PORT + 1 job j+1's PORT).
 `JAX_COORDINATOR_PORT` overrides it.
 
+Secret. MESHTRAIN_SECRET, the same in every process's environment (never a flag: command
+lines are public), admits only the job's processes to the rendezvous (handshake.py);
+launch/local.sh and launch/slurm.sbatch make one per launch.
+
 GPUs per process under SLURM: a task alone on its node drives every visible GPU;
 k tasks on a node that all see the same G GPUs split them, task l taking ordinals
 [l G/k, (l+1) G/k); tasks that Slurm bound to their own GPUs (--gpus-per-task,

@@ -4,22 +4,28 @@ JAX's runtime aborts with a C++ stack trace and no count when processes fail to
 arrive, and notices a dead process only after its heartbeat timeout. This small
 channel, opened before JAX's and kept for the whole run, says plainly what happened:
 
-    start   process 0 listens on the rendezvous port (JAX's port + 1). Every other
-            process connects, retrying until distributed.init_timeout, and says hello:
-            id, process count, host, pid and its config. When all N are there, process 0
-            answers each with the table of processes. Otherwise, at the timeout, it tells
-            those that came how many arrived and who is missing, and all of them exit 1.
-            Processes that disagree (count, duplicate id, config) are stopped at once.
+    start   process 0 listens on the rendezvous port (JAX's port + 1) until all N
+            processes have arrived, answering each connection with a challenge (a
+            nonce). Every other process connects, retrying until distributed.init_timeout,
+            and says hello: id, process count, host, pid, its config and an HMAC of the
+            nonce and those fields keyed by the job's secret (MESHTRAIN_SECRET;
+            handshake.py has the exchange). When all N are there, process 0 answers each
+            with the table of processes, signed in turn. Otherwise, at the timeout, it
+            tells those that came how many arrived and who is missing, and all of them
+            exit 1. Processes that disagree (count, duplicate id, config) are stopped at
+            once. A connection that fails the HMAC, sends anything but a well-formed
+            hello, a line over 4 MiB (channel.py) or nothing for 30 s is dropped with
+            one log line, and the start goes on: only the job's processes can stop it.
     run     both ends send a heartbeat every heartbeat_timeout / 4 s. A process that dies
             (kill -9, OOM killer, segfault) closes its socket at once; a host that vanishes
             goes silent for heartbeat_timeout. Process 0 then tells every other process
             which one was lost, and each prints that and exits 1 instead of hanging in
             the next collective. A process that stops with an error says so first, so the
             others stop too and name it. If process 0 is lost, the others see its socket
-            close, and stop.
+            close, and stop. The port is closed by then; lines keep their 4 MiB bound.
     end     `leave(0)` says "done", after which a closed socket is no loss.
 
-Messages are JSON lines: hello, welcome, abort, beat, done, failed, lost.
+Messages are JSON lines: challenge, hello, welcome, abort, rejected, beat, done, failed, lost.
 """
 
 from __future__ import annotations
@@ -34,91 +40,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from meshtrain.cluster import handshake
+from meshtrain.cluster.channel import Channel
 from meshtrain.errors import RunFailed
 
 LOST_STATUS = 1
-
-
-class Channel:
-    """A socket that sends and receives JSON lines."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.buffer = b""
-        self.closed = False
-        self.lock = threading.Lock()
-
-    def send(self, **message) -> None:
-        try:
-            with self.lock:
-                self.sock.sendall((json.dumps(message) + "\n").encode())
-        except OSError:
-            pass  # a broken connection shows up as EOF on the reading side
-
-    def receive(self) -> list[dict]:
-        """Reads what is there (call when readable); sets `closed` on EOF."""
-        try:
-            data = self.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError, socket.timeout):
-            return []
-        except OSError:
-            data = b""
-        if not data:
-            self.closed = True
-            return []
-        self.buffer += data
-        *lines, self.buffer = self.buffer.split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # not ours: ignore
-        return out
-
-    def read(self, deadline: float) -> dict | None:
-        """One message, waiting until `deadline`; None on timeout or EOF."""
-        while not self.closed:
-            if b"\n" in self.buffer:
-                line, self.buffer = self.buffer.split(b"\n", 1)
-                try:
-                    return json.loads(line)
-                except ValueError:
-                    continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            self.sock.settimeout(remaining)
-            try:
-                data = self.sock.recv(1 << 16)
-            except socket.timeout:
-                return None
-            except OSError:
-                data = b""
-            if not data:
-                self.closed = True
-            self.buffer += data
-        return None
-
-    def finish(self) -> None:
-        """Reads what is queued, then half-closes: the peer gets our last message, then EOF
-        (closing with unread data would send RST, which can drop that message)."""
-        try:
-            self.sock.setblocking(False)
-            while self.sock.recv(1 << 16):
-                pass
-        except OSError:
-            pass
-        try:
-            self.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 def describe(entry: dict) -> str:
@@ -142,11 +68,12 @@ class Rendezvous:
     """The channel of one process. `start()` returns the process table; `watch()` guards the run."""
 
     def __init__(self, process_id: int, num_processes: int, address: tuple[str, int], *,
-                 init_timeout: float, heartbeat_timeout: float, config: dict):
+                 init_timeout: float, heartbeat_timeout: float, config: dict, secret: bytes | None = None):
         self.id, self.n, self.address = process_id, num_processes, address
         self.init_timeout, self.heartbeat_timeout = init_timeout, heartbeat_timeout
         self.me = {"process": process_id, "host": socket.gethostname(), "pid": os.getpid()}
         self.config = config
+        self.secret = secret  # the job's MESHTRAIN_SECRET; None: unauthenticated
         self.table: list[dict] = []
         self.channels: dict[int, Channel] = {}  # process -> channel (process 0: all others; else {0: ...})
         self.heard: dict[int, float] = {}
@@ -161,87 +88,88 @@ class Rendezvous:
         self.table = self._gather() if self.id == 0 else self._join()
         return self.table
 
-    def _gather(self) -> list[dict]:
-        host, port = self.address
+    def _listen(self) -> socket.socket:
+        port = self.address[1]
         dual = socket.has_dualstack_ipv6()  # peers may reach this host over IPv4 or IPv6
         try:
-            server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
-                                          dualstack_ipv6=dual, backlog=max(self.n, 16))
+            return socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                        dualstack_ipv6=dual, backlog=max(self.n, 16))
         except OSError as e:
             raise RunFailed(
                 f"Process 0 cannot listen on port {port} of {self.me['host']} ({e.strerror or e}): "
                 f"another job may hold it. meshtrain uses the coordinator's port and the next one; "
                 f"choose another pair with --coordinator=HOST:PORT (or JAX_COORDINATOR_PORT under "
                 f"SLURM).") from None
+
+    def _gather(self) -> list[dict]:
+        if self.secret is None:
+            handshake.warn_unauthenticated(self.address[1])
+        else:
+            handshake.warn_if_weak(self.secret)
         deadline = time.monotonic() + self.init_timeout
         arrived = {0: self.me}
-        try:
+        with handshake.Lobby(self._listen(), self.n, self.secret) as lobby:
             while len(arrived) < self.n:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._abort(self._missing_message(arrived))
-                server.settimeout(remaining)
                 try:
-                    sock, _ = server.accept()
-                except socket.timeout:
-                    continue
-                channel = Channel(sock)
-                hello = channel.read(min(deadline, time.monotonic() + 30))
-                if not hello or hello.get("type") != "hello":
-                    channel.close()  # a stranger, or too slow to speak
-                    continue
+                    found = lobby.next_hello(deadline, waiting=self.n - len(arrived))
+                except handshake.Disagree as e:
+                    self._abort(str(e), e.channel)
+                if found is None:
+                    self._abort(self._missing_message(arrived, lobby.dropped))
+                channel, hello = found
                 problem = self._check_hello(hello, arrived)
-                if problem:
+                if problem:  # an authentic process of this job that does not fit: stop the start
                     self._abort(problem, channel)
                 self.channels[hello["process"]] = channel
                 arrived[hello["process"]] = {k: hello[k] for k in ("process", "host", "pid")}
-        finally:
-            server.close()
         table = [arrived[i] for i in range(self.n)]
+        body = json.dumps({"table": table})
         for channel in self.channels.values():
-            channel.send(type="welcome", table=table)
+            channel.sock.settimeout(handshake.HELLO_WINDOW)
+            channel.send(**handshake.seal("welcome", channel.nonce, body, self.secret))
         return table
 
     def _check_hello(self, hello: dict, arrived: dict) -> str | None:
-        i, who = hello.get("process"), describe(hello)
-        if hello.get("num_processes") != self.n:
-            return (f"{who} was started for {hello.get('num_processes')} processes, process 0 for "
+        i, who = hello["process"], describe(hello)
+        if hello["num_processes"] != self.n:
+            return (f"{who} was started for {hello['num_processes']} processes, process 0 for "
                     f"{self.n}. Start every process with the same count.")
-        if not isinstance(i, int) or not 0 < i < self.n:
+        if not 0 < i < self.n:
             return f"{who} says it is process {i}, outside 1..{self.n - 1}."
         if i in arrived:
             return (f"two processes claim id {i}: {describe(arrived[i])} and {who}. Give each "
                     f"process its own id in 0..{self.n - 1}.")
-        diff = first_difference(self.config, hello.get("config", {}))
+        diff = first_difference(self.config, hello["config"])
         if diff:
             return (f"{who} runs another config than process 0 (first difference, process 0 vs "
                     f"process {i}: {diff}). Start every process with the same --config and "
                     f"--config.* overrides.")
         return None
 
-    def _missing_message(self, arrived: dict) -> str:
+    def _missing_message(self, arrived: dict, dropped: int = 0) -> str:
         missing = [i for i in range(self.n) if i not in arrived]
         shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
         host, port = self.address
+        dropped = (f" {dropped} connection(s) were dropped meanwhile (logged above: another "
+                   f"{handshake.SECRET_VARIABLE}, or not this job's)." if dropped else "")
         return (f"only {len(arrived)} of {self.n} processes arrived within {self.init_timeout:g} s "
-                f"(distributed.init_timeout); missing: process {shown}. Check that every process "
-                f"was started and can reach {host}:{port} (process 0's host; the log of a missing "
-                f"process says why it did not come), or raise distributed.init_timeout if they "
-                f"start slowly.")
+                f"(distributed.init_timeout); missing: process {shown}.{dropped} Check that every "
+                f"process was started and can reach {host}:{port} (process 0's host; the log of a "
+                f"missing process says why it did not come), or raise distributed.init_timeout if "
+                f"they start slowly.")
 
     def _abort(self, reason: str, *more: Channel):
         for channel in [*self.channels.values(), *more]:
-            channel.send(type="abort", reason=reason)
+            channel.sock.settimeout(handshake.HELLO_WINDOW)
+            channel.send(**handshake.seal("abort", channel.nonce, json.dumps({"reason": reason}), self.secret))
             channel.close()
         raise RunFailed(f"Start of {self.n} processes failed: {reason}")
 
-    def _join(self) -> list[dict]:
+    def _connect(self, deadline: float) -> Channel:
         host, port = self.address
-        deadline = time.monotonic() + self.init_timeout
-        sock = None
-        while sock is None:
+        while True:
             try:
-                sock = socket.create_connection((host, port), timeout=5)
+                return Channel(socket.create_connection((host, port), timeout=5), f"{host}:{port}")
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise RunFailed(
@@ -251,17 +179,46 @@ class Rendezvous:
                         f"host and reachable from {self.me['host']}, and that ports {port - 1} and "
                         f"{port} are free and open there.") from None
                 time.sleep(0.25)
-        channel = Channel(sock)
-        channel.send(type="hello", num_processes=self.n, config=self.config, **self.me)
+
+    def _join(self) -> list[dict]:
+        host, port = self.address
+        deadline = time.monotonic() + self.init_timeout
+        failed = f"Process {self.id} of {self.n} reached process 0 at {host}:{port}, which"
+        while True:
+            channel = self._connect(deadline)
+            challenge = channel.read(max(deadline, time.monotonic() + handshake.HELLO_WINDOW))
+            if challenge is not None or channel.error or time.monotonic() > deadline:
+                break
+            channel.close()  # closed at once: process 0 had too many connections waiting
+            time.sleep(0.25)
+        if not (challenge and challenge.get("type") == "challenge" and isinstance(challenge.get("nonce"), str)):
+            raise RunFailed(f"{failed} did not send meshtrain's challenge: another program holds the "
+                            f"port, or process 0 is an older meshtrain. Choose another port with "
+                            f"--coordinator=HOST:PORT (JAX_COORDINATOR_PORT under SLURM).")
+        mine = handshake.nonce()
+        body = json.dumps({**self.me, "num_processes": self.n, "config": self.config, "nonce": mine})
+        channel.send(**handshake.seal("hello", challenge["nonce"], body, self.secret))
+        if bool(challenge.get("auth")) != (self.secret is not None):
+            has, lacks = (0, self.id) if challenge.get("auth") else (self.id, 0)
+            raise RunFailed(f"Start of {self.n} processes failed: process {has} has a "
+                            f"{handshake.SECRET_VARIABLE} and process {lacks} has none. "
+                            f"{handshake.how_to_share()}")
         # Process 0 answers when all have arrived, by its own deadline, which may be later.
         reply = channel.read(time.monotonic() + 2 * self.init_timeout + 30)
-        if reply is None or reply.get("type") not in ("welcome", "abort"):
-            raise RunFailed(f"Process {self.id} of {self.n} reached process 0 at {host}:{port}, "
-                            f"which did not answer (it exited or hangs; see its log).")
+        if reply is None or reply.get("type") not in ("welcome", "abort", "rejected"):
+            raise RunFailed(f"{failed} did not answer ({channel.error or 'it exited or hangs'}; "
+                            f"see its log).")
+        if reply["type"] == "rejected":
+            raise RunFailed(f"{failed} refused this process: it {str(reply.get('reason'))[:300]}. "
+                            f"{handshake.how_to_share()}")
+        try:
+            body = handshake.open_reply(reply, mine, self.secret)
+        except ValueError as e:
+            raise RunFailed(f"{failed} answered, but {e}.") from None
         if reply["type"] == "abort":
-            raise RunFailed(f"Start of {self.n} processes failed: {reply['reason']}")
+            raise RunFailed(f"Start of {self.n} processes failed: {body['reason']}")
         self.channels[0] = channel
-        return reply["table"]
+        return body["table"]
 
     # -- run -------------------------------------------------------------------------
 
@@ -287,7 +244,7 @@ class Rendezvous:
                 if channel.closed:
                     selector.unregister(channel.sock)
                     if i not in self.done and not self.leaving:
-                        self._lost(i, "its connection closed (the process exited or was killed)")
+                        self._lost(i, channel.error or "its connection closed (the process exited or was killed)")
             now = time.monotonic()
             for i, heard in self.heard.items():
                 if i not in self.done and now - heard > self.heartbeat_timeout and not self.leaving:
