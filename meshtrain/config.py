@@ -48,11 +48,13 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # (docs/profiling.md); "" is off. loss_chunk: positions per chunk of the loss, whose
     # float32 logits are recomputed in backward instead of kept (0: the whole sequence at
     # once). grad_dtype: the dtype gradients are reduced in over the data axis ("" as the
-    # backward produces them). Both in docs/performance.md.
+    # backward produces them). Both in docs/performance.md. trackers: where metric rows go
+    # besides the progress lines, a comma list of tensorboard, jsonl, wandb (the `wandb`
+    # extra), or none (meshtrain/trackers.py; docs/architecture.md, "Outputs").
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
-                   loss_chunk=256, grad_dtype="")
+                   loss_chunk=256, grad_dtype="", trackers="tensorboard,jsonl")
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM; keep=0 keeps all.
     c.checkpoint = {"dir": "", "every": 1000, "keep": 3, "async": True}

@@ -141,7 +141,7 @@ def execute(args, started: dict | None = None) -> int:
         log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,
                              metrics.flops_per_token(m) * tokens_per_step,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                             resume_step=resume_step)
+                             resume_step=resume_step, trackers=cfg.train.trackers)
         info = metrics.run_info(name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
         if exp.dcn or launch.multiprocess:
@@ -171,11 +171,13 @@ def execute(args, started: dict | None = None) -> int:
             saved = None if last is None else checkpointer.where(last)
         else:
             saved = None
+        wall_s = time.perf_counter() - started_at
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
-                                    wall_s=time.perf_counter() - started_at, checkpoint=saved,
+                                    wall_s=wall_s, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
                                     processes=jax.process_count()):
             say(line)
+        log.finish(metrics.final_summary(log, wall_s=wall_s, checkpoint=saved))
     finally:
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save; a failed one raises RunFailed
