@@ -151,9 +151,12 @@ class Wandb(Tracker):
             project=None if "WANDB_PROJECT" in os.environ else "meshtrain",
             name=self.workdir.resolve().name, tags=[self.config_name] if self.config_name else None,
             settings=settings)
-        where = pathlib.Path(self.run.dir).parent  # run.dir is the run's files/ folder
-        how = (f"offline in {where}; upload it later with: wandb sync {where}"
-               if self.run.settings.mode in ("offline", "dryrun") else self.run.url)
+        mode = self.run.settings.mode
+        if mode in ("offline", "dryrun"):
+            where = pathlib.Path(self.run.dir).parent  # run.dir is the run's files/ folder
+            how = f"offline in {where}; upload it later with: wandb sync {where}"
+        else:
+            how = self.run.url if mode != "disabled" else "disabled (WANDB_MODE=disabled): nothing is recorded"
         print(f"trackers: wandb run {run_id}, {'continued' if self.resume_step is not None else 'new'}, "
               f"{how}", flush=True)
         return 0.0
