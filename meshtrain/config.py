@@ -50,10 +50,14 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # once). grad_dtype: the dtype gradients are reduced in over the data axis ("" as the
     # backward produces them). Both in docs/performance.md. skip_memory_check: start even
     # when the compiled step's memory does not fit the devices (planner/memory_check.py).
+    # trackers: where metric rows go besides the progress lines, a comma list of
+    # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/trackers.py;
+    # docs/architecture.md, "Outputs").
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
-                   loss_chunk=256, grad_dtype="", skip_memory_check=False)
+                   loss_chunk=256, grad_dtype="", skip_memory_check=False,
+                   trackers="tensorboard,jsonl")
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
     # every_minutes also saves at the first log step that many minutes after the last save

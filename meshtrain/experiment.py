@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib
+from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, trackers
 from meshtrain.cluster import distributed
 from meshtrain.checkpoints import init_from, store as checkpoint_store
 from meshtrain.data import make_source
@@ -100,9 +100,9 @@ class Plan:
 
 def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     """Every check that needs no devices, each section by the module that owns its keys:
-    layout and batch here, pipeline.*, train.* (loop; loss_chunk: loss), checkpoint.*, data.*,
-    optim.*, model.*. It only reads: `cfg` is resolved already (`resolve`), and what it
-    names on disk was read once (`inputs`).
+    layout and batch here, pipeline.*, train.* (loop; loss_chunk: loss; trackers: trackers),
+    checkpoint.*, data.*, optim.*, model.*. It only reads: `cfg` is resolved already
+    (`resolve`), and what it names on disk was read once (`inputs`).
 
     `mesh` may be a jax.sharding.AbstractMesh, so a 32-device config can be checked
     on a laptop without simulating its devices.
@@ -117,6 +117,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     loss.check_config(cfg.train, dims["seq_len"])
     grad_reduce.check(cfg.train.grad_dtype)
     checkpoint_store.check_config(cfg.checkpoint)
+    trackers.check_config(cfg.train)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
              else _model_vocab(cfg.model, source, cfg.data.kind))
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),

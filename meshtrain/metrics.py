@@ -1,4 +1,5 @@
-"""What a run writes: run.json, metrics.jsonl, TensorBoard events, and progress lines.
+"""What a run writes: run.json, progress lines, and its rows to the trackers
+(metrics.jsonl, TensorBoard events, W&B: meshtrain/trackers.py).
 
 Only process 0 writes files. FLOPs follow the llm.c convention (6 N + 6 L D T per
 token: causal attention, tied embedding counted once); MFU divides by the dense
@@ -17,6 +18,8 @@ import time
 
 import jax
 
+from meshtrain import trackers as trackers_lib
+from meshtrain.errors import warn
 from meshtrain.models import ModelConfig, family_of
 from meshtrain.progress import format_duration
 
@@ -106,10 +109,11 @@ class RunLog:
 
     def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
                  flops_per_step: float, peak_per_device: float | None, num_devices: int,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, trackers: str = "tensorboard,jsonl"):
         """`resume_step`: the checkpoint this run continues from. Rows the earlier run
         logged after it are dropped (this run logs those steps again), so metrics.jsonl
-        reads as one run; TensorBoard purges them the same way."""
+        reads as one run; TensorBoard purges them the same way. `trackers`: train.trackers,
+        where the rows go besides the progress lines (meshtrain/trackers.py)."""
         self.enabled = jax.process_index() == 0
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
@@ -118,17 +122,19 @@ class RunLog:
         self.peak = None if peak_per_device is None else peak_per_device * num_devices
         self.started = time.perf_counter()
         self.time_offset = 0.0  # a resumed run's clock goes on from its last kept row
-        self.tb = None
-        self.info: dict = {}
+        made = []
         if self.enabled and self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             if resume_step is None and total_steps:
                 self._start_over()
-            from tensorboardX import SummaryWriter  # imported lazily: slow to import
-            purge = None if resume_step is None else resume_step + 1
-            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge)
+            made = trackers_lib.make(trackers_lib.parse(trackers), self.dir, resume_step)
+        elif self.enabled and "wandb" in trackers_lib.parse(trackers):
+            warn("train.trackers names wandb, but without --workdir there is nowhere to keep its "
+                 "run id and files; this run is not tracked. Give --workdir=DIR to track it.")
+        self.trackers = trackers_lib.Trackers(made)
         self.resume_step = resume_step
-        self.metrics = None  # opened at the first row, so a compile-only run leaves it alone
+        self.opened = False  # trackers open at the first row, so a compile-only run leaves them alone
+        self.info: dict | None = None  # run.json, rewritten with the summary by finish()
         # For the summary: the last rows, and how the loop ended (`ended`).
         self.last_train: dict | None = None
         self.last_eval: dict | None = None
@@ -157,13 +163,21 @@ class RunLog:
     def write_run(self, info: dict) -> None:
         self.info = info
         if self.enabled and self.dir:
-            tmp = self.dir / "run.json.tmp"
+            tmp = self.dir / "run.json.tmp"  # a crash mid-write keeps the old file
             tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
             os.replace(tmp, self.dir / "run.json")
+            self.trackers.start(info)
 
-    def update_run(self, **entries) -> None:
-        """Adds `entries` to run.json (what is known only at the end: goodput)."""
-        self.write_run({**self.info, **entries})
+    def finish(self, summary: dict) -> None:
+        """Adds `summary` (how the run ended: losses, tokens, wall time, goodput) to
+        run.json's "summary" and hands it to the trackers; callable more than once, each
+        adding keys."""
+        if self.enabled and self.dir and self.info is not None:
+            self.info["summary"] = {**self.info.get("summary", {}), **summary}
+            tmp = self.dir / "run.json.tmp"
+            tmp.write_text(json.dumps(self.info, indent=2, default=str) + "\n")
+            os.replace(tmp, self.dir / "run.json")
+        self.trackers.finish(summary)
 
     def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
         """Records one logged step; `step_time` is the mean seconds per step since the last
@@ -188,53 +202,42 @@ class RunLog:
         self._write(dict(self.last_eval))
         self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}")
 
-    def _open_metrics(self):
-        path = self.dir / "metrics.jsonl"
-        if self.resume_step is not None and path.exists():
-            keep_rows_up_to(path, self.resume_step)
-            self.time_offset = last_time_s(path)
-        return open(path, "a", buffering=1)
-
     def _write(self, row: dict) -> None:
         """Adds `time_s`: seconds since this RunLog was made (after the train step's
         compile), plus the last kept row's `time_s` when resuming, to the millisecond."""
-        if self.metrics is None and self.enabled and self.dir:
-            self.metrics = self._open_metrics()
+        if not self.opened:
+            self.opened = True
+            self.time_offset = self.trackers.open()
         row["time_s"] = round(self.time_offset + time.perf_counter() - self.started, 3)
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if k not in ("step", "time_s") and v is not None:  # TensorBoard keeps its own wall time
-                    self.tb.add_scalar(k, v, row["step"])
+        self.trackers.log(row)
 
     def say(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()
 
 
-def keep_rows_up_to(path: pathlib.Path, step: int) -> None:
-    """Rewrites a metrics.jsonl without the rows after `step` (atomically: a crash keeps the old file)."""
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, path)
+def this_run(log: RunLog) -> tuple[int, int, int]:
+    """(first step, last step, tokens) this run trained, resumed or not."""
+    end = log.end_step if log.end_step is not None else (log.resume_step or 0)
+    first = (log.resume_step or 0) + 1
+    return first, end, (end - first + 1) * log.tokens_per_step
 
 
-def last_time_s(path: pathlib.Path) -> float:
-    """The `time_s` of the last row of a metrics.jsonl that has one (0.0 for none, as in
-    runs logged before `time_s` existed)."""
-    for line in reversed(path.read_text().splitlines()):
-        if line.strip() and "time_s" in (row := json.loads(line)):
-            return float(row["time_s"])
-    return 0.0
+def final_summary(log: RunLog, *, wall_s: float, checkpoint: str | None) -> dict:
+    """run.json's "summary" (and the trackers'): how far the run got, its last losses, the
+    tokens and wall time of this run (RunLog.finish adds what others report)."""
+    first, end, tokens = this_run(log)
+    out = {"end_step": end, "steps": log.total, "preempted": log.preempted,
+           "first_step_this_run": first, "tokens_this_run": tokens, "wall_s": round(wall_s, 3),
+           "checkpoint": checkpoint}
+    if log.last_train:
+        out.update(train_loss=log.last_train["loss"], train_loss_step=log.last_train["step"])
+    if log.last_eval:
+        out.update(eval_loss=log.last_eval["eval_loss"], eval_loss_step=log.last_eval["step"])
+    return out
 
 
 def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, checkpoint: str | None,
@@ -244,9 +247,7 @@ def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, 
     `command` reruns this process; a run of several processes is resumed by whatever
     started them (launch/local.sh, sbatch), which this process does not know."""
     steps = log.total
-    end = log.end_step if log.end_step is not None else (log.resume_step or 0)
-    first = (log.resume_step or 0) + 1
-    tokens = (end - first + 1) * log.tokens_per_step
+    first, end, tokens = this_run(log)
     how = {"SIGTERM": "preempted (SIGTERM) at", "Ctrl-C": "interrupted (Ctrl-C) at"}.get(
         log.preempted or "", "stopped at" if end < steps else "trained to")
     lines = [f"done: {how} step {end} of {steps}; this run: steps {first}-{end}, {tokens:,} tokens "

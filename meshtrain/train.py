@@ -156,7 +156,7 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
         log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,
                              metrics.flops_per_token(m) * tokens_per_step,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                             resume_step=resume_step)
+                             resume_step=resume_step, trackers=cfg.train.trackers)
         clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
         clock.add("compile", compile_s)
         info = metrics.run_info(name, exp, memory, compile_s, source)
@@ -188,14 +188,16 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
                 checkpointer.wait()  # the last save committed before the summary names it
             last = checkpointer.latest_step()
             saved = None if last is None else checkpointer.where(last)
+        wall_s = time.perf_counter() - started_at
         clock.save()
         total = clock.total()
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
-                                    wall_s=time.perf_counter() - started_at, checkpoint=saved,
+                                    wall_s=wall_s, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
                                     processes=jax.process_count(), goodput=goodput.line(total)):
             say(line)
-        log.update_run(goodput={"this_run": clock.save(), "all_pieces": clock.total()})
+        log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=saved),
+                    "goodput": {"this_run": clock.save(), "all_pieces": clock.total()}})
     finally:
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save; a failed one raises RunFailed

@@ -1,8 +1,15 @@
-"""Every test process gets 8 fake CPU devices, set before JAX starts its backend."""
+"""Every test process gets 8 fake CPU devices, set before JAX starts its backend, and
+W&B in its offline mode."""
+
+import os
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# train.trackers=wandb runs in W&B's offline mode in every test and every process a test
+# starts (they inherit this environment): no test reaches the network.
+os.environ["WANDB_MODE"] = "offline"
 
 
 import pytest  # noqa: E402

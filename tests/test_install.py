@@ -173,15 +173,33 @@ def test_a_notebook_runs_against_the_installed_package(installed, tmp_path):
     assert "site-packages" in text and str(ROOT) not in text.split("meshtrain from:")[-1].splitlines()[0]
 
 
-def _top_level_imports() -> set[str]:
+def _top_level_imports(lazy: bool | None = None) -> set[str]:
+    """Third-party top-level module names the package imports: all of them (`lazy` None),
+    only those imported at module level (False), or only those imported inside functions
+    (True)."""
     names = set()
     for path in (ROOT / "meshtrain").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f) if n is not f}
+        for node in ast.walk(tree):
+            if lazy is not None and (id(node) in inside) != lazy:
+                continue
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 names.add(node.module.split(".")[0])
     return names - set(sys.stdlib_module_names) - {"meshtrain", "__future__"}
+
+
+def _extra_requirements(dist: str, skip: tuple[str, ...]) -> set[str]:
+    """What `dist`'s extras (but `skip`) require, transitively."""
+    seen: set[str] = set()
+    for req in importlib.metadata.requires(dist) or []:
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        if extra and extra.group(1) not in skip:
+            _requirements(re.match(r"[A-Za-z0-9_.-]+", req).group(0), seen)
+    return seen
 
 
 def _requirements(dist: str, seen: set[str]) -> set[str]:
@@ -203,13 +221,18 @@ def _requirements(dist: str, seen: set[str]) -> set[str]:
 
 def test_every_import_is_a_declared_dependency():
     """Each third-party module the package imports comes from a distribution meshtrain-jax
-    requires (directly or through one of its requirements), so a fresh install has it."""
+    requires (directly or through one of its requirements), so a fresh install has it; or,
+    imported only inside functions (lazily), from one of its optional extras (test aside),
+    e.g. wandb for train.trackers=wandb."""
     declared = _requirements("meshtrain-jax", set())
+    optional = _extra_requirements("meshtrain-jax", skip=("test",))
     providers = importlib.metadata.packages_distributions()
+    lazy_only = _top_level_imports(lazy=True) - _top_level_imports(lazy=False)
     undeclared = {}
     for module in sorted(_top_level_imports()):
         dists = {re.sub(r"[-_.]+", "-", d).lower() for d in providers.get(module, [])}
-        if not dists & declared:
+        if not dists & declared and not (module in lazy_only and dists & optional):
             undeclared[module] = sorted(dists) or ["not installed"]
-    # The optional GPU and profiler extras are imported only where they are installed.
-    assert not undeclared, f"imported but not declared in pyproject.toml dependencies: {undeclared}"
+    assert not undeclared, (f"imported but not declared in pyproject.toml dependencies (or, imported "
+                            f"lazily, in an extra): {undeclared}")
+    assert "wandb" in lazy_only, "wandb is an optional extra: import it inside the function that needs it"
