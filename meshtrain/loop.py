@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from meshtrain.checkpoints.store import Checkpointer
+from meshtrain.cluster import watchdog as watchdog_lib
 from meshtrain.cluster.preemption import Preemption
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.metrics import RunLog
@@ -39,6 +40,7 @@ def check_config(t) -> None:
     if not 0 <= t.stop_at <= t.steps:
         raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
     profile_steps(t)
+    watchdog_lib.check_config(t)
 
 
 def profile_steps(t) -> tuple[int, int] | None:
@@ -141,12 +143,15 @@ class _Reader:
     last_step: int
     rows: list = dataclasses.field(default_factory=list)
     pending: tuple | None = None  # (step, metrics, time it finished if it is a log step)
+    watch: watchdog_lib.Watchdog = dataclasses.field(default_factory=watchdog_lib.Watchdog.off)
 
     def queue(self, step: int, metrics, timed: bool) -> None:
         """Records a just-dispatched step after reading the one before it."""
         self.flush()
         if timed:  # a log step: wait for it, for an honest step time
-            jax.block_until_ready(metrics)
+            with self.watch.waiting():
+                jax.block_until_ready(metrics)
+            self.watch.finished(step)
         self.pending = (step, metrics, time.perf_counter() if timed else None)
 
     def flush(self) -> None:
@@ -154,7 +159,9 @@ class _Reader:
             return
         step, metrics, now = self.pending
         self.pending = None
-        self.guard.check(step, metrics)
+        with self.watch.waiting():  # reading the results waits for the step
+            self.guard.check(step, metrics)
+        self.watch.finished(step)
         if now is not None:
             step_time = (now - self.last_time) / (step - self.last_step)
             self.rows.append(self.log.log_train(step, jax.device_get(metrics), step_time,
@@ -167,12 +174,13 @@ class _Reader:
 
 def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
-               run_summary: dict | None = None) -> list[dict]:
+               run_summary: dict | None = None, watchdog: watchdog_lib.Watchdog | None = None) -> list[dict]:
     """Runs `exp` (an Experiment: experiment.py, which sits above this module) to
     train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
 
     Returns the logged rows. `compiled_step` is exp.compile(). With a checkpointer it
     saves every checkpoint.every steps, at the last step, and on SIGTERM (then stops).
+    `watchdog` (cluster/watchdog.py) hears of every step's progress.
     """
     t = exp.cfg.train
     state = exp.init_state() if state is None else state
@@ -183,7 +191,8 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
         batches.set_state(resume_meta["data"])
     guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model),
                            skipped=(resume_meta or {}).get("skipped", 0))
-    reader = _Reader(log, guard, time.perf_counter(), start)
+    watch = watchdog or watchdog_lib.Watchdog.off()
+    reader = _Reader(log, guard, time.perf_counter(), start, watch=watch)
     preemption = Preemption()
     profiler = Profiler(t, log.dir, log.say)
     step, stop = start, False
@@ -191,6 +200,7 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
         for step in range(start + 1, end + 1):
             profiler.before(step)
             state, metrics = compiled_step(state, exp.put_batch(next(batches)))
+            watch.dispatched(step)
             profiler.after(step, state)
             reader.queue(step, metrics, timed=step % t.log_every == 0 or step == end)
             stop = preemption.reached(step)
@@ -199,10 +209,12 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
             if save or evaluate_now:
                 reader.flush()  # no checkpoint or eval of a state past a crash-policy failure
             if save:
-                checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
-                                                "skipped": guard.skipped, "run": run_summary or {}})
+                with watch.busy("checkpoint save"):
+                    checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
+                                                    "skipped": guard.skipped, "run": run_summary or {}})
             if evaluate_now:
-                log.log_eval(step, evaluate(exp, state.params))
+                with watch.busy("evaluation"):
+                    log.log_eval(step, evaluate(exp, state.params))
                 reader.restart_clock(step)  # eval time is not training time (tokens/s, ETA)
             if stop:
                 saved = f"saved step {step} in {checkpointer.dir}" if checkpointer else "no checkpoint dir, nothing saved"

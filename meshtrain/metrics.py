@@ -140,6 +140,14 @@ class RunLog:
         if self.enabled and self.dir:
             (self.dir / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
+    def update_run(self, **fields) -> None:
+        """Adds `fields` to run.json (written after compiling) with what is known at the end."""
+        path = self.dir / "run.json" if self.enabled and self.dir else None
+        if path is not None and path.exists():
+            info = {**json.loads(path.read_text()), **fields}
+            path.with_suffix(".json.tmp").write_text(json.dumps(info, indent=2, default=str) + "\n")
+            os.replace(path.with_suffix(".json.tmp"), path)
+
     def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
         """Records one logged step; `step_time` is the mean seconds per step since the last
         log; `skipped` counts the steps skipped for non-finite values so far."""
