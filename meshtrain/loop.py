@@ -199,7 +199,9 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
     try:
         for step in range(start + 1, end + 1):
             profiler.before(step)
-            state, metrics = compiled_step(state, exp.put_batch(next(batches)))
+            batch = exp.put_batch(next(batches))
+            with watch.waiting():  # a dispatch may wait for the devices to finish the last step
+                state, metrics = compiled_step(state, batch)
             watch.dispatched(step)
             profiler.after(step, state)
             reader.queue(step, metrics, timed=step % t.log_every == 0 or step == end)

@@ -6,7 +6,7 @@ The fault (JSON in MESHTRAIN_TEST_FAULT) hits the train batches of one process
 ("process", default every process) before the batch of "step":
     block   waits forever (a stalled input pipeline), from "step" on;
     sleep   sleeps "seconds" once, before "step", staying alive;
-    slow    sleeps "seconds" before every batch (a straggler), "step" ignored.
+    slow    sleeps "seconds" before every batch from "step" (default 1) on: a straggler.
 Launchers that run `$PYTHON -m meshtrain.train` (launch/local.sh, launch/slurm.sbatch) run
 this file instead when PYTHON is tests/fault_python.
 """
@@ -40,7 +40,7 @@ class FaultyBatches:
                 threading.Event().wait()  # forever
             elif f["kind"] == "sleep" and self.step == f["step"]:
                 time.sleep(f["seconds"])
-            elif f["kind"] == "slow":
+            elif f["kind"] == "slow" and self.step >= f.get("step", 1):
                 time.sleep(f["seconds"])
         return next(self.batches)
 
