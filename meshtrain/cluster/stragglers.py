@@ -3,7 +3,7 @@
 Collectives make every process's step as slow as the slowest one, so the step times of
 the processes converge and cannot name it. What differs is each process's *own time*
 per step: the wall time of its step not spent waiting for the device nor saving or
-evaluating, i.e. its input, its host code and the dispatch. The watchdog
+evaluating, i.e. its input and its host code. The watchdog
 (watchdog.py) measures it on every process; every train.straggler_every steps (a
 *window*) each process takes the median of its own time and of its step time over the
 window and sends both with the beats it already sends to process 0 (rendezvous.py): no
@@ -79,7 +79,7 @@ class Judge:
         e = self.table[p]
         first = (w - CONSECUTIVE + 1) * self.every + 1
         return (f"process {p} (host {e['host']}, pid {e['pid']}) is a straggler: in steps "
-                f"{first}-{(w + 1) * self.every} its own time per step (input, host code and dispatch: "
+                f"{first}-{(w + 1) * self.every} its own time per step (input and host code: "
                 f"the part not spent waiting for the devices) was {own:.3f} s against a median of "
                 f"{others:.3f} s over the other processes, which adds about {own - others:.3f} s to every "
                 f"step of the whole job (median step {step:.3f} s; train.straggler_fraction="
