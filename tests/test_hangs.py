@@ -96,7 +96,7 @@ def test_two_processes_one_asleep_before_a_step_both_exit_3_and_name_it(tmp_path
     assert re.search(r"^meshtrain: error: hang in step 15: process 0 \(host \S+, pid \d+\) is waiting for the "
                      r"devices to finish step 15", log0, re.M), log0[-3000:]
     assert "step 15: dispatched (not finished) by process 0; not dispatched by process 1." in log0
-    assert f"wait in step 15's collectives for process 1 (host " in log0 and f"pid {pid1}), which never" in log0
+    assert "wait in step 15's collectives for process 1 (host " in log0 and f"pid {pid1}), which never" in log0
     # The sleeping process reports itself, with the stack of its sleep.
     assert re.search(r"^meshtrain: error: hang in step 15: process 1 \(host \S+, pid \d+\) is in its own code",
                      log1, re.M), log1[-3000:]

@@ -93,6 +93,26 @@ def test_the_bound_first_step_auto_and_off():
     assert off.thread is None and off.bound() is None
 
 
+def test_own_time_leaves_out_waiting_for_the_devices_and_saving():
+    """Per step: 50 ms of own work, 100 ms waiting, and a 200 ms save every other step:
+    own time 50 ms, step time 150 ms (saves are not steps), in windows of 2 steps."""
+    w = Watchdog(0, 0, straggler_every=2)
+    for step in range(1, 8):
+        time.sleep(0.05)               # input and host code
+        with w.waiting():
+            time.sleep(0.1)            # the dispatch waits for the devices
+        w.dispatched(step)
+        w.finished(step - 1)
+        if step % 2 == 0:
+            with w.busy("checkpoint save"):
+                time.sleep(0.2)
+    summary = w.stragglers()
+    assert summary["windows"] == 4 and summary["named"] == []
+    (me,) = summary["processes"]
+    assert 0.05 <= me["own_s_per_step"] < 0.08, summary
+    assert 0.15 <= me["step_s"] < 0.2, summary
+
+
 @pytest.mark.parametrize("key,value", [("hang_timeout", -1), ("hang_timeout", 0.5), ("hang_timeout", "5"),
                                        ("hang_timeout_busy", -2), ("straggler_every", -1),
                                        ("straggler_fraction", 0.0)])

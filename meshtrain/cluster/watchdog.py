@@ -307,8 +307,8 @@ class Watchdog:
         if self.n == 1:
             return lines[0]
         table = self._table()
-        lines.append(f"  where the processes were (last finished step, last dispatched step, phase; "
-                     f"as reported through process 0):")
+        lines.append("  where the processes were (last finished step, last dispatched step, phase; "
+                     "as reported through process 0):")
         groups: dict[str, list[int]] = {"finished by": [], "dispatched (not finished) by": [],
                                         "not dispatched by": [], "not known for": []}
         for p in range(self.n):
