@@ -53,11 +53,17 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # trackers: where metric rows go besides the progress lines, a comma list of
     # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/trackers.py;
     # docs/architecture.md, "Outputs").
+    # hang_timeout: seconds without a finished step before every process reports where it
+    # is and exits 3 (None: max(300, 20 x the median step); 0: off); hang_timeout_busy bounds
+    # the first step, a checkpoint save or an eval (0: none). straggler_every: steps per
+    # window of the straggler report (0: off), which names a process whose own time per step
+    # exceeds the others' by straggler_fraction of the step. docs/multihost.md.
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
                    loss_chunk=256, grad_dtype="", skip_memory_check=False,
-                   trackers="tensorboard,jsonl")
+                   trackers="tensorboard,jsonl", hang_timeout=None, hang_timeout_busy=1800.0,
+                   straggler_every=100, straggler_fraction=0.1)
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
     # every_minutes also saves at the first log step that many minutes after the last save

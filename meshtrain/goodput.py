@@ -91,6 +91,12 @@ class Clock:
         self.steps["first"] = step if self.steps["first"] is None else self.steps["first"]
         self.steps["last"] = step
 
+    def hung(self, seconds: float) -> None:
+        """The watchdog found a hang `seconds` after the last progress: that time is the
+        "hang" share, saved at once (the process exits next)."""
+        self.seconds["hang"] += seconds
+        self.save()
+
     def wall(self) -> float:
         return time.time() - self.started
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshtrain import goodput
 from meshtrain.checkpoints.store import Checkpointer
+from meshtrain.cluster import watchdog as watchdog_lib
 from meshtrain.cluster.preemption import Preemption
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.metrics import RunLog
@@ -40,6 +41,7 @@ def check_config(t) -> None:
     if not 0 <= t.stop_at <= t.steps:
         raise UserError(f"train.stop_at={t.stop_at}: must be between 0 (off) and train.steps={t.steps}.")
     profile_steps(t)
+    watchdog_lib.check_config(t)
 
 
 def profile_steps(t) -> tuple[int, int] | None:
@@ -142,12 +144,15 @@ class _Reader:
     last_step: int
     rows: list = dataclasses.field(default_factory=list)
     pending: tuple | None = None  # (step, metrics, time it finished if it is a log step)
+    watch: watchdog_lib.Watchdog = dataclasses.field(default_factory=watchdog_lib.Watchdog.off)
 
     def queue(self, step: int, metrics, timed: bool) -> None:
         """Records a just-dispatched step after reading the one before it."""
         self.flush()
         if timed:  # a log step: wait for it, for an honest step time
-            jax.block_until_ready(metrics)
+            with self.watch.waiting():
+                jax.block_until_ready(metrics)
+            self.watch.finished(step)
         self.pending = (step, metrics, time.perf_counter() if timed else None)
 
     def flush(self) -> None:
@@ -155,7 +160,9 @@ class _Reader:
             return
         step, metrics, now = self.pending
         self.pending = None
-        self.guard.check(step, metrics)
+        with self.watch.waiting():  # reading the results waits for the step
+            self.guard.check(step, metrics)
+        self.watch.finished(step)
         if now is not None:
             step_time = (now - self.last_time) / (step - self.last_step)
             self.rows.append(self.log.log_train(step, jax.device_get(metrics), step_time,
@@ -169,14 +176,16 @@ class _Reader:
 def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                checkpointer: Checkpointer | None = None, resume_meta: dict | None = None,
                run_summary: dict | None = None, preemption: Preemption | None = None,
-               clock: goodput.Clock | None = None) -> list[dict]:
+               clock: goodput.Clock | None = None,
+               watchdog: watchdog_lib.Watchdog | None = None) -> list[dict]:
     """Runs `exp` (an Experiment: experiment.py, which sits above this module) to
     train.stop_at (or train.steps), resuming from `state` and its checkpoint meta.
 
     Returns the logged rows. `compiled_step` is exp.compile(). With a checkpointer it
     saves every checkpoint.every steps, every checkpoint.every_minutes, at the last step,
     and on SIGTERM or Ctrl-C (then stops). `preemption` (made before compiling, so a
-    signal then is kept) and `clock` (goodput shares) are made here when not given.
+    signal then is kept) and `clock` (goodput shares) are made here when not given;
+    `watchdog` (cluster/watchdog.py) hears of every step's progress.
     """
     t = exp.cfg.train
     state = exp.init_state() if state is None else state
@@ -187,7 +196,8 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
         batches.set_state(resume_meta["data"])
     guard = NonfiniteGuard(t.nonfinite, t.max_skips, gradient_names(exp.model),
                            skipped=(resume_meta or {}).get("skipped", 0))
-    reader = _Reader(log, guard, time.perf_counter(), start)
+    watch = watchdog or watchdog_lib.Watchdog.off()
+    reader = _Reader(log, guard, time.perf_counter(), start, watch=watch)
     own_preemption = preemption is None
     preemption = Preemption() if own_preemption else preemption
     clock = goodput.Clock(None) if clock is None else clock
@@ -201,7 +211,9 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                 batch = exp.put_batch(next(batches))
             began = time.perf_counter()
             profiler.before(step)
-            state, metrics = compiled_step(state, batch)
+            with watch.waiting():  # a dispatch may wait for the devices to finish the last step
+                state, metrics = compiled_step(state, batch)
+            watch.dispatched(step)
             profiler.after(step, state)
             log_step = step % t.log_every == 0 or step == end
             reader.queue(step, metrics, timed=log_step)
@@ -214,11 +226,11 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
             # (the first step's includes none): near enough for where the time went.
             clock.step(step, time.perf_counter() - began)
             if save:
-                with clock.time("checkpoint"):
+                with clock.time("checkpoint"), watch.busy("checkpoint save"):
                     checkpointer.save(step, state, {"step": step, "data": batches.get_state(),
                                                     "skipped": guard.skipped, "run": run_summary or {}})
             if evaluate_now:
-                with clock.time("eval"):
+                with clock.time("eval"), watch.busy("evaluation"):
                     log.log_eval(step, evaluate(exp, state.params))
                 reader.restart_clock(step)  # eval time is not training time (tokens/s, ETA)
             if stop:

@@ -161,23 +161,32 @@ class RunLog:
         self.end_step, self.preempted = step, preempted or None
 
     def write_run(self, info: dict) -> None:
+        """Writes run.json (after compiling) and hands it to the trackers."""
         self.info = info
+        self._save_info()
         if self.enabled and self.dir:
-            tmp = self.dir / "run.json.tmp"  # a crash mid-write keeps the old file
-            tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-            os.replace(tmp, self.dir / "run.json")
             self.trackers.start(info)
+
+    def update_run(self, **fields) -> None:
+        """Adds `fields` to run.json, with what is known only at the end (stragglers)."""
+        if self.info is not None:
+            self.info.update(fields)
+            self._save_info()
 
     def finish(self, summary: dict) -> None:
         """Adds `summary` (how the run ended: losses, tokens, wall time, goodput) to
         run.json's "summary" and hands it to the trackers; callable more than once, each
         adding keys."""
-        if self.enabled and self.dir and self.info is not None:
+        if self.info is not None:
             self.info["summary"] = {**self.info.get("summary", {}), **summary}
-            tmp = self.dir / "run.json.tmp"
+            self._save_info()
+        self.trackers.finish(summary)
+
+    def _save_info(self) -> None:
+        if self.enabled and self.dir and self.info is not None:
+            tmp = self.dir / "run.json.tmp"  # a crash mid-write keeps the old file
             tmp.write_text(json.dumps(self.info, indent=2, default=str) + "\n")
             os.replace(tmp, self.dir / "run.json")
-        self.trackers.finish(summary)
 
     def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
         """Records one logged step; `step_time` is the mean seconds per step since the last

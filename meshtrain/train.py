@@ -17,7 +17,7 @@ import sys
 import time
 
 from meshtrain import cli, mesh as mesh_lib
-from meshtrain.cluster import distributed, launch as launch_lib, xla_flags
+from meshtrain.cluster import distributed, launch as launch_lib, watchdog as watchdog_lib, xla_flags
 from meshtrain.errors import UserError, warn
 
 
@@ -139,7 +139,7 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
         raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
                         f"give --workdir=DIR, or leave train.profile empty.")
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
-    checkpointer, log = None, None
+    checkpointer, log, watchdog = None, None, None
     try:
         checkpointer, resume_step, saved_run = open_checkpoints(cfg, exp, workdir, say)
         if checkpointer is not None:
@@ -180,8 +180,15 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
         state, meta = None, None
         if resume_step is not None:
             state, meta = checkpointer.restore(resume_step, exp)
+        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, cluster.rendezvous, cluster.table)
+        if checkpointer is not None:  # for a hang report: what a rerun resumes from
+            watchdog.note = lambda: checkpoint_lib.safe_on_disk(checkpointer.dir)
+        watchdog.on_fire = clock.hung
         train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
-                   run_summary=checkpoint_lib.run_summary(exp), preemption=preemption, clock=clock)
+                   run_summary=checkpoint_lib.run_summary(exp), preemption=preemption, clock=clock,
+                   watchdog=watchdog.start(resume_step or 0))
+        watchdog.stop()  # before the wait for the last save, which is no step
+        log.update_run(stragglers=watchdog.stragglers())
         saved = None
         if checkpointer is not None:
             with clock.time("checkpoint"):
@@ -199,6 +206,8 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
         log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=saved),
                     "goodput": {"this_run": clock.save(), "all_pieces": clock.total()}})
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save; a failed one raises RunFailed
         if log is not None:

@@ -23,9 +23,13 @@ channel, opened before JAX's and kept for the whole run, says plainly what happe
             the next collective. A process that stops with an error says so first, so the
             others stop too and name it. If process 0 is lost, the others see its socket
             close, and stop. The port is closed by then; lines keep their 4 MiB bound.
+            Beats also carry the watchdog's progress (watchdog.py) to process 0, and its
+            table of all processes back; they go early (every PROGRESS_PERIOD s at most)
+            when it changed. A process that finds a hang says "hung"; process 0 passes it
+            on, and every process reports and exits.
     end     `leave(0)` says "done", after which a closed socket is no loss.
 
-Messages are JSON lines: challenge, hello, welcome, abort, rejected, beat, done, failed, lost.
+Messages are JSON lines: challenge, hello, welcome, abort, rejected, beat, done, failed, lost, hung.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from meshtrain.cluster.channel import Channel
 from meshtrain.errors import RunFailed
 
 LOST_STATUS = 1
+PROGRESS_PERIOD = 1.0  # s: the shortest interval between beats sent early for new progress
 
 
 def describe(entry: dict) -> str:
@@ -80,6 +85,12 @@ class Rendezvous:
         self.done: set[int] = set()
         self.leaving = False
         self.note: Callable[[], str] = lambda: ""  # what is safe on disk, for the loss message
+        # watchdog.py's: our beats carry progress_of(); process 0 keeps every "progress" beat,
+        # the others process 0's last "table"; on_hung(message) hears of a hang.
+        self.progress_of: Callable[[], dict] | None = None
+        self.progress: dict[int, object] = {}
+        self.progress_table: object = None
+        self.on_hung: Callable[[dict], None] | None = None
         self.thread: threading.Thread | None = None
 
     # -- start -------------------------------------------------------------------------
@@ -235,7 +246,7 @@ class Rendezvous:
         for i, channel in self.channels.items():
             channel.sock.setblocking(False)
             selector.register(channel.sock, selectors.EVENT_READ, i)
-        last_beat = 0.0
+        last_beat, sent = 0.0, None
         while not self.leaving:
             for key, _ in selector.select(timeout=min(period / 2, 0.5)):
                 i, channel = key.data, self.channels[key.data]
@@ -250,16 +261,28 @@ class Rendezvous:
                 if i not in self.done and now - heard > self.heartbeat_timeout and not self.leaving:
                     self._lost(i, f"silent for {now - heard:.0f} s (distributed.heartbeat_timeout="
                                   f"{self.heartbeat_timeout:g}): its host is down or unreachable")
-            if now - last_beat >= period:
-                last_beat = now
+            news = self.progress_of() if self.progress_of is not None else {}
+            if now - last_beat >= period or (news != sent and now - last_beat >= PROGRESS_PERIOD):
+                last_beat, sent = now, news
                 for i, channel in self.channels.items():
                     if i not in self.done:
-                        channel.send(type="beat")
+                        channel.send(type="beat", **news)
 
     def _on_message(self, i: int, message: dict) -> None:
         self.heard[i] = time.monotonic()
         kind = message.get("type")
-        if kind == "done":
+        if kind == "beat" and "progress" in message and self.id == 0:
+            self.progress[i] = message["progress"]
+        elif kind == "beat" and "table" in message and i == 0:
+            self.progress_table = message["table"]
+        elif kind == "hung":
+            self._forward(i, message)
+            if self.on_hung is not None:
+                self.on_hung(message)
+            else:
+                self._stop(f"process {message.get('process')} found a hang: {message.get('why')}.",
+                           gone=message.get("process"))
+        elif kind == "done":
             self.done.add(i)
         elif kind == "failed":
             self._forward(i, message)
@@ -267,6 +290,16 @@ class Rendezvous:
                        f"{message['status']}: {message['message']}", gone=message["process"])
         elif kind == "lost":
             self._stop(f"{describe(self.table[message['process']])} was lost: {message['why']}.")
+
+    def announce_hang(self, **message) -> None:
+        """Tells the others of a hang (process 0 then lingers, see _linger); the caller exits next."""
+        self.leaving = True
+        for channel in self.channels.values():
+            channel.send(type="hung", process=self.id, **message)
+        if self.id == 0:
+            self._linger()
+        elif 0 in self.channels:
+            self.channels[0].finish()  # our message, then EOF (not RST)
 
     def _lost(self, i: int, why: str) -> None:
         self._forward(i, {"type": "lost", "process": i, "why": why})
