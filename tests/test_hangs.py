@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from meshtrain import goodput
 from meshtrain.train import main
 from processes import ENV, ROOT, losses, steps_on_disk, trainer
 
@@ -76,6 +77,14 @@ def test_a_blocked_data_iterator_is_reported_exits_3_and_the_rerun_resumes_like_
     assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.txt").read_text()[-3000:]
     assert "resuming from step 8" in (tmp_path / "rerun.txt").read_text()
     assert losses(w) == losses(one) and sorted(losses(w)) == list(range(1, 13))  # exactly
+    # goodput.jsonl: the hung piece's wait is its "hang" share; the rerun trained steps 9
+    # again (the hung piece finished it, but its last checkpoint is step 8).
+    hung_piece, rerun_piece = goodput.read_pieces(w)
+    assert HANG_TIMEOUT <= hung_piece["seconds"]["hang"] < HANG_TIMEOUT + 5
+    assert hung_piece["steps"]["last"] == 9 and rerun_piece["steps"]["repeated"] == 1
+    total = goodput.add_up([hung_piece, rerun_piece])
+    assert sum(total["seconds"].values()) == pytest.approx(total["wall_s"], rel=1e-3)
+    assert "repeated" in goodput.line(total) and "hang" in goodput.line(total)
 
 
 def test_two_processes_one_asleep_before_a_step_both_exit_3_and_name_it(tmp_path):
