@@ -18,6 +18,7 @@ import pytest
 
 from meshtrain import convert, eval as eval_cmd, sample
 from meshtrain.checkpoints import integrity
+from meshtrain.errors import UserError
 from meshtrain.train import main
 
 TINY = "gpt2_tiny_dp8"
@@ -90,6 +91,18 @@ def paragraph(text: str, start: str) -> str:
 def test_an_intact_step_passes_the_check(run):
     assert integrity.check_step(run / "checkpoints" / "step_6") is None
     assert integrity.check_step(run / "checkpoints" / "step_3") is None
+
+
+def test_only_errors_of_damage_on_disk_are_called_damage(run):
+    step = run / "checkpoints" / "step_6"
+    said = r"step 6 .* is damaged: reading params.wpe from \S+/d/\w+ failed \(Requested byte range .*Do this.$"
+    with pytest.raises(UserError, match=said):
+        with integrity.reading(step, lambda: "Do this."):
+            raise ValueError('OUT_OF_RANGE: Error reading "params.wpe/0.0" in OCDBT database at '
+                             'local file "x/": Requested byte range [0, 9) is not valid')
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # memory, not the checkpoint
+        with integrity.reading(step, lambda: "Do this."):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating 4 GiB")
 
 
 @pytest.mark.parametrize("kind", DAMAGE)

@@ -250,19 +250,42 @@ def newest_intact(directory: pathlib.Path, steps: list[int], prefix: str) -> tup
     return None, damaged
 
 
+# Words of the errors a damaged file gives (tensorstore's status codes, its decoders', the OS's),
+# as opposed to a bug or a full memory, which are not the checkpoint's fault.
+DAMAGE_WORDS = ("Error reading", "DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION",
+                "Error decoding", "No such file")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    out = [error]
+    while out[-1].__cause__ is not None or out[-1].__context__ is not None:
+        nxt = out[-1].__cause__ or out[-1].__context__
+        if nxt in out:
+            break
+        out.append(nxt)
+    return out
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether a failed read looks like damage on disk (not a bug, not memory running out)."""
+    return any(isinstance(e, OSError | json.JSONDecodeError)
+               or any(w in f"{type(e).__name__}: {e}" for w in DAMAGE_WORDS) for e in _chain(error))
+
+
 def read_failure(step_dir: pathlib.Path, error: BaseException) -> str:
     """One sentence on a read of `step_dir` that failed: the step, the array and its data
-    file when the error names them, and the error's first line."""
+    file when the error names them, and the error's first line (check_step's finding,
+    when it has one, is said instead)."""
     step_dir = pathlib.Path(step_dir)
-    step = step_dir.name.rpartition("_")[2]
+    damage = check_step(step_dir)
+    if damage is not None:
+        return damage.sentence()
+    error = _chain(error)[-1]  # Orbax wraps tensorstore's error, which names the key
     text = _first_line(error)
-    while error.__cause__ is not None:  # Orbax wraps tensorstore's error, which names the key
-        error = error.__cause__
-        text = _first_line(error)
-    where = ""
     key = re.search(r'Error reading "([^"]+)"', str(error))
     cause = re.search(r'in OCDBT database at [^"]*"[^"]*": (.*)', text)
     text = cause.group(1) if cause else text  # the path is said once, below
+    where = ""
     if key:
         where = f" {key.group(1).rpartition('/')[0]}"
         try:
@@ -272,9 +295,9 @@ def read_failure(step_dir: pathlib.Path, error: BaseException) -> str:
                 where += f" from {step_dir / 'state' / tree.stored[key.group(1)]}"
         except (_Bad, OSError, ValueError):
             pass  # the sentence still names the array
-    return (f"Checkpoint step {step} ({step_dir}) is damaged: reading{where or ' it'} failed ({text}). "
-            f"The checks made before reading (indexes, file lengths, JSON) passed, so the "
-            f"bytes inside a data file are wrong.")
+    return (f"Checkpoint step {step_dir.name.rpartition('_')[2]} ({step_dir}) is damaged: "
+            f"reading{where or ' it'} failed ({text}). Its indexes, file lengths and JSON files "
+            f"look right, so the bytes inside a data file are wrong.")
 
 
 class _Held(logging.Filter):
@@ -292,9 +315,9 @@ def reading(step_dir: pathlib.Path, remedy):
         log.addFilter(held)
     try:
         yield
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - every failure to read is the same story
+    except Exception as e:  # noqa: BLE001 - every failure to read from disk is the same story
+        if isinstance(e, UserError) or not is_damage(e):
+            raise
         raise UserError(f"{read_failure(step_dir, e)} {remedy()}") from None
     finally:
         for log in quiet:

@@ -255,16 +255,17 @@ class Checkpointer:
 
     def _unreadable(self, step: int) -> str:
         """What to do about step `step`, which failed to read: moved aside when an older
-        committed step is left, so that rerunning resumes from that one."""
+        intact step is left, so that rerunning resumes from that one."""
         older = [s for s in committed_steps(self.dir) if s < step]
-        if not older:
-            return (f"There is no older step to resume from: put back a good copy of the step, or "
-                    f"move {self.where(step)} away to start over from step 0.")
+        good = integrity.newest_intact(self.dir, older, STEP_PREFIX)[0]
+        if good is None:
+            return (f"There is no older intact step to resume from: put back a good copy of the "
+                    f"step, or move {self.where(step)} away to start over from step 0.")
         try:
             moved = f"Moved it to {set_aside(pathlib.Path(self.where(step)))}"
         except FileNotFoundError:  # another process of the run moved it first
             moved = f"It was moved to {self.dir / IGNORED}"
-        return f"{moved}; rerunning the same command resumes from step {older[-1]}."
+        return f"{moved}; rerunning the same command resumes from step {good}."
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
