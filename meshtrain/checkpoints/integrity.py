@@ -74,7 +74,7 @@ def _json(path: pathlib.Path) -> tuple[object, str | None]:
     try:
         return json.loads(text), None
     except (ValueError, UnicodeDecodeError) as e:
-        where = f" at byte {e.pos} of {len(text):,}" if isinstance(e, json.JSONDecodeError) else ""
+        where = f" at byte {e.pos:,} of {len(text):,}" if isinstance(e, json.JSONDecodeError) else ""
         reason = e.msg.removesuffix(" at") if isinstance(e, json.JSONDecodeError) else str(e)
         return None, f"is not valid JSON ({reason}{where}): it was cut short or overwritten"
 
