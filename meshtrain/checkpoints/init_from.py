@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import models, tree_paths
 from meshtrain.checkpoints import store as checkpoint_lib
-from meshtrain.checkpoints import restage
+from meshtrain.checkpoints import integrity, restage
 from meshtrain.errors import UserError
 from meshtrain.pipeline import Pipeline, from_stages, to_stages
 
@@ -160,6 +160,7 @@ def read(path, step: int | None = None) -> InitSource:
         raise UserError(f"init.from={str(path)!r} does not exist. Give a directory written by "
                         f"`python -m meshtrain.convert from_hf` or a training --workdir.")
     step_dir = _step_dir(path, step)
+    checkpoint_lib.check_readable(step_dir)  # a damaged step: one paragraph, the step to pick instead
     meta = _read_json_item(step_dir / "meta")
     if "family" in meta:  # converted
         family, arch = meta["family"], meta["architecture"]
@@ -269,9 +270,16 @@ def saved_params(src: InitSource) -> dict:
     import orbax.checkpoint as ocp
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return tree_paths.flat(handler.metadata(src.step_dir / "state").tree["params"])
+        with _reading(src):
+            return tree_paths.flat(handler.metadata(src.step_dir / "state").tree["params"])
     finally:
         handler.close()
+
+
+def _reading(src: InitSource):
+    """A failed read of `src` -> one UserError paragraph naming the step, the file and the
+    step to pick instead (integrity.reading)."""
+    return integrity.reading(src.step_dir, lambda: checkpoint_lib.older_intact(src.step_dir))
 
 
 def nest(flat: dict) -> dict:
@@ -291,8 +299,9 @@ def _restore(src: InitSource, items: dict, args: dict) -> dict:
     import orbax.checkpoint as ocp
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        restored = handler.restore(src.step_dir / "state", args=ocp.args.PyTreeRestore(
-            item={"params": nest(items)}, restore_args={"params": nest(args)}, partial_restore=True))
+        with _reading(src):
+            restored = handler.restore(src.step_dir / "state", args=ocp.args.PyTreeRestore(
+                item={"params": nest(items)}, restore_args={"params": nest(args)}, partial_restore=True))
     finally:
         handler.close()
     return tree_paths.flat(restored["params"])

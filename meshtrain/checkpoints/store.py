@@ -11,6 +11,12 @@ named like a step but lacking Orbax's commit files (a partial copy, something
 foreign) is moved to DIR/ignored/ with a warning: Orbax would otherwise count it
 as the latest step and silently refuse every older save.
 
+Damage: before Orbax lists the steps, process 0 checks the newest committed step
+(integrity.py: indexes, file lengths, JSON; no array data is read). A damaged step is
+reported in one paragraph and moved to DIR/ignored/ too, and the run resumes from the
+newest intact step; with none, it stops (UserError) and moves nothing. A read that
+fails anyway becomes the same kind of paragraph (integrity.reading).
+
 Restore reads into the current run's ShapeDtypeStructs, shardings included, so a
 checkpoint moves to another layout or mesh and every restored array carries the
 requested sharding. Shapes and dtypes are compared first, so a mismatch names
@@ -30,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshtrain import models, tree_paths
-from meshtrain.checkpoints import restage
+from meshtrain.checkpoints import integrity, restage
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.checkpoints.lock import LOCK_NAME
 
@@ -50,6 +56,14 @@ def committed_steps(directory: pathlib.Path) -> list[int]:
                   if (m := STEP_NAME.fullmatch(e.name)) and is_committed(e))
 
 
+def set_aside(entry: pathlib.Path) -> pathlib.Path:
+    """Moves a step-named entry to DIR/ignored/NAME-TIME, out of Orbax's sight; -> where."""
+    target = entry.parent / IGNORED / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.parent.mkdir(exist_ok=True)
+    entry.rename(target)
+    return target
+
+
 def set_aside_uncommitted(directory: pathlib.Path) -> list[str]:
     """Moves step-named entries without Orbax's commit files to DIR/ignored/; returns their names."""
     moved = []
@@ -58,11 +72,54 @@ def set_aside_uncommitted(directory: pathlib.Path) -> list[str]:
             continue  # tmp dirs (Orbax removes them), the lock, foreign files: not steps
         if is_committed(entry):
             continue
-        target = directory / IGNORED / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target.parent.mkdir(exist_ok=True)
-        entry.rename(target)
+        set_aside(entry)
         moved.append(entry.name)
     return moved
+
+
+def set_aside_damaged(directory: pathlib.Path, keep: int) -> str | None:
+    """Checks the newest committed step (integrity.check_step), then older ones while they
+    are damaged. Damaged steps newer than an intact one are moved to DIR/ignored/ (Orbax
+    must not count them as the latest) -> the paragraph saying so; None when the newest
+    is intact. With no intact step, raises UserError and moves nothing."""
+    step, damaged = integrity.newest_intact(directory, committed_steps(directory), STEP_PREFIX)
+    if not damaged:
+        return None
+    said = " ".join(d.sentence() for d in damaged)
+    if step is None:
+        why = (" (checkpoint.keep=1 keeps only the newest)" if keep == 1 else "")
+        raise UserError(
+            f"{said} There is no older intact step to resume from{why}. If you have a good copy "
+            f"of that file, put it back and rerun; to start over from step 0, move "
+            f"{damaged[0].step_dir} out of {directory} (or train in another --workdir). Nothing "
+            f"was moved or deleted. Keep two steps or more (checkpoint.keep) so a damaged one "
+            f"has one to fall back to.")
+    moved = [str(set_aside(d.step_dir)) for d in damaged]
+    return (f"{said} Resuming from step {step} instead, the newest intact step: steps after it "
+            f"are trained again. Moved the damaged step{'s' if len(moved) > 1 else ''} to "
+            f"{', '.join(moved)} (kept for inspection; delete when done).")
+
+
+def check_readable(step_dir: pathlib.Path) -> None:
+    """A UserError when the committed step `step_dir` is damaged (integrity.check_step),
+    naming the newest intact step before it. Read-only, for commands that read a step
+    (sample, eval, convert, init.from): nothing is moved."""
+    damage = integrity.check_step(step_dir)
+    if damage is not None:
+        raise UserError(f"{damage.sentence()} {older_intact(step_dir)}")
+
+
+def older_intact(step_dir: pathlib.Path) -> str:
+    """The sentence naming the newest intact committed step before `step_dir`, to pick instead."""
+    step = int(step_dir.name.rpartition("_")[2])
+    older = [s for s in committed_steps(step_dir.parent) if s < step]
+    good = integrity.newest_intact(step_dir.parent, older, STEP_PREFIX)[0]
+    if good is None:
+        return (f"{step_dir.parent} has no intact step before it: put back a good copy of the "
+                f"damaged file, or write the checkpoint again (train the run again, or convert "
+                f"the model again).")
+    return (f"The newest intact step before it is {good}: pass --step={good} (or give "
+            f"{step_dir.parent / f'{STEP_PREFIX}_{good}'}) to use that one.")
 
 
 def describe(leaf) -> str:
@@ -119,6 +176,9 @@ class Checkpointer:
             if moved:
                 warn(f"{self.dir} held {', '.join(moved)}, named like checkpoints but not committed "
                      f"ones (a partial copy or foreign files); moved to {self.dir / IGNORED}.")
+            damaged = set_aside_damaged(self.dir, keep)  # no intact step: UserError, the others are told
+            if damaged:
+                warn(damaged)
         if jax.process_count() > 1:  # nobody lists steps before process 0 has set junk aside
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("meshtrain checkpoint directory checked")
@@ -134,10 +194,26 @@ class Checkpointer:
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers=handlers)
         self.last_saved = self.manager.latest_step()
+        if jax.process_count() > 1:
+            self._agree(self.last_saved)
         if found and self.last_saved is None:
             shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
             warn(f"{self.dir} holds no committed checkpoint (found {shown}: unfinished saves or "
                  f"foreign files); starting fresh. Unfinished saves are removed, the rest is left alone.")
+
+    def _agree(self, latest: int | None) -> None:
+        """Every process resumes from process 0's step, or the run stops: steps listed
+        differently mean the processes do not see one shared checkpoint directory."""
+        from jax.experimental import multihost_utils
+        mine = -1 if latest is None else latest
+        chosen = int(multihost_utils.broadcast_one_to_all(np.int32(mine)))
+        if chosen != mine:
+            self.manager.close()
+            raise UserError(
+                f"Process {jax.process_index()} finds {'no step' if mine < 0 else f'step {mine}'} "
+                f"as the latest checkpoint in {self.dir}, process 0 finds "
+                f"{'none' if chosen < 0 else f'step {chosen}'}: the processes do not see the same "
+                f"directory. Put checkpoint.dir (or --workdir) on a file system every node shares.")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -168,14 +244,32 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, exp):
-        """(TrainState in exp's shardings, meta), from any layout, mesh or pipeline arrangement."""
-        target, saved, current, _ = self.target(step, exp)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        """(TrainState in exp's shardings, meta), from any layout, mesh or pipeline arrangement.
+        A read that fails is a UserError naming the step and, where it can, the file; the
+        step is then moved to DIR/ignored/ if an older one is left to resume from."""
+        with integrity.reading(pathlib.Path(self.where(step)), lambda: self._unreadable(step)):
+            target, saved, current, _ = self.target(step, exp)
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         state = restored.state
         if saved != current:
             state = restage.restack(state, current, saved, exp.shardings, exp.model.stacked)
         return state, restored.meta
+
+    def _unreadable(self, step: int) -> str:
+        """What to do about step `step`, which failed to read: moved aside when an older
+        intact step is left, so that rerunning resumes from that one."""
+        older = [s for s in committed_steps(self.dir) if s < step]
+        good = integrity.newest_intact(self.dir, older, STEP_PREFIX)[0]
+        if good is None:
+            return (f"There is no older intact step to resume from: put back a good copy of the "
+                    f"step, or move {self.where(step)} away to start over from step 0.")
+        try:
+            moved = f"Moved it to {set_aside(pathlib.Path(self.where(step)))}"
+        except FileNotFoundError:  # another process of the run moved it first
+            moved = f"It was moved to {self.dir / IGNORED}"
+        return f"{moved}; rerunning the same command resumes from step {good}."
+
 
     def due(self, step: int, log_step: bool = False) -> bool:
         """Whether to save at `step`: every checkpoint.every steps, and at the first log step

@@ -236,7 +236,8 @@ def workdir_step(cfg, workdir: str, step: int | None) -> tuple[pathlib.Path, int
 
 
 def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
-    """The committed step to read: `step`, or the latest. Read-only: the directory may
+    """The committed step to read: `step`, or the latest; a damaged one is a UserError naming
+    the file and the newest intact step (store.check_readable). Read-only: the directory may
     belong to a run still training, so nothing in it is moved or cleaned."""
     from meshtrain.checkpoints import store as checkpoint_lib
     steps = checkpoint_lib.committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
@@ -245,18 +246,26 @@ def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
                         f"(checkpoints are saved every checkpoint.every steps, at the end and on "
                         f"SIGTERM; train.steps=0 saves none). Train the run first, or pass the "
                         f"--workdir of a run that saved one.")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
+    if step is not None and step not in steps:
         raise UserError(f"--step={step}: {ckpt_dir} has no committed step {step}; it has "
                         f"{', '.join(map(str, steps))}. Pass one of them, or leave --step out "
                         f"for the latest.")
+    step = steps[-1] if step is None else step
+    checkpoint_lib.check_readable(ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}")
     return step
 
 
 def restore_params(ckpt_dir: pathlib.Path, step: int, model, shardings):
     """Only the params of step `step` (not the optimizer state), read straight into
-    `shardings`; a pipelined run's [S, r*Lc, ...] stacks are put back in layer order."""
+    `shardings`; a pipelined run's [S, r*Lc, ...] stacks are put back in layer order.
+    A failed read is a UserError naming the step, the file and the step to pass instead."""
+    from meshtrain.checkpoints import integrity, store as checkpoint_lib
+    where = ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}"
+    with integrity.reading(where, lambda: checkpoint_lib.older_intact(where)):
+        return _read_params(where, model, shardings)
+
+
+def _read_params(where: pathlib.Path, model, shardings):
     import logging
 
     import jax
@@ -264,7 +273,6 @@ def restore_params(ckpt_dir: pathlib.Path, step: int, model, shardings):
 
     from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.checkpoints import restage
-    where = ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}"
     meta = json.loads((where / "meta" / "metadata").read_text())
     saved_arr = restage.arrangement((meta.get("run") or {}).get("pipeline"))
     target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
