@@ -17,7 +17,7 @@ import sys
 import time
 
 from meshtrain import cli, mesh as mesh_lib
-from meshtrain.cluster import distributed, launch as launch_lib, xla_flags
+from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, xla_flags
 from meshtrain.errors import UserError, warn
 
 
@@ -125,6 +125,8 @@ def execute(args, started: dict | None = None) -> int:
     if cfg.train.profile and not workdir and cfg.train.steps:
         raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
                         f"give --workdir=DIR, or leave train.profile empty.")
+    if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
+        shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, workdir), cluster, cfg.distributed.init_timeout)
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log = None, None
     try:
