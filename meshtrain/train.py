@@ -17,7 +17,7 @@ import sys
 import time
 
 from meshtrain import cli, mesh as mesh_lib
-from meshtrain.cluster import distributed, launch as launch_lib, watchdog as watchdog_lib, xla_flags
+from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib, xla_flags
 from meshtrain.errors import UserError, warn
 
 
@@ -138,6 +138,8 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
     if cfg.train.profile and not workdir and cfg.train.steps:
         raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
                         f"give --workdir=DIR, or leave train.profile empty.")
+    if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
+        shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, workdir), cluster, cfg.distributed.init_timeout)
     locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
     checkpointer, log, watchdog = None, None, None
     try:

@@ -23,6 +23,11 @@ Why it looks like this:
   `sacct -c -j ID` (--completion) reads; plain `sacct -j ID` needs slurmdbd ("Slurm
   accounting storage is disabled"; accounting_storage/filetxt no longer exists in 22.05).
   job_info() uses scontrol first and the jobcomp record after the job has been purged.
+* Quick scheduling, for the requeue tests: SchedulerParameters=sched_interval=1,bf_interval=1
+  (a pending job is looked at every second, not every 60 / 30 s), and AuthInfo=cred_expire=5:
+  Slurm holds a requeued batch job for cred_expire + 1 s (BeginTime; 121 s by default).
+  The time-limit check (and the --signal warning it sends) runs every 30 s whatever the
+  settings: PERIODIC_TIMEOUT is compiled into slurmctld.
 """
 from __future__ import annotations
 
@@ -80,6 +85,7 @@ class SlurmCluster:
             SlurmctldPidFile=str(d / "slurmctld.pid"), SlurmdPidFile=str(d / "slurmd-%n.pid"),
             SlurmctldLogFile=str(d / "slurmctld.log"), SlurmdLogFile=str(d / "slurmd-%n.log"),
             SlurmctldDebug="info", SlurmdDebug="info", PlugStackConfig=str(d / "plugstack.conf"),
+            SchedulerParameters="sched_interval=1,bf_interval=1", AuthInfo="cred_expire=5",
         )
         settings.update(conf)
         lines = [f"{k}={v}" for k, v in settings.items()]
@@ -147,6 +153,17 @@ class SlurmCluster:
                                    + "\n".join(self.squeue_lines()) + "\n" + self.logs_tail())
             time.sleep(0.2)
         return info
+
+    def wait_time_limit_check(self, timeout: float = 40.0) -> None:
+        """Returns just after slurmctld's next time-limit check (every 30 s; it also sends the
+        --signal warnings). Needs SlurmctldDebug=debug2, which logs each check."""
+        def checks() -> int:
+            return self.log("slurmctld.log").count("Testing job time limits")
+        seen, deadline = checks(), time.monotonic() + timeout
+        while checks() == seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no time-limit check logged in {timeout}s (SlurmctldDebug=debug2?)")
+            time.sleep(0.1)
 
     def squeue_lines(self) -> list[str]:
         return self._run("squeue", "-h", "-o", "%i %T %j %R", check=False).splitlines()

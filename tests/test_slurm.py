@@ -1,34 +1,151 @@
-"""The Slurm tier: launch/slurm.sbatch on a real (one-node, loopback) Slurm cluster.
+"""launch/slurm.sbatch: its decisions against fake Slurm commands (fast), then the real Slurm
+tier on a one-node loopback cluster (tests/slurm_cluster.py).
 
 The GPU template's directives are overridden on the sbatch command line for 2 tasks with
-4 simulated CPU devices each. The job trains and checkpoints, is stopped with
-`scancel --signal=TERM` (every task saves the same step and exits 0), is submitted again
-and resumes; its losses equal the single-process 8-device run's.
+4 simulated CPU devices each. One job is stopped with `scancel --signal=TERM` (every task
+saves the same step and exits 0), is submitted again and resumes; another reaches its
+time limit (`--time=1`), saves, is requeued by the script and resumes, as often as it
+takes. Both end with the losses of an unbroken run.
 """
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from meshtrain.train import main
-from processes import ROOT, logged, losses, steps_on_disk, wait_for
-from slurm_cluster import slurm  # noqa: F401  (the fixture)
+from processes import ENV, ROOT, logged, losses, steps_on_disk, wait_for
+from slurm_cluster import SlurmCluster, skip_reason, slurm  # noqa: F401  (slurm: the fixture)
 
-pytestmark = pytest.mark.slow
 SBATCH = str(ROOT / "launch" / "slurm.sbatch")
-# Two tasks on this one node, no GPUs, one core each: overrides of the template's directives.
-CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+# Two tasks on this one node, no GPUs: overrides of the template's directives. Each task's
+# CPUs come from the template (the node's CPUs / 2).
+CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"]
 RUN = ["--config.train.steps=24", "--config.train.log_every=1", "--config.train.eval_every=0",
        "--config.checkpoint.every=4"]
 
 
-def submit(slurm, tmp_path, *args, env_workdir=None):  # noqa: F811
-    env = {"WORKDIR": str(env_workdir or tmp_path / "w"), "PYTHON": sys.executable,
-           "PYTHONPATH": str(ROOT)}
-    slurm.env.update(env)
-    return slurm.sbatch([*CPU_JOB, SBATCH, *args], cwd=tmp_path)
+def test_outside_slurm_it_says_how_to_submit_and_creates_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", SBATCH, "gpt2_tiny_dp8"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2, r
+    assert "submit it with `sbatch launch/slurm.sbatch CONFIG [--config.key=value ...]`" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no logs/, no runs/
+
+
+# Fake srun, scancel and scontrol: srun runs one "task" that saves and exits on SIGTERM, as
+# the trainer does, and kills it at once on a SIGTERM of its own, as the real srun does.
+FAKES = {
+    "srun": """echo "$*" > "$FAKE/srun.args"; echo "$SRUN_CPUS_PER_TASK ${#MESHTRAIN_SECRET}" > "$FAKE/srun.env"
+bash "$FAKE/task" & task=$!
+echo $task > "$FAKE/task.pid"
+trap 'echo "srun got SIGTERM: killed its task" >> "$FAKE/events"; kill -KILL $task; exit 137' TERM
+while kill -0 $task 2>/dev/null; do wait $task; done; wait $task""",
+    "task": """trap 'echo "task saved" >> "$FAKE/events"; exit ${FAKE_STATUS:-0}' TERM
+echo "task started" >> "$FAKE/events"
+for _ in $(seq ${FAKE_TICKS:-600}); do sleep 0.05; done
+echo "task finished" >> "$FAKE/events"; exit ${FAKE_STATUS:-0}""",
+    "scancel": """echo "scancel $*" >> "$FAKE/events"; [[ $1 == --signal=TERM ]] && kill -TERM $(cat "$FAKE/task.pid")""",
+    "scontrol": """case $1 in
+  show) echo "JobId=42 JobState=RUNNING PreemptTime=${FAKE_PREEMPT_TIME:-None}" ;;
+  requeue) echo "scontrol requeue $2" >> "$FAKE/events" ;;
+esac""",
+}
+
+
+def fake_job(tmp_path, **env):
+    """launch/slurm.sbatch started as Slurm would (job 42, 2 tasks on a 16-CPU node), with
+    the fake commands first on PATH; its own session, so its group can be signalled."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    for name, body in FAKES.items():
+        (fake / name).write_text("#!/bin/bash\n" + body + "\n")
+        (fake / name).chmod(0o755)
+    (fake / "events").write_text("")
+    job_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+               "PATH": f"{fake}:{os.environ['PATH']}", "FAKE": str(fake), "SLURM_JOB_ID": "42",
+               "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_CPUS_ON_NODE": "16",
+               "SLURM_TASKS_PER_NODE": "2", "WORKDIR": str(tmp_path / "w"), **env}
+    job = subprocess.Popen(["bash", SBATCH, "gpt2_tiny_dp8", "--config.train.steps=9"], cwd=tmp_path,
+                           env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    wait_for(lambda: "task started" in (fake / "events").read_text(), timeout=30, what="the task")
+    return job, fake
+
+
+def events(fake) -> list[str]:
+    return (fake / "events").read_text().splitlines()
+
+
+def finish(job) -> tuple[int, str]:
+    out = job.communicate(timeout=30)[0]
+    return job.returncode, out
+
+
+def test_the_time_limit_warning_saves_then_requeues(tmp_path):
+    job, fake = fake_job(tmp_path)
+    os.kill(job.pid, signal.SIGUSR1)  # --signal=B:USR1@300
+    status, out = finish(job)
+    assert events(fake) == ["task started", "scancel --signal=TERM 42", "task saved", "scontrol requeue 42"], out
+    assert status == 0 and "time limit: requeueing" in out
+    # The task's environment: CPUs = 16 on the node / 2 tasks, and a 64-hex-digit secret never printed.
+    cpus, secret_len = (fake / "srun.env").read_text().split()
+    assert (cpus, secret_len) == ("8", "64") and "MESHTRAIN_SECRET" not in out
+    assert "-m meshtrain.train --config=gpt2_tiny_dp8 --workdir=" in (fake / "srun.args").read_text()
+
+
+def test_sigterm_to_the_whole_script_group_saves_without_requeue(tmp_path):
+    """`scancel --full --signal=TERM` signals the script's process group: srun, in its own,
+    is spared (it would kill its task), and the task saves."""
+    job, fake = fake_job(tmp_path)
+    os.killpg(job.pid, signal.SIGTERM)
+    status, out = finish(job)
+    assert events(fake) == ["task started", "scancel --signal=TERM 42", "task saved"], out
+    assert status == 0 and "stopped on SIGTERM after saving: resubmit the same command" in out
+
+
+def test_a_finished_run_is_not_requeued_and_a_preempted_one_is(tmp_path):
+    (tmp_path / "done").mkdir()
+    job, fake = fake_job(tmp_path / "done", FAKE_TICKS="1")
+    status, out = finish(job)
+    assert events(fake) == ["task started", "task finished"] and status == 0, out
+    # Preempted with a grace time: Slurm sent SIGTERM to the task only, and marks the job.
+    (tmp_path / "pre").mkdir()
+    job, fake = fake_job(tmp_path / "pre", FAKE_PREEMPT_TIME="2025-01-01T00:00:00")
+    os.kill(int((fake / "task.pid").read_text()), signal.SIGTERM)
+    status, out = finish(job)
+    assert events(fake) == ["task started", "task saved", "scontrol requeue 42"] and status == 0, out
+    assert "preemption: requeueing" in out
+
+
+def test_a_hang_is_requeued_once_per_job_then_fails(tmp_path):
+    for attempt, requeued in ((1, True), (2, False)):  # one job: the second hang is not requeued
+        (tmp_path / str(attempt)).mkdir()
+        job, fake = fake_job(tmp_path / str(attempt), FAKE_TICKS="1", FAKE_STATUS="3",
+                             WORKDIR=str(tmp_path / "w"))
+        status, out = finish(job)
+        assert ("scontrol requeue 42" in events(fake)) == requeued, out
+        assert status == (0 if requeued else 3)
+        assert ("hang (1 of at most 1): requeueing" in out) == requeued
+        assert ("a hang again: not requeueing" in out) == (not requeued)
+
+
+def test_bad_input_is_not_requeued(tmp_path):
+    job, fake = fake_job(tmp_path, FAKE_STATUS="2")
+    os.kill(job.pid, signal.SIGUSR1)
+    status, out = finish(job)
+    assert events(fake) == ["task started", "scancel --signal=TERM 42", "task saved"] and status == 2, out
+
+
+def submit(slurm, tmp_path, *args, sbatch_args=()):  # noqa: F811
+    slurm.env.update({"WORKDIR": str(tmp_path / "w"), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)})
+    return slurm.sbatch([*CPU_JOB, *sbatch_args, SBATCH, *args], cwd=tmp_path)
 
 
 def rank_log(tmp_path, job, rank) -> str:
@@ -36,6 +153,7 @@ def rank_log(tmp_path, job, rank) -> str:
     return path.read_text() if path.exists() else ""
 
 
+@pytest.mark.slow
 def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm, tmp_path):  # noqa: F811
     one = tmp_path / "one"
     assert main(["--config=gpt2_tiny_dp8", *RUN, f"--workdir={one}"]) == 0
@@ -69,6 +187,7 @@ def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm
     print(f"job {second}: {info['JobState']} {info['ExitCode']}, resumed from step {stopped}")
 
 
+@pytest.mark.slow
 def test_python_without_srun_in_a_two_task_job_is_told_to_use_srun(slurm, tmp_path):  # noqa: F811
     script = tmp_path / "direct.sbatch"
     script.write_text(f"#!/bin/bash\n{sys.executable} -m meshtrain.train --config=gpt2_tiny_dp8\n")
@@ -80,3 +199,60 @@ def test_python_without_srun_in_a_two_task_job_is_told_to_use_srun(slurm, tmp_pa
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), out
     assert "started outside srun" in out and "srun python -m meshtrain.train" in out
     assert "Traceback" not in out
+
+
+# ~40 s of steps on 2 idle cores, more than the first allocation leaves for training (~18 s).
+# Under load 11 on 2 cores (0.3-0.5 s a step, ~29 s start-up) the job took 6 requeues.
+STEPS = 400
+LONG = [f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=0",
+        "--config.checkpoint.every=0"]  # saved only at the end and on SIGTERM
+
+
+@pytest.mark.slow
+def test_time_limit_requeues_and_resumes_like_an_unbroken_run(tmp_path):
+    """--time=1 (one minute, Slurm's least), warned 5 s before the end (--signal=B:USR1@5).
+    Slurm checks time limits every 30 s, so the warning comes at the first check at least
+    25 s after the start; the job is submitted just after a check, so that is ~28 s after
+    the start. Each time, the script asks the tasks to save and requeues the job, which
+    Slurm starts again ~6 s later (cred_expire=5) with a fresh minute, until the run is done.
+    The unbroken run goes first: it fills the compilation cache the job's runs read."""
+    if reason := skip_reason():
+        pytest.skip(reason)
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    ref = tmp_path / "ref"
+    t0 = time.monotonic()
+    r = subprocess.run([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp8", *LONG, f"--workdir={ref}"],
+                       cwd=ROOT, env={**ENV, **cache}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t_ref = time.monotonic() - t0
+
+    cluster = SlurmCluster(SlurmctldDebug="debug2")
+    try:
+        cluster.env.update(cache)
+        cluster.wait_time_limit_check()
+        t0 = time.monotonic()
+        job = submit(cluster, tmp_path, "gpt2_tiny_dp8", *LONG, sbatch_args=["--time=1", "--signal=B:USR1@5"])
+        info = cluster.wait_state(job, timeout=900)
+        took = time.monotonic() - t0
+    finally:
+        cluster.stop()
+    job_log = (tmp_path / f"meshtrain-{job}.out").read_text()
+    log0 = rank_log(tmp_path, job, 0)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, job_log, log0[-3000:])
+    restarts = int(info["Restarts"])
+    assert restarts >= 1, f"the run fit into one allocation (a faster machine: raise STEPS)\n{job_log}"
+    assert job_log.count("time limit: asking every task to save") == restarts, job_log
+    assert job_log.count("time limit: requeueing") == restarts, job_log
+    assert f"(restart {restarts})" in job_log and "srun exited with status 0" in job_log
+    # Every stop saved a step, and the next run resumed from it and went past it.
+    stops = [int(s) for s in re.findall(r"^preempted \(SIGTERM\) at step (\d+): saved", log0, re.M)]
+    resumes = [int(s) for s in re.findall(r"^resuming from step (\d+)", log0, re.M)]
+    assert stops == resumes and len(stops) == restarts and stops == sorted(set(stops)), (stops, resumes)
+    assert logged(tmp_path / "logs" / f"meshtrain-{job}-rank0.out", STEPS)
+    times = re.findall(r"^\S+T(\S{8})\S* job \d+: (.*)$", job_log, re.M)
+    print(f"unbroken run {t_ref:.0f} s; job {job}: {restarts} requeue(s), stopped at steps {stops}, "
+          f"done {took:.0f} s after sbatch:", *(f"{t} {what[:100]}" for t, what in times), sep="\n  ")
+    # metrics.jsonl of the requeued job: every step once, the losses of the unbroken run exactly.
+    got, want = losses(tmp_path / "w"), losses(ref)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == want

@@ -25,6 +25,7 @@ RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.
 def test_a_task_asleep_before_a_step_ends_the_job_with_status_3_naming_it(slurm, tmp_path):  # noqa: F811
     slurm.env.update({"WORKDIR": str(tmp_path / "w"), "PYTHONPATH": str(ROOT),
                       "PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable,
+                      "MESHTRAIN_HANG_REQUEUES": "0",  # the template's requeue after a hang: test_slurm.py
                       "MESHTRAIN_TEST_FAULT": json.dumps({"kind": "sleep", "step": 9, "process": 1,
                                                           "seconds": 600})})
     job = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", *RUN], cwd=tmp_path)

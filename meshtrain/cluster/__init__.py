@@ -6,5 +6,6 @@
   channel      JSON lines over a socket, each at most 4 MiB
   distributed  jax.distributed, the rendezvous and the heartbeat, joined
   preemption   SIGTERM (Slurm's warning, Ctrl-C under launch/local.sh) -> save and stop
+  shared_dir   every process must see the one checkpoint directory: checked at start
   xla_flags    the XLA flags a GPU run gets, merged with the user's XLA_FLAGS
 """
