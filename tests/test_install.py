@@ -13,6 +13,7 @@ import ast
 import fcntl
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -31,16 +32,24 @@ COMMANDS = ["configs", "train", "eval", "sample", "plan", "compare", "convert", 
 def installed(tmp_path_factory):
     """(python, meshtrain script, environment, a directory outside the checkout) of a fresh
     venv holding the wheel built from this checkout. Built once for all xdist workers."""
-    shared = tmp_path_factory.getbasetemp().parent / "installed-meshtrain"
+    # One per pytest run: xdist workers' base temps share the run's directory as parent; a
+    # run without xdist has its own base temp (whose parent every run shares).
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "installed-meshtrain"
     shared.mkdir(exist_ok=True)
     with open(shared / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         venv, ready = shared / "venv", shared / "ready"
         if not ready.exists():
-            wheels = shared / "wheels"
+            wheels, source = shared / "wheels", shared / "source"
             shutil.rmtree(wheels, ignore_errors=True)
+            # Built from a copy of the sources: setuptools reuses a checkout's build/ directory,
+            # where modules of older builds (since renamed or removed) would land in the wheel.
+            shutil.rmtree(source, ignore_errors=True)
+            shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+                ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "runs"))
             subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--wheel-dir", str(wheels), str(ROOT)], check=True, capture_output=True)
+                            "--wheel-dir", str(wheels), str(source)], check=True, capture_output=True)
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
             python = venv / "bin" / "python"
             site = pathlib.Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
