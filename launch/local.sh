@@ -114,6 +114,22 @@ quiet() {
 
 set -m  # each process in its own process group: Ctrl-C reaches this script, not them
 pids=() done=() statuses=()
+# The trap before the first process starts: a Ctrl-C at any moment after reaches them.
+interrupts=0
+on_interrupt() {
+  interrupts=$((interrupts + 1))
+  if ((interrupts == 1)); then
+    say "SIGTERM to every process: each saves at the next step and exits 0 (Ctrl-C again to kill)"
+    signal=TERM
+  else
+    say "killing every process"
+    signal=KILL
+  fi
+  for i in "${!pids[@]}"; do  # the processes started so far
+    ((done[i])) || kill -s "$signal" "${pids[i]}" 2>/dev/null
+  done
+}
+trap on_interrupt INT TERM
 stamp="--- local.sh $(date -Is): $N processes, --config=$CONFIG $*"
 for ((i = 0; i < N; i++)); do
   echo "$stamp" >>"$logs/process_$i.log"
@@ -133,21 +149,6 @@ for ((i = 0; i < N; i++)); do
 done
 say "$N processes (pids ${pids[*]}), coordinator 127.0.0.1:$PORT, logs in $logs/process_I.log"
 
-interrupts=0
-on_interrupt() {
-  interrupts=$((interrupts + 1))
-  if ((interrupts == 1)); then
-    say "SIGTERM to every process: each saves at the next step and exits 0 (Ctrl-C again to kill)"
-    signal=TERM
-  else
-    say "killing every process"
-    signal=KILL
-  fi
-  for ((i = 0; i < N; i++)); do
-    ((done[i])) || kill -s "$signal" "${pids[i]}" 2>/dev/null
-  done
-}
-trap on_interrupt INT TERM
 
 # bash reports a child killed by a signal on its own stderr ("local.sh: line 140: 4242 Killed
 # env ... >> ..."), whenever its next command ends; the loop runs with that stderr closed,
