@@ -236,12 +236,22 @@ def test_start_failures_say_who_arrived_and_what_differs(tmp_path):
                "config.train.seed: 0 vs 3)" in (tmp_path / f"odd{i}.txt").read_text()
 
 
+def as_from_a_terminal() -> None:
+    """SIGINT as a shell started from a terminal has it: default and unblocked. A shell
+    cannot trap a signal ignored when it starts (POSIX), and the pytest worker that starts
+    local.sh may have changed SIGINT for itself (this test failed in full-suite runs only,
+    with local.sh's trap never running)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
 def test_local_sh_ctrl_c_saves_one_step_on_every_process_and_exits_0(tmp_path):
     w = tmp_path / "w"
     script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, f"--workdir={w}",
                                "--config.train.steps=300", "--config.train.log_every=1",
                                "--config.checkpoint.every=0"],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=as_from_a_terminal)
     wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3")
     script.send_signal(signal.SIGINT)
     out, err = script.communicate(timeout=120)
