@@ -102,7 +102,7 @@ def execute(args, started: dict | None = None) -> int:
     train. `started["cluster"]` receives the joined processes, so `main` can tell the
     others how this process ended."""
     started_at = time.perf_counter()
-    name, cfg = args.config_name, args.config
+    cfg = args.config
     flags = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
     xla_line = xla_flags.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
     launch, cluster, source = join(cfg, flags, started)
@@ -111,13 +111,13 @@ def execute(args, started: dict | None = None) -> int:
 
     preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
     try:
-        return _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at, preemption)
+        return _train(args, flags, launch, cluster, source, xla_line, started_at, preemption)
     finally:
         preemption.close()
 
 
-def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at, preemption) -> int:
-    """execute's build, checkpoints, compile and train phases."""
+def _train(args, flags, launch, cluster, source, xla_line, started_at, preemption) -> int:
+    """execute's build, checkpoints, compile and train phases (args.config: the config)."""
     import jax
 
     from meshtrain import goodput, metrics, optim
@@ -126,7 +126,7 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
     from meshtrain.loop import train_loop
     from meshtrain.planner import memory_check
 
-    exp = Experiment.build(cfg)
+    exp = Experiment.build(args.config)
     cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
     memory_check.check_config(cfg.train)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -161,7 +161,7 @@ def _train(args, name, cfg, flags, launch, cluster, source, xla_line, started_at
                              resume_step=resume_step, trackers=cfg.train.trackers)
         clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
         clock.add("compile", compile_s)
-        info = metrics.run_info(name, exp, memory, compile_s, source)
+        info = metrics.run_info(args.config_name, exp, memory, compile_s, source)
         info["distributed"] = cluster.info()
         if exp.dcn or launch.multiprocess:
             info["collectives_by_axes"] = _traffic(compiled, exp.mesh, node, say)
