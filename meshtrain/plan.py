@@ -4,14 +4,16 @@ device, from the real train step compiled on simulated devices.
     meshtrain plan --config=gpt2_medium_dp8_tp4 [--config.key=value ...]
         [--hardware=h100|h200|a100|a100_40gb|FILE.json] [--json]
     meshtrain plan --config=NAME --search --devices=32 [--nodes=4]
-        [--budget=600] [--top=10] [--jobs=2] [--layouts=dp,fsdp,...] [--remat=none,...]
-        [--cache_dir=DIR] [--json]
+        [--budget=600] [--top=10] [--jobs=2] [--margin=10] [--layouts=dp,fsdp,...]
+        [--remat=none,...] [--cache_dir=DIR] [--json]
 
 The first form compiles the config's train step for its mesh on simulated CPU devices
 (shapes only: no parameter memory) and reports per-device memory beside the formulas,
 collectives per step by kind and mesh axis beside their lower bounds, FLOPs, and a
 predicted step time and MFU on the hardware. The second enumerates meshes, layouts,
-remat policies and pipeline microbatches for N devices and ranks the ones that fit.
+remat policies and pipeline microbatches for N devices, predicts each by the formulas,
+compiles those within --margin percent of the best, ranks them, and prints the winner as
+the `meshtrain train` command that runs it.
 The layout linter runs first. docs/planner.md explains every figure.
 """
 
@@ -25,10 +27,10 @@ import sys
 from meshtrain import cli, mesh as mesh_lib
 from meshtrain.errors import UserError, warn
 
-SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "cache_dir", "layouts", "remat")
+SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "margin", "cache_dir", "layouts", "remat")
 # Defaults of the search flags, applied in `execute`: argparse keeps None for "not given",
 # so that giving one without --search is refused.
-SEARCH_DEFAULTS = {"budget": 600, "top": 10, "jobs": 2}
+SEARCH_DEFAULTS = {"budget": 600, "top": 10, "jobs": 2, "margin": 10}
 
 
 def parser() -> cli.Parser:
@@ -51,6 +53,9 @@ def parser() -> cli.Parser:
                    help=f"rows of the ranking to show (default {SEARCH_DEFAULTS['top']})")
     s.add_argument("--jobs", type=_positive, metavar="J",
                    help=f"compiling worker processes (default {SEARCH_DEFAULTS['jobs']})")
+    s.add_argument("--margin", type=_percent, metavar="PCT",
+                   help=f"compile the candidates the formulas predict within PCT%% of the best step time; "
+                        f"the rest keep their formula figures (default {SEARCH_DEFAULTS['margin']})")
     s.add_argument("--layouts", type=_choices(tuple(PRESET_AXES)), metavar="A,B",
                    help=f"layout presets to try, from {', '.join(PRESET_AXES)} (default all)")
     s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
@@ -62,6 +67,12 @@ def parser() -> cli.Parser:
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"give a whole number >= 1, not {text!r}")
+    return int(text)
+
+
+def _percent(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"give a whole percentage >= 0, not {text!r}")
     return int(text)
 
 
@@ -96,12 +107,14 @@ def execute(args) -> int:
                             budget_s=args.budget or SEARCH_DEFAULTS["budget"],
                             top=args.top or SEARCH_DEFAULTS["top"], jobs=args.jobs or SEARCH_DEFAULTS["jobs"],
                             cache_dir=args.cache_dir,
+                            margin=(SEARCH_DEFAULTS["margin"] if args.margin is None else args.margin) / 100,
                             layouts=args.layouts, remats=args.remat or search.REMAT,
                             say=(lambda *a, **k: None) if args.json else print)
         if args.json:
             print(json.dumps(result, indent=2, default=str))
         return 0
-    report = plan_config(name, cfg, hw, say=warn if args.json else print)
+    # The text report lists the linter's findings itself; with --json they go to stderr.
+    report = plan_config(name, cfg, hw, say=warn if args.json else (lambda *a: None))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -124,27 +137,20 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     mesh_lib.simulate_cpu_devices(shape)  # before anything starts the JAX backend
     inputs = read_inputs(cfg)
     cfg = resolve(cfg, inputs.init)
-    findings = lint.lint(cfg, shape, dcn)
+    findings = lint.lint(cfg, shape, dcn, hw=hw)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise UserError(" ".join(str(f) for f in errors))
     exp = Experiment.build(cfg, devices=devices, inputs=inputs)
-    findings = _unique(findings + lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model))
+    # Again with the model (and so the checks that need its parameters): it repeats every
+    # check of the first run, whose warnings are therefore dropped, not printed twice.
+    findings = lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model, hw)
     for f in findings:
         say(f"lint: {f}")
     report = report_lib.plan(exp, hw)
     report["config_name"] = name
     report["lint"] = [dataclasses.asdict(f) for f in findings]
     return report
-
-
-def _unique(findings: list) -> list:
-    seen, out = set(), []
-    for f in findings:
-        if str(f) not in seen:
-            seen.add(str(f))
-            out.append(f)
-    return out
 
 
 run, main = cli.entry_points(parser, execute)

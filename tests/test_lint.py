@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib, pipeline
-from meshtrain.planner import lint
+from meshtrain.planner import hardware, lint
 from meshtrain.errors import UserError
 from meshtrain.experiment import abstract_mesh, check_config
 
@@ -100,13 +100,27 @@ def test_tensor_on_dcn():
     # docs/layouts.md: 4 all-reduces x 24 layers x 2(t-1)/t x [8 rows, 1024, 1024] bf16 = 2,304 MiB.
     wire = 4 * 24 * 2 * 3 / 4 * 8 * 1024 * 1024 * 2
     assert f"about {mib(wire)} per device per step" in f.cost and mib(wire) == "2,304.0 MiB"
-    assert "9x slower" in f.cost and "data sheets" in f.cost
+    # 32 devices on 4 nodes of 8; each tensor ring has 2 devices in a node, so 4 rings share a
+    # node's 8 NICs: 8 x 50 GB/s / 4 = 100 GB/s a ring against NVLink's 450 GB/s.
+    assert "~100 GB/s a ring" in f.cost and "shared by the 4 tensor rings" in f.cost
+    assert "4.5x slower" in f.cost and "H100 SXM and DGX H100 data sheets" in f.cost
+    assert f"at least {wire / 100e9 * 1e3:,.1f} ms instead of {wire / 450e9 * 1e3:,.1f} ms" in f.cost
     # The old warning fires for the same config; train prints only the linter's.
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     assert mesh_lib.dcn_warnings(mesh_lib.parse_dcn(cfg.mesh.dcn, shape))
     assert apply(cfg, f.fix) == [("mesh.dcn", "data:4")]
     assert mesh_lib.parse_dcn(cfg.mesh.dcn, shape)["tensor"] == 1
     assert run_lint(cfg) == []
+
+
+def test_tensor_on_dcn_quotes_the_chosen_hardware():
+    """--hardware=a100_40gb: A100 NVLink 3 (300 GB/s one way) and DGX A100's 8 x 200 Gb/s NICs,
+    8 x 25 GB/s / 4 rings = 50 GB/s; no H100 figure anywhere."""
+    cfg = load("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
+    f = only(lint.lint(cfg, hw=hardware.get("a100_40gb")), "tensor-on-dcn")
+    assert "~50 GB/s a ring" in f.cost and "~300 GB/s over the links" in f.cost and "6.0x slower" in f.cost
+    assert "a100_40gb: A100 SXM4 and DGX A100 data sheets" in f.cost
+    assert "H100" not in str(f) and "NDR" not in str(f)
 
 
 def test_stage_on_dcn_is_not_flagged():

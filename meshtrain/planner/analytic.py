@@ -110,14 +110,15 @@ def memory(exp, hw=None) -> dict[str, float]:
             "activations": activations(exp, hw)}
 
 
-def activations(exp, hw=None) -> float | None:
+def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     """Activation bytes per device (see the module docstring); None when the model family
-    gives no per-layer formula."""
+    gives no per-layer formula. `dtype`: computed in this dtype instead of model.dtype (the
+    report's account of the CPU compile, which computes bf16 in float32)."""
     m, b = exp.model, local_batch(exp)
     per_layer = m.family.layer_activation_bytes
     if per_layer is None:
         return None
-    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw))
+    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
     t = cfg.seq_len
     stages = m.pipeline.stages if m.pipeline else 1
     layers = cfg.num_layers // stages

@@ -63,19 +63,15 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     formula = analytic.memory(exp, hw)
     memory = compiled_memory(exp, compiled, formula)
     formula["total"] = sum(v or 0.0 for k, v in formula.items() if k in MEMORY_KEYS)
-    rows = hlo.collective_table(compiled, mesh)
-    for r in rows:
-        r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
-    bounds = analytic.collective_bounds(exp)
+    rows = roofline.place(hlo.collective_table(compiled, mesh, node_of), mesh, node_of)
+    bounds = roofline.place(analytic.collective_bounds(exp), mesh, node_of)
     tokens = exp.cfg.train.batch_size * cfg.seq_len
     model_flops = metrics.flops_per_token(cfg) * tokens
     flops_dev = hlo.dot_flops(compiled)
-    for r in bounds:
-        r["crosses_nodes"] = roofline.crosses_nodes(mesh, r["mesh_axes"], node_of)
     # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values.
     predicted = roofline.predict(hw, cfg.dtype, flops_dev, {**memory, "activations": formula["activations"]},
                                  rows, model_flops, devices)
-    fits = memory_fits(hw, formula, memory)
+    fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
     return {
         "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
         "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
@@ -101,12 +97,28 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     }
 
 
-def memory_fits(hw: Hardware, formula: dict, memory: dict) -> dict:
-    """Whether the analytic total fits the usable memory (the CPU compiler's temp is no
-    guide to an accelerator's: it widens bf16 and keeps copies; docs/planner.md)."""
+def memory_fits(hw: Hardware, formula: dict, memory: dict, cpu_account: dict | None = None) -> dict:
+    """Whether the formulas' total fits the hardware's usable memory: the formula total
+    decides, on the target hardware. The CPU compile's peak is no guide to an accelerator's
+    (docs/planner.md, "Which memory figure decides"); `cpu_account` (`cpu_activation_account`)
+    says how much of its activations the formulas explain."""
     usable = hw.hbm_bytes * hw.usable_memory
-    return {"fits": formula["total"] <= usable, "analytic_total_bytes": formula["total"],
-            "usable_bytes": usable, "compiled_peak_estimate_bytes": memory["peak_estimate"]}
+    return {"fits": formula["total"] <= usable, "decided_by": "analytic_total_bytes", "hardware": hw.name,
+            "analytic_total_bytes": formula["total"], "usable_bytes": usable,
+            "compiled_peak_estimate_bytes": memory["peak_estimate"],
+            "compiled_activations_bytes": memory["activations"], "cpu_account": cpu_account or {}}
+
+
+def cpu_activation_account(exp, hw: Hardware) -> dict:
+    """The activation formula step by step from the target hardware to what the CPU
+    compile runs: {"target": with the attention kernel the hardware takes, "xla_attention":
+    with XLA's attention (the CPU compile's, which keeps [T, T] probabilities), "float32":
+    that in float32, the width the CPU backend computes bf16 in}; {} without a formula."""
+    target = analytic.activations(exp, hw)
+    if target is None:
+        return {}
+    return {"target": target, "xla_attention": analytic.activations(exp, None),
+            "float32": analytic.activations(exp, None, "float32")}
 
 
 def _row(r: dict) -> dict:

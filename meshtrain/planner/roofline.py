@@ -6,9 +6,9 @@
               moments; activations are written forward, read backward and passed over
               once more by the element-wise kernels (3 x the activation bytes)
     links     per collective group: bytes sent / (bandwidth x link efficiency) + a latency
-              per op, over NVLink when the group stays inside a node and over the network
-              when it spans nodes (mesh.dcn, or the mesh's device order in nodes of
-              `devices_per_node`)
+              per op, over NVLink when the group stays inside a node (mesh.dcn, or the
+              mesh's device order in nodes of `devices_per_node`); across nodes by
+              `collective_seconds` (NICs per node, shared by the rings crossing a node)
     overlap   gradient reductions and FSDP gathers (data, fsdp axes) run beside compute
               (XLA's latency-hiding scheduler); tensor and stage collectives sit between
               dependent matmuls and add to the step
@@ -43,17 +43,72 @@ def node_of_position(mesh, devices_per_node: int, dcn: dict | None):
 
 def crosses_nodes(mesh, axes: tuple[str, ...], node_of) -> bool:
     """Whether a group along `axes` (the other coordinates fixed) spans several nodes."""
+    return placement(mesh, axes, node_of)["crosses_nodes"]
+
+
+def placement(mesh, axes: tuple[str, ...], node_of) -> dict:
+    """How the groups along `axes` sit on nodes: {"crosses_nodes", "nodes": the most nodes
+    one group spans (k), "per_node": the most of one group's devices in a node (m),
+    "groups_per_node": the most groups with devices in one node (c: they run the same
+    collective at once and share the node's NICs), "group_size": n}."""
     devices = mesh.devices
     moved = [mesh.axis_names.index(a) for a in axes]
     rest = [k for k in range(devices.ndim) if k not in moved]
-    groups = devices.transpose(rest + moved).reshape(-1, math.prod(devices.shape[k] for k in moved))
-    return any(len({node_of(d) for d in g}) > 1 for g in groups)
+    n = math.prod(devices.shape[k] for k in moved)
+    groups = devices.transpose(rest + moved).reshape(-1, n)
+    k = m = 1
+    touching: dict = {}
+    for i, g in enumerate(groups):
+        nodes = [node_of(d) for d in g]
+        k = max(k, len(set(nodes)))
+        m = max(m, max(nodes.count(x) for x in set(nodes)))
+        for x in set(nodes):
+            touching.setdefault(x, set()).add(i)
+    c = max((len(v) for v in touching.values()), default=1)
+    return {"crosses_nodes": k > 1, "nodes": k, "per_node": m, "groups_per_node": c, "group_size": n}
 
 
-def collective_seconds(hw: Hardware, row: dict, crosses: bool) -> float:
-    bandwidth, latency = ((hw.network_bandwidth, hw.network_latency_s) if crosses
-                          else (hw.link_bandwidth, hw.link_latency_s))
-    return row["bytes"] / (bandwidth * hw.link_efficiency) + row["count"] * latency
+def place(rows: list[dict], mesh, node_of) -> list[dict]:
+    """Adds `placement` to each collective row, in place; returns the rows."""
+    cache: dict = {}
+    for r in rows:
+        axes = tuple(r["mesh_axes"])
+        if axes not in cache:
+            cache[axes] = placement(mesh, axes, node_of)
+        r.update(cache[axes])
+    return rows
+
+
+def ring_bandwidth(hw: Hardware, groups_per_node: int) -> float:
+    """bytes/s (before link_efficiency) at which a flat ring across nodes moves one device's
+    ring bytes: its node's NICs shared by the `groups_per_node` rings crossing it, at most
+    NVLink. With r rings (NCCL channels) each leaving a node once through its own NIC,
+    every ring byte a device sends crosses the node boundary once per ring: the node's
+    egress per group equals one device's ring bytes (docs/planner.md, "Across nodes")."""
+    return min(hw.link_bandwidth, hw.node_network_bandwidth / max(groups_per_node, 1))
+
+
+def collective_seconds(hw: Hardware, row: dict, crosses: bool | None = None) -> float:
+    """One row's time: in a node, bytes / NVLink; across nodes the faster of a flat ring
+    (`ring_bandwidth`) and, for all-reduce, the two-level algorithm: reduce-scatter over
+    the m devices in each node (NVLink), all-reduce of the 1/m pieces over the k nodes
+    (the node's NICs, shared by its c groups), all-gather in the node. A row without
+    placement (`place`) that crosses is taken as one device per node, each group on its
+    share of the node's NICs."""
+    crosses = row.get("crosses_nodes", False) if crosses is None else crosses
+    eff = hw.link_efficiency
+    if not crosses:
+        return row["bytes"] / (hw.link_bandwidth * eff) + row["count"] * hw.link_latency_s
+    m = row.get("per_node", 1)
+    c = row.get("groups_per_node", max(hw.devices_per_node // m, 1))
+    seconds = row["bytes"] / (ring_bandwidth(hw, c) * eff)
+    k, n = row.get("nodes", 2), row.get("group_size", 0)
+    if row["kind"] == "all-reduce" and m > 1 and k > 1 and n > 1:
+        full = row["bytes"] / (2 * (n - 1) / n)  # S, the reduced array's bytes
+        two_level = (2 * (m - 1) / m * full / (hw.link_bandwidth * eff)
+                     + c * 2 * (k - 1) / k * full / (hw.node_network_bandwidth * eff))
+        seconds = min(seconds, two_level)
+    return seconds + row["count"] * hw.network_latency_s
 
 
 def predict(hw: Hardware, dtype: str, flops_per_device: float, memory: dict, collectives: list[dict],
@@ -68,7 +123,7 @@ def predict(hw: Hardware, dtype: str, flops_per_device: float, memory: dict, col
     exposed = overlapped = 0.0
     by_axes: dict[str, float] = {}
     for row in collectives:
-        seconds = collective_seconds(hw, row, row.get("crosses_nodes", False))
+        seconds = collective_seconds(hw, row)
         key = "+".join(row["mesh_axes"]) or "none"
         by_axes[key] = by_axes.get(key, 0.0) + seconds
         if any(a in EXPOSED_AXES for a in row["mesh_axes"]):

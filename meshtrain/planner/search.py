@@ -1,17 +1,24 @@
-"""Search layouts for N devices: enumerate, drop what cannot work, compile, rank.
+"""Search layouts for N devices: enumerate, drop what cannot work, rank by formula,
+compile the few that can win, rank.
 
     python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 --search --devices=32 --hardware=h100
 
 1. Enumerate: every factorisation of N into (data, stage, fsdp, tensor), each layout preset
-   that uses exactly the axes above 1 (so no two candidates are the same program), each
-   remat policy, and for a stage axis S the pipeline microbatches S, 2S and 4S; with
-   --nodes=K the inter-node factor K goes on data (or fsdp), never on tensor or stage.
+   that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
+   by its entry there, and no two candidates are the same program), each remat policy and
+   each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
+   microbatches S, 2S and 4S; with --nodes=K the inter-node factor K goes on data (or
+   fsdp), never on tensor or stage.
 2. Drop, counting why: the linter's errors and the config checks (what does not divide),
    then the formulas' memory against the hardware's usable memory (what does not fit).
-3. Order the survivors by the roofline on the formulas alone, then compile them in that
-   order (on simulated CPU devices, `jobs` processes, each result cached on disk) until
-   the time budget is spent.
-4. Rank the compiled by predicted step time and say why each wins.
+3. Predict every survivor's step by the roofline on the formulas alone (no compile), and
+   compile (on simulated CPU devices, `jobs` processes, each result cached on disk) only
+   those within `margin` of the best prediction, plus the config's own layout's best
+   (so its rank is known); the rest are dominated on predicted step time and keep their
+   formula figures. Compiling stops when the time budget is spent.
+4. Rank everything by its best figure (compiled where compiled, else the formulas), make
+   sure the winner is a compiled one, say why it wins, and print the `--config.` overrides
+   that run it and where the config's own layout ranks (planner/ranking.py).
 """
 
 from __future__ import annotations
@@ -30,12 +37,18 @@ import time
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.layouts import presets
 from meshtrain.errors import UserError
-from meshtrain.planner import hardware as hardware_lib, text
+from meshtrain.planner import hardware as hardware_lib, ranking
 from meshtrain.progress import Progress, format_duration
 
-# preset -> (axes that must be above 1, axes it may use)
 REMAT = ("none", "save_dots", "full")
-REMAT_FLOPS = {"none": 1.0, "save_dots": 1.1, "full": 4 / 3}  # executed / model, for ordering only
+# Matmul FLOPs executed under each remat policy over remat=none's, as compiled for GPT-2
+# medium (flops_per_step of the compiled programs: 1.107 and 1.284 against 1.063 the
+# model's): save_dots recomputes the attention's batched matmuls, full the block's forward
+# but for the last matmul, whose output the backward does not read.
+REMAT_FLOPS = {"none": 1.0, "save_dots": 1.04, "full": 1.21}
+# Config keys the search tries each value of, when the config has the key: {key: values}.
+SEARCHED: dict[str, tuple[str, ...]] = {}
+MARGIN = 0.10  # compile what the formulas predict within this share of the best step time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +58,18 @@ class Candidate:
     remat: str
     microbatches: int = 0
     dcn: str = ""
+    options: tuple[tuple[str, str], ...] = ()  # (key, value) of the SEARCHED keys
 
     def overrides(self) -> list[tuple[str, str]]:
         out = [("mesh.shape", ",".join(f"{a}:{n}" for a, n in self.mesh)), ("mesh.dcn", self.dcn),
                ("layout", self.layout), ("model.remat", self.remat)]
-        return out + [("pipeline.microbatches", str(self.microbatches))]
+        return out + [("pipeline.microbatches", str(self.microbatches)), *self.options]
 
     def describe(self) -> str:
         mesh = ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
         pipe = f" pp-micro {self.microbatches}" if self.microbatches else ""
-        return f"{mesh} {self.layout} remat={self.remat}{pipe}" + (f" dcn {self.dcn}" if self.dcn else "")
+        extra = "".join(f" {k.split('.')[-1]}={v}" for k, v in self.options)
+        return f"{mesh} {self.layout} remat={self.remat}{pipe}{extra}" + (f" dcn {self.dcn}" if self.dcn else "")
 
 
 def factorizations(n: int, k: int = 4):
@@ -80,10 +95,13 @@ def _dcn_for(shape: dict, nodes: int | None) -> str | None:
 
 
 def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layouts=None,
-                         remats=REMAT) -> tuple[list[Candidate], collections.Counter]:
+                         remats=REMAT, options: dict | None = None) -> tuple[list[Candidate], collections.Counter]:
     """Candidates for `devices`, restricted to the `layouts` presets (default all) and
-    `remats` policies; and the counts of those dropped on sight, by reason."""
+    `remats` policies, each with every combination of `options` ({key: values}); and the
+    counts of those dropped on sight, by reason."""
     out, dropped = [], collections.Counter()
+    extra = [tuple(zip(options, values)) for values in itertools.product(*options.values())] if options else [()]
+    remats = [(r, o) for r in remats for o in extra]
     for sizes in factorizations(devices):
         shape = dict(zip(mesh_lib.AXES, sizes))
         used = {a for a, n in shape.items() if n > 1}
@@ -99,8 +117,8 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
             if stages > 1 and num_layers % stages:
                 dropped["stages do not divide the layers"] += len(remats) * len(micro)
                 continue
-            for remat, m in itertools.product(remats, micro):
-                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn))
+            for (remat, opts), m in itertools.product(remats, micro):
+                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn, opts))
     return out, dropped
 
 
@@ -153,22 +171,70 @@ def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) ->
 
 
 def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None, budget_s: int,
-        top: int, jobs: int, cache_dir: str | None, layouts=None, remats=REMAT, say=print) -> dict:
-    """The search (module docstring). -> {"ranked": [...], "dropped": {...}, ...} for --json."""
+        top: int, jobs: int, cache_dir: str | None, layouts=None, remats=REMAT, margin: float = MARGIN,
+        say=print) -> dict:
+    """The search (module docstring). -> {"ranked": [...], "winner": {...}, "own_layout": {...},
+    "dropped": {...}, ...} for --json."""
     t0 = time.perf_counter()
     if nodes and devices % nodes:
         raise UserError(f"--devices={devices} is not divisible by --nodes={nodes}.")
     mesh_lib.simulate_cpu_devices({"data": devices})
     from meshtrain import models
-    from meshtrain.planner import lint
-    from meshtrain.experiment import Experiment, read_inputs, resolve
-    from meshtrain.planner import analytic, roofline
+    from meshtrain.experiment import read_inputs, resolve
     inputs = read_inputs(cfg)  # the data and init.from, once for every candidate
     dims = models.size_dims(resolve(cfg, inputs.init).model)
-    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats)
+    options = {k: v for k, v in SEARCHED.items() if k in config_lib.keys(cfg)}
+    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats, options)
     say(f"search: {len(candidates)} candidates for {devices} devices"
-        + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); checking them against the formulas")
-    survivors = []
+        + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); predicting each by the formulas")
+    feasible = _check(name, overrides, candidates, inputs, hw, dropped)
+    feasible.sort(key=lambda f: f["prediction"]["step_time_s"])
+    say(f"{len(feasible)} feasible; dropped " + (", ".join(f"{n} {why}" for why, n in dropped.most_common())
+                                                  or "none"))
+    own = ranking.own_candidates(cfg, feasible)
+    best = feasible[0]["prediction"]["step_time_s"] if feasible else 0.0
+    chosen = [f for f in feasible if f["prediction"]["step_time_s"] <= (1 + margin) * best]
+    near = len(chosen)
+    chosen += [f for f in own if f not in chosen]
+    if feasible:
+        say(f"compiling {len(chosen)}: {near} within {margin:.0%} of the best formula prediction"
+            + (f", {len(chosen) - near} for the config's own layout" if len(chosen) > near else "")
+            + f"; the other {len(feasible) - len(chosen)} are slower by the formulas and keep their figures")
+    deadline = t0 + budget_s
+    compiled = _compile_all(name, overrides, chosen, hw, devices, deadline, jobs, cache_dir, say)
+    while feasible and time.perf_counter() < deadline:  # the winner must be a compiled one
+        rows = ranking.merge(feasible, compiled)
+        if not rows or rows[0]["compiled"]:
+            break
+        compiled.update(_compile_all(name, overrides, [rows[0]["entry"]], hw, devices, deadline, jobs,
+                                     cache_dir, say))
+    rows = ranking.merge(feasible, compiled)
+    failed = sum(1 for r in compiled.values() if "error" in r)
+    if failed:
+        dropped["failed to compile"] += failed
+    shown = ranking.summaries(rows[:top], rows)
+    for line in ranking.table(shown):
+        say(line)
+    winner = ranking.winner(name, cfg, overrides, rows)
+    own_row = ranking.own_layout(cfg, rows)
+    for line in ranking.verdict(winner, own_row, len(rows)):
+        say(line)
+    done = sum(1 for r in compiled.values() if "error" not in r)
+    skipped = sum(1 for f in chosen if f["candidate"] not in compiled)
+    say(f"compiled {done} of {len(feasible)} feasible layouts"
+        + (f" ({skipped} left when the {budget_s}s budget ran out)" if skipped else "")
+        + f" in {format_duration(time.perf_counter() - t0)}")
+    return {"devices": devices, "nodes": nodes, "hardware": hw.describe(), "candidates": len(candidates),
+            "feasible": len(feasible), "compiled": done, "not_compiled": skipped,
+            "margin": margin, "dropped": dict(dropped), "ranked": shown, "winner": winner, "own_layout": own_row}
+
+
+def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
+    """The candidates that divide and fit by the formulas: [{candidate, cfg, prediction,
+    memory_bytes, bound_bytes}] (the formula prediction: `_estimate`)."""
+    from meshtrain.experiment import Experiment, resolve
+    from meshtrain.planner import analytic, lint
+    out = []
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
         progress.update(1)
@@ -186,59 +252,55 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
         memory = analytic.memory(exp, hw)
         total = sum(v or 0.0 for v in memory.values())
         if total > hw.hbm_bytes * hw.usable_memory:
-            dropped[f"does not fit {hw.hbm_bytes * hw.usable_memory / 2**30:.0f} GiB (formulas)"] += 1
+            dropped[f"do not fit {hw.hbm_bytes * hw.usable_memory / 2**30:.0f} GiB (formulas)"] += 1
             continue
-        survivors.append((cand, c, _estimate(exp, hw, memory, analytic, roofline)))
+        prediction, bounds = _estimate(exp, hw, memory)
+        out.append({"candidate": cand, "cfg": c, "prediction": prediction, "memory_bytes": total,
+                    "bound_bytes": sum(r["bytes"] for r in bounds)})
     progress.close()
-    survivors.sort(key=lambda s: s[2])
-    say(f"{len(survivors)} feasible; dropped " + (", ".join(f"{n} {why}" for why, n in dropped.most_common())
-                                                   or "none"))
-    reports, skipped = _compile_all(name, overrides, survivors, hw, devices, budget_s - (time.perf_counter() - t0),
-                                    jobs, cache_dir, say)
-    ranked = sorted(reports, key=lambda r: r["predicted_step_time_s"])
-    rows = [_summary(i, r, ranked) for i, r in enumerate(ranked[:top])]
-    for line in _table(rows):
-        say(line)
-    say(f"compiled {len(reports)} of {len(survivors)} feasible layouts"
-        + (f" ({skipped} left when the {budget_s}s budget ran out)" if skipped else "")
-        + f" in {format_duration(time.perf_counter() - t0)}")
-    return {"devices": devices, "nodes": nodes, "hardware": hw.describe(), "candidates": len(candidates),
-            "feasible": len(survivors), "compiled": len(reports), "not_compiled": skipped,
-            "dropped": dict(dropped), "ranked": rows}
+    return out
 
 
-def _estimate(exp, hw, memory, analytic, roofline) -> float:
-    """Step time from the formulas alone: the order in which to compile."""
+def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
+    """The roofline on the formulas alone: the matmul FLOPs from the model's (remat and a
+    pipeline's bubble ticks added, and the attention's masked half, which the compiled
+    program computes: 12 L D T a token against the model's 6 L D T), collectives at their
+    lower bounds. -> (prediction, bounds)."""
     from meshtrain import metrics
+    from meshtrain.planner import analytic, roofline
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
     model_flops = metrics.flops_per_token(cfg) * exp.cfg.train.batch_size * cfg.seq_len
     waste = pipe.ticks / (pipe.microbatches * pipe.repeats) if pipe else 1.0
     node_of = roofline.node_of_position(exp.mesh, hw.devices_per_node, exp.dcn)
-    rows = [{**r, "crosses_nodes": roofline.crosses_nodes(exp.mesh, r["mesh_axes"], node_of)}
-            for r in analytic.collective_bounds(exp)]
-    return roofline.predict(hw, cfg.dtype, model_flops / n * REMAT_FLOPS[cfg.remat] * waste, memory, rows,
-                            model_flops, n)["step_time_s"]
+    bounds = roofline.place(analytic.collective_bounds(exp), exp.mesh, node_of)
+    tokens = exp.cfg.train.batch_size * cfg.seq_len
+    square = 6.0 * getattr(cfg, "num_layers", 0) * getattr(cfg, "embed_dim", 0) * cfg.seq_len * tokens
+    flops = (model_flops + square) / n * REMAT_FLOPS.get(cfg.remat, 1.0) * waste
+    return roofline.predict(hw, cfg.dtype, flops, memory, bounds, model_flops, n), bounds
 
 
-def _compile_all(name, overrides, survivors, hw, devices, budget_s, jobs, cache_dir, say):
+def _compile_all(name, overrides, entries, hw, devices, deadline, jobs, cache_dir, say) -> dict:
+    """Compiles the `entries` (from `_check`) until `deadline` (perf_counter seconds), each
+    from the cache when it is there. -> {candidate: its report}."""
     cache = pathlib.Path(cache_dir if cache_dir is not None else
                          os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                       "meshtrain", "plan")) if cache_dir != "" else None
     salt = code_hash()
-    reports, todo = [], []
-    for cand, c, _ in survivors:
-        key = _cache_key(c, hw, salt)
+    reports, todo = {}, []
+    for entry in entries:
+        cand = entry["candidate"]
+        key = _cache_key(entry["cfg"], hw, salt)
         hit = cache / f"{key}.json" if cache else None
         if hit is not None and hit.exists():
-            reports.append({**json.loads(hit.read_text()), "candidate": cand.describe(), "remat": cand.remat,
-                            "cached": True})
+            reports[cand] = {**json.loads(hit.read_text()), "cached": True}
         else:
             todo.append((cand, key))
     if reports:
         say(f"{len(reports)} found in the cache ({cache})")
+    if not todo:
+        return reports
     progress = Progress("compiling", len(todo), unit="", stream=None)
-    deadline = time.perf_counter() + max(budget_s, 0)
     fields = dataclasses.asdict(hw)
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                                   initializer=_worker_init, initargs=(devices,))
@@ -261,58 +323,17 @@ def _compile_all(name, overrides, survivors, hw, devices, budget_s, jobs, cache_
                     r = f.result()
                 except UserError as e:
                     say(f"  {cand.describe()}: {e}")
+                    reports[cand] = {"error": str(e)}
                     continue
                 if cache is not None:
                     cache.mkdir(parents=True, exist_ok=True)
                     tmp = cache / f"{key}.json.tmp"
                     tmp.write_text(json.dumps(r, default=str))
                     tmp.replace(cache / f"{key}.json")
-                reports.append({**r, "candidate": cand.describe(), "remat": cand.remat, "cached": False})
+                reports[cand] = {**r, "cached": False}
     finally:
         for proc in list(getattr(pool, "_processes", {}).values()):
             proc.terminate()  # a compile past the budget is not waited for
         pool.shutdown(wait=False, cancel_futures=True)
     progress.close()
-    return reports, len(queue) + len(pending)
-
-
-def _summary(i: int, r: dict, ranked: list[dict]) -> dict:
-    p = r["prediction"]
-    mem = r["analytic_memory_per_device_bytes"]["total"]
-    return {"rank": i + 1, "candidate": r["candidate"], "mesh": r["mesh"], "layout": r["layout"],
-            "remat": r["remat"], "cached": r["cached"],
-            "predicted_step_time_s": r["predicted_step_time_s"], "predicted_mfu": r["predicted_mfu"],
-            "memory_per_device_bytes": mem, "compiled_peak_estimate_bytes": r["memory_per_device_bytes"]["peak_estimate"],
-            "collective_bytes_per_step": r["collective_bytes_per_step"], "bound_by": p["bound_by"],
-            "why": _why(i, r, ranked)}
-
-
-TERMS = {"matmul_s": "matmul time (less remat or bubble)", "memory_s": "memory traffic",
-         "exposed_collectives_s": "tensor/stage collectives", "overlapped_collectives_s": "data/fsdp traffic"}
-
-
-def _why(i: int, r: dict, ranked: list[dict]) -> str:
-    """What sets this layout apart: against the runner-up for the best, against the best otherwise."""
-    p = r["prediction"]
-    if len(ranked) == 1:
-        return f"the only one compiled; bound by {p['bound_by']}"
-    other = ranked[1] if i == 0 else ranked[0]
-    q = other["prediction"]
-    diffs = {k: q[k] - p[k] for k in TERMS}
-    if i == 0:
-        k = max(diffs, key=diffs.get)
-        return (f"{100 * (q['step_time_s'] / p['step_time_s'] - 1):.1f}% faster than #2: "
-                f"{TERMS[k]} {1e3 * p[k]:.3g} ms vs {1e3 * q[k]:.3g} ms")
-    k = min(diffs, key=diffs.get)
-    return (f"{100 * (p['step_time_s'] / q['step_time_s'] - 1):.1f}% slower than #1: "
-            f"{TERMS[k]} {1e3 * p[k]:.3g} ms vs {1e3 * q[k]:.3g} ms")
-
-
-def _table(rows: list[dict]) -> list[str]:
-    if not rows:
-        return ["no layout compiled: raise --budget or check the dropped counts above"]
-    head = ["#", "layout", "step ms", "MFU", "GiB/device", "MiB sent", "why"]
-    body = [[str(r["rank"]), r["candidate"], f"{1e3 * r['predicted_step_time_s']:.4g}",
-             f"{100 * r['predicted_mfu']:.1f}%", f"{r['memory_per_device_bytes'] / 2**30:,.2f}",
-             f"{r['collective_bytes_per_step'] / 2**20:,.0f}", r["why"]] for r in rows]
-    return text.table([head] + body, right={0, 2, 3, 4, 5})
+    return reports

@@ -22,6 +22,26 @@ def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
                              enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
+def fit_lines(fit: dict, mem: dict) -> list[str]:
+    """Which memory figure decides fitting, and why the CPU compile's differs."""
+    verdict = "fits" if fit["fits"] else "DOES NOT FIT"
+    lines = [f"  {verdict} on {fit.get('hardware', 'the hardware')}: decided by the formula total, "
+             f"{fit['analytic_total_bytes'] / GIB:,.2f} GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable"]
+    account = fit.get("cpu_account") or {}
+    why = (f"  The CPU compile's total ({fit['compiled_peak_estimate_bytes'] / GIB:,.2f} GiB) does not decide: "
+           f"it is the CPU backend's buffer assignment, not the GPU's")
+    if account:
+        why += (f". Of its {_mib(mem['activations'])} MiB of activations the formulas give "
+                f"{_mib(account['target'])} with the attention kernel the hardware takes, "
+                f"{_mib(account['xla_attention'])} with XLA's attention (the CPU compile's: it keeps [T, T] "
+                f"probabilities), {_mib(account['float32'])} with that in float32 (the CPU backend computes "
+                f"bf16 in float32)")
+    why += ("; the rest is the CPU backend's: XLA's attention keeps more [T, T] tensors than the formula "
+            "counts, and the GPU compiler fuses more and rematerialises a program that would exceed its "
+            "memory limit (docs/planner.md, \"Which memory figure decides\")")
+    return lines + [why]
+
+
 def render(r: dict) -> str:
     lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
              + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
@@ -33,18 +53,13 @@ def render(r: dict) -> str:
              f"the CPU compile runs xla)", "",
              "memory per device (MiB)"]
     mem, formula, ratio = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"], r["memory_ratio"]
-    rows = [["", "compiled", "formula", "compiled/formula"]]
+    rows = [["", "CPU compile", "formula", "compiled/formula"]]
     rows += [[k, _mib(mem[k]), _mib(formula[k]), _ratio(ratio[k])] for k in MEMORY_KEYS]
     rows.append(["total", _mib(mem["peak_estimate"]), _mib(formula["total"]), _ratio(
         mem["peak_estimate"] / formula["total"] if formula["total"] else None)])
     lines += table(rows, right={1, 2, 3})
     fit = r["fits"]
-    lines.append(f"  {'fits' if fit['fits'] else 'DOES NOT FIT'}: formula total {fit['analytic_total_bytes'] / GIB:,.2f} "
-                 f"GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable")
-    if fit["fits"] and fit["compiled_peak_estimate_bytes"] > fit["usable_bytes"]:
-        lines.append(f"  but the CPU compiler's peak estimate, {fit['compiled_peak_estimate_bytes'] / GIB:,.1f} GiB, "
-                     f"does not: it keeps float32 copies of bf16 activations, and XLA's attention keeps more "
-                     f"[T, T] tensors than the formula counts (docs/planner.md, Accuracy); plan for margin or remat")
+    lines += fit_lines(fit, mem)
     lines += ["", "collectives per step (MiB each device sends; ring algorithms)"]
     rows = [["mesh axes", "kind", "count", "MiB", "link"]]
     for c in r["collectives"]:

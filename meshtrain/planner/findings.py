@@ -1,0 +1,118 @@
+"""What the layout linter (planner/lint.py) reports, and the arithmetic its checks share.
+
+    Finding(code, severity, what, cost, fix)     # str(f): "what. Cost: cost. Fix: fix"
+    fix_overrides(fix) -> [(key, value)]         # the leading --config.key=value tokens
+
+Bytes are bytes, MiB are 2**20 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+
+from meshtrain import mesh as mesh_lib
+from meshtrain.layouts.rules import TARGETS, Layout, format_rules, mesh_axes_of
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    code: str      # stable id, e.g. "replicated-param"
+    severity: str  # "error" (the run cannot work / fails validation) or "warning"
+    what: str      # what is wrong, with the numbers
+    cost: str      # what it costs: bytes per device, share of the step idle, bandwidth ratio
+    fix: str       # --config.key=value overrides that fix it, then prose; or prose alone
+
+    def __str__(self) -> str:
+        return f"{self.what.rstrip('.')}. Cost: {self.cost.rstrip('.')}. Fix: {self.fix}"
+
+
+def fix_overrides(fix: str) -> list[tuple[str, str]]:
+    """The leading `--config.key=value` tokens of a fix, as (key, value) pairs (unquoted)."""
+    lexer = shlex.shlex(fix, posix=True)
+    lexer.whitespace_split = True
+    out = []
+    while True:
+        try:
+            token = lexer.get_token()
+        except ValueError:  # an unmatched quote in the prose
+            return out
+        key, sep, value = (token or "").partition("=")
+        if not (key.startswith("--config.") and sep):
+            return out
+        out.append((key.removeprefix("--config."), value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One config under lint: the numbers every check reads."""
+    cfg: object
+    layout: Layout
+    shape: dict
+    dcn: dict | None
+    dims: dict
+    model: object
+    hw: object  # planner/hardware.Hardware: the links the costs quote
+
+
+def product(shape, axes) -> int:
+    return math.prod(shape[a] for a in axes)
+
+
+def mib(b: float) -> str:
+    return f"{b / MiB:,.1f} MiB"
+
+
+def override(key: str, value) -> str:
+    return f"--config.{key}={shlex.quote(str(value))}"
+
+
+def mesh_text(shape) -> str:
+    text = mesh_lib.format_factors(shape)
+    return mesh_lib.format_shape(shape) if text == "1" else text
+
+
+def named_axes(layout: Layout) -> set[str]:
+    """The mesh axes some rule of the layout maps a logical name to, in any table."""
+    return {a for t in TARGETS for _, axes in layout.rules(t) for a in axes}
+
+
+def axes_of(layout: Layout, names, target: str) -> tuple[str, ...]:
+    return tuple(a for e in layout.spec(names, target) for a in mesh_axes_of(e))
+
+
+def batch_shards(layout: Layout, shape) -> int:
+    return layout.shards("batch", shape)[0]
+
+
+def batch_multiple(run: Run, m: int) -> int:
+    """What train.batch_size must be a multiple of with m pipeline microbatches (check_batch)."""
+    k = run.cfg.train.microbatches
+    q = k * batch_shards(run.layout, run.shape)
+    return math.lcm(q, k * m * batch_shards(run.layout.without("stage"), run.shape)) if m > 0 else q
+
+
+def layout_text(params, opt_state, activations) -> str:
+    """Three rule tables in the grammar, shortest form (opt_state follows params follows the
+    unlabelled section)."""
+    parts = [format_rules(activations)]
+    if params != activations:
+        parts.append(f"params={format_rules(params)}")
+    if opt_state != params:
+        parts.append(f"opt_state={format_rules(opt_state)}")
+    return " | ".join(p for p in parts if p)
+
+
+def leaves_of(model):
+    """[(path, shape, itemsize, logical axes)] of the parameters."""
+    from meshtrain import tree_paths
+    axes = tree_paths.flat(model.axes, is_leaf=lambda x: isinstance(x, tuple))
+    return [(p, tuple(s.shape), s.dtype.itemsize, axes[p]) for p, s in tree_paths.flat(model.shapes).items()]
+
+
+def divides(shape, names, spec, mesh_shape) -> bool:
+    return all(size % product(mesh_shape, mesh_axes_of(e)) == 0
+               for size, name, e in zip(shape, names, tuple(spec) + (None,) * len(shape)) if name != "batch")
