@@ -4,6 +4,7 @@ roofline's arithmetic, and the CLI. Each config is compiled once per module."""
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -239,17 +240,72 @@ def test_cli_refuses_bad_input_in_one_paragraph(args, says, capsys, monkeypatch)
     assert err.startswith("meshtrain plan: error:") and err.count("\n") == 1
 
 
-def test_search_ranks_compiled_layouts_and_caches_them(tmp_path):
+def test_the_report_says_which_memory_figure_decides_and_lints_once():
+    """fsdp on one device: the linter's zero-saves-nothing once (the plan lints before and after
+    building; the second run repeats the first's checks). The fit is the formula total's, on
+    the named hardware, and the CPU compile's figure is set apart with the formulas' account
+    (float32 here, on a kernel the CPU runs too: no step of the account changes the figure)."""
+    run = _plan_cli("--config=gpt2_tiny_fsdp8", "--config.mesh.shape=fsdp:1", "--hardware=a100_40gb")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout + run.stderr
+    assert out.count("shards weights or optimizer moments over fsdp") == 1
+    assert "fits on a100_40gb: decided by the formula total" in out
+    assert "the CPU compile's total" in out and "does not decide" in out
+    assert "activations, " in out and "MiB with the attention kernel a100_40gb takes" in out
+    assert "the rest is the CPU backend's buffer assignment" in out
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """One search on 2 devices, run twice (the second from the cache): dp on data:2 and fsdp on
+    fsdp:2, each with two remat policies (dp_tp needs 4 devices); --margin=0 compiles only the
+    formulas' best and the config's own layout's (dp) best."""
+    cache = tmp_path_factory.mktemp("plan_cache")
     args = ["--config=gpt2_tiny_dp8", "--search", "--devices=2", "--layouts=dp,fsdp,dp_tp",
-            "--remat=none,full", f"--cache_dir={tmp_path}", "--json"]
+            "--remat=none,full", "--margin=0", f"--cache_dir={cache}", "--json"]
     first = _plan_cli(*args)
     assert first.returncode == 0, first.stderr
-    r = json.loads(first.stdout)
-    # dp on data:2 and fsdp on fsdp:2, each with two remat policies (dp_tp needs 4 devices)
-    assert (r["candidates"], r["feasible"], r["compiled"]) == (4, 4, 4)
-    times = [row["predicted_step_time_s"] for row in r["ranked"]]
-    assert times == sorted(times) and all(row["why"] for row in r["ranked"])
-    assert not any(row["cached"] for row in r["ranked"])
-    again = json.loads(_plan_cli(*args).stdout)
-    assert all(row["cached"] for row in again["ranked"])
-    assert [row["candidate"] for row in again["ranked"]] == [row["candidate"] for row in r["ranked"]]
+    again = _plan_cli(*args)
+    assert again.returncode == 0, again.stderr
+    return json.loads(first.stdout), json.loads(again.stdout)
+
+
+def test_search_compiles_only_what_can_win_and_caches_it(searched):
+    r, again = searched
+    assert (r["candidates"], r["feasible"]) == (4, 4)
+    assert 1 <= r["compiled"] <= 2 < r["feasible"]  # the formulas' best, the dp layout's best
+    rows = r["ranked"]
+    times = [row["predicted_step_time_s"] for row in rows]
+    assert times == sorted(times) and all(row["why"] for row in rows) and len(rows) == 4
+    assert sum(row["by"] == "compiled" for row in rows) == r["compiled"]
+    assert rows[0]["by"] == "compiled" and r["winner"]["by"] == "compiled"
+    assert {row["by"] for row in rows} == {"compiled", "formulas"}
+    assert not any(row["cached"] for row in rows)
+    assert all(row["cached"] for row in again["ranked"] if row["by"] == "compiled")
+    assert [row["candidate"] for row in again["ranked"]] == [row["candidate"] for row in rows]
+    own = r["own_layout"]
+    assert own["layout"] == "dp" and own["exact"] is None  # its mesh, data:8, is not a 2-device one
+    assert own["best"]["candidate"].split()[1] == "dp" and own["best"]["by"] == "compiled"
+
+
+def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
+    """The printed overrides are config overrides that build; run as printed, they train."""
+    winner = searched[0]["winner"]
+    argv = shlex.split(winner["command"])
+    assert argv[:3] == ["meshtrain", "train", "--config=gpt2_tiny_dp8"]
+    pairs = [a.removeprefix("--config.").split("=", 1) for a in argv[3:]]
+    assert pairs == winner["overrides"] and {k for k, _ in pairs} >= {"mesh.shape"}
+    cfg = config_lib.load("gpt2_tiny_dp8")
+    for key, value in pairs:
+        config_lib.override(cfg, key, value)
+    shape = mesh_lib.parse_shape(cfg.mesh.shape)
+    exp = Experiment.build(cfg, devices=jax.devices()[:math.prod(shape.values())])
+    assert dict(exp.mesh.shape) == dict(searched[0]["ranked"][0]["mesh"])
+    assert exp.layout.name == searched[0]["ranked"][0]["layout"]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    run = subprocess.run([sys.executable, "-m", "meshtrain", *argv[1:], "--config.train.steps=2",
+                          "--config.train.log_every=1", f"--workdir={tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]

@@ -142,3 +142,10 @@ def _bound_by(matmul: float, hbm: float, overlapped: float, exposed: float) -> s
         return "gradient and weight traffic (data/fsdp links)"
     terms = {"matmuls": matmul, "memory bandwidth": hbm, "tensor/stage collectives": exposed}
     return max(terms, key=terms.get)
+
+
+def communication_share(p: dict) -> float:
+    """The share of a predicted step (`predict`'s dict) spent communicating: the exposed
+    collectives, and the overlapped ones where they outlast the compute they hide behind."""
+    hidden_behind = p["matmul_s"] + p["memory_s"]
+    return (p["exposed_collectives_s"] + max(0.0, p["overlapped_collectives_s"] - hidden_behind)) / p["step_time_s"]

@@ -23,23 +23,29 @@ def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
 
 
 def fit_lines(fit: dict, mem: dict) -> list[str]:
-    """Which memory figure decides fitting, and why the CPU compile's differs."""
+    """Which memory figure decides fitting (the formula total, on the target hardware), and
+    why the CPU compile's differs: the formulas' activations step by step towards what the
+    CPU compile runs, each step shown only where it changes the figure."""
     verdict = "fits" if fit["fits"] else "DOES NOT FIT"
-    lines = [f"  {verdict} on {fit.get('hardware', 'the hardware')}: decided by the formula total, "
-             f"{fit['analytic_total_bytes'] / GIB:,.2f} GiB of {fit['usable_bytes'] / GIB:,.1f} GiB usable"]
+    hw = fit.get("hardware", "the hardware")
+    lines = [f"  {verdict} on {hw}: decided by the formula total, {fit['analytic_total_bytes'] / GIB:,.2f} GiB "
+             f"of {fit['usable_bytes'] / GIB:,.1f} GiB usable",
+             f"  the CPU compile's total ({fit['compiled_peak_estimate_bytes'] / GIB:,.2f} GiB) does not decide: "
+             f"it is the CPU backend's buffer assignment, not {hw}'s"]
     account = fit.get("cpu_account") or {}
-    why = (f"  The CPU compile's total ({fit['compiled_peak_estimate_bytes'] / GIB:,.2f} GiB) does not decide: "
-           f"it is the CPU backend's buffer assignment, not the GPU's")
     if account:
-        why += (f". Of its {_mib(mem['activations'])} MiB of activations the formulas give "
-                f"{_mib(account['target'])} with the attention kernel the hardware takes, "
-                f"{_mib(account['xla_attention'])} with XLA's attention (the CPU compile's: it keeps [T, T] "
-                f"probabilities), {_mib(account['float32'])} with that in float32 (the CPU backend computes "
-                f"bf16 in float32)")
-    why += ("; the rest is the CPU backend's: XLA's attention keeps more [T, T] tensors than the formula "
-            "counts, and the GPU compiler fuses more and rematerialises a program that would exceed its "
-            "memory limit (docs/planner.md, \"Which memory figure decides\")")
-    return lines + [why]
+        lines.append(f"  its activations, {_mib(mem['activations'])} MiB, against the formulas':")
+        lines.append(f"    {_mib(account['target']):>10} MiB with the attention kernel {hw} takes")
+        if account["xla_attention"] != account["target"]:
+            lines.append(f"    {_mib(account['xla_attention']):>10} MiB with XLA's attention, which the CPU compile "
+                         f"runs ([T, T] probabilities kept)")
+        if account["float32"] != account["xla_attention"]:
+            lines.append(f"    {_mib(account['float32']):>10} MiB with that in float32, the width the CPU backend "
+                         f"computes bf16 in")
+    lines.append("    the rest is the CPU backend's buffer assignment (XLA's attention keeps more [T, T] tensors "
+                 "than the formula counts); a GPU compile also fuses more and rematerialises a program that "
+                 "would exceed its memory (docs/planner.md, \"Which memory figure decides\")")
+    return lines
 
 
 def render(r: dict) -> str:
