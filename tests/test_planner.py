@@ -1,6 +1,7 @@
 """The layout planner: compiled memory, collectives and FLOPs against their formulas, the
 roofline's arithmetic, and the CLI. Each config is compiled once per module."""
 
+import dataclasses
 import json
 import math
 import os
@@ -257,12 +258,17 @@ def test_the_report_says_which_memory_figure_decides_and_lints_once():
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    """One search on 2 devices, run twice (the second from the cache): dp on data:2 and fsdp on
-    fsdp:2, each with two remat policies (dp_tp needs 4 devices); --margin=0 compiles only the
-    formulas' best and the config's own layout's (dp) best."""
+    """One search on 4 devices, run twice (the second from the cache): dp on data:4, fsdp on
+    fsdp:4 and on data:2,fsdp:2, dp_tp on data:2,tensor:2, each with two remat policies;
+    --margin=0 compiles the formulas' best, the config's own layout's (dp) best, and the
+    formula rows that reach the best three. On h100 without per-op latencies: at this size
+    latency is all, and the formulas' bounds count no gradient-reduction ops."""
     cache = tmp_path_factory.mktemp("plan_cache")
-    args = ["--config=gpt2_tiny_dp8", "--search", "--devices=2", "--layouts=dp,fsdp,dp_tp",
-            "--remat=none,full", "--margin=0", f"--cache_dir={cache}", "--json"]
+    hw = cache / "h100_no_latency.json"
+    hw.write_text(json.dumps({**dataclasses.asdict(H100), "name": "h100_no_latency", "link_latency_s": 0.0,
+                              "network_latency_s": 0.0}))
+    args = ["--config=gpt2_tiny_dp8", "--search", "--devices=4", "--layouts=dp,fsdp,dp_tp",
+            "--remat=none,full", "--margin=0", f"--hardware={hw}", f"--cache_dir={cache}", "--json"]
     first = _plan_cli(*args)
     assert first.returncode == 0, first.stderr
     again = _plan_cli(*args)
@@ -272,19 +278,19 @@ def searched(tmp_path_factory):
 
 def test_search_compiles_only_what_can_win_and_caches_it(searched):
     r, again = searched
-    assert (r["candidates"], r["feasible"]) == (4, 4)
-    assert 1 <= r["compiled"] <= 2 < r["feasible"]  # the formulas' best, the dp layout's best
+    assert (r["candidates"], r["feasible"]) == (8, 8)
+    assert 3 <= r["compiled"] <= 4 < r["feasible"]
     rows = r["ranked"]
     times = [row["predicted_step_time_s"] for row in rows]
-    assert times == sorted(times) and all(row["why"] for row in rows) and len(rows) == 4
+    assert times == sorted(times) and all(row["why"] for row in rows) and len(rows) == 8
     assert sum(row["by"] == "compiled" for row in rows) == r["compiled"]
-    assert rows[0]["by"] == "compiled" and r["winner"]["by"] == "compiled"
+    assert [row["by"] for row in rows[:3]] == ["compiled"] * 3 and r["winner"]["by"] == "compiled"
     assert {row["by"] for row in rows} == {"compiled", "formulas"}
     assert not any(row["cached"] for row in rows)
     assert all(row["cached"] for row in again["ranked"] if row["by"] == "compiled")
     assert [row["candidate"] for row in again["ranked"]] == [row["candidate"] for row in rows]
     own = r["own_layout"]
-    assert own["layout"] == "dp" and own["exact"] is None  # its mesh, data:8, is not a 2-device one
+    assert own["layout"] == "dp" and own["exact"] is None  # its mesh, data:8, is not a 4-device one
     assert own["best"]["candidate"].split()[1] == "dp" and own["best"]["by"] == "compiled"
 
 

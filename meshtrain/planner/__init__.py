@@ -4,9 +4,12 @@
   analytic   memory and collective lower bounds from the formulas
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time
-  search     enumerate and rank layouts for a device count
+  search     enumerate layouts for a device count, predict by formula, compile the few that can win
+  ranking    the search's ranking, the winner as a command, the config's own layout's rank
+  lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   text       the report for a terminal
+  docs_tables, docs_figures  the tables of docs/planner.md, written from the code
 """
 
 import os

@@ -33,7 +33,8 @@ TABLES: dict[str, str] = {
 }
 SIMULATED_DEVICES = 32
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md"
-_BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated: \2 -->)", re.S)
+# A marker is a line of its own (prose may quote one inside backticks).
+_BLOCK = re.compile(r"^(<!-- generated: ([\w-]+) -->\n)(.*?)^(<!-- end generated: \2 -->)$", re.S | re.M)
 
 
 def render(name: str) -> str:

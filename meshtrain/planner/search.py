@@ -17,7 +17,7 @@ compile the few that can win, rank.
    (so its rank is known); the rest are dominated on predicted step time and keep their
    formula figures. Compiling stops when the time budget is spent.
 4. Rank everything by its best figure (compiled where compiled, else the formulas), make
-   sure the winner is a compiled one, say why it wins, and print the `--config.` overrides
+   sure the best PODIUM are compiled ones, say why it wins, and print the `--config.` overrides
    that run it and where the config's own layout ranks (planner/ranking.py).
 """
 
@@ -49,6 +49,7 @@ REMAT_FLOPS = {"none": 1.0, "save_dots": 1.04, "full": 1.21}
 # Config keys the search tries each value of, when the config has the key: {key: values}.
 SEARCHED: dict[str, tuple[str, ...]] = {}
 MARGIN = 0.10  # compile what the formulas predict within this share of the best step time
+PODIUM = 3     # the best rows, compiled whatever the formulas said
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +203,14 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
             + f"; the other {len(feasible) - len(chosen)} are slower by the formulas and keep their figures")
     deadline = t0 + budget_s
     compiled = _compile_all(name, overrides, chosen, hw, devices, deadline, jobs, cache_dir, say)
-    while feasible and time.perf_counter() < deadline:  # the winner must be a compiled one
-        rows = ranking.merge(feasible, compiled)
-        if not rows or rows[0]["compiled"]:
+    # The podium must be compiled: a formula row can lead where the compiled figures of its
+    # rivals carry the CPU compiler's excess collectives (docs/planner.md, "Collectives").
+    while feasible and time.perf_counter() < deadline:
+        todo = [r["entry"] for r in ranking.merge(feasible, compiled)[:PODIUM] if not r["compiled"]]
+        if not todo:
             break
-        compiled.update(_compile_all(name, overrides, [rows[0]["entry"]], hw, devices, deadline, jobs,
-                                     cache_dir, say))
+        say(f"compiling {len(todo)} more: formula rows among the best {PODIUM}")
+        compiled.update(_compile_all(name, overrides, todo, hw, devices, deadline, jobs, cache_dir, say))
     rows = ranking.merge(feasible, compiled)
     failed = sum(1 for r in compiled.values() if "error" in r)
     if failed:
@@ -332,8 +335,11 @@ def _compile_all(name, overrides, entries, hw, devices, deadline, jobs, cache_di
                     tmp.replace(cache / f"{key}.json")
                 reports[cand] = {**r, "cached": False}
     finally:
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.terminate()  # a compile past the budget is not waited for
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pending or queue:  # the budget ran out: a compile past it is not waited for
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+        else:  # all done: a clean shutdown, so that a later pool's exit finds no stale pipe
+            pool.shutdown(wait=True)
     progress.close()
     return reports
