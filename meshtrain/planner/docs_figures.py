@@ -73,7 +73,7 @@ def ring_table() -> str:
             rows.append([f"`{name}`", what, kind, f"{k}, {m}, {c}", f"{ring / 1e9:,.0f}", two, f"{used / 1e9:,.0f}",
                          f"{hw.network_bandwidth / 1e9:,.0f}"])
     return _table(["hardware", "group", "kind", "k, m, c", "flat ring GB/s", "two-level GB/s", "charged GB/s",
-                   "main before the fix: one NIC, GB/s"], rows)
+                   "one NIC a ring (before NICs per node), GB/s"], rows)
 
 
 def _report(name: str, overrides: list, hw) -> dict:
