@@ -6,6 +6,7 @@
   roofline   the predicted step time
   search     enumerate and rank layouts for a device count
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
+  verify     a layout trained against one device on a shrunk model (plan --verify)
   text       the report for a terminal
 """
 
