@@ -6,6 +6,7 @@ device, from the real train step compiled on simulated devices.
     meshtrain plan --config=NAME --search --devices=32 [--nodes=4]
         [--budget=600] [--top=10] [--jobs=2] [--margin=10] [--layouts=dp,fsdp,...]
         [--remat=none,...] [--cache_dir=DIR] [--json]
+    meshtrain plan --config=NAME --verify [--steps=3] [--json]
 
 The first form compiles the config's train step for its mesh on simulated CPU devices
 (shapes only: no parameter memory) and reports per-device memory beside the formulas,
@@ -13,14 +14,16 @@ collectives per step by kind and mesh axis beside their lower bounds, FLOPs, and
 predicted step time and MFU on the hardware. The second enumerates meshes, layouts,
 remat policies and pipeline microbatches for N devices, predicts each by the formulas,
 compiles those within --margin percent of the best, ranks them, and prints the winner as
-the `meshtrain train` command that runs it.
-The layout linter runs first. docs/planner.md explains every figure.
+the `meshtrain train` command that runs it. The layout linter runs first. The third runs
+the config's mesh and layout on a shrunk model, in float32, against one device, and fails
+(status 1) naming the parameters whose gradients differ. docs/planner.md explains every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
@@ -31,6 +34,7 @@ SEARCH_FLAGS = ("devices", "nodes", "budget", "top", "jobs", "margin", "cache_di
 # Defaults of the search flags, applied in `execute`: argparse keeps None for "not given",
 # so that giving one without --search is refused.
 SEARCH_DEFAULTS = {"budget": 600, "top": 10, "jobs": 2, "margin": 10}
+VERIFY_STEPS = 3
 
 
 def parser() -> cli.Parser:
@@ -61,6 +65,12 @@ def parser() -> cli.Parser:
     s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
                    help=f"remat policies to try, from {', '.join(search.REMAT)} (default all)")
     s.add_argument("--cache_dir", metavar="DIR", help="keep compiled reports here between searches")
+    v = p.add_argument_group("verify (--verify)")
+    v.add_argument("--verify", action="store_true",
+                   help="train a shrunk model on the config's mesh and layout and on one device, in "
+                        "float32, and compare losses and gradients; status 1 when they differ")
+    v.add_argument("--steps", type=_positive, metavar="N",
+                   help=f"train steps to compare (default {VERIFY_STEPS})")
     return p
 
 
@@ -93,12 +103,18 @@ def execute(args) -> int:
     given = [f for f in SEARCH_FLAGS if getattr(args, f) is not None]
     if not args.search and given:
         raise UserError(f"{', '.join('--' + f for f in given)} go with --search (--search --devices=N).")
+    if args.steps is not None and not args.verify:
+        raise UserError("--steps goes with --verify (--verify --steps=N).")
+    if args.verify and args.search:
+        raise UserError("--verify checks the config's own layout, --search ranks others: give one of them.")
     from meshtrain.planner import fast_compile, hardware
     hw = hardware.get(args.hardware)
     # Before JAX starts; it sets XLA_FLAGS in this process's environment, which search
     # workers inherit (and so would any other child: a caller in-process, like a test,
     # restores it).
     fast_compile()
+    if args.verify:
+        return _verify(name, cfg, args.steps or VERIFY_STEPS, args.json)
     if args.search:
         from meshtrain.planner import search
         if args.devices is None:
@@ -121,6 +137,16 @@ def execute(args) -> int:
         from meshtrain.planner import text
         print(text.render(report))
     return 0
+
+
+def _verify(name: str, cfg, steps: int, as_json: bool) -> int:
+    """`--verify`: 0 when the layout matches one device, 1 when it does not."""
+    from meshtrain.planner import verify
+    mesh_lib.simulate_cpu_devices(verify.mesh_shape(cfg))  # before anything starts the JAX backend
+    say = functools.partial(print, file=sys.stderr if as_json else sys.stdout, flush=True)
+    result = verify.run(name, cfg, steps, say=say)
+    print(json.dumps(result, indent=2, default=str) if as_json else verify.render(result))
+    return 0 if result["ok"] else 1
 
 
 def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
