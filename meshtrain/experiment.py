@@ -116,6 +116,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     loop.check_config(cfg.train)
     loss.check_config(cfg.train, dims["seq_len"])
     grad_reduce.check(cfg.train.grad_dtype)
+    grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
