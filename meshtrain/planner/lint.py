@@ -15,7 +15,7 @@ back. The checks, by code:
   batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
-  zero-saves-nothing  (warning) the layout shards weights or moments over data/fsdp, all of size 1
+  zero-saves-nothing  (warning) the layout shards weights, gradients or moments over data/fsdp, all of size 1
   unused-axis         (warning) a mesh axis of size > 1 that no rule of the layout names: every
                       device along it repeats the same work; the fix is the preset that uses
                       every axis (layouts.presets.PRESET_AXES)
@@ -44,8 +44,8 @@ BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined
 NVLINK_GBPS = round(hardware.TABLE["h100"].link_bandwidth / 1e9)
 IB_GBPS = round(hardware.TABLE["h100"].network_bandwidth / 1e9)
 # The layout that does the same as a sharded preset when its sharding axes have size 1.
-PLAIN = {"fsdp": "dp", "zero1": "dp", "fsdp_tp": "dp_tp", "fsdp_pp": "dp_pp", "zero1_pp": "dp_pp",
-         "fsdp_pp_tp": "dp_pp_tp"}
+PLAIN = {"fsdp": "dp", "zero1": "dp", "zero2": "dp", "fsdp_tp": "dp_tp", "fsdp_pp": "dp_pp", "zero1_pp": "dp_pp",
+         "zero2_pp": "dp_pp", "fsdp_pp_tp": "dp_pp_tp"}
 _STACKED = ("layers", "stage")
 
 
@@ -149,14 +149,16 @@ def _batch_multiple(run: _Run, m: int) -> int:
     return math.lcm(q, k * m * _batch_shards(run.layout.without("stage"), run.shape)) if m > 0 else q
 
 
-def _layout_text(params, opt_state, activations) -> str:
-    """Three rule tables in the grammar, shortest form (opt_state follows params follows the
-    unlabelled section)."""
+def _layout_text(params, opt_state, activations, grads=None) -> str:
+    """The rule tables in the grammar, shortest form (opt_state and grads follow params
+    follows the unlabelled section; grads None: follows params)."""
     parts = [format_rules(activations)]
     if params != activations:
         parts.append(f"params={format_rules(params)}")
     if opt_state != params:
         parts.append(f"opt_state={format_rules(opt_state)}")
+    if grads is not None and grads != params:
+        parts.append(f"grads={format_rules(grads)}")
     return " | ".join(p for p in parts if p)
 
 
@@ -273,12 +275,12 @@ def _replication_fix(run: _Run, leaf, missing, leaves) -> str:
                     f"heads cannot split; accept the cost, or use a {plus} size that divides {k}")
         free, targets = ["kv_heads"], TARGETS
     else:
-        targets = ("params", "opt_state")
+        targets = ("params", "opt_state", "grads")
     for name in dict.fromkeys(a for a in free if a not in _STACKED):
         if any(size % n for size, a in zip(s, axes) if a == name):
             continue
         tables = {t: lay.rules(t) + ((name, missing),) if t in targets else lay.rules(t) for t in TARGETS}
-        text = _layout_text(tables["params"], tables["opt_state"], tables["activations"])
+        text = _layout_text(tables["params"], tables["opt_state"], tables["activations"], tables["grads"])
         new = layouts.get(text)
         if any(new.rules(t) != tables[t] for t in TARGETS) or set(missing) - set(_axes_of(new, axes, "params")):
             continue
@@ -353,13 +355,14 @@ def _bubble(run: _Run) -> list[Finding]:
 def _zero(run: _Run) -> list[Finding]:
     lay, shape = run.layout, run.shape
     zero = [a for a in AXES if a in ("data", "fsdp") and any(
-        a in axes for t in ("params", "opt_state") for name, axes in lay.rules(t) if name != "batch")]
+        a in axes for t in ("params", "opt_state", "grads") for name, axes in lay.rules(t) if name != "batch")]
     if not zero or any(shape[a] > 1 for a in zero):
         return []
     def strip(rules):
         kept = ((n, tuple(a for a in axes if n == "batch" or a not in zero)) for n, axes in rules)
         return tuple((n, axes) for n, axes in kept if axes)
-    plain = PLAIN.get(lay.name) or _layout_text(strip(lay.params), strip(lay.opt_state), lay.activations)
+    plain = PLAIN.get(lay.name) or _layout_text(strip(lay.params), strip(lay.opt_state), lay.activations,
+                                                strip(lay.grads))
     over = ", ".join(f"{a}=1" for a in zero)
     cost = "12 B/param (fp32 params and Adam moments) on every device"
     if run.model is not None:
@@ -377,7 +380,7 @@ def _zero(run: _Run) -> list[Finding]:
             dcn = {**run.dcn, zero[0]: run.dcn[src[0]], src[0]: 1}
             fix += " " + _override("mesh.dcn", mesh_lib.format_factors(dcn))
     return [Finding("zero-saves-nothing", "warning",
-                    f"layout {lay.name!r} shards weights or optimizer moments over {'/'.join(zero)}, but the "
+                    f"layout {lay.name!r} shards weights, gradients or optimizer moments over {'/'.join(zero)}, but the "
                     f"mesh has {over} ({_mesh_text(shape)})", cost, fix + ")")]
 
 
