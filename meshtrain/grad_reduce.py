@@ -122,8 +122,11 @@ def pinned_in_backward(pins) -> Callable:
     def pinned(params):
         return params
 
-    def bwd(_, g):
-        return (jax.tree.map(lambda g, s: g if s is False else jax.lax.with_sharding_constraint(g, s), g, pins),)
+    def pin(g, sharding):
+        return g if sharding is False else jax.lax.with_sharding_constraint(g, sharding)
+
+    def bwd(_, grads):
+        return (jax.tree.map(pin, grads, pins),)
     pinned.defvjp(lambda params: (params, None), bwd)
     return pinned
 
@@ -138,7 +141,8 @@ def constrain_both_ways(x: jax.Array, forward: NamedSharding, backward: NamedSha
     @jax.custom_vjp
     def pinned(x):
         return jax.lax.with_sharding_constraint(x, forward)
-    pinned.defvjp(lambda x: (pinned(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, backward),))
+    pinned.defvjp(lambda x: (jax.lax.with_sharding_constraint(x, forward), None),
+                  lambda _, g: (jax.lax.with_sharding_constraint(g, backward),))
     return pinned(x)
 
 
