@@ -106,12 +106,14 @@ def test_zero2_gradient_buffer_is_split(wide):
     exp = wide["zero2"][0]
     blocks = exp.model.shapes[exp.model.stacked]
     axes = exp.model.axes[exp.model.stacked]
-    leaves = [(s.shape, a) for s, a in zip(jax.tree.leaves(blocks), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))]
-    whole = {shape for shape, a in leaves if is_matrix(a)}
-    split = {tuple(d // 8 if e else d for d, e in zip(shape, exp.layout.spec(a, "grads"))) for shape, a in leaves if is_matrix(a)}
+    matrices = [(s.shape, a) for s, a in zip(jax.tree.leaves(blocks),
+                                             jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))
+                if is_matrix(a)]
+    whole = {shape for shape, _ in matrices}
+    split = {tuple(d // 8 if e else d for d, e in zip(shape, exp.layout.spec(a, "grads"))) for shape, a in matrices}
     assert whole <= backward_scan_writes(wide["zero1"][1])
     writes = backward_scan_writes(wide["zero2"][1])
     assert split <= writes and not whole & writes
-    matrix_bytes = sum(math.prod(shape) for shape, a in leaves if is_matrix(a)) * 2  # bfloat16
+    matrix_bytes = sum(math.prod(shape) for shape, _ in matrices) * 2  # bfloat16
     temp = {k: c.memory_analysis().temp_size_in_bytes for k, (_, c) in wide.items()}
     assert temp["zero1"] - temp["zero2"] == pytest.approx((1 - 1 / 8) * matrix_bytes, rel=0.01)
