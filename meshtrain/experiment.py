@@ -116,6 +116,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     loop.check_config(cfg.train)
     loss.check_config(cfg.train, dims["seq_len"])
     grad_reduce.check(cfg.train.grad_dtype)
+    grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
@@ -129,6 +130,8 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
     # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
+    if layout.grads != layout.params:  # divisibility of the gradients' split (ZeRO-2)
+        state_lib.param_shardings(model, layout, mesh, "grads")
     return Plan(layout, model, params, opt_state)
 
 

@@ -22,6 +22,20 @@ dtype for matrices (step.make_cast), the param dtype for the rest.
 
 The replica axes are the mesh axes the batch is split over and no parameter is (e.g.
 `data`; never `fsdp`, whose gradients XLA reduce-scatters inside the backward pass).
+
+ZeRO-2 (a layout whose `grads` table splits block parameters more than its `params`
+table, layouts/rules.py) reduces inside the backward pass instead, layer by layer:
+`pinned_in_backward` is an identity on one layer's params, applied inside the layer
+scan, whose backward pins each gradient to the layer's `grads` spec, so XLA
+reduce-scatters every layer's weight gradient where the scan's backward makes it and
+the stacked gradient output [layers, ...] is split: no device holds it whole. Such a
+layout has no replica axes in the sense above (its gradients are split over them), so
+the per-replica path is not taken: with microbatches the split gradients are
+accumulated, one reduce-scatter per microbatch, as in ZeRO-2; and train.grad_dtype is
+refused (`check_layout`): the reduction happens at the weight-gradient matmul, in its
+dtype, and a cast in the identity's backward comes after it (measured: an fp32 model's
+reductions stayed fp32). The embeddings and the final norm are left to XLA, which
+reduces them to the optimizer's shards where the backward pass makes them.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.models.stack import run_stack
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
 
@@ -47,10 +62,12 @@ def check(grad_dtype: str) -> None:
 
 
 def replica_axes(layout: Layout, mesh: Mesh, param_shardings) -> tuple[str, ...]:
-    """Mesh axes (size > 1) that split the batch and no parameter: over these a gradient
-    is a sum of whole, per-replica gradients."""
+    """Mesh axes (size > 1) that split the batch and no parameter, nor, in the backward
+    pass, any gradient (the `grads` table): over these a gradient is a sum of whole,
+    per-replica gradients."""
     _, batch = layout.shards("batch", mesh.shape)
     used = {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes_of(entry)}
+    used |= {a for _, axes in layout.grads for a in axes} if layout.grads != layout.params else set()
     return tuple(a for a in batch if a not in used and mesh.shape[a] > 1)
 
 
@@ -81,3 +98,75 @@ def reduce(grads_n, dtypes, param_dtypes) -> object:
     if isinstance(dtypes, str):
         dtypes = jax.tree.map(lambda _: dtypes, grads_n)
     return jax.tree.map(one, grads_n, dtypes, param_dtypes)
+
+
+def grads_pins(layout: Layout, mesh: Mesh, blocks_axes, lead: int):
+    """blocks_axes-shaped tree: per block parameter, the NamedSharding of one layer's
+    gradient under the `grads` table (its `lead` stacked dims, layers or stage and
+    layers, dropped), or False where that is the params spec. None when every leaf is
+    False: the layout keeps gradients where the weights are (every layout but ZeRO-2's)."""
+    def spec(axes, target):
+        return tuple(layout.spec(axes, target))[lead:]
+    pins = jax.tree.map(lambda axes: NamedSharding(mesh, P(*spec(axes, "grads")))
+                        if spec(axes, "grads") != spec(axes, "params") else False,
+                        blocks_axes, is_leaf=lambda x: isinstance(x, tuple))
+    return None if all(p is False for p in jax.tree.leaves(pins)) else pins
+
+
+def pinned_in_backward(pins) -> Callable:
+    """params -> params, an identity on one layer's params whose backward pins each
+    gradient to its `pins` sharding (grads_pins). Applied inside the layer scan, XLA
+    reduces each layer's weight gradient straight into that split where the backward
+    pass makes it (a reduce-scatter per layer), and the scan's stacked output is split."""
+    @jax.custom_vjp
+    def pinned(params):
+        return params
+
+    def pin(g, sharding):
+        return g if sharding is False else jax.lax.with_sharding_constraint(g, sharding)
+
+    def bwd(_, grads):
+        return (jax.tree.map(pin, grads, pins),)
+    pinned.defvjp(lambda params: (params, None), bwd)
+    return pinned
+
+
+def constrain_both_ways(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> jax.Array:
+    """with_sharding_constraint(x, forward), whose transpose pins the cotangent to
+    `backward` instead: a constraint on weights (the compute-dtype cast, the pipeline's
+    reshape) would otherwise gather a gradient the `grads` table keeps split."""
+    if forward == backward:
+        return jax.lax.with_sharding_constraint(x, forward)
+
+    @jax.custom_vjp
+    def pinned(x):
+        return jax.lax.with_sharding_constraint(x, forward)
+    pinned.defvjp(lambda x: (jax.lax.with_sharding_constraint(x, forward), None),
+                  lambda _, g: (jax.lax.with_sharding_constraint(g, backward),))
+    return pinned(x)
+
+
+def sequential_runner(pins, constrain: Callable, *, scan: bool) -> Callable:
+    """run_layers(make_layer, stacked, x, key) -> x (models/stack.py's runner seam): the
+    layers in order, one key per layer as the model runs them itself, with
+    `pinned_in_backward(pins)` on each layer's params inside the scanned body."""
+    pinned = pinned_in_backward(pins)
+
+    def run_layers(make_layer, stacked, x, key):
+        layer = make_layer(constrain)
+        keys = None if key is None else jax.random.split(key, jax.tree.leaves(stacked)[0].shape[0])
+        return run_stack(lambda x, params, k: layer(x, pinned(params), k), stacked, x, keys, scan=scan)
+    return run_layers
+
+
+def check_layout(grad_dtype: str, layout: Layout) -> None:
+    """train.grad_dtype needs whole per-replica gradients to reduce by hand; a layout that
+    splits gradients inside the backward pass (ZeRO-2) has none."""
+    if grad_dtype and layout.grads != layout.params:
+        raise UserError(
+            f"train.grad_dtype={grad_dtype!r} with layout {layout.name!r}: this layout reduce-scatters "
+            f"each layer's gradient inside the backward pass (its grads table), where XLA reduces it "
+            f"in the dtype the backward makes it in (model.dtype for matrices), so grad_dtype would "
+            f"change nothing but round. Set train.grad_dtype=\"\" (with model.dtype=bfloat16 the "
+            f"matrices' reductions are bfloat16 already), or use a layout without a grads table "
+            f"(e.g. zero1) to reduce once per step in grad_dtype.")

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshtrain import grad_reduce
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.layouts.rules import mesh_axes_of
@@ -194,7 +195,7 @@ def output_ticks(pipe: Pipeline) -> np.ndarray:
 
 
 def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
-                scan_layers: bool = True) -> Callable:
+                scan_layers: bool = True, grads_pins=None) -> Callable:
     """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for a model's forward pass.
 
     `stacked` holds the block params [S, r*Lc, ...]; `make_layer(constrain)` returns
@@ -207,6 +208,13 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     gradients accumulate per shard over all ticks and are reduced across shards
     once, when autodiff transposes that copy, instead of once per tick. The layers
     see the layout without those mesh axes; the vmaps put them back.
+
+    With `grads_pins` (grad_reduce.grads_pins: ZeRO-2) there is no copy: the batch
+    shards share their stage's weights, and grad_reduce.pinned_in_backward on each
+    layer's params inside the layer scan reduce-scatters that layer's gradient, summed
+    over the shards, into the `grads` spec as the backward pass makes it: once per layer
+    per tick, so the weight gradients accumulate over the ticks split, never whole, for
+    r*M + S - 1 times the reduce-scatters of one reduction per step.
     """
     s, r, n_micro = pipe.stages, pipe.repeats, pipe.microbatches
     n_shards, batch_axes = layout.without("stage").shards("batch", mesh.shape)
@@ -224,6 +232,7 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
 
     def run_layers(make_layer, stacked, x_btd, key):
         layer = make_layer(inner_constrain)
+        pinned = None if grads_pins is None else grad_reduce.pinned_in_backward(grads_pins)
         b, t, d = x_btd.shape
         mb = b // n_micro
         # Row i*M + j -> microbatch j, so each batch shard keeps its own rows. Only
@@ -240,23 +249,32 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
             rest = inner.spec(axes[2:], "activations")
             a = jnp.broadcast_to(a[None], (n_shards, *a.shape))
             return jax.lax.with_sharding_constraint(a, sharding(shard, "stage", None, None, *rest))
-        weights = jax.tree.map(per_shard, stacked, blocks_axes)
+
+        def shared(a, axes):  # [S, r*Lc, ...] -> [S, r, Lc, ...], as stored; gradients as `grads`
+            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
+            stored, grads = layout.spec(axes, "params"), layout.spec(axes, "grads")
+            return grad_reduce.constrain_both_ways(a, sharding(stored[0], None, *stored[1:]),
+                                                   sharding(grads[0], None, *grads[1:]))
+        weights = jax.tree.map(per_shard if grads_pins is None else shared, stacked, blocks_axes)
         keys = None
         if key is not None:  # one key per model layer, laid out like the params
             num_layers = s * jax.tree.leaves(stacked)[0].shape[1]
             keys = to_stages(jax.random.split(key, num_layers), pipe).reshape(s, r, -1)
 
+        run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
+        w_axis = 0 if pinned is None else None  # the weights' batch-shard dim: a copy each, or shared
+
         def shard_fn(w, k, x, shard_index):  # one stage, one batch shard: x [mb/n, T, D]
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
-            return run_stack(layer, w, x, k, scan=scan_layers)
+            return run_stack(run_one, w, x, k, scan=scan_layers)
 
-        def stage_fn(w, k, i, m, x):  # w [n, r, Lc, ...], x [mb, T, D]
-            w = jax.tree.map(lambda a: a[:, i], w)
+        def stage_fn(w, k, i, m, x):  # w [n, r, Lc, ...] (shared: [r, Lc, ...]), x [mb, T, D]
+            w = jax.tree.map(lambda a: a[:, i] if w_axis == 0 else a[i], w)
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k[i], m)
             x = x.reshape(n_shards, mb // n_shards, t, d)
-            y = jax.vmap(shard_fn, (0, None, 0, 0), spmd_axis_name=shard)(
+            y = jax.vmap(shard_fn, (w_axis, None, 0, 0), spmd_axis_name=shard)(
                 w, k, x, jnp.arange(n_shards))
             return y.reshape(mb, t, d)
 
@@ -266,7 +284,8 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
             fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.minimum(m0, n_micro - 1), 1, keepdims=False)
             first = ((jnp.arange(s) == 0) & (i == 0))[:, None, None, None]
             buf = jnp.where(first, fresh, jnp.roll(buf, 1, axis=0))
-            buf = jax.vmap(stage_fn, (1, 0, 0, 0, 0), spmd_axis_name="stage")(weights, keys, i, m, buf)
+            buf = jax.vmap(stage_fn, (1 if w_axis == 0 else 0, 0, 0, 0, 0), spmd_axis_name="stage")(
+                weights, keys, i, m, buf)
             buf = jax.lax.with_sharding_constraint(buf, buf_spec)
             return buf, buf
 

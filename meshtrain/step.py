@@ -55,20 +55,27 @@ def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     def cast(p, axes):
         if not is_matrix(axes):
             return p
-        sharding = NamedSharding(mesh, layout.spec(axes, "params"))
-        return jax.lax.with_sharding_constraint(p.astype(dtype), sharding)
+        return grad_reduce.constrain_both_ways(p.astype(dtype), NamedSharding(mesh, layout.spec(axes, "params")),
+                                               NamedSharding(mesh, layout.spec(axes, "grads")))
     return lambda params: jax.tree.map(cast, params, model.axes)
 
 
 def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
     """(constrain, cast, run_layers): what every forward pass of `model` on `mesh` under
     `layout` takes (the layout's constrain hook, make_cast, and the pipeline's schedule
-    when model.pipeline is set, else None: the layers run in order)."""
+    when model.pipeline is set; else, under a layout that reduce-scatters gradients in
+    the layer scan (ZeRO-2's `grads` table), the layers in order, each through
+    grad_reduce.pinned_in_backward; else None: the model runs its layers itself)."""
+    blocks_axes = model.axes[model.stacked]
+    constrain = make_constrain(layout, mesh)
+    pins = grad_reduce.grads_pins(layout, mesh, blocks_axes, 1 if model.pipeline is None else 2)
     run_layers = None
     if model.pipeline is not None:
-        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, model.axes[model.stacked],
-                                          scan_layers=model.cfg.scan_layers)
-    return make_constrain(layout, mesh), make_cast(model, layout, mesh), run_layers
+        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, blocks_axes,
+                                          scan_layers=model.cfg.scan_layers, grads_pins=pins)
+    elif pins is not None:
+        run_layers = grad_reduce.sequential_runner(pins, constrain, scan=model.cfg.scan_layers)
+    return constrain, make_cast(model, layout, mesh), run_layers
 
 
 def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0) -> Callable:
@@ -116,11 +123,14 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
 
     `shardings` is the TrainState of NamedShardings; `grad_shardings` (params-shaped)
     is where gradients are reduced to: the optimizer moments' shardings, so under
-    FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them.
+    FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them (ZeRO-1
+    at the end of the backward pass; ZeRO-2 layer by layer inside it, forward_parts).
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
     in that dtype, once per step (meshtrain/grad_reduce.py).
     """
     by_hand = bool(grad_dtype) or microbatches > 1
+    split_in_backward = grad_reduce.grads_pins(
+        layout, mesh, model.axes[model.stacked], 1 if model.pipeline is None else 2) is not None
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params) if by_hand else ()
     if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
         inner = layout.without(*replicas)
@@ -143,11 +153,16 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         keys = None if key is None else jax.random.split(key, microbatches)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                              jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0]))
+        if split_in_backward:
+            zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], grad_shardings))
 
         def body(acc, xs):
             mb, k = xs
             loss, grads = grad_fn(params, mb, k)
-            return jax.tree.map(jnp.add, acc, (grads, loss)), None
+            acc = jax.tree.map(jnp.add, acc, (grads, loss))
+            if split_in_backward:  # ZeRO-2: accumulate where the moments live, never whole
+                acc = (jax.lax.with_sharding_constraint(acc[0], grad_shardings), acc[1])
+            return acc, None
         (grads, loss), _ = jax.lax.scan(body, (zeros[1], zeros[0]), (micro, keys))
         return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
 

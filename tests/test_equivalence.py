@@ -10,7 +10,7 @@ import pytest
 from meshtrain import pipeline, step as step_lib
 from meshtrain.experiment import Experiment
 
-LAYOUTS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
+LAYOUTS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_tiny_dp2_pp2_tp2", "gpt2_tiny_pp2_dp4"]
 STEPS = 20
 
@@ -62,4 +62,22 @@ def test_microbatches_match_full_batch(make_config, reference):
     """Gradient accumulation over 4 microbatches gives the full-batch result."""
     ref_losses, _ = reference
     losses, _ = losses_and_grads(make_config("gpt2_tiny_dp2_tp4", **{"train.microbatches": 4}), steps=5)
+    np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gpt2_tiny_pp2_dp4", {"layout": "zero2_pp"}),
+    ("gpt2_tiny_pp2_dp4", {"layout": "zero2_pp", "model.scan_layers": "false", "model.remat": "full"}),
+    ("gpt2_tiny_dp8_zero2", {"model.scan_layers": "false", "model.remat": "save_dots"}),
+])
+def test_zero2_variants_match_one_device(name, overrides, make_config, reference):
+    """ZeRO-2's in-scan reduce-scatter under the pipeline's stage runner, unrolled layers
+    and remat."""
+    assert_same_training(f"{name} {overrides}", losses_and_grads(make_config(name, **overrides)), reference)
+
+
+def test_zero2_microbatches_match_full_batch(make_config, reference):
+    """ZeRO-2 accumulates split gradients over 4 microbatches: the full-batch result."""
+    ref_losses, _ = reference
+    losses, _ = losses_and_grads(make_config("gpt2_tiny_dp8_zero2", **{"train.microbatches": 4}), steps=5)
     np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-4)

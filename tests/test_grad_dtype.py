@@ -117,3 +117,14 @@ def test_bad_dtypes_say_what_to_use(key, value, words, make_config):
         Experiment.build(make_config("gpt2_tiny_dp8", **{key: value}))
     for w in words:
         assert w in str(err.value)
+
+
+@pytest.mark.parametrize("layout", ["zero2", "zero2_pp"])
+def test_grad_dtype_is_refused_where_gradients_split_in_the_backward_pass(layout, make_config):
+    """ZeRO-2 reduces each layer's gradient at its matmul, in the matmul's dtype; a
+    grad_dtype would only round it, so it is an error that names the ways out."""
+    name = "gpt2_tiny_pp2_dp4" if layout.endswith("_pp") else "gpt2_tiny_dp8"
+    with pytest.raises(UserError) as err:
+        Experiment.build(make_config(name, **{"layout": layout, "train.grad_dtype": "bfloat16"}))
+    for w in [f"layout {layout!r}", "train.grad_dtype=\"\"", "model.dtype=bfloat16", "zero1"]:
+        assert w in str(err.value)

@@ -33,6 +33,16 @@ def test_sections_override_targets():
     assert lay.spec(("batch", "embed"), "activations") == P("data", None)
 
 
+def test_grads_follows_params_unless_given():
+    """zero1 keeps gradients where the weights are until the backward pass ends (grads
+    follows params); zero2 splits them like the moments (layouts/rules.py)."""
+    zero1, zero2 = layouts.get("zero1"), layouts.get("zero2")
+    assert zero1.grads == zero1.params and "grads=" not in zero1.describe()
+    assert zero2.grads == zero2.opt_state != zero2.params
+    assert zero2.spec(("layers", "embed", "mlp"), "grads") == P(None, "data", None)
+    assert zero2.spec(("layers", "embed", "mlp"), "params") == P(None, None, None)
+
+
 def test_describe_round_trips():
     for name in layouts.PRESETS:
         lay = layouts.get(name)
@@ -44,8 +54,8 @@ def test_describe_round_trips():
     ("batch:data;embd:fsdp", ["'embd'", "vocabulary", "embed"]),
     ("batch:dta", ["'dta'", "data, stage, fsdp, tensor"]),
     ("batch;heads:tensor", ["not 'logical:mesh_axis"]),
-    ("grads=batch:data", ["'grads'", "params, opt_state, activations"]),
-    ("nonsense", ["Unknown layout 'nonsense'", "dp, fsdp, zero1, tp, dp_tp, fsdp_tp"]),
+    ("weights=batch:data", ["'weights'", "params, opt_state, grads, activations"]),
+    ("nonsense", ["Unknown layout 'nonsense'", "dp, fsdp, zero1, zero2, tp, dp_tp, fsdp_tp"]),
     ("batch:data+data", ["repeats a mesh axis"]),
     ("batch:data | heads:tensor", ["two sections for all targets"]),
     ("batch:data | params=embed:fsdp | params=mlp:fsdp", ["two sections for params"]),

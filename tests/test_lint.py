@@ -198,6 +198,7 @@ def test_bubble_covers_the_old_few_microbatches_warning(m):
 @pytest.mark.parametrize("name, mesh, plain, alternative", [
     ("gpt2_medium_fsdp8_tp4", "data:8,tensor:4", "dp_tp", "fsdp:8,tensor:4"),
     ("gpt2_tiny_dp8_zero1", "fsdp:8", "dp", "data:8"),
+    ("gpt2_tiny_dp8_zero2", "fsdp:8", "dp", "data:8"),
     ("gpt2_tiny_fsdp8", "data:8", "dp", "fsdp:8"),
 ])
 def test_zero_saves_nothing(name, mesh, plain, alternative):
@@ -212,7 +213,7 @@ def test_zero_saves_nothing(name, mesh, plain, alternative):
     assert f.cost.startswith(f"{mib(state)} of params and Adam moments per device, the same as {plain!r}")
     plain_cfg = load(name, **{"mesh.shape": mesh})
     assert apply(plain_cfg, f.fix) == [("layout", plain)]
-    # zero1 on fsdp:8 names no rule for fsdp: its devices also repeat each other's work.
+    # zero1 (zero2) on fsdp:8 names no rule for fsdp: its devices also repeat each other's work.
     assert [g.code for g in run_lint(plain_cfg)] == (["unused-axis"] if mesh == "fsdp:8" else [])
     assert f"--config.mesh.shape={alternative}" in f.fix  # the other way out: shard for real
     assert run_lint(load(name, **{"mesh.shape": alternative})) == []

@@ -21,7 +21,7 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline
 
-CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp2_tp4",
+CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_pp2_dp4", "llama_tiny_dp2_tp4", "llama_tiny_fsdp8"]
 KEYS = ("memory_per_device_bytes", "analytic_memory_per_device_bytes", "collectives",
         "collective_bytes_per_step", "collective_lower_bound_bytes", "flops_per_step",
@@ -66,13 +66,24 @@ def test_state_memory_equals_the_formula_and_xla_totals(name, planned):
 
 
 def test_zero_formulas_on_a_data_mesh(planned):
-    """dp 4+8 Psi, zero1 4 Psi + 8 Psi / n, fsdp (4 + 8) Psi / n (fp32 params and moments)."""
+    """Params, fp32 gradients and Adam moments: dp 4+4+8 Psi, zero1 4 + 4 + 8/n Psi,
+    zero2 4 + 4/n + 8/n Psi, fsdp (4 + 4 + 8)/n Psi: ZeRO's stages 0 to 3."""
     psi = planned["gpt2_tiny_dp8"][0].num_stored_params()
-    dp, zero1, fsdp = (planned[n][2]["analytic_memory_per_device_bytes"] for n in
-                       ("gpt2_tiny_dp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_fsdp8"))
-    assert (dp["params"], dp["optimizer"]) == (4 * psi, 8 * psi)
-    assert (zero1["params"], zero1["optimizer"]) == (4 * psi, 8 * psi / 8)
-    assert (fsdp["params"], fsdp["optimizer"]) == (4 * psi / 8, 8 * psi / 8)
+    dp, zero1, zero2, fsdp = (planned[n][2]["analytic_memory_per_device_bytes"] for n in
+                              ("gpt2_tiny_dp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_fsdp8"))
+    assert (dp["params"], dp["gradients"], dp["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
+    assert (zero1["params"], zero1["gradients"], zero1["optimizer"]) == (4 * psi, 4 * psi, 8 * psi / 8)
+    assert (zero2["params"], zero2["gradients"], zero2["optimizer"]) == (4 * psi, 4 * psi / 8, 8 * psi / 8)
+    assert (fsdp["params"], fsdp["gradients"], fsdp["optimizer"]) == (4 * psi / 8, 4 * psi / 8, 8 * psi / 8)
+
+
+def test_zero2_sends_what_zero1_sends(planned):
+    """ZeRO-2 moves zero1's reduce-scatter into the backward pass, not its bytes: the same
+    bound, and the compiled step sends the same over data."""
+    z1, z2 = (planned[n][2] for n in ("gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2"))
+    bound = {(b["kind"], tuple(b["mesh_axes"])): b["bytes"] for b in z1["collective_bounds"]}
+    assert {(b["kind"], tuple(b["mesh_axes"])): b["bytes"] for b in z2["collective_bounds"]} == bound
+    assert _axis(z2, ("data",))["bytes"] == pytest.approx(_axis(z1, ("data",))["bytes"], rel=0.01)
 
 
 def _axis(r, axes):
@@ -249,7 +260,7 @@ def test_the_report_says_which_memory_figure_decides_and_lints_once():
     run = _plan_cli("--config=gpt2_tiny_fsdp8", "--config.mesh.shape=fsdp:1", "--hardware=a100_40gb")
     assert run.returncode == 0, run.stderr
     out = run.stdout + run.stderr
-    assert out.count("shards weights or optimizer moments over fsdp") == 1
+    assert out.count("shards weights, gradients or optimizer moments over fsdp") == 1
     assert "fits on a100_40gb: decided by the formula total" in out
     assert "the CPU compile's total" in out and "does not decide" in out
     assert "activations, " in out and "MiB with the attention kernel a100_40gb takes" in out
@@ -315,3 +326,13 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+
+
+def test_search_enumerates_zero2_beside_zero1():
+    """The search takes its presets from PRESET_AXES: zero2 wherever zero1 goes."""
+    from meshtrain.planner import search
+    cands, _ = search.enumerate_candidates(8, 4, None, remats=("none",))
+    got = {(c.layout, tuple((a, n) for a, n in c.mesh if n > 1)) for c in cands}
+    for mesh in ((("data", 8),), (("data", 4), ("stage", 2))):
+        zero1 = {lay for lay, m in got if m == mesh and lay.startswith("zero1")}
+        assert zero1 and {lay.replace("zero1", "zero2") for lay in zero1} <= {lay for lay, m in got if m == mesh}

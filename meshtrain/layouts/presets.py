@@ -1,17 +1,27 @@
 """Named layouts. Each is a string in the layout grammar (see rules.parse).
 
 Memory per device for Psi parameters with fp32 params and Adam (12 B/param live
-state), n = size of the sharding axis, and what each costs in communication
-(wire elements per device per step; x4 bytes in fp32):
+state; the fp32 gradient, 4 B/param, lives only inside the step), n = size of the
+sharding axis, and what each costs in communication (wire elements per device per
+step; x4 bytes in fp32):
 
-  dp       12 Psi                  all-reduce of grads, 2 (n-1)/n Psi
-  zero1    4 Psi + 8 Psi / n       grads reduce-scattered into optimizer shards, updated params all-gathered
-  fsdp     12 Psi / n              ZeRO-3: params all-gathered for forward and again for backward,
-                                   grads reduce-scattered, 3 (n-1)/n Psi (1.5 x dp)
-  tp       ~12 Psi / t             Megatron: 2 all-reduces of [batch, length, embed] per layer forward,
-                                   2 in backward; no gradient all-reduce over tensor
-  dp_tp    ~12 Psi / t             tp inside, dp all-reduce of the tensor-sharded grads across data
-  fsdp_tp  ~12 Psi / (f t)         both
+           state            gradient buffer         communication
+  dp       12 Psi           4 Psi                   all-reduce of grads, 2 (n-1)/n Psi
+  zero1    4 Psi + 8 Psi/n  4 Psi: whole until the  reduce-scatter of grads into the optimizer
+                            backward pass ends      shards, all-gather of the updated params:
+                                                    2 (n-1)/n Psi, as dp
+  zero2    4 Psi + 8 Psi/n  4 Psi / n: each layer's as zero1, but one reduce-scatter per
+                            reduce-scattered in     microbatch (train.microbatches) or
+                            the layer scan          pipeline tick
+  fsdp     12 Psi / n       4 Psi / n               ZeRO-3: params all-gathered for forward and
+                                                    again for backward, grads reduce-scattered,
+                                                    3 (n-1)/n Psi (1.5 x dp)
+  tp       ~12 Psi / t      ~4 Psi / t              Megatron: 2 all-reduces of [batch, length,
+                                                    embed] per layer forward, 2 in backward; no
+                                                    gradient all-reduce over tensor
+  dp_tp    ~12 Psi / t      ~4 Psi / t              tp inside, dp all-reduce of the tensor-sharded
+                                                    grads across data
+  fsdp_tp  ~12 Psi / (f t)  ~4 Psi / (f t)          both
 The rule order matters: a mesh axis goes to the first rule that claims it.
 
 Pipeline presets (`*_pp*`) add `stage:stage` in front of every table, so the
@@ -29,17 +39,20 @@ _TP = "heads:tensor;mlp:tensor;vocab:tensor"
 # embed first, then mlp, then head_dim: every GPT-2 weight, bias and LayerNorm gets
 # exactly one dim sharded over fsdp, so per-device state is exactly 1/n.
 _FSDP_PARAMS = "embed:fsdp;mlp:fsdp;head_dim:fsdp"
+_OVER_DATA = "embed:data;mlp:data;head_dim:data"  # ZeRO-1/2's split, one dim per weight as fsdp
 
 PRESETS = {
     "dp": "batch:data",
     "fsdp": f"batch:data+fsdp | params={_FSDP_PARAMS}",
-    "zero1": "batch:data | opt_state=embed:data;mlp:data;head_dim:data",
+    "zero1": f"batch:data | opt_state={_OVER_DATA}",
+    "zero2": f"batch:data | opt_state={_OVER_DATA} | grads={_OVER_DATA}",
     "tp": _TP,
     "dp_tp": f"batch:data;{_TP}",
     "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp",
     "dp_pp": "stage:stage;batch:data+stage",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_FSDP_PARAMS}",
-    "zero1_pp": "stage:stage;batch:data+stage | opt_state=stage:stage;embed:data;mlp:data;head_dim:data",
+    "zero1_pp": f"stage:stage;batch:data+stage | opt_state=stage:stage;{_OVER_DATA}",
+    "zero2_pp": f"stage:stage;batch:data+stage | opt_state=stage:stage;{_OVER_DATA} | grads=stage:stage;{_OVER_DATA}",
     "dp_pp_tp": f"stage:stage;batch:data+stage;{_TP}",
     "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP};embed:fsdp",
 }
@@ -48,11 +61,12 @@ PIPELINE_PRESETS = tuple(name for name in PRESETS if "pp" in name)
 # axis of size > 1 outside the second set is left unused (every device on it repeats the
 # same work). The planner's search and the linter read this.
 PRESET_AXES = {
-    "dp": ({"data"}, {"data"}), "zero1": ({"data"}, {"data"}),
+    "dp": ({"data"}, {"data"}), "zero1": ({"data"}, {"data"}), "zero2": ({"data"}, {"data"}),
     "fsdp": ({"fsdp"}, {"data", "fsdp"}), "tp": ({"tensor"}, {"tensor"}),
     "dp_tp": ({"data", "tensor"}, {"data", "tensor"}),
     "fsdp_tp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
     "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
+    "zero2_pp": ({"stage", "data"}, {"data", "stage"}),
     "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),
     "dp_pp_tp": ({"stage", "tensor"}, {"data", "stage", "tensor"}),
     "fsdp_pp_tp": ({"stage", "fsdp", "tensor"}, {"data", "stage", "fsdp", "tensor"}),

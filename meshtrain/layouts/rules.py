@@ -1,8 +1,12 @@
 """Layouts: ordered rule tables from logical axis names to mesh axes.
 
-A layout has three rule tables:
+A layout has four rule tables:
   params       how weights are stored (FSDP/ZeRO-3 shards them here),
-  opt_state    how optimizer moments (and gradients) are stored (ZeRO-1 shards here),
+  opt_state    how optimizer moments are stored, and where the step's gradients are
+               reduced to once the backward pass is done (ZeRO-1 shards here),
+  grads        where each layer's weight gradients are reduced to *inside* the backward
+               pass, as the layer scan makes them (ZeRO-2 shards here); follows params,
+               so by default gradients stay where the weights are until the pass is done,
   activations  how compute is split (batch over data, heads over tensor, ...).
 
 Resolution of one array with logical axes (n1, n2, ...) under a table:
@@ -28,7 +32,7 @@ from meshtrain.layouts.vocabulary import VOCABULARY
 from meshtrain.mesh import AXES
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
-TARGETS = ("params", "opt_state", "activations")
+TARGETS = ("params", "opt_state", "grads", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,11 @@ class Layout:
     params: Rules
     opt_state: Rules
     activations: Rules
+    grads: Rules = None  # None: follows params
+
+    def __post_init__(self):
+        if self.grads is None:
+            object.__setattr__(self, "grads", self.params)
 
     def rules(self, target: str) -> Rules:
         return getattr(self, target)
@@ -55,7 +64,7 @@ class Layout:
             kept = ((n, tuple(a for a in axes if a not in mesh_axes)) for n, axes in rules)
             return tuple((n, axes) for n, axes in kept if axes)
         return Layout(f"{self.name} without {'+'.join(mesh_axes)}", strip(self.params),
-                      strip(self.opt_state), strip(self.activations))
+                      strip(self.opt_state), strip(self.activations), strip(self.grads))
 
     def shards(self, name: str, shape, target: str = "activations") -> tuple[int, tuple[str, ...]]:
         """How many pieces a lone logical dim `name` is split into under `target`, and over
@@ -64,10 +73,13 @@ class Layout:
         return math.prod(shape[a] for a in axes), axes
 
     def describe(self) -> str:
-        """The layout in the string grammar (round-trips through `parse`)."""
+        """The layout in the string grammar (round-trips through `parse`); `grads` only
+        where it differs from params (it follows params unless given)."""
         parts = [f"params={format_rules(self.params)}",
                  f"opt_state={format_rules(self.opt_state)}",
                  f"activations={format_rules(self.activations)}"]
+        if self.grads != self.params:
+            parts.insert(2, f"grads={format_rules(self.grads)}")
         return " | ".join(parts)
 
 
@@ -132,12 +144,15 @@ def parse(text: str, name: str | None = None) -> Layout:
     """Parses the layout grammar.
 
       layout  := section ('|' section)*
-      section := [target '='] rule (';' rule)*        target: params | opt_state | activations
+      section := [target '='] rule (';' rule)*   target: params | opt_state | grads | activations
       rule    := logical ':' mesh_axis ('+' mesh_axis)*
 
     An unlabelled section is the table for every target; a labelled one replaces
-    it for that target. opt_state follows params unless given.
+    it for that target. opt_state and grads follow params unless given.
     Example (ZeRO-1): "batch:data | opt_state=embed:data;mlp:data;head_dim:data".
+    Example (ZeRO-2): the same plus "| grads=embed:data;mlp:data;head_dim:data": each
+    layer's gradient is reduce-scattered over data inside the backward pass's layer
+    scan (meshtrain/grad_reduce.py), so no device holds the stacked gradients whole.
     """
     base: Rules = ()
     given: dict[str, Rules] = {}
@@ -160,4 +175,5 @@ def parse(text: str, name: str | None = None) -> Layout:
         params=params,
         opt_state=given.get("opt_state", params),
         activations=given.get("activations", base),
+        grads=given.get("grads", params),
     )

@@ -1,4 +1,5 @@
-"""Readable sharding tables: `param path | logical axes | params spec | opt_state spec`.
+"""Readable sharding tables: `param path | logical axes | params spec | opt_state spec`,
+and a `grads` spec column for a layout whose grads table is its own (ZeRO-2).
 
 Golden copies live in tests/golden/; a change of rules shows up there as a diff.
 """
@@ -19,15 +20,18 @@ def _fmt_spec(spec) -> str:
 def sharding_table(axes_tree, layout: Layout, activations) -> str:
     """`axes_tree`: params-shaped dict of logical-axis tuples (ModelDef.axes);
     `activations`: [(what, logical axes)] the model constrains (ModelDef.activation_axes())."""
-    rows = [("param", "logical axes", "params", "opt_state")]
+    grads = layout.grads != layout.params
+    rows = [("param", "logical axes", "params", "opt_state") + (("grads",) if grads else ())]
     for name, axes in tree_paths.flat(axes_tree, is_leaf=lambda x: isinstance(x, tuple)).items():
         rows.append((name, _fmt_axes(axes), _fmt_spec(layout.spec(axes, "params")),
-                     _fmt_spec(layout.spec(axes, "opt_state"))))
-    rows.append(("", "", "", ""))
-    rows.append(("activation", "logical axes", "activations", ""))
+                     _fmt_spec(layout.spec(axes, "opt_state")))
+                    + ((_fmt_spec(layout.spec(axes, "grads")),) if grads else ()))
+    blank = ("",) * len(rows[0])
+    rows.append(blank)
+    rows.append(("activation", "logical axes", "activations") + blank[3:])
     for name, axes in activations:
-        rows.append((name, _fmt_axes(axes), _fmt_spec(layout.spec(axes, "activations")), ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((name, _fmt_axes(axes), _fmt_spec(layout.spec(axes, "activations"))) + blank[3:])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(blank))]
     lines = [f"# layout {layout.name}: {layout.describe()}"]
     for r in rows:
         lines.append(" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() if any(r) else "")

@@ -4,8 +4,11 @@ Memory per device (bytes), for fp32 master weights and AdamW:
   params       sum over leaves of size / (shards of its params spec) x param bytes
   optimizer    2 moments x size / (shards of its opt_state spec) x param bytes
                (the first moment in optim.mu_dtype's bytes when set)
-  gradients    the params' sharding and dtype (the backward writes them there), plus an
-               fp32 accumulator at the optimizer's sharding when train.microbatches > 1
+  gradients    size / (shards of its grads spec) x param bytes: the params' sharding (the
+               backward writes them there), or split like the moments under a layout
+               whose grads table reduce-scatters each layer's gradient inside the backward
+               pass (ZeRO-2, layouts/rules.py); plus an fp32 accumulator at the
+               optimizer's sharding when train.microbatches > 1
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device,
                plus one layer's full activations when a remat policy recomputes them, plus
@@ -14,8 +17,11 @@ Memory per device (bytes), for fp32 master weights and AdamW:
                (meshtrain/loss.py), with then the output projection's gradient summed
                over the chunks in float32
 On a plain data-parallel mesh these reduce to ZeRO's stage formulas (arXiv 1910.02054):
-stage 0 (dp) 16 Psi, stage 1 (zero1) 8 Psi + 8 Psi / N, stage 3 (fsdp) 16 Psi / N with
-fp32 gradients and no microbatching.
+stage 0 (dp) 16 Psi, stage 1 (zero1) 8 Psi + 8 Psi / N, stage 2 (zero2) 4 Psi + 12 Psi / N,
+stage 3 (fsdp) 16 Psi / N with fp32 gradients and no microbatching. (XLA may split zero1's
+gradients inside the backward pass of its own accord: it propagates the optimizer's
+sharding back into the layer scan when nothing pins the gradient whole; the formula
+counts what the layout asks for.)
 
 Collective lower bounds (bytes each device sends per step, ring algorithms):
   gradients    every leaf's gradient reduced once over the batch axes that do not shard it:
@@ -23,7 +29,9 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
                bytes, in the compute dtype (the narrowest the backward computes gradients
                in; norms kept in float32 send more, and say so), or in train.grad_dtype
-               over the replica axes when it is set.
+               over the replica axes when it is set. ZeRO-2 sends the same bytes, but its
+               reduce-scatter runs once per microbatch, and for the pipelined layers once
+               per pipeline tick (r*M + S - 1 times a step): counted so.
   fsdp         weights sharded over an axis that also splits the batch: gathered for the
                forward and again for the backward pass of every microbatch, (n-1)/n x
                gathered bytes each in the compute dtype, and one reduce-scatter of the
@@ -104,10 +112,24 @@ def memory(exp, hw=None) -> dict[str, float]:
                  zip(shapes, jax.tree.leaves(exp.shardings.params)))
     opt = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
               zip(shapes, jax.tree.leaves(exp.grad_shardings)))
-    grads = params * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
+    split = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
+                zip(shapes, jax.tree.leaves(grads_shardings(exp))))
+    grads = split * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
     mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
     return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
             "activations": activations(exp, hw)}
+
+
+def grads_shardings(exp):
+    """Params-shaped NamedShardings of the gradients during the backward pass: the layout's
+    grads table (which follows params unless the layout gives one, as ZeRO-2 does)."""
+    return jax.tree.map(lambda axes: jax.sharding.NamedSharding(exp.mesh, exp.layout.spec(axes, "grads")),
+                        exp.model.axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def splits_in_backward(exp) -> bool:
+    """Whether the layout reduce-scatters layer gradients inside the backward pass (ZeRO-2)."""
+    return exp.layout.grads != exp.layout.params
 
 
 def activations(exp, hw=None, dtype: str | None = None) -> float | None:
@@ -166,6 +188,7 @@ def collective_bounds(exp) -> list[dict]:
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
+    zero2 = splits_in_backward(exp)
     for path, shape in flat_shapes.items():
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
         splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
@@ -182,8 +205,13 @@ def collective_bounds(exp) -> list[dict]:
             add("all-reduce", plain, 0, 2 * (n - 1) / n * local * g, "gradient reduction")
         if zero:
             n = _size(mesh, zero)
-            add("reduce-scatter", zero, 0, (n - 1) / n * local * g, "ZeRO-1 gradient reduce-scatter")
-            add("all-gather", zero, 0, (n - 1) / n * local * pbytes, "ZeRO-1 updated-param all-gather")
+            stage = "ZeRO-2" if zero2 else "ZeRO-1"
+            times = 1
+            if zero2:  # reduce-scattered where each microbatch's (each tick's) backward makes it
+                ticks = m.pipeline.ticks if (m.pipeline is not None and path.startswith(m.stacked + "/")) else 1
+                times = exp.cfg.train.microbatches * ticks
+            add("reduce-scatter", zero, 0, times * (n - 1) / n * local * g, f"{stage} gradient reduce-scatter")
+            add("all-gather", zero, 0, (n - 1) / n * local * pbytes, f"{stage} updated-param all-gather")
         gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
         if gather:
             n = _size(mesh, gather)

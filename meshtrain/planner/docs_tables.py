@@ -30,6 +30,7 @@ TABLES: dict[str, str] = {
     "ring-bandwidth": "meshtrain.planner.docs_figures:ring_table",
     "survey-tp16": "meshtrain.planner.docs_figures:survey_table",
     "acceptance": "meshtrain.planner.docs_figures:acceptance_table",
+    "zero-stages": "meshtrain.planner.zero_table:markdown",
 }
 SIMULATED_DEVICES = 32
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md"

@@ -95,14 +95,16 @@ def batch_multiple(run: Run, m: int) -> int:
     return math.lcm(q, k * m * batch_shards(run.layout.without("stage"), run.shape)) if m > 0 else q
 
 
-def layout_text(params, opt_state, activations) -> str:
-    """Three rule tables in the grammar, shortest form (opt_state follows params follows the
-    unlabelled section)."""
+def layout_text(params, opt_state, activations, grads=None) -> str:
+    """The rule tables in the grammar, shortest form (opt_state and grads follow params
+    follows the unlabelled section; grads None: follows params)."""
     parts = [format_rules(activations)]
     if params != activations:
         parts.append(f"params={format_rules(params)}")
     if opt_state != params:
         parts.append(f"opt_state={format_rules(opt_state)}")
+    if grads is not None and grads != params:
+        parts.append(f"grads={format_rules(grads)}")
     return " | ".join(p for p in parts if p)
 
 

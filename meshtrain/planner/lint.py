@@ -16,7 +16,7 @@ back. The checks, by code:
   batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
-  zero-saves-nothing  (warning) the layout shards weights or moments over data/fsdp, all of size 1;
+  zero-saves-nothing  (warning) the layout shards weights, gradients or moments over data/fsdp, all of size 1;
                       the fix names the preset that does the same (found among the presets)
   unused-axis         (warning) a mesh axis of size > 1 that no rule of the layout names: every
                       device along it repeats the same work; the fix is the preset that uses

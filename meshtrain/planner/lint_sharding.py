@@ -70,12 +70,12 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
                     f"heads cannot split; accept the cost, or use a {plus} size that divides {k}")
         free, targets = ["kv_heads"], TARGETS
     else:
-        targets = ("params", "opt_state")
+        targets = ("params", "opt_state", "grads")
     for name in dict.fromkeys(a for a in free if a not in _STACKED):
         if any(size % n for size, a in zip(s, axes) if a == name):
             continue
         tables = {t: lay.rules(t) + ((name, missing),) if t in targets else lay.rules(t) for t in TARGETS}
-        text = layout_text(tables["params"], tables["opt_state"], tables["activations"])
+        text = layout_text(tables["params"], tables["opt_state"], tables["activations"], tables["grads"])
         new = layouts.get(text)
         if any(new.rules(t) != tables[t] for t in TARGETS) or set(missing) - set(axes_of(new, axes, "params")):
             continue
@@ -91,13 +91,14 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
 def zero(run: Run) -> list[Finding]:
     lay, shape = run.layout, run.shape
     zero = [a for a in AXES if a in ("data", "fsdp") and any(
-        a in axes for t in ("params", "opt_state") for name, axes in lay.rules(t) if name != "batch")]
+        a in axes for t in ("params", "opt_state", "grads") for name, axes in lay.rules(t) if name != "batch")]
     if not zero or any(shape[a] > 1 for a in zero):
         return []
     def strip(rules):
         kept = ((n, tuple(a for a in axes if n == "batch" or a not in zero)) for n, axes in rules)
         return tuple((n, axes) for n, axes in kept if axes)
-    plain = _plain_preset(lay, zero) or layout_text(strip(lay.params), strip(lay.opt_state), lay.activations)
+    plain = _plain_preset(lay, zero) or layout_text(strip(lay.params), strip(lay.opt_state),
+                                                    lay.activations, strip(lay.grads))
     over = ", ".join(f"{a}=1" for a in zero)
     cost = "12 B/param (fp32 params and Adam moments) on every device"
     if run.model is not None:
@@ -115,7 +116,7 @@ def zero(run: Run) -> list[Finding]:
             dcn = {**run.dcn, zero[0]: run.dcn[src[0]], src[0]: 1}
             fix += " " + override("mesh.dcn", mesh_lib.format_factors(dcn))
     return [Finding("zero-saves-nothing", "warning",
-                    f"layout {lay.name!r} shards weights or optimizer moments over {'/'.join(zero)}, but the "
+                    f"layout {lay.name!r} shards weights, gradients or optimizer moments over {'/'.join(zero)}, but the "
                     f"mesh has {over} ({mesh_text(shape)})", cost, fix + ")")]
 
 
@@ -150,7 +151,7 @@ def _plain_preset(lay, axes: list[str]) -> str | None:
     want = norm(lay)
     for name in layouts.presets.PRESETS:
         other = layouts.get(name)
-        shards = any(a in axes for t in ("params", "opt_state") for n, rule in other.rules(t) if n != "batch"
+        shards = any(a in axes for t in ("params", "opt_state", "grads") for n, rule in other.rules(t) if n != "batch"
                      for a in rule)
         if name != lay.name and not shards and norm(other) == want:
             return name

@@ -45,8 +45,9 @@ MEMINFO = "/proc/meminfo"
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 # layout preset -> (the preset that shards the optimizer state only, the one that shards everything over fsdp)
-SHARDED = {"dp": ("zero1", "fsdp"), "zero1": (None, "fsdp"), "dp_tp": (None, "fsdp_tp"),
-           "dp_pp": ("zero1_pp", "fsdp_pp"), "zero1_pp": (None, "fsdp_pp"), "dp_pp_tp": (None, "fsdp_pp_tp")}
+SHARDED = {"dp": ("zero1", "fsdp"), "zero1": (None, "fsdp"), "zero2": (None, "fsdp"), "dp_tp": (None, "fsdp_tp"),
+           "dp_pp": ("zero1_pp", "fsdp_pp"), "zero1_pp": (None, "fsdp_pp"), "zero2_pp": (None, "fsdp_pp"),
+           "dp_pp_tp": (None, "fsdp_pp_tp")}
 
 
 def check_config(t) -> None:
