@@ -10,7 +10,14 @@ none); train.nonfinite decides what the loop does with the last two (loop.py).
 
 With train.microbatches = k the batch is cut into k microbatches of B/k rows and
 gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is
-the full-batch mean loss, so k changes memory, not the result.
+the full-batch mean loss, so k changes memory, not the result. With
+accum_gather="once" and parameters sharded over a batch axis (fsdp):
+
+    w = gather(cast(params))             # once, to the params' sharding without fsdp
+    acc [n, ...] = 0 (float32)           # n = batch replicas, fsdp's included
+    for each microbatch j:               # lax.scan; no collective on w inside
+        acc += per-replica grads of loss(w, rows j)
+    grads = sum over n of acc / k        # one reduce-scatter to the optimizer's sharding
 """
 
 from __future__ import annotations
@@ -60,6 +67,20 @@ def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
     return lambda params: jax.tree.map(cast, params, model.axes)
 
 
+def make_gather(model: ModelDef, layout: Layout, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
+    """params -> params cast to the compute dtype (make_cast) and gathered over the mesh
+    `axes`: stored at the layout's params sharding with `axes` struck. The identity when
+    `axes` is empty. train.accum_gather="once" gathers so once per step."""
+    if not axes:
+        return lambda params: params
+    cast, inner = make_cast(model, layout, mesh), layout.without(*axes)
+
+    def gather(params):
+        spec = lambda axes: NamedSharding(mesh, inner.spec(axes, "params"))  # noqa: E731
+        return jax.tree.map(lambda p, a: jax.lax.with_sharding_constraint(p, spec(a)), cast(params), model.axes)
+    return gather
+
+
 def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
     """(constrain, cast, run_layers): what every forward pass of `model` on `mesh` under
     `layout` takes (the layout's constrain hook, make_cast, and the pipeline's schedule
@@ -106,7 +127,7 @@ def gradient_names(model: ModelDef) -> list[str]:
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     microbatches: int, nonfinite: str = "crash", loss_chunk: int = 0,
-                    grad_dtype: str = "") -> Callable:
+                    grad_dtype: str = "", accum_gather: str = "each") -> Callable:
     """Returns the jitted step.
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
@@ -118,10 +139,14 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     is where gradients are reduced to: the optimizer moments' shardings, so under
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them.
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
-    in that dtype, once per step (meshtrain/grad_reduce.py).
+    in that dtype, once per step (meshtrain/grad_reduce.py). With `accum_gather="once"`
+    and microbatches, parameters sharded over a batch axis are gathered once before the
+    microbatch loop, and that axis joins the replica axes (module docstring).
     """
     by_hand = bool(grad_dtype) or microbatches > 1
-    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params) if by_hand else ()
+    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, microbatches, accum_gather)
+    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
+    gather = make_gather(model, layout, mesh, gathered)
     if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
         inner = layout.without(*replicas)
         grad_fn = grad_reduce.per_replica(
@@ -141,15 +166,21 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         micro = tokens.reshape(b // microbatches, microbatches, t1).swapaxes(0, 1)
         micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         keys = None if key is None else jax.random.split(key, microbatches)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0]))
+        params = gather(params)
+        shapes = jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0])
+        # Accumulated in float32 (gathered matrices' gradients arrive in the compute dtype).
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), shapes)
 
         def body(acc, xs):
             mb, k = xs
             loss, grads = grad_fn(params, mb, k)
-            return jax.tree.map(jnp.add, acc, (grads, loss)), None
+            return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (grads, loss)), None
         (grads, loss), _ = jax.lax.scan(body, (zeros[1], zeros[0]), (micro, keys))
-        return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
+        # grad_reduce.reduce takes the float32 sums to their reduction dtype; else back to
+        # the dtype the backward produced.
+        mean = jax.tree.map(lambda g, s: (g / microbatches).astype(jnp.float32 if replicas else s.dtype),
+                            grads, shapes[1])
+        return mean, loss / microbatches
 
     def grads_and_loss(params, tokens, key):
         grads, loss = summed_grads(params, tokens, key)
