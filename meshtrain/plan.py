@@ -128,7 +128,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     the devices to build on (default all; a notebook with more simulated devices than
     the mesh passes `jax.devices()[:n]`)."""
     from meshtrain.experiment import Experiment, read_inputs, resolve
-    from meshtrain.planner import lint, report as report_lib
+    from meshtrain.planner import accumulation, lint, report as report_lib
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     if -1 in shape.values():
         raise UserError(f"mesh.shape={cfg.mesh.shape!r} has an axis of size -1: the planner needs "
@@ -142,6 +142,9 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     if errors:
         raise UserError(" ".join(str(f) for f in errors))
     exp = Experiment.build(cfg, devices=devices, inputs=inputs)
+    exp, accum_line = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
+    if cfg.train.microbatches > 1:
+        say(accum_line)
     # Again with the model (and so the checks that need its parameters): it repeats every
     # check of the first run, whose warnings are therefore dropped, not printed twice.
     findings = lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model, hw)
