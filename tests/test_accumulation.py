@@ -120,7 +120,7 @@ def test_planner_memory_counts_the_gathered_params_and_accumulator(fsdp8):
     assert extra == pytest.approx(2 * param_bytes(once) - param_bytes(once, ("fsdp",)), rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["gpt2_tiny_dp2_fsdp2_tp2", "llama_tiny_fsdp8"])
+@pytest.mark.parametrize("name", ["gpt2_tiny_dp2_fsdp2_tp2", pytest.param("llama_tiny_fsdp8", marks=pytest.mark.slow)])
 def test_once_across_layouts(name):
     """fsdp_tp (data x fsdp x tensor) and Llama: one gather over fsdp of the fsdp-sharded
     params' tensor shards, the planner's bound; the losses of "each"."""
@@ -181,6 +181,7 @@ def test_bad_value_names_the_choices(make_config):
         assert word in str(err.value)
 
 
+@pytest.mark.slow
 def test_train_says_which_it_chose():
     r = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_fsdp8",
                         f"--config.train.microbatches={K}", "--config.train.steps=0"],

@@ -8,6 +8,7 @@
   ranking    the search's ranking, the winner as a command, the config's own layout's rank
   lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
+  accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   text       the report for a terminal
   docs_tables, docs_figures  the tables of docs/planner.md, written from the code
 """
