@@ -53,7 +53,10 @@ def resolve(exp, budget: memory_check.Budget | None = None, *, local: bool = Tru
     """-> (exp with its train step built for the chosen mode, the one line that says so).
     `budget` defaults to this process's devices' (memory_check.local_budget), the least
     over the processes (`agreed`), when `local`."""
-    if budget is None and local:
+    t = exp.cfg.train
+    choosing = t.accum_gather == "auto" and grad_reduce.gathered_axes(
+        exp.layout, exp.mesh, exp.shardings.params, t.microbatches, "once")
+    if budget is None and local and choosing:  # only then: `agreed` is a collective
         budget = agreed(memory_check.local_budget())
     mode, why = choose(exp, budget)
     if mode != exp.accum_gather:
