@@ -143,8 +143,6 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
         raise UserError(" ".join(str(f) for f in errors))
     exp = Experiment.build(cfg, devices=devices, inputs=inputs)
     exp, accum_line = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
-    if cfg.train.microbatches > 1:
-        say(accum_line)
     # Again with the model (and so the checks that need its parameters): it repeats every
     # check of the first run, whose warnings are therefore dropped, not printed twice.
     findings = lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model, hw)
@@ -153,6 +151,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     report = report_lib.plan(exp, hw)
     report["config_name"] = name
     report["lint"] = [dataclasses.asdict(f) for f in findings]
+    report["accum_gather"] = accum_line if cfg.train.microbatches > 1 else None
     return report
 
 
