@@ -75,10 +75,9 @@ def make_gather(model: ModelDef, layout: Layout, mesh: Mesh, axes: tuple[str, ..
         return lambda params: params
     cast, inner = make_cast(model, layout, mesh), layout.without(*axes)
 
-    def gather(params):
-        spec = lambda axes: NamedSharding(mesh, inner.spec(axes, "params"))  # noqa: E731
-        return jax.tree.map(lambda p, a: jax.lax.with_sharding_constraint(p, spec(a)), cast(params), model.axes)
-    return gather
+    def gather_one(p, axes):
+        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, inner.spec(axes, "params")))
+    return lambda params: jax.tree.map(gather_one, cast(params), model.axes)
 
 
 def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
