@@ -48,7 +48,12 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # (docs/profiling.md); "" is off. loss_chunk: positions per chunk of the loss, whose
     # float32 logits are recomputed in backward instead of kept (0: the whole sequence at
     # once). grad_dtype: the dtype gradients are reduced in over the data axis ("" as the
-    # backward produces them). Both in docs/performance.md. skip_memory_check: start even
+    # backward produces them). Both in docs/performance.md. accum_gather, with microbatches
+    # > 1 and params sharded over a batch axis (fsdp): "once" gathers the params once per
+    # step and reduce-scatters the accumulated gradients once (more memory: the gathered
+    # params and a float32 accumulator of full size), "each" gathers them in every
+    # microbatch, "auto" picks once when the planner's memory formula says it fits the
+    # device (docs/performance.md); a no-op elsewhere. skip_memory_check: start even
     # when the compiled step's memory does not fit the devices (planner/memory_check.py).
     # trackers: where metric rows go besides the progress lines, a comma list of
     # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/trackers.py;
@@ -61,7 +66,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
-                   loss_chunk=256, grad_dtype="", skip_memory_check=False,
+                   loss_chunk=256, grad_dtype="", accum_gather="auto", skip_memory_check=False,
                    trackers="tensorboard,jsonl", hang_timeout=None, hang_timeout_busy=1800.0,
                    straggler_every=100, straggler_fraction=0.1)
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without

@@ -115,7 +115,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)
     loss.check_config(cfg.train, dims["seq_len"])
-    grad_reduce.check(cfg.train.grad_dtype)
+    grad_reduce.check(cfg.train.grad_dtype, cfg.train.accum_gather)
     grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
@@ -151,6 +151,13 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
     return m.vocab_size or source.vocab_size
 
 
+def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str) -> Callable:
+    return step_lib.make_train_step(
+        model, tx, schedule, layout, mesh, shardings, grad_shardings,
+        microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite,
+        loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype, accum_gather=accum_gather)
+
+
 def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
     return jax.sharding.AbstractMesh(tuple(shape[a] for a in mesh_lib.AXES), mesh_lib.AXES)
 
@@ -171,6 +178,9 @@ class Experiment:
     batch_sharding: NamedSharding
     dcn: dict[str, int] | None = None  # the inter-node factor of each axis (mesh.parse_dcn)
     init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
+    # How train_step gathers fsdp-sharded params with microbatches: "once" or "each" per
+    # step (train.accum_gather; "auto" builds "each" until resolved, with_accum_gather).
+    accum_gather: str = "each"
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -198,15 +208,21 @@ class Experiment:
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
         shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh)
-        train_step = step_lib.make_train_step(
-            model, tx, schedule, layout, mesh, shardings, grad_shardings,
-            microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite,
-            loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype)
+        accum = cfg.train.accum_gather if cfg.train.accum_gather != "auto" else "each"
+        train_step = _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params,
                                             loss_chunk=cfg.train.loss_chunk)
         batch_sharding = step_lib.batch_sharding(layout, mesh)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, dcn, inputs.init)
+                   train_step, eval_step, batch_sharding, dcn, inputs.init, accum)
+
+    def with_accum_gather(self, mode: str) -> "Experiment":
+        """A copy whose train step gathers fsdp-sharded params once per step ("once") or in
+        every microbatch ("each"); nothing traced. The train and plan commands resolve
+        train.accum_gather="auto" so (meshtrain/planner/accumulation.py)."""
+        step = _train_step(self.cfg, self.model, self.tx, self.schedule, self.layout, self.mesh,
+                           self.shardings, self.grad_shardings, mode)
+        return dataclasses.replace(self, train_step=step, accum_gather=mode)
 
     @property
     def batch_shape(self) -> tuple[int, int]:

@@ -21,7 +21,13 @@ and then each gradient is reduced in the dtype the backward produces it in: the 
 dtype for matrices (step.make_cast), the param dtype for the rest.
 
 The replica axes are the mesh axes the batch is split over and no parameter is (e.g.
-`data`; never `fsdp`, whose gradients XLA reduce-scatters inside the backward pass).
+`data`; not `fsdp`, whose gradients XLA reduce-scatters inside the backward pass).
+
+train.accum_gather="once" makes the fsdp axes replica axes too, for the microbatch loop
+(`gathered_axes`): the step gathers the parameters over them once, before the loop, and
+the per-replica gradients accumulated over the microbatches are reduced once after it,
+to the optimizer's sharding (a reduce-scatter over fsdp); "each" leaves them to XLA,
+which gathers the weights and reduce-scatters their gradients in every microbatch.
 
 ZeRO-2 (a layout whose `grads` table splits block parameters more than its `params`
 table, layouts/rules.py) reduces inside the backward pass instead, layer by layer:
@@ -53,22 +59,45 @@ from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
+ACCUM_GATHER = ("auto", "once", "each")
 
 
-def check(grad_dtype: str) -> None:
+def check(grad_dtype: str, accum_gather: str = "auto") -> None:
     if grad_dtype not in GRAD_DTYPES:
         raise UserError(f"train.grad_dtype={grad_dtype!r}: choose bfloat16, float32, or \"\" to "
                         f"reduce gradients in the dtype the backward pass produces them in.")
+    if accum_gather not in ACCUM_GATHER:
+        raise UserError(f"train.accum_gather={accum_gather!r}: choose once (gather fsdp-sharded "
+                        f"params once per step, reduce the accumulated gradients once), each (gather "
+                        f"them in every microbatch), or auto (the planner's memory formula picks).")
 
 
-def replica_axes(layout: Layout, mesh: Mesh, param_shardings) -> tuple[str, ...]:
-    """Mesh axes (size > 1) that split the batch and no parameter, nor, in the backward
-    pass, any gradient (the `grads` table): over these a gradient is a sum of whole,
-    per-replica gradients."""
+def replica_axes(layout: Layout, mesh: Mesh, param_shardings, gathered: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Mesh axes (size > 1) that split the batch and no parameter, plus `gathered` (whose
+    parameters the caller gathers first), in the batch's order: over these a gradient is
+    a sum of whole, per-replica gradients. Axes the `grads` table splits gradients over in
+    the backward pass (ZeRO-2) are never replica axes."""
     _, batch = layout.shards("batch", mesh.shape)
-    used = {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes_of(entry)}
+    used = _param_axes(param_shardings)
+    # ZeRO-2: split over these in the backward pass (the `grads` table), never whole.
     used |= {a for _, axes in layout.grads for a in axes} if layout.grads != layout.params else set()
-    return tuple(a for a in batch if a not in used and mesh.shape[a] > 1)
+    return tuple(a for a in batch if (a not in used or a in gathered) and mesh.shape[a] > 1)
+
+
+def gathered_axes(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, accum_gather: str) -> tuple[str, ...]:
+    """The fsdp-like axes train.accum_gather="once" gathers once per step: mesh axes (size
+    > 1) that split the batch and shard some parameter, except `stage` (its pipeline keeps
+    each stage's weights apart). () when accum_gather is not "once", with one microbatch
+    (nothing to save), or when no such axis exists: then "once" changes nothing."""
+    if accum_gather != "once" or microbatches < 2:
+        return ()
+    _, batch = layout.shards("batch", mesh.shape)
+    used = _param_axes(param_shardings)
+    return tuple(a for a in batch if a in used and a != "stage" and mesh.shape[a] > 1)
+
+
+def _param_axes(param_shardings) -> set[str]:
+    return {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes_of(entry)}
 
 
 def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh) -> Callable:

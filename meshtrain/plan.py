@@ -154,7 +154,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     the devices to build on (default all; a notebook with more simulated devices than
     the mesh passes `jax.devices()[:n]`)."""
     from meshtrain.experiment import Experiment, read_inputs, resolve
-    from meshtrain.planner import lint, report as report_lib
+    from meshtrain.planner import accumulation, lint, report as report_lib
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     if -1 in shape.values():
         raise UserError(f"mesh.shape={cfg.mesh.shape!r} has an axis of size -1: the planner needs "
@@ -168,6 +168,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     if errors:
         raise UserError(" ".join(str(f) for f in errors))
     exp = Experiment.build(cfg, devices=devices, inputs=inputs)
+    exp, accum_line = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
     # Again with the model (and so the checks that need its parameters): it repeats every
     # check of the first run, whose warnings are therefore dropped, not printed twice.
     findings = lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model, hw)
@@ -176,6 +177,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     report = report_lib.plan(exp, hw)
     report["config_name"] = name
     report["lint"] = [dataclasses.asdict(f) for f in findings]
+    report["accum_gather"] = accum_line if cfg.train.microbatches > 1 else None
     return report
 
 

@@ -10,7 +10,14 @@ none); train.nonfinite decides what the loop does with the last two (loop.py).
 
 With train.microbatches = k the batch is cut into k microbatches of B/k rows and
 gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is
-the full-batch mean loss, so k changes memory, not the result.
+the full-batch mean loss, so k changes memory, not the result. With
+accum_gather="once" and parameters sharded over a batch axis (fsdp):
+
+    w = gather(cast(params))             # once, to the params' sharding without fsdp
+    acc [n, ...] = 0 (float32)           # n = batch replicas, fsdp's included
+    for each microbatch j:               # lax.scan; no collective on w inside
+        acc += per-replica grads of loss(w, rows j)
+    grads = sum over n of acc / k        # one reduce-scatter to the optimizer's sharding
 """
 
 from __future__ import annotations
@@ -58,6 +65,19 @@ def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
         return grad_reduce.constrain_both_ways(p.astype(dtype), NamedSharding(mesh, layout.spec(axes, "params")),
                                                NamedSharding(mesh, layout.spec(axes, "grads")))
     return lambda params: jax.tree.map(cast, params, model.axes)
+
+
+def make_gather(model: ModelDef, layout: Layout, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
+    """params -> params cast to the compute dtype (make_cast) and gathered over the mesh
+    `axes`: stored at the layout's params sharding with `axes` struck. The identity when
+    `axes` is empty. train.accum_gather="once" gathers so once per step."""
+    if not axes:
+        return lambda params: params
+    cast, inner = make_cast(model, layout, mesh), layout.without(*axes)
+
+    def gather_one(p, axes):
+        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, inner.spec(axes, "params")))
+    return lambda params: jax.tree.map(gather_one, cast(params), model.axes)
 
 
 def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
@@ -113,7 +133,7 @@ def gradient_names(model: ModelDef) -> list[str]:
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     microbatches: int, nonfinite: str = "crash", loss_chunk: int = 0,
-                    grad_dtype: str = "") -> Callable:
+                    grad_dtype: str = "", accum_gather: str = "each") -> Callable:
     """Returns the jitted step.
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
@@ -126,12 +146,16 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them (ZeRO-1
     at the end of the backward pass; ZeRO-2 layer by layer inside it, forward_parts).
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
-    in that dtype, once per step (meshtrain/grad_reduce.py).
+    in that dtype, once per step (meshtrain/grad_reduce.py). With `accum_gather="once"`
+    and microbatches, parameters sharded over a batch axis are gathered once before the
+    microbatch loop, and that axis joins the replica axes (module docstring).
     """
     by_hand = bool(grad_dtype) or microbatches > 1
     split_in_backward = grad_reduce.grads_pins(
         layout, mesh, model.axes[model.stacked], 1 if model.pipeline is None else 2) is not None
-    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params) if by_hand else ()
+    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, microbatches, accum_gather)
+    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
+    gather = make_gather(model, layout, mesh, gathered)
     if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
         inner = layout.without(*replicas)
         grad_fn = grad_reduce.per_replica(
@@ -151,20 +175,26 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         micro = tokens.reshape(b // microbatches, microbatches, t1).swapaxes(0, 1)
         micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         keys = None if key is None else jax.random.split(key, microbatches)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0]))
+        params = gather(params)
+        shapes = jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0])
+        # Accumulated in float32 (gathered matrices' gradients arrive in the compute dtype).
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), shapes)
         if split_in_backward:
             zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], grad_shardings))
 
         def body(acc, xs):
             mb, k = xs
             loss, grads = grad_fn(params, mb, k)
-            acc = jax.tree.map(jnp.add, acc, (grads, loss))
+            acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (grads, loss))
             if split_in_backward:  # ZeRO-2: accumulate where the moments live, never whole
                 acc = (jax.lax.with_sharding_constraint(acc[0], grad_shardings), acc[1])
             return acc, None
         (grads, loss), _ = jax.lax.scan(body, (zeros[1], zeros[0]), (micro, keys))
-        return jax.tree.map(lambda g: g / microbatches, grads), loss / microbatches
+        # grad_reduce.reduce takes the float32 sums to their reduction dtype; else back to
+        # the dtype the backward produced.
+        mean = jax.tree.map(lambda g, s: (g / microbatches).astype(jnp.float32 if replicas else s.dtype),
+                            grads, shapes[1])
+        return mean, loss / microbatches
 
     def grads_and_loss(params, tokens, key):
         grads, loss = summed_grads(params, tokens, key)

@@ -124,7 +124,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
     from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.experiment import Experiment
     from meshtrain.loop import train_loop
-    from meshtrain.planner import memory_check
+    from meshtrain.planner import accumulation, memory_check
 
     exp = Experiment.build(args.config)
     cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
@@ -133,6 +133,9 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
     if xla_line:
         say(xla_line)
     node = describe(exp, launch, cluster, source, say)
+    exp, accum_line = accumulation.resolve(exp)  # train.accum_gather="auto" chosen here
+    if cfg.train.microbatches > 1:
+        say(accum_line)
     lint_warnings(exp)
     workdir = flags.get("workdir")
     if cfg.train.profile and not workdir and cfg.train.steps:

@@ -9,6 +9,7 @@
   lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   verify     a layout trained against one device on a shrunk model (plan --verify)
+  accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   text       the report for a terminal
   docs_tables, docs_figures  the tables of docs/planner.md, written from the code
 """

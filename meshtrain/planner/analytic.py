@@ -8,7 +8,10 @@ Memory per device (bytes), for fp32 master weights and AdamW:
                backward writes them there), or split like the moments under a layout
                whose grads table reduce-scatters each layer's gradient inside the backward
                pass (ZeRO-2, layouts/rules.py); plus an fp32 accumulator at the
-               optimizer's sharding when train.microbatches > 1
+               optimizer's sharding when train.microbatches > 1; with
+               train.accum_gather=once (`gathered`) the accumulator has the gathered
+               params' sharding (fsdp struck), and the gathered params themselves (matrices
+               in the compute dtype) count here too: both live through the microbatch loop
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device,
                plus one layer's full activations when a remat policy recomputes them, plus
@@ -35,7 +38,9 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
   fsdp         weights sharded over an axis that also splits the batch: gathered for the
                forward and again for the backward pass of every microbatch, (n-1)/n x
                gathered bytes each in the compute dtype, and one reduce-scatter of the
-               gradients, (n-1)/n x gathered bytes: ZeRO-3's 3 Psi (arXiv 1910.02054 §7).
+               gradients, (n-1)/n x gathered bytes, per microbatch: ZeRO-3's 3 Psi (arXiv
+               1910.02054 §7). With train.accum_gather=once: one gather per step before the
+               microbatch loop and one reduce-scatter of the accumulated gradients after it.
   tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
                2 backward per microbatch, plus, when the vocabulary is split, the embedding
                lookup forward and the output projection's input gradient backward, once per
@@ -52,7 +57,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import grad_reduce, loss as loss_lib, tree_paths
+from meshtrain import grad_reduce, loss as loss_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 
@@ -115,6 +120,12 @@ def memory(exp, hw=None) -> dict[str, float]:
     split = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
                 zip(shapes, jax.tree.leaves(grads_shardings(exp))))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
+    once = gathered(exp)
+    if once:  # accumulator and gathered params at the params' sharding without `once`
+        inner = [math.prod(s.shape) / _size(exp.mesh, [a for a in _axes_of(sh) if a not in once])
+                 for s, sh in zip(shapes, jax.tree.leaves(exp.shardings.params))]
+        wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
+        grads += sum(n * (4 + w) for n, w in zip(inner, wbytes)) - opt * 4
     mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
     return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
             "activations": activations(exp, hw)}
@@ -130,6 +141,13 @@ def grads_shardings(exp):
 def splits_in_backward(exp) -> bool:
     """Whether the layout reduce-scatters layer gradients inside the backward pass (ZeRO-2)."""
     return exp.layout.grads != exp.layout.params
+
+
+def gathered(exp) -> tuple[str, ...]:
+    """The mesh axes the step gathers params over once per step (train.accum_gather=once
+    with microbatches; grad_reduce.gathered_axes), else ()."""
+    return grad_reduce.gathered_axes(exp.layout, exp.mesh, exp.shardings.params,
+                                     exp.cfg.train.microbatches, exp.accum_gather)
 
 
 def activations(exp, hw=None, dtype: str | None = None) -> float | None:
@@ -184,7 +202,8 @@ def collective_bounds(exp) -> list[dict]:
     _, batch_axes = _shards(exp, "batch")
     inner_axes = batch_axes if m.pipeline is None else _shards(exp, "batch", exp.layout.without("stage"))[1]
     grad_bytes = jnp.dtype(exp.cfg.train.grad_dtype).itemsize if exp.cfg.train.grad_dtype else 0
-    replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params)
+    once = gathered(exp)
+    replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params, once)
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
@@ -213,11 +232,19 @@ def collective_bounds(exp) -> list[dict]:
             add("reduce-scatter", zero, 0, times * (n - 1) / n * local * g, f"{stage} gradient reduce-scatter")
             add("all-gather", zero, 0, (n - 1) / n * local * pbytes, f"{stage} updated-param all-gather")
         gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
-        if gather:
+        if gather and set(gather) <= set(once):  # train.accum_gather=once
+            n = _size(mesh, gather)
+            g = grad_bytes or g  # reduced by hand, in train.grad_dtype when set
+            add("all-gather", gather, 0, (n - 1) * local * compute,
+                "FSDP weight all-gather, once per step before the microbatch loop")
+            add("reduce-scatter", gather, 0, (n - 1) * local * g,
+                "FSDP reduce-scatter of the accumulated gradients, once per step")
+        elif gather:
             n = _size(mesh, gather)
             add("all-gather", gather, 0, 2 * b["micro"] * (n - 1) * local * compute,
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
-            add("reduce-scatter", gather, 0, (n - 1) * local * g, "FSDP gradient reduce-scatter")
+            add("reduce-scatter", gather, 0, exp.cfg.train.microbatches * (n - 1) * local * g,
+                "FSDP gradient reduce-scatter, per microbatch")
     t_axes = _shards(exp, "heads")[1]
     activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
     stages = m.pipeline.stages if m.pipeline else 1

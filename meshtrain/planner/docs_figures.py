@@ -84,13 +84,14 @@ def _report(name: str, overrides: list, hw) -> dict:
 
     from meshtrain import config as config_lib, mesh as mesh_lib
     from meshtrain.experiment import Experiment, read_inputs, resolve
-    from meshtrain.planner import report as report_lib
+    from meshtrain.planner import accumulation, report as report_lib
     cfg = config_lib.load(name)
     for key, value in overrides:
         config_lib.override(cfg, key, value)
     n = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
     inputs = read_inputs(cfg)
     exp = Experiment.build(resolve(cfg, inputs.init), devices=jax.devices()[:n], inputs=inputs)
+    exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)  # as `meshtrain plan`
     return report_lib.plan(exp, hw)
 
 

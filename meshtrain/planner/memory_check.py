@@ -135,6 +135,17 @@ def device_budget(devices, processes_on_host: int = 1, host=None) -> Budget | No
                   host=False)
 
 
+def local_budget() -> Budget | None:
+    """`device_budget` of this process's devices, sharing the host with the processes the
+    cluster puts on it."""
+    import jax
+
+    from meshtrain.cluster import distributed
+    hosts = distributed.hosts()
+    me = hosts[jax.process_index()] if jax.process_index() < len(hosts) else socket.gethostname()
+    return device_budget(jax.local_devices(), max(hosts.count(me), 1))
+
+
 def fits(peak: float, budget: Budget) -> bool:
     return peak <= budget.per_device
 
@@ -267,12 +278,9 @@ def check(exp, memory: dict, say, *, skip: bool = False, compile_only: bool = Fa
     (the arithmetic only) or `compile_only` (nothing will be allocated). -> fits."""
     import jax
 
-    from meshtrain.cluster import distributed
     peak = memory.get("peak_estimate")
     if budget is None:
-        hosts = distributed.hosts()
-        me = hosts[jax.process_index()] if jax.process_index() < len(hosts) else socket.gethostname()
-        budget = device_budget(jax.local_devices(), max(hosts.count(me), 1))
+        budget = local_budget()
     if peak is None or budget is None:
         say("memory check: " + ("the compiler gives no memory estimate" if peak is None
                                 else "the devices report no memory limit") + "; not checked")

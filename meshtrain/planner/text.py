@@ -92,6 +92,8 @@ def render(r: dict) -> str:
                  f"{p['matmul_s'] * 1e3:,.1f} ms, memory {p['memory_s'] * 1e3:,.1f} ms, tensor/stage "
                  f"collectives {p['exposed_collectives_s'] * 1e3:,.1f} ms, overlapped data/fsdp "
                  f"collectives {p['overlapped_collectives_s'] * 1e3:,.1f} ms | bound by {p['bound_by']}")
+    if r.get("accum_gather"):
+        lines += ["", r["accum_gather"]]
     if r.get("lint"):
         lines += ["", "lint:"] + [f"  [{f['severity']}] {f['what']} Cost: {f['cost']} Fix: {f['fix']}"
                                   for f in r["lint"]]
