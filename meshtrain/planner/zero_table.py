@@ -48,7 +48,7 @@ def formulas(layout: str, devices: int, hw=None) -> dict[str, float]:
     # What analytic.memory reads of an Experiment, on the abstract mesh.
     exp = types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=plan.layout, model=plan.model,
                                 shardings=types.SimpleNamespace(params=plan.params),
-                                grad_shardings=plan.opt_state)
+                                grad_shardings=plan.opt_state, accum_gather="each")
     return analytic.memory(exp, hw or hardware.get(HARDWARE))
 
 
