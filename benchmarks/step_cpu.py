@@ -1,4 +1,4 @@
-"""python benchmarks/step_cpu.py [--pairs 30] [--warmup 5] [--fsdp 8,1]
+"""python benchmarks/step_cpu.py [--pairs 30] [--warmup 5] [--fsdp 8,1] [--profile]
                                 [--config.key=value ...]
 python benchmarks/step_cpu.py --peer levanter      # in a venv with levanter, not meshtrain
 
@@ -12,7 +12,9 @@ Default mode, for each mesh fsdp:N of --fsdp (N simulated CPU devices, layout fs
 is one device): meshtrain's compiled `Experiment.train_step` and the bare step, alternated step
 by step after warm-up. It prints the loss of both from the same initial parameters (the
 bare step is given meshtrain's), the median step time of each and the median of the
-paired ratios meshtrain/bare, with its interquartile range.
+paired ratios meshtrain/bare, with its interquartile range; with --profile, the XLA ops
+of meshtrain's step that take the most time in a jax.profiler trace, with the JAX
+operation each came from.
 
 --peer levanter: Levanter's GPT-2 (its Gpt2Config/Gpt2LMHeadModel with the same sizes,
 FSDP over the simulated devices, AdamW, no gradient checkpointing) against the bare step
@@ -30,7 +32,13 @@ The bare step, written as a JAX user would first write it:
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
 import math
+import pathlib
+import re
+import tempfile
 import statistics
 import sys
 import time
@@ -165,6 +173,34 @@ def race(name, where, fn_a, state_a, batches_a, fn_b, state_b, batches_b, warmup
           f"median ratio {name} = {med:.3f} (IQR {q1:.3f}-{q3:.3f})")
 
 
+def top_ops(fn, state, batch, steps: int = 5, top: int = 8):
+    """Traces `steps` steps with jax.profiler and prints the XLA ops with the most time per
+    step (summed over devices), each with the op_name JAX gave the HLO it came from."""
+    what = {}  # HLO instruction -> its op_name metadata, from the compiled program
+    for line in fn.lower(state, batch).compile().as_text().splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*?op_name=\"([^\"]*)\"", line)
+        if m:
+            what[m.group(1)] = m.group(2).replace("jit(train_step)/", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(steps):
+            state, out = fn(state, batch)
+            jax.block_until_ready((state, out))
+        jax.profiler.stop_trace()
+        trace = json.load(gzip.open(next(pathlib.Path(tmp).rglob("*.trace.json.gz"))))
+    total, count = collections.Counter(), collections.Counter()
+    for e in trace["traceEvents"]:
+        # `while` spans its body's ops: count those, not it.
+        if e.get("ph") == "X" and (e["name"] in what or e["name"].startswith("all-")) \
+                and not e["name"].startswith("while"):
+            total[e["name"]] += e["dur"] / 1e3 / steps
+            count[e["name"]] += 1
+    print(f"top XLA ops, ms per step summed over devices ({sum(total.values()):.0f} ms in all):")
+    for name, ms in total.most_common(top):
+        print(f"  {ms:8.1f} ms  {count[name] // steps:3d}x  {name}: {what.get(name, '')[:100]}")
+    return state
+
+
 def token_rows(seed: int = 0) -> np.ndarray:
     """Four batches [B, T+1] of random token ids."""
     return np.random.default_rng(seed).integers(0, V, (4, B, T + 1), dtype=np.int32)
@@ -194,6 +230,8 @@ def run_meshtrain(args, rest) -> None:
         print(f"mesh fsdp:{n}: first steps (with compiles) {time.perf_counter() - t0:.1f} s; step-1 loss "
               f"meshtrain {float(metrics['loss']):.7f} bare {float(loss):.7f}")
         race("meshtrain/bare", f"fsdp:{n}", exp.train_step, mt, batches, bare, bs, bare_batches, args.warmup, args.pairs)
+        if args.profile:
+            top_ops(exp.train_step, exp.init_state(), batches[0])
 
 
 def run_levanter(args) -> None:
@@ -241,6 +279,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     ap.add_argument("--fsdp", default="8,1", help="comma list of mesh sizes (fsdp:N, layout fsdp) to time")
+    ap.add_argument("--profile", action="store_true", help="also print meshtrain's top XLA ops")
     ap.add_argument("--peer", choices=("", "levanter"), default="")
     args, rest = ap.parse_known_args(argv)
     jax.config.update("jax_num_cpu_devices", args.devices)  # before any JAX operation
