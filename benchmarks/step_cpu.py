@@ -189,15 +189,19 @@ def top_ops(fn, state, batch, steps: int = 5, top: int = 8):
         jax.profiler.stop_trace()
         trace = json.load(gzip.open(next(pathlib.Path(tmp).rglob("*.trace.json.gz"))))
     total, count = collections.Counter(), collections.Counter()
+    waits = 0.0  # a simulated device's collective lasts until the slowest one arrives
     for e in trace["traceEvents"]:
-        # `while` spans its body's ops: count those, not it.
-        if e.get("ph") == "X" and (e["name"] in what or e["name"].startswith("all-")) \
-                and not e["name"].startswith("while"):
+        if e.get("ph") != "X" or e["name"].startswith("while"):  # a `while` spans its body's ops
+            continue
+        if e["name"].startswith(("all-", "reduce-scatter", "collective-permute")):
+            waits += e["dur"] / 1e3 / steps
+        elif e["name"] in what:
             total[e["name"]] += e["dur"] / 1e3 / steps
             count[e["name"]] += 1
-    print(f"top XLA ops, ms per step summed over devices ({sum(total.values()):.0f} ms in all):")
+    print(f"top XLA ops, ms per step summed over devices ({sum(total.values()):.0f} ms of compute in "
+          f"all; collectives, waits included, {waits:.0f} ms):")
     for name, ms in total.most_common(top):
-        print(f"  {ms:8.1f} ms  {count[name] // steps:3d}x  {name}: {what.get(name, '')[:100]}")
+        print(f"  {ms:8.1f} ms  {count[name] // steps:3d}x  {name}: {what[name][:100]}")
     return state
 
 
