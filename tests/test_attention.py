@@ -78,3 +78,44 @@ def test_pallas_flash_attention_equals_xla(name, mesh, make_config):
     (loss_p, grads_p) = loss_and_grads(pallas, devices, mesh)
     np.testing.assert_allclose(loss_p, loss_x, rtol=1e-6)
     jax.tree.map(lambda p, x: np.testing.assert_allclose(p, x, rtol=2e-4, atol=2e-6), grads_p, grads_x)
+
+
+def _saved(fn, *args):
+    """Shapes of the arrays the backward pass of fn keeps, as JAX prints them."""
+    import contextlib, io, re
+    from jax.ad_checkpoint import print_saved_residuals
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, *args)
+    return [tuple(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"^\w+\[([\d,]*)\]", out.getvalue(), re.M)]
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads", [("float32", 4, 4), ("float32", 4, 2),
+                                                    ("bfloat16", 4, 2)])
+def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
+    """meshtrain's XLA attention computes what jax.nn.dot_product_attention(is_causal=True)
+    does, value and gradients, and its backward keeps the probabilities alone of the
+    [.., T, S] arrays (in float32 for the softmax, and in bfloat16 for v's gradient when
+    v is bfloat16), where JAX's keeps the mask, the masked scores and the exponentials too."""
+    from meshtrain.models.attention import causal_attention
+    kq, kk, kv, kw = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (2, 16, heads, 8), dtype)
+    k, v = (jax.random.normal(key, (2, 16, kv_heads, 8), dtype) for key in (kk, kv))
+    w = jax.random.normal(kw, (2, 16, heads, 8))
+
+    def loss(attn):
+        return lambda q, k, v: (attn(q, k, v).astype(np.float32) * w).sum()
+    ours = loss(causal_attention)
+    jax_s = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
+    (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+                                              for f in (ours, jax_s))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(value, ref_value, **tol)
+    for g, ref in zip(grads, ref_grads):
+        assert g.dtype == ref.dtype
+        np.testing.assert_allclose(np.float32(g), np.float32(ref), **tol)
+    square = lambda shapes: sum(s[-2:] == (16, 16) for s in shapes)
+    kept = square(_saved(ours, q, k, v))
+    assert kept == (1 if dtype == "float32" else 2)
+    assert square(_saved(jax_s, q, k, v)) >= kept + 2

@@ -65,6 +65,25 @@ def test_scan_unrolled_and_remat_are_the_same_function(variant):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
 
 
+def test_backward_keeps_the_inputs_of_gelu_and_layer_norm_only():
+    """GELU and LayerNorm are recomputed in backward from their inputs, their outputs too
+    (what the next matmul's weight gradient reads): of [B, T, F] arrays the MLP keeps the
+    GELU's input alone, of [B, T, D] ones a LayerNorm followed by a matmul keeps its input
+    alone. Autodiff of the plain functions keeps more (five and two here)."""
+    from meshtrain.models.gpt2 import LayerNorm, MLP, _gelu, _layer_norm
+    from test_attention import _saved as kept
+    cfg = tiny()
+    x = jax.random.normal(jax.random.key(0), (2, 16, cfg.embed_dim))
+    mlp, norm = MLP(cfg, nnx.Rngs(0)), LayerNorm(cfg)
+    b_t_f, b_t_d = (2, 16, cfg.mlp_dim), x.shape
+    assert kept(lambda x: mlp(x, lambda y, axes: y).sum(), x).count(b_t_f) == 1
+    assert kept(lambda x: (norm(x) @ mlp.w_fc[...]).sum(), x).count(b_t_d) == 1
+    # The plain formulations (what the model ran before) keep more.
+    assert kept(lambda h: (_gelu(h) @ mlp.w_proj[...]).sum(), jnp.ones(b_t_f)).count(b_t_f) > 1
+    assert kept(lambda x: (_layer_norm(x, norm.scale[...], norm.bias[...]) @ mlp.w_fc[...]).sum(),
+                x).count(b_t_d) > 1
+
+
 def test_vocab_padding_is_inert():
     """Padded rows start at zero, are masked out of the logits and get no gradient."""
     ref_loss, ref_grads = loss_and_grads(tiny(), TOKENS)

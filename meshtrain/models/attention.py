@@ -6,8 +6,9 @@ heads (K divides H: grouped-query attention when K < H), E head width.
 
 Implementations, all computing softmax(q k^T / sqrt(E) + causal mask) v:
 
-  xla     jax.nn.dot_product_attention's XLA path: materialises the [B, H, T, T] scores
-          (and keeps the probabilities for backward unless remat recomputes them)
+  xla     plain XLA ops (`causal_attention`, the math of jax.nn.dot_product_attention's
+          XLA path): materialises the [B, H, T, T] scores and keeps the probabilities,
+          only them, for backward unless remat recomputes them
   cudnn   cuDNN's fused flash attention (jax.nn.dot_product_attention, implementation
           "cudnn"): never materialises [T, T]; needs an NVIDIA GPU of compute capability
           >= 8.0, bf16 or fp16, and a head width that is a multiple of 8 up to 128
@@ -29,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshtrain.errors import UserError
 
@@ -111,6 +113,53 @@ def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int,
     return requested, "as asked"
 
 
+# What masked scores are set to: jax.nn.dot_product_attention's value for float32 scores.
+_MASKED = float(-0.7 * np.finfo(np.float32).max)
+
+
+@jax.custom_jvp
+def causal_softmax(scores_ts: jax.Array) -> jax.Array:
+    """softmax over the last axis of float32 scores [..., T, S] with position t seeing
+    s <= t: the scores past t set to -0.7 x the float32 maximum, then exp(x - max) / sum,
+    as jax.nn.dot_product_attention's XLA path computes it.
+
+    The derivative is written out, y * (dx - sum(y dx)), so the backward pass keeps y and
+    nothing else. Autodiff of jnp.where + jax.nn.softmax (JAX's default,
+    `jax_softmax_custom_jvp` off) keeps the exponentials, their sum, the quotient, the mask
+    and the masked scores, each [B, H, T, S], and runs a longer chain over them: on the
+    CPU 4 x 128 GPT-2 that cost a fifth of the step (docs/benchmarks.md, "CPU step"). The
+    masked entries' y is exactly 0, so their gradient is 0, as the select's would be."""
+    t, s = scores_ts.shape[-2:]
+    x = jnp.where(jnp.tril(jnp.ones((t, s), bool)), scores_ts, jnp.float32(_MASKED))
+    unnormalized = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return unnormalized / jnp.sum(unnormalized, -1, keepdims=True)
+
+
+@causal_softmax.defjvp
+def _causal_softmax_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y = causal_softmax(x)
+    return y, y * (dx - jnp.sum(y * dx, -1, keepdims=True))
+
+
+def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(E), causal) v: [B, T, H, E] from q [B, T, H, E], k and v
+    [B, S, K, E] (S = T; grouped-query when K < H: query head h reads key head h // (H/K)).
+
+    The arithmetic of jax.nn.dot_product_attention(is_causal=True)'s XLA path: scores in
+    float32 whatever the input dtype, scaled after the product, masked and normalised by
+    `causal_softmax`, probabilities cast to v's dtype. What differs is the cost only: the
+    [T, S] mask is not materialised per batch row and head, and the backward pass keeps
+    the probabilities alone."""
+    b, t, h, e = q_bthe.shape
+    s, k = k_bske.shape[1], k_bske.shape[2]
+    q = q_bthe.reshape(b, t, k, h // k, e)
+    scores = jnp.einsum("btkge,bske->bkgts", q, k_bske, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(1.0 / np.sqrt(e))  # as jax.nn.dot_product_attention rounds it
+    probs = causal_softmax(scores).astype(v_bske.dtype)
+    return jnp.einsum("bkgts,bske->btkge", probs, v_bske).reshape(b, t, h, e)
+
+
 def _pallas(q_bthe, k_bthe, v_bthe, interpret: bool):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
     return pallas_attention.mha(q_bthe, k_bthe, v_bthe, None, sm_scale=q_bthe.shape[-1] ** -0.5,
@@ -148,6 +197,8 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     if cache is None:
         if implementation == "pallas":
             return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
+        if implementation == "xla":
+            return causal_attention(q_bthe, k_btke, v_btke), None
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True,
                                             implementation=implementation), None
     ck, cv = cache

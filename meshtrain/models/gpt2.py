@@ -52,6 +52,33 @@ def num_params(cfg: GPT2Config, vocab_size: int | None = None) -> int:
 
 
 
+def _layer_norm(x_btd: jax.Array, scale_d: jax.Array, bias_d: jax.Array) -> jax.Array:
+    # Statistics in float32 whatever the compute dtype.
+    x = x_btd.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale_d + bias_d
+    return y.astype(x_btd.dtype)
+
+
+def _gelu(h: jax.Array) -> jax.Array:
+    # The tanh approximation: Hugging Face's gelu_new, GPT-2's activation.
+    return jax.nn.gelu(h, approximate=True)
+
+
+# Element-wise pieces whose backward pass recomputes them, output included, from their
+# input, the one array they keep: autodiff of the plain functions keeps its intermediates
+# (five [B, T, F] arrays per GELU: the tanh, products of x, ...; two [B, T, D] and the
+# statistics per LayerNorm), and on a CPU, where this step is bound by memory traffic,
+# writing and reading those back costs more than recomputing them (docs/benchmarks.md,
+# "CPU step"). The same operations, so the same numbers.
+# prevent_cse=False: under the layer scan, CSE cannot merge the recomputation back into
+# the forward pass, and the barriers that prevent it cost 6% of the CPU step; unrolled,
+# XLA may merge them, which keeps the forward values alive as before, no worse.
+layer_norm = jax.checkpoint(_layer_norm, prevent_cse=False)
+gelu = jax.checkpoint(_gelu, prevent_cse=False)
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, cfg: GPT2Config, stack: int | None = None):
         dt = jnp.dtype(cfg.param_dtype)
@@ -59,12 +86,7 @@ class LayerNorm(nnx.Module):
         self.bias = param(None, (cfg.embed_dim,), ("embed",), stack, dt, "zeros")
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        # Statistics in float32 whatever the compute dtype.
-        x = x_btd.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
-        return y.astype(x_btd.dtype)
+        return layer_norm(x_btd, self.scale[...], self.bias[...])
 
 
 class Attention(nnx.Module):
@@ -107,7 +129,7 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
         dt = x_btd.dtype
         h_btf = x_btd @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt)
-        h_btf = constrain(jax.nn.gelu(h_btf, approximate=True), ("batch", "length", "mlp"))
+        h_btf = constrain(gelu(h_btf), ("batch", "length", "mlp"))
         return h_btf @ self.w_proj[...].astype(dt) + self.b_proj[...].astype(dt)
 
 
