@@ -1,4 +1,4 @@
-"""python benchmarks/accumulation.py [--config gpt2_tiny_fsdp8] [--microbatches 4] [--steps 3]
+"""python benchmarks/accumulation.py [--config gpt2_tiny_fsdp8] [--grad_accum_steps 4] [--steps 3]
                                     [--pairs 0] [--config.key=value ...]
 
 train.accum_gather=each vs once on one config, in one process: per step, the collectives
@@ -22,7 +22,7 @@ from meshtrain import cli, mesh as mesh_lib
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="gpt2_tiny_fsdp8")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--grad_accum_steps", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--pairs", type=int, default=0)
     args, rest = p.parse_known_args()
@@ -40,8 +40,8 @@ def main() -> None:
     from meshtrain.planner import analytic, hlo
 
     runs = {}
-    for mode, k in (("each", args.microbatches), ("once", args.microbatches), ("k=1", 1)):
-        c = cli.load_config(args.config, overrides + [("train.microbatches", str(k)), (
+    for mode, k in (("each", args.grad_accum_steps), ("once", args.grad_accum_steps), ("k=1", 1)):
+        c = cli.load_config(args.config, overrides + [("train.grad_accum_steps", str(k)), (
             "train.accum_gather", "each" if mode == "k=1" else mode)], "benchmarks/accumulation.py")
         exp = Experiment.build(c)
         state = exp.init_state()
@@ -54,7 +54,7 @@ def main() -> None:
         runs[mode] = (exp, step, state, batches[0], np.array(losses))
         if mode == "k=1":
             continue
-        print(f"{args.config}, {k} microbatches, train.accum_gather={mode}:")
+        print(f"{args.config}, {k} accumulation steps, train.accum_gather={mode}:")
         for r in hlo.collective_table(step, exp.mesh, lambda d: 0):
             print(f"  {r['kind']:<15} over {'+'.join(r['mesh_axes']):<12} {r['count']:>4} ops "
                   f"{r['bytes']:>12,.0f} bytes sent per device per step")

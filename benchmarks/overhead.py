@@ -163,9 +163,9 @@ def main(argv: list[str]) -> None:
     cfg = exp.cfg
     m = exp.model.cfg
     unsupported = {"model.dropout": m.dropout != 0, "model.remat": m.remat != "none",
-                   "model.scan_layers": not m.scan_layers, "train.microbatches": cfg.train.microbatches != 1}
+                   "model.scan_layers": not m.scan_layers, "train.grad_accum_steps": cfg.train.grad_accum_steps != 1}
     if any(unsupported.values()):
-        sys.exit(f"the bare step implements dropout=0, remat=none, scan_layers, microbatches=1 "
+        sys.exit(f"the bare step implements dropout=0, remat=none, scan_layers, grad_accum_steps=1 "
                  f"only; change {', '.join(k for k, v in unsupported.items() if v)}")
     bare_step = make_bare_step(exp)
 

@@ -36,7 +36,7 @@ def measure(model: str, layout: str, dtype: str) -> dict:
     mesh, preset, micro = LAYOUTS[layout]
     cfg = config_lib.load(name)
     overrides = {**extra, "mesh.shape": mesh, "mesh.dcn": "", "layout": preset, "pipeline.microbatches": str(micro),
-                 "train.batch_size": "16", "train.microbatches": "1", "model.dtype": dtype, "model.remat": "none"}
+                 "train.batch_size": "16", "train.grad_accum_steps": "1", "model.dtype": dtype, "model.remat": "none"}
     for k, v in overrides.items():
         config_lib.override(cfg, k, v)
     r = report.plan(Experiment.build(cfg), hardware.get("h100"))

@@ -12,6 +12,7 @@ import ast
 import difflib
 import importlib.util
 import pathlib
+import re
 
 import ml_collections
 
@@ -48,8 +49,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # (docs/profiling.md); "" is off. loss_chunk: positions per chunk of the loss, whose
     # float32 logits are recomputed in backward instead of kept (0: the whole sequence at
     # once). grad_dtype: the dtype gradients are reduced in over the data axis ("" as the
-    # backward produces them). Both in docs/performance.md. accum_gather, with microbatches
-    # > 1 and params sharded over a batch axis (fsdp): "once" gathers the params once per
+    # backward produces them). Both in docs/performance.md. grad_accum_steps: gradient
+    # accumulation, the batch cut into that many pieces run one after another (the
+    # pipeline's own microbatches are pipeline.microbatches). accum_gather, with
+    # grad_accum_steps > 1 and params sharded over a batch axis (fsdp): "once" gathers the params once per
     # step and reduce-scatters the accumulated gradients once (more memory: the gathered
     # params and a float32 accumulator of full size), "each" gathers them in every
     # microbatch, "auto" picks once when the planner's memory formula says it fits the
@@ -63,7 +66,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # the first step, a checkpoint save or an eval (0: none). straggler_every: steps per
     # window of the straggler report (0: off), which names a process whose own time per step
     # exceeds the others' by straggler_fraction of the step. docs/multihost.md.
-    c.train = dict(steps=300, batch_size=32, microbatches=1, seed=0,
+    c.train = dict(steps=300, batch_size=32, grad_accum_steps=1, seed=0,
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
                    loss_chunk=256, grad_dtype="", accum_gather="auto", skip_memory_check=False,
@@ -123,9 +126,33 @@ def load(name_or_path: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(f"meshtrain_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = module.get_config()
+    try:
+        cfg = module.get_config()
+    except (AttributeError, KeyError) as e:  # a locked ConfigDict refusing a key
+        old = next((k for k in RENAMED if re.search(rf"""['"]{k.split('.')[-1]}['"]""", str(e))), None)
+        if old is None:
+            raise
+        raise UserError(f"{path.name} sets {old}, which is now {RENAMED[old]}: {RENAMED_WHY[old]} "
+                        f"Rename it in the file.") from None
     cfg.lock()
     return cfg
+
+
+# Keys renamed, old -> new. Given on the command line or in a config file they are refused
+# with the new name; in the configs older runs saved (run.json) they are translated.
+RENAMED = {"train.microbatches": "train.grad_accum_steps"}
+RENAMED_WHY = {"train.microbatches": "the gradient accumulation steps a batch is cut into, named apart "
+                                     "from the pipeline's pipeline.microbatches."}
+
+
+def upgrade(saved: dict) -> dict:
+    """A config dict an older run saved, with renamed keys under their new names."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for old, new in RENAMED.items():
+        (section, leaf), (_, new_leaf) = old.split("."), new.split(".")
+        if isinstance(out.get(section), dict) and leaf in out[section]:
+            out[section].setdefault(new_leaf, out[section].pop(leaf))
+    return out
 
 
 def keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -180,6 +207,9 @@ def _parse_value(key: str, old, text: str):
 def override(cfg: ml_collections.ConfigDict, key: str, text: str) -> None:
     """Sets dotted `key` from its command-line text; unknown keys are errors."""
     known = keys(cfg)
+    if key in RENAMED and RENAMED[key] in known:
+        raise UserError(f"--config.{key} is now --config.{RENAMED[key]}: {RENAMED_WHY[key]} "
+                        f"Give --config.{RENAMED[key]}={text}.")
     if key not in known:
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""

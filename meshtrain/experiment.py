@@ -40,13 +40,13 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
                 pipe: pipeline.Pipeline | None = None) -> int:
     """Returns the microbatch size after checking batch divisibility with the arithmetic."""
     t = cfg.train
-    k = t.microbatches
+    k = t.grad_accum_steps
     if t.batch_size < 1 or k < 1:
-        raise UserError(f"train.batch_size={t.batch_size} and train.microbatches={k} must be >= 1.")
+        raise UserError(f"train.batch_size={t.batch_size} and train.grad_accum_steps={k} must be >= 1.")
     shards, over = layout.shards("batch", mesh.shape)
     if t.batch_size % (k * shards):
         raise UserError(
-            f"train.batch_size={t.batch_size} must be divisible by train.microbatches x batch shards "
+            f"train.batch_size={t.batch_size} must be divisible by train.grad_accum_steps x batch shards "
             f"= {k} x {shards} = {k * shards} (layout {layout.name!r} splits batch over "
             f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of {k * shards}.")
     if pipe is not None:
@@ -54,7 +54,7 @@ def check_batch(cfg: ml_collections.ConfigDict, layout: Layout, mesh: Mesh,
         inner, over = layout.without("stage").shards("batch", mesh.shape)
         if t.batch_size % (k * m * inner):
             raise UserError(
-                f"train.batch_size={t.batch_size} must be divisible by train.microbatches x "
+                f"train.batch_size={t.batch_size} must be divisible by train.grad_accum_steps x "
                 f"pipeline.microbatches x batch shards in a stage = {k} x {m} x {inner} = "
                 f"{k * m * inner} (inside the pipeline, layout {layout.name!r} splits batch over "
                 f"{'+'.join(over) or 'no axis'}). Use a batch size that is a multiple of "
@@ -154,7 +154,7 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
 def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str) -> Callable:
     return step_lib.make_train_step(
         model, tx, schedule, layout, mesh, shardings, grad_shardings,
-        microbatches=cfg.train.microbatches, nonfinite=cfg.train.nonfinite,
+        microbatches=cfg.train.grad_accum_steps, nonfinite=cfg.train.nonfinite,
         loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype, accum_gather=accum_gather)
 
 

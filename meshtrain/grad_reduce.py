@@ -13,7 +13,7 @@ does the reduction itself: the loss and its gradient are `vmap`ped over the repl
 of a split axis is the all-reduce (or, where the optimizer state is split over the axis,
 ZeRO-1's reduce-scatter), now in grad_dtype. bfloat16 halves the bytes of a float32
 reduction; float32 keeps a bfloat16 model's reduction exact beyond each replica's own
-rounding. With train.microbatches > 1 the per-replica gradients are accumulated in
+rounding. With train.grad_accum_steps > 1 the per-replica gradients are accumulated in
 float32 over the microbatches and reduced once per step; this is also the path for
 train.grad_dtype="" when there are microbatches, since XLA would otherwise all-reduce
 every microbatch's gradient (k reductions a step, measured in tests/test_grad_dtype.py),

@@ -177,7 +177,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     report = report_lib.plan(exp, hw)
     report["config_name"] = name
     report["lint"] = [dataclasses.asdict(f) for f in findings]
-    report["accum_gather"] = accum_line if cfg.train.microbatches > 1 else None
+    report["accum_gather"] = accum_line if cfg.train.grad_accum_steps > 1 else None
     return report
 
 

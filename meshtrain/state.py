@@ -28,7 +28,7 @@ from meshtrain.pipeline import Pipeline, stage_axes, stage_shape, to_stages
 
 # Where a logical dim's size comes from, for error messages (a family adds its own).
 SIZE_KEYS = {
-    "batch": "train.batch_size / train.microbatches", "length": "model.seq_len",
+    "batch": "train.batch_size / train.grad_accum_steps", "length": "model.seq_len",
     "vocab": "the padded vocabulary", "layers": "model.num_layers", "stage": "the stage count",
 }
 

@@ -8,7 +8,7 @@ norm before clipping), "lr" (this step's), "nonfinite_grads" (gradient leaves ho
 NaN or Inf) and "first_nonfinite" (index into gradient_names(model) of the first, -1 for
 none); train.nonfinite decides what the loop does with the last two (loop.py).
 
-With train.microbatches = k the batch is cut into k microbatches of B/k rows and
+With train.grad_accum_steps = k the batch is cut into k microbatches of B/k rows and
 gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is
 the full-batch mean loss, so k changes memory, not the result. With
 accum_gather="once" and parameters sharded over a batch axis (fsdp):

@@ -134,7 +134,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         say(xla_line)
     node = describe(exp, launch, cluster, source, say)
     exp, accum_line = accumulation.resolve(exp)  # train.accum_gather="auto" chosen here
-    if cfg.train.microbatches > 1:
+    if cfg.train.grad_accum_steps > 1:
         say(accum_line)
     lint_warnings(exp)
     workdir = flags.get("workdir")

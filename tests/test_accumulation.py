@@ -68,8 +68,8 @@ def param_bytes(exp, split_over=()) -> float:
 
 @pytest.fixture(scope="module")
 def fsdp8():
-    return {"each": run("gpt2_tiny_fsdp8", **{"train.microbatches": K, "train.accum_gather": "each"}),
-            "once": run("gpt2_tiny_fsdp8", **{"train.microbatches": K, "train.accum_gather": "once"}),
+    return {"each": run("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "each"}),
+            "once": run("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "once"}),
             "one": run("gpt2_tiny_fsdp8")}
 
 
@@ -124,7 +124,7 @@ def test_planner_memory_counts_the_gathered_params_and_accumulator(fsdp8):
 def test_once_across_layouts(name):
     """fsdp_tp (data x fsdp x tensor) and Llama: one gather over fsdp of the fsdp-sharded
     params' tensor shards, the planner's bound; the losses of "each"."""
-    over = {"train.microbatches": K}
+    over = {"train.grad_accum_steps": K}
     once, each = run(name, **over, **{"train.accum_gather": "once"}), run(name, **over, **{"train.accum_gather": "each"})
     exp = once["exp"]
     # (n-1)/n of each fsdp-sharded leaf's tensor shard; the rest are not gathered
@@ -138,7 +138,7 @@ def test_once_across_layouts(name):
 
 def test_bf16_compute_gathers_matrices_in_bf16():
     """Cast before the gather: matrices travel in bfloat16, vectors in float32."""
-    exp = Experiment.build(make("gpt2_tiny_fsdp8", **{"train.microbatches": K, "train.accum_gather": "once",
+    exp = Experiment.build(make("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "once",
                                                       "model.dtype": "bfloat16"}))
     compiled = exp.compile()
     rows = hlo.collective_table(compiled, exp.mesh, lambda d: 0)
@@ -153,7 +153,7 @@ def budget(per_device):
 
 
 def test_auto_chooses_once_when_the_formula_fits(make_config):
-    exp = Experiment.build(make_config("gpt2_tiny_fsdp8", **{"train.microbatches": K}))
+    exp = Experiment.build(make_config("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K}))
     assert exp.accum_gather == "each"  # until resolved
     need = sum(analytic.memory(exp.with_accum_gather("once")).values())
     roomy, line = accumulation.resolve(exp, budget(need), local=False)
@@ -164,7 +164,7 @@ def test_auto_chooses_once_when_the_formula_fits(make_config):
 
 
 @pytest.mark.parametrize("name, overrides, mode", [
-    ("gpt2_tiny_dp8", {"train.microbatches": K, "train.accum_gather": "once"}, "once"),
+    ("gpt2_tiny_dp8", {"train.grad_accum_steps": K, "train.accum_gather": "once"}, "once"),
     ("gpt2_tiny_fsdp8", {}, "each"),
 ])
 def test_nothing_to_choose_without_sharded_params_or_microbatches(name, overrides, mode, make_config):
@@ -184,7 +184,7 @@ def test_bad_value_names_the_choices(make_config):
 @pytest.mark.slow
 def test_train_says_which_it_chose():
     r = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_fsdp8",
-                        f"--config.train.microbatches={K}", "--config.train.steps=0"],
+                        f"--config.train.grad_accum_steps={K}", "--config.train.steps=0"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("gradient accumulation:")]

@@ -58,6 +58,28 @@ def test_override_types_and_unknown_keys():
         config_lib.override(cfg, "train.steps", "many")
 
 
+def test_renamed_keys_are_refused_with_their_new_names(tmp_path):
+    """train.microbatches (gradient accumulation) is train.grad_accum_steps, apart from the
+    pipeline's pipeline.microbatches: refused on the command line and in a config file with
+    the new name, translated in a config an older run saved."""
+    cfg = config_lib.load("gpt2_tiny_dp8")
+    with pytest.raises(UserError, match=r"--config.train.microbatches is now --config.train.grad_accum_steps: "
+                                        r".*pipeline.microbatches.* Give --config.train.grad_accum_steps=4\."):
+        config_lib.override(cfg, "train.microbatches", "4")
+    config_lib.override(cfg, "pipeline.microbatches", "4")  # the pipeline's keeps its name
+    old = tmp_path / "old_style.py"
+    old.write_text("from meshtrain import config\n\ndef get_config():\n    c = config.base()\n"
+                   "    c.train.microbatches = 2\n    return c\n")
+    with pytest.raises(UserError, match=r"old_style.py sets train.microbatches, which is now "
+                                        r"train.grad_accum_steps: .* Rename it in the file."):
+        config_lib.load(str(old))
+    saved = config_lib.base().to_dict()
+    saved["train"]["microbatches"] = saved["train"].pop("grad_accum_steps") + 3
+    upgraded = config_lib.upgrade(saved)
+    assert upgraded["train"]["grad_accum_steps"] == 4 and "microbatches" not in upgraded["train"]
+    assert "microbatches" in saved["train"]  # the run's own dict is left as it was
+
+
 def test_unknown_config_name_lists_names():
     with pytest.raises(UserError, match=r"Unknown config 'gpt2_tiny_dp9'. Did you mean .*gpt2_tiny_dp8"):
         config_lib.load("gpt2_tiny_dp9")
@@ -93,8 +115,8 @@ def test_mlp_not_divisible_by_tensor():
 
 
 def test_batch_not_divisible():
-    check("gpt2_tiny_dp8", "data:8", r"train.batch_size=20 must be divisible by train.microbatches x "
-          r"batch shards = 2 x 8 = 16", **{"train.batch_size": 20, "train.microbatches": 2})
+    check("gpt2_tiny_dp8", "data:8", r"train.batch_size=20 must be divisible by train.grad_accum_steps x "
+          r"batch shards = 2 x 8 = 16", **{"train.batch_size": 20, "train.grad_accum_steps": 2})
 
 
 def test_embed_not_divisible_by_heads():
@@ -130,7 +152,7 @@ def test_vocab_smaller_than_tokenizer(tmp_path):
     ("gpt2_tiny_pp4_dp2_circular", "data:2,stage:4", r"model.num_layers=12 is not divisible by stages "
      r"x repeats = 4 x 2 = 8", {"model.num_layers": 12}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"train.batch_size=32 must be divisible by "
-     r"train.microbatches x pipeline.microbatches x batch shards in a stage = 1 x 16 x 4 = 64",
+     r"train.grad_accum_steps x pipeline.microbatches x batch shards in a stage = 1 x 16 x 4 = 64",
      {"pipeline.microbatches": 16}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"The mesh has stage=2 but pipeline.microbatches=0",
      {"pipeline.microbatches": 0}),

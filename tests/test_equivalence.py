@@ -61,7 +61,7 @@ def test_layout_matches_one_device(name, make_config, reference):
 def test_microbatches_match_full_batch(make_config, reference):
     """Gradient accumulation over 4 microbatches gives the full-batch result."""
     ref_losses, _ = reference
-    losses, _ = losses_and_grads(make_config("gpt2_tiny_dp2_tp4", **{"train.microbatches": 4}), steps=5)
+    losses, _ = losses_and_grads(make_config("gpt2_tiny_dp2_tp4", **{"train.grad_accum_steps": 4}), steps=5)
     np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-4)
 
 
@@ -79,5 +79,5 @@ def test_zero2_variants_match_one_device(name, overrides, make_config, reference
 def test_zero2_microbatches_match_full_batch(make_config, reference):
     """ZeRO-2 accumulates split gradients over 4 microbatches: the full-batch result."""
     ref_losses, _ = reference
-    losses, _ = losses_and_grads(make_config("gpt2_tiny_dp8_zero2", **{"train.microbatches": 4}), steps=5)
+    losses, _ = losses_and_grads(make_config("gpt2_tiny_dp8_zero2", **{"train.grad_accum_steps": 4}), steps=5)
     np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-4)

@@ -90,7 +90,7 @@ def test_microbatches_reduce_once_per_step(make_config):
     """XLA all-reduces each microbatch's gradient when left to itself; the step reduces the
     accumulated per-replica gradients once, so 4 microbatches send what 1 does."""
     one = train(make_config, "gpt2_tiny_dp8")
-    four = train(make_config, "gpt2_tiny_dp8", **{"train.microbatches": 4})
+    four = train(make_config, "gpt2_tiny_dp8", **{"train.grad_accum_steps": 4})
     assert four[0] == 1 and four[1] == pytest.approx(one[1], rel=1e-6)
     np.testing.assert_allclose(four[2], one[2], rtol=1e-5)
 

@@ -130,7 +130,7 @@ def test_candidates_move_data_to_fsdp_with_its_dcn_factor(make_config):
     cfg = make_config("gpt2_tiny_dp8")
     shape = {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}
     flags = [f.flags() for f in memory_check.candidates(cfg, shape, {"data": 2, "stage": 1, "fsdp": 1, "tensor": 1})]
-    assert flags[:3] == ["--config.model.remat=save_dots", "--config.train.microbatches=2", "--config.layout=zero1"]
+    assert flags[:3] == ["--config.model.remat=save_dots", "--config.train.grad_accum_steps=2", "--config.layout=zero1"]
     assert "--config.layout=fsdp --config.mesh.shape=fsdp:8 --config.mesh.dcn=fsdp:2" in flags
     assert flags[-2:] == ["--config.train.batch_size=16", "--config.train.batch_size=8"]  # the recipe changes last
 

@@ -54,7 +54,7 @@ def test_hand_written_layout_passes(make_config):
     hand-written reduction of the step is on the path."""
     r = _verify(make_config, "gpt2_tiny_dp2_fsdp2_tp2",
                 layout="batch:data+fsdp;heads:tensor;mlp:tensor | params=embed:fsdp;heads:tensor;mlp:tensor",
-                **{"train.microbatches": 2, "train.loss_chunk": 32})
+                **{"train.grad_accum_steps": 2, "train.loss_chunk": 32})
     _assert_agrees(r)
     assert r["layout"].startswith("params=embed:fsdp;heads:tensor;mlp:tensor")
     assert r["shrunk"]["loss_chunk"] == r["shrunk"]["seq_len"] // 2
@@ -65,7 +65,7 @@ BROKEN = "blocks/mlp/w_fc"
 
 def test_a_reduction_that_skips_the_data_axis_is_caught(capsys, monkeypatch):
     """A real numerical break: the by-hand gradient reduction over the data replicas
-    (meshtrain/grad_reduce.py, taken with train.microbatches > 1) keeps replica 0's
+    (meshtrain/grad_reduce.py, taken with train.grad_accum_steps > 1) keeps replica 0's
     gradient of one parameter instead of the mean over all 8. One device has one replica,
     so only the layout's run is wrong; verify names that parameter alone, and the losses
     after the first update."""
@@ -78,7 +78,7 @@ def test_a_reduction_that_skips_the_data_axis_is_caught(capsys, monkeypatch):
         out["blocks"]["mlp"]["w_fc"] = block[0].astype(jnp.float32)  # no sum over the replicas
         return out
     monkeypatch.setattr(grad_reduce, "reduce", skips_data_for_one_leaf)
-    status = plan.main(["--config=gpt2_tiny_dp8", "--config.train.microbatches=2", "--verify", "--steps=3"])
+    status = plan.main(["--config=gpt2_tiny_dp8", "--config.train.grad_accum_steps=2", "--verify", "--steps=3"])
     out = capsys.readouterr().out
     assert status == 1, out
     verdict = out.strip().splitlines()[-1]

@@ -18,7 +18,7 @@ def get_config():
     # 16 x 8192 = 131,072 tokens a step: 2 rows per device, one per microbatch (the
     # compile-only check on CPU estimates 42 GiB a device, 75 GiB in one microbatch:
     # all 32 heads' attention scores [8192, 8192] are on every device under fsdp).
-    c.train.update(steps=20_000, batch_size=16, microbatches=2, log_every=50, eval_every=1000,
+    c.train.update(steps=20_000, batch_size=16, grad_accum_steps=2, log_every=50, eval_every=1000,
                    eval_steps=20)
     c.optim.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
     return c

@@ -28,7 +28,7 @@ def get_config():
     # 32 x 8192 = 262,144 tokens a step, 4 rows per fsdp shard in 2 microbatches of 2:
     # the compile-only check on CPU estimates a 32 GiB peak per device (54 GiB in one
     # microbatch, 20 GiB in 4; attention scores [rows, 8 heads, 8192, 8192] dominate).
-    c.train.update(steps=20_000, batch_size=32, microbatches=2, log_every=50, eval_every=1000,
+    c.train.update(steps=20_000, batch_size=32, grad_accum_steps=2, log_every=50, eval_every=1000,
                    eval_steps=20)
     # Llama 2's recipe (Touvron et al. 2023, section 2.2): AdamW b2 0.95, eps 1e-5, weight
     # decay 0.1, clip 1.0, 2000 warmup steps, cosine to 10% of the peak.

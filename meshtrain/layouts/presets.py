@@ -11,7 +11,7 @@ step; x4 bytes in fp32):
                             backward pass ends      shards, all-gather of the updated params:
                                                     2 (n-1)/n Psi, as dp
   zero2    4 Psi + 8 Psi/n  4 Psi / n: each layer's as zero1, but one reduce-scatter per
-                            reduce-scattered in     microbatch (train.microbatches) or
+                            reduce-scattered in     microbatch (train.grad_accum_steps) or
                             the layer scan          pipeline tick
   fsdp     12 Psi / n       4 Psi / n               ZeRO-3: params all-gathered for forward and
                                                     again for backward, grads reduce-scattered,

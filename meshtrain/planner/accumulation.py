@@ -14,7 +14,7 @@ own memory; on CPU the host's RAM shared by the simulated devices), else "each".
 formulas are a floor on CPU, whose compiler keeps float32 copies of bf16 activations:
 the compiled memory check after it still has the last word.
 
-Only a step with train.microbatches > 1 and params sharded over a batch axis has a
+Only a step with train.grad_accum_steps > 1 and params sharded over a batch axis has a
 choice (grad_reduce.gathered_axes); elsewhere both build the same program.
 """
 
@@ -33,9 +33,9 @@ def choose(exp, budget: memory_check.Budget | None) -> tuple[str, str]:
     """(mode the step builds, why) for `exp`'s train.accum_gather under `budget`."""
     t = exp.cfg.train
     wanted = t.accum_gather
-    axes = grad_reduce.gathered_axes(exp.layout, exp.mesh, exp.shardings.params, t.microbatches, "once")
+    axes = grad_reduce.gathered_axes(exp.layout, exp.mesh, exp.shardings.params, t.grad_accum_steps, "once")
     if not axes:
-        why = ("one microbatch" if t.microbatches < 2 else
+        why = ("one microbatch" if t.grad_accum_steps < 2 else
                f"layout {exp.layout.name!r} shards no parameter over a batch axis")
         return wanted if wanted != "auto" else "each", f"nothing to choose: {why}"
     if wanted != "auto":
@@ -55,20 +55,20 @@ def resolve(exp, budget: memory_check.Budget | None = None, *, local: bool = Tru
     over the processes (`agreed`), when `local`."""
     t = exp.cfg.train
     choosing = t.accum_gather == "auto" and grad_reduce.gathered_axes(
-        exp.layout, exp.mesh, exp.shardings.params, t.microbatches, "once")
+        exp.layout, exp.mesh, exp.shardings.params, t.grad_accum_steps, "once")
     if budget is None and local and choosing:  # only then: `agreed` is a collective
         budget = agreed(memory_check.local_budget())
     mode, why = choose(exp, budget)
     if mode != exp.accum_gather:
         exp = exp.with_accum_gather(mode)
-    k = exp.cfg.train.microbatches
+    k = exp.cfg.train.grad_accum_steps
     if why.startswith("nothing"):
-        what = f"{k} microbatch(es), no params to gather"
+        what = f"{k} steps, no params to gather"
     elif mode == "once":
-        what = (f"{k} microbatches, params gathered over {'+'.join(analytic.gathered(exp))} once per "
+        what = (f"{k} steps, params gathered over {'+'.join(analytic.gathered(exp))} once per "
                 f"step, gradients reduced once")
     else:
-        what = f"{k} microbatches, params gathered in each"
+        what = f"{k} steps, params gathered in each"
     return exp, f"gradient accumulation: {what} ({why})"
 
 

@@ -8,7 +8,7 @@ Memory per device (bytes), for fp32 master weights and AdamW:
                backward writes them there), or split like the moments under a layout
                whose grads table reduce-scatters each layer's gradient inside the backward
                pass (ZeRO-2, layouts/rules.py); plus an fp32 accumulator at the
-               optimizer's sharding when train.microbatches > 1; with
+               optimizer's sharding when train.grad_accum_steps > 1; with
                train.accum_gather=once (`gathered`) the accumulator has the gathered
                params' sharding (fsdp struck), and the gathered params themselves (matrices
                in the compute dtype) count here too: both live through the microbatch loop
@@ -82,7 +82,7 @@ def local_batch(exp) -> dict:
     outside the pipeline, "stage_rows": all microbatches a stage holds, "tensor": heads split,
     "vocab": vocabulary split, "micro": microbatches a step runs through each layer}."""
     cfg, pipe = exp.cfg, exp.model.pipeline
-    k = cfg.train.microbatches
+    k = cfg.train.grad_accum_steps
     shards, _ = _shards(exp, "batch")
     inner = shards if pipe is None else _shards(exp, "batch", exp.layout.without("stage"))[0]
     return {"rows": cfg.train.batch_size // k // shards,
@@ -119,7 +119,7 @@ def memory(exp, hw=None) -> dict[str, float]:
               zip(shapes, jax.tree.leaves(exp.grad_shardings)))
     split = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
                 zip(shapes, jax.tree.leaves(grads_shardings(exp))))
-    grads = split * pbytes + (opt * 4 if exp.cfg.train.microbatches > 1 else 0)
+    grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
     once = gathered(exp)
     if once:  # accumulator and gathered params at the params' sharding without `once`
         inner = [math.prod(s.shape) / _size(exp.mesh, [a for a in _axes_of(sh) if a not in once])
@@ -147,7 +147,7 @@ def gathered(exp) -> tuple[str, ...]:
     """The mesh axes the step gathers params over once per step (train.accum_gather=once
     with microbatches; grad_reduce.gathered_axes), else ()."""
     return grad_reduce.gathered_axes(exp.layout, exp.mesh, exp.shardings.params,
-                                     exp.cfg.train.microbatches, exp.accum_gather)
+                                     exp.cfg.train.grad_accum_steps, exp.accum_gather)
 
 
 def activations(exp, hw=None, dtype: str | None = None) -> float | None:
@@ -228,7 +228,7 @@ def collective_bounds(exp) -> list[dict]:
             times = 1
             if zero2:  # reduce-scattered where each microbatch's (each tick's) backward makes it
                 ticks = m.pipeline.ticks if (m.pipeline is not None and path.startswith(m.stacked + "/")) else 1
-                times = exp.cfg.train.microbatches * ticks
+                times = exp.cfg.train.grad_accum_steps * ticks
             add("reduce-scatter", zero, 0, times * (n - 1) / n * local * g, f"{stage} gradient reduce-scatter")
             add("all-gather", zero, 0, (n - 1) / n * local * pbytes, f"{stage} updated-param all-gather")
         gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
@@ -243,7 +243,7 @@ def collective_bounds(exp) -> list[dict]:
             n = _size(mesh, gather)
             add("all-gather", gather, 0, 2 * b["micro"] * (n - 1) * local * compute,
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
-            add("reduce-scatter", gather, 0, exp.cfg.train.microbatches * (n - 1) * local * g,
+            add("reduce-scatter", gather, 0, exp.cfg.train.grad_accum_steps * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
     t_axes = _shards(exp, "heads")[1]
     activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
@@ -254,7 +254,7 @@ def collective_bounds(exp) -> list[dict]:
         add("all-reduce", t_axes, 4 * layers, 4 * layers * 2 * (n - 1) / n * activation,
             "Megatron: 2 all-reduces per layer forward, 2 backward")
         if b["vocab"] > 1:
-            k, chunks = exp.cfg.train.microbatches, loss_chunks(exp)
+            k, chunks = exp.cfg.train.grad_accum_steps, loss_chunks(exp)
             whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * k
             add("all-reduce", t_axes, (1 + chunks) * k, 2 * 2 * (n - 1) / n * whole,
                 "vocab-parallel embedding: lookup forward, output projection backward per loss chunk")

@@ -90,7 +90,7 @@ def batch_shards(layout: Layout, shape) -> int:
 
 def batch_multiple(run: Run, m: int) -> int:
     """What train.batch_size must be a multiple of with m pipeline microbatches (check_batch)."""
-    k = run.cfg.train.microbatches
+    k = run.cfg.train.grad_accum_steps
     q = k * batch_shards(run.layout, run.shape)
     return math.lcm(q, k * m * batch_shards(run.layout.without("stage"), run.shape)) if m > 0 else q
 

@@ -75,18 +75,18 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
 
 def _batch(run: Run) -> list[Finding]:
     t, m = run.cfg.train, max(run.cfg.pipeline.microbatches, 0)
-    if t.microbatches < 1:
+    if t.grad_accum_steps < 1:
         return []  # validation refuses it, with its own message
     q, b = batch_multiple(run, m), t.batch_size
     if b >= 1 and b % q == 0:
         return []
     lo, hi = b // q * q, max(-(-b // q), 1) * q
     new = hi if lo < 1 or hi - b <= b - lo else lo
-    k, outer = t.microbatches, batch_shards(run.layout, run.shape)
-    why = f"train.microbatches x batch shards = {k} x {outer}"
+    k, outer = t.grad_accum_steps, batch_shards(run.layout, run.shape)
+    why = f"train.grad_accum_steps x batch shards = {k} x {outer}"
     if m > 0:
         inner = batch_shards(run.layout.without("stage"), run.shape)
-        why = (f"lcm({why}, train.microbatches x pipeline.microbatches x batch shards in a stage = "
+        why = (f"lcm({why}, train.grad_accum_steps x pipeline.microbatches x batch shards in a stage = "
                f"{k} x {m} x {inner})")
     return [Finding("batch-indivisible", "error",
                     f"train.batch_size={b} is not a multiple of {q} = {why} under layout {run.layout.name!r} "
@@ -163,7 +163,7 @@ def _bubble(run: Run) -> list[Finding]:
     step = s if r > 1 else 1
     need = -(-3 * (s - 1) // r)  # the smallest M with r*M >= 3(S-1), i.e. bubble <= 25%
     low = -(-need // step) * step
-    b, k = run.cfg.train.batch_size, run.cfg.train.microbatches
+    b, k = run.cfg.train.batch_size, run.cfg.train.grad_accum_steps
     top = b // max(k * batch_shards(run.layout.without("stage"), run.shape), 1)
     fits = [x for x in range(low, top + 1, step) if b % batch_multiple(run, x) == 0]
     new = fits[0] if fits else low

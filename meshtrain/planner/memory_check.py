@@ -185,8 +185,8 @@ def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[F
     """The planner's levers, one at a time cheapest first, then combined; `shape` and
     `dcn` are the run's resolved mesh (the layout fixes move its data axis to fsdp)."""
     t, m = cfg.train, cfg.model
-    k = t.microbatches
-    micro = [Fix((("train.microbatches", str(k * f)),), f"the same update in {f}x as many smaller passes")
+    k = t.grad_accum_steps
+    micro = [Fix((("train.grad_accum_steps", str(k * f)),), f"the same update in {f}x as many smaller passes")
              for f in (2, 4, 8)]
     zero1, fsdp = SHARDED.get(cfg.layout, (None, None))
     save_dots = Fix((("model.remat", "save_dots"),), "recomputes element-wise ops in backward, ~10% more compute")
@@ -257,7 +257,7 @@ def explain(peak: float, budget: Budget, fix: Fix | None, tried: list[Fix], who:
         fixes = (f" The cheapest fix the planner knows that fits, compiled here: {fix.flags()} ({fix.cost}): "
                  f"{gib(fix.compiled)} per device{total}.")
     else:
-        fixes = (" None of the planner's fixes fits (remat, microbatches, an fsdp layout, a smaller batch, and "
+        fixes = (" None of the planner's fixes fits (remat, gradient accumulation, an fsdp layout, a smaller batch, and "
                  "those combined): the run needs more devices, or devices with more memory; `meshtrain plan "
                  "--search --devices=N` ranks the layouts for N devices.")
     if tried:

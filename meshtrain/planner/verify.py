@@ -56,7 +56,7 @@ def shards(layout: layouts.Layout, name: str, shape: dict) -> int:
 def shrink(cfg: ml_collections.ConfigDict, shape: dict) -> tuple[ml_collections.ConfigDict, dict]:
     """A copy of `cfg` whose model is the smallest the layout divides on `shape`, set up for
     an exact comparison; -> (config, the shrunk dims). Keeps the mesh, layout, pipeline
-    and train.microbatches: what is being checked."""
+    and train.grad_accum_steps: what is being checked."""
     from meshtrain import models
     layout = layouts.get(cfg.layout)
     dims = models.size_dims(cfg.model)
@@ -75,7 +75,7 @@ def shrink(cfg: ml_collections.ConfigDict, shape: dict) -> tuple[ml_collections.
              "vocab_size": VOCAB, "seq_len": seq_len}
     if "num_kv_heads" in dims:
         small["num_kv_heads"] = kv
-    k = cfg.train.microbatches
+    k = cfg.train.grad_accum_steps
     batch = k * layout.shards("batch", shape)[0]
     if cfg.pipeline.microbatches > 0:
         batch = math.lcm(batch, k * cfg.pipeline.microbatches * layout.without("stage").shards("batch", shape)[0])
@@ -99,7 +99,7 @@ def reference(small: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     ref = small.copy_and_resolve_references()
     for key, value in {"mesh.shape": "data:1", "mesh.dcn": "", "layout": "dp",
                        "pipeline.microbatches": 0, "pipeline.repeats": 1, "pipeline.schedule": "gpipe",
-                       "train.microbatches": 1, "train.loss_chunk": 0, "train.grad_dtype": ""}.items():
+                       "train.grad_accum_steps": 1, "train.loss_chunk": 0, "train.grad_dtype": ""}.items():
         config_lib.override(ref, key, str(value))
     return ref
 

@@ -53,7 +53,7 @@ def run_config(run: dict, flags: dict):
         for k, v in saved.items():
             into[k] = merge(into[k], v) if isinstance(v, dict) and isinstance(into.get(k), dict) else v
         return into
-    cfg = ml_collections.ConfigDict(merge(config_lib.base().to_dict(), run["config"]))
+    cfg = ml_collections.ConfigDict(merge(config_lib.base().to_dict(), config_lib.upgrade(run["config"])))
     # The mesh the run resolved (a -1 axis filled); DCN factors mean nothing in one process.
     resolved = (run.get("mesh") or {}).get("shape")
     cfg.mesh.shape = mesh_lib.format_shape(resolved) if resolved else cfg.mesh.shape
