@@ -3,8 +3,10 @@
 
 meshtrain's train step vs a bare-JAX step with the same math and shardings, timed
 alternately in one process. The bare step is written here from scratch in plain
-jax.numpy over the params dict meshtrain stores (no flax, no meshtrain model code).
-It reuses only what is not framework: the optax transformation and lr schedule
+jax.numpy over the params dict meshtrain stores (no flax, no meshtrain modules). It
+reuses only what is not framework: the model's numeric kernels (the LayerNorm and GELU
+whose backward recomputes them, and the causal attention: the same math in the same
+formulation, docs/benchmarks.md "CPU step"), the optax transformation and lr schedule
 (`exp.tx`, `exp.schedule`), the shardings (`exp.shardings`, `exp.grad_shardings`,
 `exp.batch_sharding`) and the layout's activation specs, so it pins activations at
 the places gpt2.py does and the two programs compile to the same collectives.
@@ -31,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshtrain.models import attention, gpt2
+
 BTD = ("batch", "length", "embed")
 BTHE = ("batch", "length", "heads", "head_dim")
 BTF = ("batch", "length", "mlp")
@@ -49,20 +53,17 @@ def make_bare_step(exp):
         return jax.lax.with_sharding_constraint(x, NamedSharding(exp.mesh, spec))
 
     def layer_norm(x, p):  # [B, T, D] -> [B, T, D], statistics in float32
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]).astype(x.dtype)
+        return gpt2.layer_norm(x, p["scale"], p["bias"])
 
     def block(x, p):  # x [B, T, D]; p: one layer's slice of params["blocks"]
         a, m = p["attn"], p["mlp"]
         h = layer_norm(x, p["ln1"])
         qkv = jnp.einsum("btd,dkhe->btkhe", h, a["w_qkv"].astype(dt)) + a["b_qkv"].astype(dt)  # [B,T,3,H,E]
         q, k, v = (pin(qkv[:, :, i], BTHE) for i in range(3))                                # [B,T,H,E]
-        o = pin(jax.nn.dot_product_attention(q, k, v, is_causal=True), BTHE)                 # [B,T,H,E]
+        o = pin(attention.causal_attention(q, k, v), BTHE)                 # [B,T,H,E]
         x = pin(x + (jnp.einsum("bthe,hed->btd", o, a["w_out"].astype(dt)) + a["b_out"].astype(dt)), BTD)
         h = layer_norm(x, p["ln2"])
-        f = pin(jax.nn.gelu(h @ m["w_fc"].astype(dt) + m["b_fc"].astype(dt), approximate=True), BTF)  # [B,T,F]
+        f = pin(gpt2.gelu(h @ m["w_fc"].astype(dt) + m["b_fc"].astype(dt)), BTF)  # [B,T,F]
         x = pin(x + (f @ m["w_proj"].astype(dt) + m["b_proj"].astype(dt)), BTD)
         return x, None
 

@@ -148,6 +148,10 @@ for ((i = 0; i < N; i++)); do
   pids+=($!) done+=(0) statuses+=("")
 done
 say "$N processes (pids ${pids[*]}), coordinator 127.0.0.1:$PORT, logs in $logs/process_I.log"
+# Job control was needed only to start them in groups of their own. Left on, bash prints
+# "[1]+ Terminated tail ..." or "[2]- Done ..." whenever it next notices a job ended, which
+# may be after the loop below has given its stderr back.
+set +m
 
 
 # bash reports a child killed by a signal on its own stderr ("local.sh: line 140: 4242 Killed
@@ -178,7 +182,6 @@ while ((left > 0)); do
   ((left > 0)) && sleep 0.2
 done 2>/dev/null
 sleep 0.3  # let tail show process 0's last lines
-kill "$tailer" 2>/dev/null
-wait "$tailer" 2>/dev/null
+{ kill "$tailer"; wait "$tailer"; } 2>/dev/null
 say "exit statuses by process: ${statuses[*]}; logs in $logs/"
 exit "$worst"
