@@ -7,7 +7,8 @@ compile the few that can win, rank.
    that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
    by its entry there, and no two candidates are the same program), each remat policy and
    each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
-   microbatches S, 2S and 4S; with --nodes=K the inter-node factor K goes on data (or
+   microbatches S, 2S and 4S (train.accum_gather="auto" resolved as train would on the
+   hardware, planner/accumulation.py); with --nodes=K the inter-node factor K goes on data (or
    fsdp), never on tensor or stage.
 2. Drop, counting why: the linter's errors and the config checks (what does not divide),
    then the formulas' memory against the hardware's usable memory (what does not fit).
@@ -161,12 +162,14 @@ _WORKER_INPUTS: dict = {}  # a worker reads the config's data and init.from once
 def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) -> dict:
     """In a worker: build, compile and report one candidate (the parts the ranking needs)."""
     from meshtrain.experiment import Experiment, read_inputs
-    from meshtrain.planner import report as report_lib
+    from meshtrain.planner import accumulation, report as report_lib
     key = (name, tuple(map(tuple, base)))
     if key not in _WORKER_INPUTS:
         _WORKER_INPUTS[key] = read_inputs(_build(name, base, []))
+    hw = hardware_lib.Hardware(**hw_fields)
     exp = Experiment.build(_build(name, base, cand_overrides), inputs=_WORKER_INPUTS[key])
-    r = report_lib.plan(exp, hardware_lib.Hardware(**hw_fields))
+    exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
+    r = report_lib.plan(exp, hw)
     r.pop("config", None)
     return r
 
@@ -236,7 +239,7 @@ def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
     """The candidates that divide and fit by the formulas: [{candidate, cfg, prediction,
     memory_bytes, bound_bytes}] (the formula prediction: `_estimate`)."""
     from meshtrain.experiment import Experiment, resolve
-    from meshtrain.planner import analytic, lint
+    from meshtrain.planner import accumulation, analytic, lint
     out = []
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
@@ -249,6 +252,8 @@ def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
             continue
         try:
             exp = Experiment.build(c, inputs=inputs)
+            # train.accum_gather="auto" as train would take it on this hardware
+            exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
         except UserError as e:
             dropped[f"does not divide: {str(e).split(':')[0][:60]}"] += 1
             continue
