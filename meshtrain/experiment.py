@@ -130,7 +130,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     optim.schedule(cfg.optim, max(cfg.train.steps, 1))
     # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
-    if layout.grads != layout.params:  # divisibility of the gradients' split (ZeRO-2)
+    if layout.splits_grads:  # divisibility of the gradients' split (ZeRO-2)
         state_lib.param_shardings(model, layout, mesh, "grads")
     return Plan(layout, model, params, opt_state)
 

@@ -80,7 +80,7 @@ def replica_axes(layout: Layout, mesh: Mesh, param_shardings, gathered: tuple[st
     _, batch = layout.shards("batch", mesh.shape)
     used = _param_axes(param_shardings)
     # ZeRO-2: split over these in the backward pass (the `grads` table), never whole.
-    used |= {a for _, axes in layout.grads for a in axes} if layout.grads != layout.params else set()
+    used |= {a for _, axes in layout.grads for a in axes} if layout.splits_grads else set()
     return tuple(a for a in batch if (a not in used or a in gathered) and mesh.shape[a] > 1)
 
 
@@ -191,7 +191,7 @@ def sequential_runner(pins, constrain: Callable, *, scan: bool) -> Callable:
 def check_layout(grad_dtype: str, layout: Layout) -> None:
     """train.grad_dtype needs whole per-replica gradients to reduce by hand; a layout that
     splits gradients inside the backward pass (ZeRO-2) has none."""
-    if grad_dtype and layout.grads != layout.params:
+    if grad_dtype and layout.splits_grads:
         raise UserError(
             f"train.grad_dtype={grad_dtype!r} with layout {layout.name!r}: this layout reduce-scatters "
             f"each layer's gradient inside the backward pass (its grads table), where XLA reduces it "

@@ -151,8 +151,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     microbatch loop, and that axis joins the replica axes (module docstring).
     """
     by_hand = bool(grad_dtype) or microbatches > 1
-    split_in_backward = grad_reduce.grads_pins(
-        layout, mesh, model.axes[model.stacked], 1 if model.pipeline is None else 2) is not None
+    split_in_backward = layout.splits_grads  # ZeRO-2: accumulate split, never whole
     gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, microbatches, accum_gather)
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
     gather = make_gather(model, layout, mesh, gathered)

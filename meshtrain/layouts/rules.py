@@ -52,6 +52,12 @@ class Layout:
     def rules(self, target: str) -> Rules:
         return getattr(self, target)
 
+    @property
+    def splits_grads(self) -> bool:
+        """Whether gradients have rules of their own (ZeRO-2): the step then pins each
+        layer's gradient to them inside the backward pass (grad_reduce.grads_pins)."""
+        return self.grads != self.params
+
     def spec(self, axes: Sequence[str | None], target: str = "params", where: str = "") -> P:
         """Logical axes, e.g. ("embed", "mlp") -> PartitionSpec("fsdp", "tensor")."""
         return resolve(axes, self.rules(target), where=where)
@@ -78,7 +84,7 @@ class Layout:
         parts = [f"params={format_rules(self.params)}",
                  f"opt_state={format_rules(self.opt_state)}",
                  f"activations={format_rules(self.activations)}"]
-        if self.grads != self.params:
+        if self.splits_grads:
             parts.insert(2, f"grads={format_rules(self.grads)}")
         return " | ".join(parts)
 

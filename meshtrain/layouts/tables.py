@@ -20,7 +20,7 @@ def _fmt_spec(spec) -> str:
 def sharding_table(axes_tree, layout: Layout, activations) -> str:
     """`axes_tree`: params-shaped dict of logical-axis tuples (ModelDef.axes);
     `activations`: [(what, logical axes)] the model constrains (ModelDef.activation_axes())."""
-    grads = layout.grads != layout.params
+    grads = layout.splits_grads
     rows = [("param", "logical axes", "params", "opt_state") + (("grads",) if grads else ())]
     for name, axes in tree_paths.flat(axes_tree, is_leaf=lambda x: isinstance(x, tuple)).items():
         rows.append((name, _fmt_axes(axes), _fmt_spec(layout.spec(axes, "params")),

@@ -57,7 +57,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import grad_reduce, loss as loss_lib, step as step_lib, tree_paths
+from meshtrain import grad_reduce, loss as loss_lib, state as state_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 
@@ -118,7 +118,7 @@ def memory(exp, hw=None) -> dict[str, float]:
     opt = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
               zip(shapes, jax.tree.leaves(exp.grad_shardings)))
     split = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
-                zip(shapes, jax.tree.leaves(grads_shardings(exp))))
+                zip(shapes, jax.tree.leaves(state_lib.param_shardings(m, exp.layout, exp.mesh, "grads"))))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
     once = gathered(exp)
     if once:  # accumulator and gathered params at the params' sharding without `once`
@@ -129,18 +129,6 @@ def memory(exp, hw=None) -> dict[str, float]:
     mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
     return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
             "activations": activations(exp, hw)}
-
-
-def grads_shardings(exp):
-    """Params-shaped NamedShardings of the gradients during the backward pass: the layout's
-    grads table (which follows params unless the layout gives one, as ZeRO-2 does)."""
-    return jax.tree.map(lambda axes: jax.sharding.NamedSharding(exp.mesh, exp.layout.spec(axes, "grads")),
-                        exp.model.axes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def splits_in_backward(exp) -> bool:
-    """Whether the layout reduce-scatters layer gradients inside the backward pass (ZeRO-2)."""
-    return exp.layout.grads != exp.layout.params
 
 
 def gathered(exp) -> tuple[str, ...]:
@@ -207,7 +195,7 @@ def collective_bounds(exp) -> list[dict]:
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
-    zero2 = splits_in_backward(exp)
+    zero2 = exp.layout.splits_grads
     for path, shape in flat_shapes.items():
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
         splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
