@@ -90,9 +90,14 @@ def batch_shards(layout: Layout, shape) -> int:
 
 def batch_multiple(run: Run, m: int) -> int:
     """What train.batch_size must be a multiple of with m pipeline microbatches (check_batch)."""
-    k = run.cfg.train.grad_accum_steps
-    q = k * batch_shards(run.layout, run.shape)
-    return math.lcm(q, k * m * batch_shards(run.layout.without("stage"), run.shape)) if m > 0 else q
+    return batch_quantum(run.cfg.train.grad_accum_steps, run.layout, run.shape, m)
+
+
+def batch_quantum(k: int, layout: Layout, shape, m: int) -> int:
+    """The smallest batch k accumulation steps and m pipeline microbatches (0: none) divide
+    under `layout` on mesh `shape` (experiment.check_batch's arithmetic)."""
+    q = k * batch_shards(layout, shape)
+    return math.lcm(q, k * m * batch_shards(layout.without("stage"), shape)) if m > 0 else q
 
 
 def layout_text(params, opt_state, activations, grads=None) -> str:

@@ -36,6 +36,7 @@ import optax
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, pipeline, tree_paths
 from meshtrain.errors import UserError
+from meshtrain.planner import findings
 
 TOLERANCE = 1e-5  # relative, float32: sharded sums reorder additions, nothing more
 # The shrunk model's floors: small enough to run in seconds, large enough that every
@@ -75,10 +76,7 @@ def shrink(cfg: ml_collections.ConfigDict, shape: dict) -> tuple[ml_collections.
              "vocab_size": VOCAB, "seq_len": seq_len}
     if "num_kv_heads" in dims:
         small["num_kv_heads"] = kv
-    k = cfg.train.grad_accum_steps
-    batch = k * layout.shards("batch", shape)[0]
-    if cfg.pipeline.microbatches > 0:
-        batch = math.lcm(batch, k * cfg.pipeline.microbatches * layout.without("stage").shards("batch", shape)[0])
+    batch = findings.batch_quantum(cfg.train.grad_accum_steps, layout, shape, max(cfg.pipeline.microbatches, 0))
     out = cfg.copy_and_resolve_references()
     sets = {**{f"model.{key}": v for key, v in small.items()},
             "model.vocab_multiple": math.lcm(sh["vocab"], 2), "model.dtype": "float32",
