@@ -47,19 +47,32 @@ from meshtrain.layouts import Layout, make_constrain
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
+# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/pipeline_1f1b.py):
+# "inputs" recomputes the chunk from its stashed input; "residuals" keeps autodiff's.
+STASHES = ("inputs", "residuals")
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     stages: int        # S: size of the `stage` mesh axis
     microbatches: int  # M: microbatches per pipelined batch
-    repeats: int = 1   # r: chunks per stage (1: GPipe, >1: circular)
+    repeats: int = 1   # r: chunks per stage (1: GPipe/1F1B, >1: circular/interleaved)
     # Benchmarks unroll the tick loop so that cost_analysis counts every tick.
     unroll: bool = False
+    schedule: str = "gpipe"
+    stash: str = "inputs"  # 1f1b/interleaved only: see STASHES
+
+    @property
+    def one_f_one_b(self) -> bool:
+        """Whether the backward runs in the tick loop (1f1b, interleaved) rather than by
+        autodiff through the forward ticks (gpipe, circular)."""
+        return self.schedule in ("1f1b", "interleaved")
 
     @property
     def ticks(self) -> int:
+        """Forward ticks: the whole step of gpipe/circular, the forward-only pass (eval) of
+        1f1b/interleaved (whose step takes pipeline_ticks.phases)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -86,12 +99,18 @@ def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
                 f"pipeline.microbatches=M, e.g. M={4 * stages}: the bubble is (S-1)/(M+S-1) = "
                 f"{(stages - 1) / (5 * stages - 1):.1%} at M = 4 x S.")
         return None
-    if p.schedule == "gpipe" and r != 1:
-        raise UserError(f"pipeline.repeats={r} needs pipeline.schedule=circular (gpipe runs each "
-                        f"stage's layers once per microbatch).")
-    if p.schedule == "circular" and r < 2:
-        raise UserError("pipeline.schedule=circular with pipeline.repeats=1 is gpipe; set "
-                        "pipeline.repeats >= 2 (chunks per stage) or use schedule=gpipe.")
+    stash = p.get("stash", "inputs")
+    if stash not in STASHES:
+        raise UserError(f"pipeline.stash={stash!r}: choose one of {', '.join(STASHES)} (what the "
+                        f"backward slot of 1f1b/interleaved keeps, docs/pipeline.md).")
+    one_chunk = {"gpipe": "circular", "1f1b": "interleaved"}
+    if p.schedule in one_chunk and r != 1:
+        raise UserError(f"pipeline.repeats={r} needs pipeline.schedule={one_chunk[p.schedule]} "
+                        f"({p.schedule} runs each stage's layers as one chunk).")
+    if p.schedule in ("circular", "interleaved") and r < 2:
+        plain = {v: k for k, v in one_chunk.items()}[p.schedule]
+        raise UserError(f"pipeline.schedule={p.schedule} with pipeline.repeats={r} is {plain}; set "
+                        f"pipeline.repeats >= 2 (chunks per stage) or use schedule={plain}.")
     if num_layers % (stages * r):
         raise UserError(
             f"model.num_layers={num_layers} is not divisible by stages x repeats = {stages} x {r} "
@@ -100,10 +119,10 @@ def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
             f"pipeline.repeats.")
     if r > 1 and m % stages:
         raise UserError(
-            f"pipeline.microbatches={m} is not a multiple of stage={stages}: the circular schedule "
+            f"pipeline.microbatches={m} is not a multiple of stage={stages}: the {p.schedule} schedule "
             f"sends microbatches round the stages in groups of S. Use M = "
-            f"{-(-m // stages) * stages} (or schedule=gpipe).")
-    return Pipeline(stages=stages, microbatches=m, repeats=r)
+            f"{-(-m // stages) * stages} (or schedule={'gpipe' if p.schedule == 'circular' else '1f1b'}).")
+    return Pipeline(stages=stages, microbatches=m, repeats=r, schedule=p.schedule, stash=stash)
 
 
 def check_layout(layout: Layout, pipe: Pipeline | None) -> None:

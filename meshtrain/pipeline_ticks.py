@@ -1,0 +1,129 @@
+"""The lockstep tick schedules of 1F1B and interleaved 1F1B: which microbatch each stage
+runs forward and backward on each tick, how many it keeps, and the tables.
+
+One SPMD program runs every stage in lockstep: on each tick every stage has one forward
+slot and one backward slot, and activations (forward) and gradients (backward) move one
+stage over the `stage` mesh axis between ticks. A chunk is 1/v of a stage's layers (v =
+pipeline.repeats; 1 for 1F1B, >= 2 for interleaved); stage s holds chunks s, s+S, ...,
+as the circular schedule stores them (pipeline.to_stages).
+
+Forward, as the circular schedule (pipeline.schedule): stage s on tick t runs item
+w = t - s, which is repeat i = (w // S) % v of microbatch m = (w // (v S)) S + w % S.
+
+Backward is the mirror image: stage s' = S-1-s counted from the last stage, on tick t
+runs item u = t - (v S - 1) - s', which is repeat v-1 - (u // S) % v of microbatch
+(u // (v S)) S + u % S. The last stage runs microbatch m's last chunk backward on the
+very tick it ran it forward (the loss head sits between the two slots), and a gradient
+leaving stage 0 in repeat i reaches stage S-1 one tick later for repeat i-1.
+
+Ticks come in three phases, each its own loop in the program so that no slot is computed
+where no stage uses it:
+
+    warm-up    v S - 1        ticks, forward slots only
+    steady     v M - v S + S  ticks, both slots
+    cool-down  v S - 1        ticks, backward slots only
+
+A forward slot is 1/v of a stage's forward work (F/v), a backward slot B/v. So a step
+takes (v S - 1) F/v + (v M - v S + S)(F + B)/v + (v S - 1) B/v = (v M + S - 1)(F + B)/v,
+of which M (F + B) is work: the idle share is (S-1)/(v M + S - 1), as GPipe's with v = 1.
+
+In lockstep a microbatch's round trip from stage s to the last stage and back takes
+2 (S-1-s) ticks, and stage s takes in a new item every tick in the steady phase, so it
+keeps up to 2 (S-1-s) + 1 items: 2S - 1 on stage 0 for 1F1B, where the textbook
+(asynchronous) 1F1B keeps S - s. Still never M: `in_flight` counts them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshtrain.pipeline import Pipeline, schedule as forward_items
+
+__all__ = ["forward_items", "backward_items", "phases", "in_flight", "stash_slots", "tick_table",
+           "busy_fraction"]
+
+
+def backward_items(pipe: Pipeline, t, xp=np):
+    """Tick t -> per stage [S]: (valid, repeat i, microbatch m) of the item its backward slot runs."""
+    s, v, m = pipe.stages, pipe.repeats, pipe.microbatches
+    u = t - (v * s - 1) - (s - 1 - xp.arange(s))
+    valid = (u >= 0) & (u < v * m)
+    u = xp.clip(u, 0, v * m - 1)
+    return valid, v - 1 - (u // s) % v, (u // (v * s)) * s + u % s
+
+
+def phases(pipe: Pipeline) -> tuple[int, int, int]:
+    """(warm-up, steady, cool-down) tick counts; their sum is every tick of the step."""
+    s, v, m = pipe.stages, pipe.repeats, pipe.microbatches
+    return v * s - 1, v * m - v * s + s, v * s - 1
+
+
+def _lifetimes(pipe: Pipeline):
+    """[(stage, repeat, microbatch, forward tick, backward tick)] of every item."""
+    first = {}
+    out = []
+    for t in range(sum(phases(pipe))):
+        fv, fi, fm = forward_items(pipe, t, np)
+        bv, bi, bm = backward_items(pipe, t, np)
+        for s in range(pipe.stages):
+            if fv[s]:
+                first[(s, int(fi[s]), int(fm[s]))] = t
+            if bv[s]:
+                key = (s, int(bi[s]), int(bm[s]))
+                out.append((*key, first.pop(key), t))
+    assert not first, f"items run forward but never backward: {sorted(first)}"
+    return out
+
+
+def in_flight(pipe: Pipeline) -> np.ndarray:
+    """[S]: the most items (a microbatch through one chunk, 1/v of the stage) stage s keeps
+    between their forward and their backward slot, the one being run included."""
+    counts = np.zeros(pipe.stages, int)
+    for s in range(pipe.stages):
+        spans = [(f, b) for st, _, _, f, b in _lifetimes(pipe) if st == s]
+        counts[s] = max(sum(f <= t <= b for f, b in spans) for t in range(sum(phases(pipe))))
+    return counts
+
+
+def stash_slots(pipe: Pipeline) -> int:
+    """K: slots per (stage, repeat) in the stash, which keeps item (i, m) in slot
+    (i, m mod K). Items of one repeat leave a stage in the order they came, so those alive
+    at once are consecutive microbatches, and K = the most alive at once never collides."""
+    best = 1
+    life = _lifetimes(pipe)
+    for s in range(pipe.stages):
+        for i in range(pipe.repeats):
+            spans = [(f, b) for st, ii, _, f, b in life if st == s and ii == i]
+            best = max(best, max(sum(f <= t <= b for f, b in spans) for t in range(sum(phases(pipe)))))
+    return best
+
+
+def busy_fraction(pipe: Pipeline) -> float:
+    """Share of the step's time a stage does work, counting a forward slot as F/v and a
+    backward slot as B/v with B = 2F: 1 - (S-1)/(v M + S - 1) for any B/F."""
+    warm, steady, cool = phases(pipe)
+    f, b = 1.0, 2.0
+    total = warm * f + steady * (f + b) + cool * b
+    return pipe.microbatches * pipe.repeats * (f + b) / total
+
+
+def tick_table(pipe: Pipeline) -> str:
+    """A row per tick, a column per stage: `F m|B m` (1F1B) or `F m.i|B m.i` (interleaved,
+    repeat i) for the items a stage runs forward and backward; `.` for an idle slot, and
+    the phase of each tick on the right."""
+    warm, steady, _ = phases(pipe)
+    width = 9 if pipe.repeats == 1 else 13
+    rows = [(" tick | " + " ".join(f"{'s' + str(s):<{width}}" for s in range(pipe.stages)) + " phase").rstrip()]
+
+    def cell(valid, i, m):
+        if not valid:
+            return "."
+        return f"{m}" if pipe.repeats == 1 else f"{m}.{i}"
+
+    for t in range(sum(phases(pipe))):
+        f, b = forward_items(pipe, t, np), backward_items(pipe, t, np)
+        cells = [f"{cell(f[0][s], f[1][s], f[2][s])}|{cell(b[0][s], b[1][s], b[2][s])}"
+                 for s in range(pipe.stages)]
+        phase = "warm-up" if t < warm else "steady" if t < warm + steady else "cool-down"
+        rows.append(f"{t:5d} | " + " ".join(f"{c:<{width}}" for c in cells) + " " + phase)
+    return "\n".join(rows)
