@@ -213,20 +213,140 @@ def output_ticks(pipe: Pipeline) -> np.ndarray:
     return s - 1 + (m // s) * r * s + (r - 1) * s + m % s
 
 
-def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
-                scan_layers: bool = True, grads_pins=None) -> Callable:
-    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for a model's forward pass.
-
-    `stacked` holds the block params [S, r*Lc, ...]; `make_layer(constrain)` returns
-    layer(x [b, T, D], one layer's params, key) -> x.
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """How the stages run on the mesh: shared by the forward-only schedules' runner here
+    and the 1F1B tick loop (meshtrain/pipeline_1f1b.py).
 
     Two vmaps make the per-device program explicit: over stages (mesh axis `stage`)
-    and over the n batch shards of a microbatch (the mesh axes the layout splits
-    `batch` over inside a stage, e.g. data+fsdp). Each batch shard gets its own
-    copy of the stage weights [n, S, r, Lc, ...], made once per step, so weight
-    gradients accumulate per shard over all ticks and are reduced across shards
-    once, when autodiff transposes that copy, instead of once per tick. The layers
-    see the layout without those mesh axes; the vmaps put them back.
+    and over the n batch shards of a microbatch (`shard`: the mesh axes the layout
+    splits `batch` over inside a stage, e.g. data+fsdp). The layers see `inner`, the
+    layout without those mesh axes; the vmaps put them back.
+    """
+    pipe: Pipeline
+    layout: Layout
+    mesh: Mesh
+    blocks_axes: object
+    grads_pins: object
+    n_shards: int
+    shard: tuple[str, ...] | None
+    inner: Layout
+
+    def sharding(self, *spec) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*spec))
+
+    def slot_spec(self) -> NamedSharding:
+        """[S, mb, T, D]: one microbatch slot per stage."""
+        btd = self.inner.spec(("batch", "length", "embed"), "activations")
+        return self.sharding("stage", self.shard, *btd[1:])
+
+    def inputs(self, x_btd: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [S, M, mb, T, D], zero but in stage 0's slot. Row i*M + j goes to
+        microbatch j, so each batch shard keeps its own rows. Only stage 0 reads inputs:
+        they sit in its slot of a stage-sharded buffer, so the per-tick read and its
+        gradient stay on the device."""
+        s, n_micro = self.pipe.stages, self.pipe.microbatches
+        b, t, d = x_btd.shape
+        x_mbtd = x_btd.reshape(b // n_micro, n_micro, t, d).swapaxes(0, 1)
+        first_slot = (jnp.arange(s) == 0)[:, None, None, None, None]
+        spec = self.slot_spec().spec
+        return jax.lax.with_sharding_constraint(
+            jnp.where(first_slot, x_mbtd[None], jnp.zeros_like(x_mbtd[None])),
+            self.sharding(spec[0], None, *spec[1:]))
+
+    @property
+    def copies(self) -> bool:
+        """Whether each batch shard gets its own copy of the stage weights (not under ZeRO-2)."""
+        return self.grads_pins is None
+
+    def weights(self, stacked):
+        """Block params [S, r*Lc, ...] as compute wants them, made once per step: copies
+        [n, S, r, Lc, ...], one per batch shard, so weight gradients accumulate per shard
+        over all ticks and are reduced across shards once, when autodiff transposes the
+        copy (under FSDP this is the one all-gather, and transposed the one
+        reduce-scatter); under ZeRO-2 shared [S, r, Lc, ...], gradients as `grads`."""
+        s, r, n = self.pipe.stages, self.pipe.repeats, self.n_shards
+
+        def per_shard(a, axes):
+            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
+            a = jnp.broadcast_to(a[None], (n, *a.shape))
+            return jax.lax.with_sharding_constraint(a, self.weight_sharding(axes))
+
+        def shared(a, axes):
+            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
+            stored = self.layout.spec(axes, "params")
+            return grad_reduce.constrain_both_ways(a, self.sharding(stored[0], None, *stored[1:]),
+                                                   self.weight_sharding(axes))
+        return jax.tree.map(per_shard if self.copies else shared, stacked, self.blocks_axes)
+
+    def weight_sharding(self, axes) -> NamedSharding:
+        """Where one block param's compute weights (`weights`) live, and their gradient:
+        copies [n, S, r, Lc, ...] split over the batch shards and compute's split of the
+        rest; shared [S, r, Lc, ...] as the `grads` table says."""
+        if self.copies:
+            rest = self.inner.spec(axes[2:], "activations")
+            return self.sharding(self.shard, "stage", None, None, *rest)
+        grads = self.layout.spec(axes, "grads")
+        return self.sharding(grads[0], None, *grads[1:])
+
+    def keys(self, key, stacked):
+        """[S, r, Lc] dropout keys, one per model layer laid out like the params, or None."""
+        if key is None:
+            return None
+        s, r = self.pipe.stages, self.pipe.repeats
+        num_layers = s * jax.tree.leaves(stacked)[0].shape[1]
+        return to_stages(jax.random.split(key, num_layers), self.pipe).reshape(s, r, -1)
+
+    def chunk_fn(self, make_layer, *, scan_layers: bool) -> Callable:
+        """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
+        with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys."""
+        n, shard = self.n_shards, self.shard
+        layer = make_layer(make_constrain(self.inner, self.mesh))
+        if self.grads_pins is not None:
+            pinned = grad_reduce.pinned_in_backward(self.grads_pins)
+            run_one = lambda x, params, k: layer(x, pinned(params), k)  # noqa: E731
+        else:
+            run_one = layer
+
+        def shard_fn(w, k, x, shard_index):  # one stage, one batch shard: x [mb/n, T, D]
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
+            return run_stack(run_one, w, x, k, scan=scan_layers)
+
+        def chunk(w, k, m, x):
+            mb, t, d = x.shape
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
+            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0), spmd_axis_name=shard)(
+                w, k, x.reshape(n, mb // n, t, d), jnp.arange(n))
+            return y.reshape(mb, t, d)
+        return chunk
+
+    def select(self, w, i):
+        """Stage weights (copies [n, r, Lc, ...] or shared [r, Lc, ...]) -> chunk i's."""
+        return jax.tree.map(lambda a: a[:, i] if self.copies else a[i], w)
+
+    @property
+    def w_axis(self) -> int:
+        """The stage dim of `weights`: behind the copies' shard dim, or first."""
+        return 1 if self.copies else 0
+
+
+def stage_plan(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, grads_pins=None) -> StagePlan:
+    n_shards, batch_axes = layout.without("stage").shards("batch", mesh.shape)
+    return StagePlan(pipe, layout, mesh, blocks_axes, grads_pins, n_shards, batch_axes or None,
+                     layout.without("stage", *batch_axes))
+
+
+def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
+                scan_layers: bool = True, grads_pins=None) -> Callable:
+    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for a model's forward
+    pass under the gpipe or circular schedule (and the forward-only pass of 1f1b and
+    interleaved: eval, logits); backward by autodiff through the ticks.
+
+    `stacked` holds the block params [S, r*Lc, ...]; `make_layer(constrain)` returns
+    layer(x [b, T, D], one layer's params, key) -> x. See StagePlan for the two vmaps
+    and the weight copies.
 
     With `grads_pins` (grad_reduce.grads_pins: ZeRO-2) there is no copy: the batch
     shards share their stage's weights, and grad_reduce.pinned_in_backward on each
@@ -236,66 +356,18 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     r*M + S - 1 times the reduce-scatters of one reduction per step.
     """
     s, r, n_micro = pipe.stages, pipe.repeats, pipe.microbatches
-    n_shards, batch_axes = layout.without("stage").shards("batch", mesh.shape)
-    inner = layout.without("stage", *batch_axes)
-
-    def sharding(*spec):
-        return NamedSharding(mesh, P(*spec))
-
-    inner_constrain = make_constrain(inner, mesh)
-
-    shard = batch_axes or None
-    btd = inner.spec(("batch", "length", "embed"), "activations")
-    buf_spec = sharding("stage", shard, *btd[1:])          # [S, mb, T, D]
-    inputs_spec = sharding("stage", None, shard, *btd[1:])  # [S, M, mb, T, D]
+    plan = stage_plan(pipe, layout, mesh, blocks_axes, grads_pins)
+    buf_spec = plan.slot_spec()
 
     def run_layers(make_layer, stacked, x_btd, key):
-        layer = make_layer(inner_constrain)
-        pinned = None if grads_pins is None else grad_reduce.pinned_in_backward(grads_pins)
+        chunk = plan.chunk_fn(make_layer, scan_layers=scan_layers)
         b, t, d = x_btd.shape
         mb = b // n_micro
-        # Row i*M + j -> microbatch j, so each batch shard keeps its own rows. Only
-        # stage 0 reads inputs: they sit in its slot of a stage-sharded buffer, so the
-        # per-tick read and its gradient stay on the device.
-        x_mbtd = x_btd.reshape(mb, n_micro, t, d).swapaxes(0, 1)
-        first_slot = (jnp.arange(s) == 0)[:, None, None, None, None]
-        inputs = jax.lax.with_sharding_constraint(
-            jnp.where(first_slot, x_mbtd[None], jnp.zeros_like(x_mbtd[None])), inputs_spec)
-        # Weights as compute wants them, one copy per batch shard, made once per step:
-        # under FSDP this is the one all-gather (and, transposed, the one reduce-scatter).
-        def per_shard(a, axes):  # [S, r*Lc, ...] -> [n, S, r, Lc, ...]
-            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
-            rest = inner.spec(axes[2:], "activations")
-            a = jnp.broadcast_to(a[None], (n_shards, *a.shape))
-            return jax.lax.with_sharding_constraint(a, sharding(shard, "stage", None, None, *rest))
+        inputs = plan.inputs(x_btd)
+        weights, keys = plan.weights(stacked), plan.keys(key, stacked)
 
-        def shared(a, axes):  # [S, r*Lc, ...] -> [S, r, Lc, ...], as stored; gradients as `grads`
-            a = a.reshape(s, r, a.shape[1] // r, *a.shape[2:])
-            stored, grads = layout.spec(axes, "params"), layout.spec(axes, "grads")
-            return grad_reduce.constrain_both_ways(a, sharding(stored[0], None, *stored[1:]),
-                                                   sharding(grads[0], None, *grads[1:]))
-        weights = jax.tree.map(per_shard if grads_pins is None else shared, stacked, blocks_axes)
-        keys = None
-        if key is not None:  # one key per model layer, laid out like the params
-            num_layers = s * jax.tree.leaves(stacked)[0].shape[1]
-            keys = to_stages(jax.random.split(key, num_layers), pipe).reshape(s, r, -1)
-
-        run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
-        w_axis = 0 if pinned is None else None  # the weights' batch-shard dim: a copy each, or shared
-
-        def shard_fn(w, k, x, shard_index):  # one stage, one batch shard: x [mb/n, T, D]
-            if k is not None:
-                k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
-            return run_stack(run_one, w, x, k, scan=scan_layers)
-
-        def stage_fn(w, k, i, m, x):  # w [n, r, Lc, ...] (shared: [r, Lc, ...]), x [mb, T, D]
-            w = jax.tree.map(lambda a: a[:, i] if w_axis == 0 else a[i], w)
-            if k is not None:
-                k = jax.vmap(jax.random.fold_in, (0, None))(k[i], m)
-            x = x.reshape(n_shards, mb // n_shards, t, d)
-            y = jax.vmap(shard_fn, (w_axis, None, 0, 0), spmd_axis_name=shard)(
-                w, k, x, jnp.arange(n_shards))
-            return y.reshape(mb, t, d)
+        def stage_fn(w, k, i, m, x):  # one stage: x [mb, T, D]
+            return chunk(plan.select(w, i), None if k is None else k[i], m, x)
 
         def tick(buf, t_now):
             _, i, m = schedule(pipe, t_now)
@@ -303,7 +375,7 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
             fresh = jax.lax.dynamic_index_in_dim(inputs, jnp.minimum(m0, n_micro - 1), 1, keepdims=False)
             first = ((jnp.arange(s) == 0) & (i == 0))[:, None, None, None]
             buf = jnp.where(first, fresh, jnp.roll(buf, 1, axis=0))
-            buf = jax.vmap(stage_fn, (1 if w_axis == 0 else 0, 0, 0, 0, 0), spmd_axis_name="stage")(
+            buf = jax.vmap(stage_fn, (plan.w_axis, 0, 0, 0, 0), spmd_axis_name="stage")(
                 weights, keys, i, m, buf)
             buf = jax.lax.with_sharding_constraint(buf, buf_spec)
             return buf, buf
@@ -313,7 +385,7 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
                              unroll=pipe.ticks if pipe.unroll else 1)
         # ys [ticks, S, mb, T, D] stays where each stage wrote it; only the last stage's
         # finished microbatches leave it.
-        ys = jax.lax.with_sharding_constraint(ys, sharding(None, *buf_spec.spec))
+        ys = jax.lax.with_sharding_constraint(ys, plan.sharding(None, *buf_spec.spec))
         out = ys[output_ticks(pipe), s - 1]  # [M, mb, T, D]
         return out.swapaxes(0, 1).reshape(b, t, d)
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import grad_reduce, loss as loss_lib, pipeline
+from meshtrain import grad_reduce, loss as loss_lib, pipeline, pipeline_1f1b
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import is_matrix
 from meshtrain.state import ModelDef, TrainState
@@ -108,7 +108,14 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 
         return loss_lib.next_token_loss(model.bind(cast(params)), inputs, targets, key, run_layers,
                                         constrain=constrain, layout=layout, mesh=mesh,
                                         loss_chunk=loss_chunk)
-    return loss_fn
+    if model.pipeline is None or not model.pipeline.one_f_one_b:
+        return loss_fn
+    # 1f1b, interleaved: the same loss, whose gradient comes from the tick loop.
+    blocks_axes = model.axes[model.stacked]
+    plan = pipeline.stage_plan(model.pipeline, layout, mesh, blocks_axes,
+                               grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
+    return pipeline_1f1b.make_loss_fn(model, plan, loss_fn, constrain=constrain, cast=cast,
+                                      loss_chunk=loss_chunk)
 
 
 NONFINITE_POLICIES = ("crash", "skip")

@@ -176,11 +176,19 @@ class GPT2(nnx.Module):
         can project a few positions at a time (meshtrain/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        wte_vd = self._table(constrain)
-        x_btd = self._embed(wte_vd, tokens_bt, 0, constrain, keys[0])
+        x_btd = self.embed_tokens(tokens_bt, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
-        return self.ln_f(x_btd), wte_vd
+        return self.head(x_btd, constrain)
+
+    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+                     key: jax.Array | None = None) -> jax.Array:
+        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes."""
+        return self._embed(self._table(constrain), tokens_bt, 0, constrain, key)
+
+    def head(self, x_btd: jax.Array, constrain: Constrain = no_constraint):
+        """x [B, T, D] out of the last layer -> (h [B, T, D], the tied table [V, D]), as `hidden`."""
+        return self.ln_f(x_btd), self._table(constrain)
 
     def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
         """h [B, t, D], table [V, D] -> logits [B, t, V], the padding columns masked."""

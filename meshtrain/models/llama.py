@@ -247,10 +247,19 @@ class Llama(nnx.Module):
         (meshtrain/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        embed_vd = self._table(constrain)
-        x_btd = self._embed(embed_vd, tokens_bt, constrain, keys[0])
+        x_btd = self.embed_tokens(tokens_bt, constrain, keys[0])
         x_btd = stack.run_layers(self.blocks, x_btd, constrain, keys[1], run_layers,
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
+        return self.head(x_btd, constrain)
+
+    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+                     key: jax.Array | None = None) -> jax.Array:
+        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes."""
+        return self._embed(self._table(constrain), tokens_bt, constrain, key)
+
+    def head(self, x_btd: jax.Array, constrain: Constrain = no_constraint):
+        """x [B, T, D] out of the last layer -> (h [B, T, D], the output projection), as `hidden`."""
+        embed_vd = self._table(constrain) if self.cfg.tie_embeddings else None
         return self.final_norm(x_btd), self._head(embed_vd, constrain)
 
     def project(self, h_btd: jax.Array, w: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:

@@ -108,18 +108,23 @@ def run_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, key: jax.
     Each layer is called as `layer_module(x, constrain, key, **layer_kwargs)`;
     `runner` (a pipeline schedule) replaces the sequential pass when given.
     """
+    make_layer, stacked = layer_maker(blocks, remat_policy, **layer_kwargs)
+    if runner is not None:
+        return runner(make_layer, stacked, x, key)
+    keys = None if key is None else jax.random.split(key, num_layers)
+    return run_stack(make_layer(constrain), stacked, x, keys, scan=scan)
+
+
+def layer_maker(blocks: nnx.Module, remat_policy: str, **layer_kwargs):
+    """A stacked module -> (make_layer, its params dict with the leading layer dim), where
+    make_layer(constrain) -> layer(x, one layer's params, key) -> x under `remat_policy`."""
     graphdef, stacked = nnx.split(blocks)
-    stacked = nnx.to_pure_dict(stacked)
 
     def make_layer(constrain: Constrain):
         def layer(x, params, k):
             return nnx.merge(graphdef, params)(x, constrain, k, **layer_kwargs)
         return remat.wrap(layer, remat_policy)
-
-    if runner is not None:
-        return runner(make_layer, stacked, x, key)
-    keys = None if key is None else jax.random.split(key, num_layers)
-    return run_stack(make_layer(constrain), stacked, x, keys, scan=scan)
+    return make_layer, nnx.to_pure_dict(stacked)
 
 
 def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, cache, pos: jax.Array,
