@@ -78,8 +78,6 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
                         loss_chunk: int) -> Callable:
     """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop."""
     pipe, mesh = plan.pipe, plan.mesh
-    if pipe.stash != "inputs":
-        raise NotImplementedError("pipeline.stash=residuals")
     s, v, n_micro, n = pipe.stages, pipe.repeats, pipe.microbatches, plan.n_shards
     shard, stacked_key = plan.shard, model.stacked
     k_slots = stash_slots(pipe)
@@ -130,11 +128,29 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
         def stage_keys(i, m):  # per stage [S]: chunk i's keys for microbatch m
             return None if keys is None else jax.vmap(lambda k, i: k[i])(keys, i)
 
-        def fwd_one(w, k, i, m, x):  # one stage's forward slot
-            return chunk(plan.select(w, i), k, m, x)
+        pullback = {}  # "residuals": the pullback's structure, recorded where it is traced
 
-        def bwd_one(w, k, i, m, x, g):  # one stage's backward slot: (d chunk weights, dx)
-            _, pull = jax.vjp(lambda wi, x: chunk(wi, k, m, x), plan.select(w, i), x)
+        def fwd_one(w, k, i, m, x):  # one stage's forward slot -> (y, what to stash)
+            wi = plan.select(w, i)
+            if pipe.stash == "inputs":
+                return chunk(wi, k, m, x), [x]
+            y, pull = jax.vjp(lambda wi, x: chunk(wi, k, m, x), wi, x)
+            # The pullback's leaves are autodiff's residuals. Those that are the chunk's
+            # weights or keys themselves are the same for every item: taken again at the
+            # backward slot, not stashed K times.
+            leaves, pullback["tree"] = jax.tree.flatten(pull)
+            shared = jax.tree.leaves((wi, k))
+            pullback["from"] = [next((j for j, a in enumerate(shared) if a is leaf), None) for leaf in leaves]
+            return y, [leaf for leaf, j in zip(leaves, pullback["from"]) if j is None]
+
+        def bwd_one(w, k, i, m, items, g):  # one stage's backward slot: (d chunk weights, dx)
+            wi = plan.select(w, i)
+            if pipe.stash == "inputs":
+                _, pull = jax.vjp(lambda wi, x: chunk(wi, k, m, x), wi, items[0])
+            else:
+                shared, stashed = jax.tree.leaves((wi, k)), iter(items)
+                pull = jax.tree.unflatten(pullback["tree"], [
+                    next(stashed) if j is None else shared[j] for j in pullback["from"]])
             return pull(g)
 
         stage_vmap = dict(spmd_axis_name="stage")
@@ -147,13 +163,15 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
             first = ((jnp.arange(s) == 0) & (fi == 0))[:, None, None, None]
             x = jnp.where(first, fresh, jnp.roll(carry["fwd"], 1, axis=0))
             x = jax.lax.with_sharding_constraint(x, slot)
-            y = jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(weights, stage_keys(fi, fm), fi, fm, x)
+            y, items = jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
+                weights, stage_keys(fi, fm), fi, fm, x)
             y = jax.lax.with_sharding_constraint(y, slot)
 
-            def store(stash_s, valid, i, m, x_s):  # one stage keeps x_s in slot (i, m mod K)
+            def store(stash_s, valid, i, m, item):  # one stage keeps an item in slot (i, m mod K)
                 old = stash_s[i, m % k_slots]
-                return stash_s.at[i, m % k_slots].set(jnp.where(valid, x_s, old))
-            stash = jax.vmap(store, **stage_vmap)(carry["stash"], fv, fi, fm, x)
+                return stash_s.at[i, m % k_slots].set(jnp.where(valid, item, old))
+            stash = [jax.vmap(store, **stage_vmap)(st, fv, fi, fm, item)
+                     for st, item in zip(carry["stash"], items)]
             return {**carry, "fwd": y, "stash": stash}, (fv, fi, fm, y)
 
         def head_slot(carry, fwd_items):
@@ -174,9 +192,10 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
                 last = ((jnp.arange(s) == s - 1) & (bi == v - 1))[:, None, None, None]
                 g = jnp.where(last, dy[None], g)
             g = jax.lax.with_sharding_constraint(jnp.where(bv[:, None, None, None], g, 0), slot)
-            x = jax.vmap(lambda st, i, m: st[i, m % k_slots], **stage_vmap)(carry["stash"], bi, bm)
+            items = [jax.vmap(lambda st, i, m: st[i, m % k_slots], **stage_vmap)(st, bi, bm)
+                     for st in carry["stash"]]
             dw, dx = jax.vmap(bwd_one, (w_axis, 0, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(bi, bm), bi, bm, x, g)
+                weights, stage_keys(bi, bm), bi, bm, items, g)
             dx = jax.lax.with_sharding_constraint(dx, slot)
 
             def add(acc, d):  # acc [.., S, v, Lc, ...] += d [.., S, Lc, ...] at each stage's i
@@ -206,11 +225,20 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
 
         zeros_slot = jax.lax.with_sharding_constraint(jnp.zeros((s, mb, t, inputs.shape[-1]), inputs.dtype), slot)
         stash_spec = plan.sharding(slot.spec[0], None, None, *slot.spec[1:])
+
+        def stash_zeros():  # [S, v, K, *item] per stashed leaf, from the forward slot's shapes
+            _, items = jax.eval_shape(lambda: jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
+                weights, stage_keys(jnp.zeros(s, int), jnp.zeros(s, int)), jnp.zeros(s, int),
+                jnp.zeros(s, int), zeros_slot))
+            if pipe.stash == "inputs":
+                return [jax.lax.with_sharding_constraint(
+                    jnp.zeros((s, v, k_slots, *items[0].shape[1:]), inputs.dtype), stash_spec)]
+            return [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *a.shape[1:]), a.dtype),
+                                                     plan.sharding("stage")) for a in items]
         f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))  # noqa: E731
         carry = {
             "fwd": zeros_slot, "bwd": zeros_slot, "loss": jnp.zeros((), jnp.float32),
-            "stash": jax.lax.with_sharding_constraint(
-                jnp.zeros((s, v, k_slots, mb, t, inputs.shape[-1]), inputs.dtype), stash_spec),
+            "stash": stash_zeros(),
             "d_w": jax.tree.map(lambda a, axes: jax.lax.with_sharding_constraint(f32(a), plan.weight_sharding(axes)),
                                 weights, plan.blocks_axes),
             "d_head": jax.tree.map(f32, head),
