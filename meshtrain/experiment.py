@@ -110,7 +110,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     layout = layouts.get(cfg.layout)
     src, source = inputs.init, inputs.source
     dims = init_from.model_dims(src, cfg.model) if src else models.size_dims(cfg.model)
-    pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"])
+    pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"], layout)
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)

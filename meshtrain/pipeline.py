@@ -81,10 +81,12 @@ class Pipeline:
         return (self.stages - 1) / self.ticks
 
 
-def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
+def from_config(p, stages: int, num_layers: int, layout: Layout | None = None) -> Pipeline | None:
     """cfg.pipeline and the mesh's `stage` size -> a Pipeline, or None when off.
 
-    The pipeline is on when pipeline.microbatches > 0; a `stage` axis > 1 needs it.
+    The pipeline is on when pipeline.microbatches > 0; a `stage` axis > 1 needs it,
+    unless `layout` puts nothing on `stage` (its devices then repeat the same work, as
+    on any mesh axis a layout leaves unused: how the same config is run unpipelined).
     """
     if p.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule={p.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
@@ -93,7 +95,7 @@ def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
         raise UserError(f"pipeline.microbatches={m} and pipeline.repeats={r}: microbatches must be "
                         f">= 0 (0 turns the pipeline off) and repeats >= 1.")
     if m == 0:
-        if stages > 1:
+        if stages > 1 and (layout is None or uses_stage(layout)):
             raise UserError(
                 f"The mesh has stage={stages} but pipeline.microbatches=0 (pipeline off). Set "
                 f"pipeline.microbatches=M, e.g. M={4 * stages}: the bubble is (S-1)/(M+S-1) = "
@@ -123,6 +125,12 @@ def from_config(p, stages: int, num_layers: int) -> Pipeline | None:
             f"sends microbatches round the stages in groups of S. Use M = "
             f"{-(-m // stages) * stages} (or schedule={'gpipe' if p.schedule == 'circular' else '1f1b'}).")
     return Pipeline(stages=stages, microbatches=m, repeats=r, schedule=p.schedule, stash=stash)
+
+
+def uses_stage(layout: Layout) -> bool:
+    """Whether any of the layout's tables puts a logical axis on the `stage` mesh axis."""
+    from meshtrain.layouts.rules import TARGETS
+    return any("stage" in axes for target in TARGETS for _, axes in layout.rules(target))
 
 
 def check_layout(layout: Layout, pipe: Pipeline | None) -> None:
