@@ -1,5 +1,14 @@
 """python benchmarks/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--repeats 1,2]
                                 [--layers 8] [--batch 64] [--no_cost_analysis]
+python benchmarks/pipeline.py --schedules [--pairs 10]     # gpt2_tiny, the four schedules timed
+python benchmarks/pipeline.py --schedules --compile_only   # + gpt2_medium and Llama 3 8B, 32 devices
+
+`--schedules` compares gpipe, circular, 1f1b and interleaved side by side, each 1F1B
+schedule with both stashes (docs/pipeline.md): compiled peak memory and temp memory per
+device, matmul FLOPs per device (loop trip counts included), the idle share of the
+ticks from the tick tables, and the step time relative to gpipe, timed in alternating
+pairs in one process. `--compile_only` adds the compiled figures (no timing) of
+gpt2_medium_dp2_pp4_tp4 and llama3_8b_pp4_fsdp2_tp4 on 32 simulated devices.
 
 The pipeline bubble, memory and communication, read from compiled programs (no timing).
 
@@ -32,10 +41,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+# 32 devices for the compile-only configs; the rest use the first 8 or fewer.
+jax.config.update("jax_num_cpu_devices", 32 if "--compile_only" in sys.argv else 8)
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -68,7 +79,84 @@ def flops(exp: Experiment, unroll: bool) -> float:
     return float(cost["flops"])
 
 
+SCHEDULES = {  # label: overrides (on top of the config's own)
+    "gpipe": {"pipeline.schedule": "gpipe", "pipeline.repeats": 1},
+    "circular r=2": {"pipeline.schedule": "circular", "pipeline.repeats": 2},
+    "1f1b, stash inputs": {"pipeline.schedule": "1f1b", "pipeline.repeats": 1, "pipeline.stash": "inputs"},
+    "1f1b, stash residuals": {"pipeline.schedule": "1f1b", "pipeline.repeats": 1, "pipeline.stash": "residuals"},
+    "interleaved r=2, inputs": {"pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.stash": "inputs"},
+    "interleaved r=2, residuals": {"pipeline.schedule": "interleaved", "pipeline.repeats": 2,
+                                   "pipeline.stash": "residuals"},
+}
+
+
+def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[str]:
+    """One markdown row per schedule of config `name`: memory, FLOPs, idle share, and the
+    step time over gpipe's (alternating pairs of steps, `time_pairs` of them)."""
+    from meshtrain import pipeline_ticks
+    built, rows = {}, []
+    for label in labels:
+        cfg = config_lib.load(name)
+        for key, value in {**base, **SCHEDULES[label]}.items():
+            config_lib.override(cfg, key, str(value))
+        exp = Experiment.build(cfg)
+        t0 = time.perf_counter()
+        compiled = exp.compile()
+        compile_s = time.perf_counter() - t0
+        mem = metrics.memory_report(compiled)
+        pipe = exp.model.pipeline
+        kept = (f"{pipeline_ticks.in_flight(pipe)[0]} of {pipe.repeats * pipe.microbatches} items"
+                if pipe.one_f_one_b else f"{pipe.microbatches} of {pipe.microbatches}")
+        built[label] = exp
+        rows.append([label, f"{pipe.bubble:.1%}", kept, f"{mem['temp'] / 2**20:,.1f}",
+                     f"{mem['peak_estimate'] / 2**20:,.1f}", f"{hlo.dot_flops(compiled) / 1e9:,.2f}",
+                     f"{compile_s:.0f} s"])
+        print(" | ".join(rows[-1]), flush=True)
+    times = {label: [] for label in labels}
+    if time_pairs:
+        runs = {}
+        for label, exp in built.items():
+            state, batch = exp.init_state(), exp.put_batch(next(exp.train_batches()))
+            for _ in range(2):  # compile and warm up
+                state, out = exp.train_step(state, batch)
+            jax.block_until_ready(out)
+            runs[label] = [exp.train_step, state, batch]
+        for _ in range(time_pairs):
+            for label, run in runs.items():
+                t0 = time.perf_counter()
+                run[1], out = run[0](run[1], run[2])
+                jax.block_until_ready(out)
+                times[label].append(time.perf_counter() - t0)
+    base_time = sorted(times[labels[0]])[len(times[labels[0]]) // 2] if time_pairs else 0
+    out = []
+    for row, label in zip(rows, labels):
+        ratio = f"{sorted(times[label])[len(times[label]) // 2] / base_time:.2f}" if time_pairs else "-"
+        out.append("| " + " | ".join(row + [ratio]) + " |")
+    return out
+
+
+def compare_schedules(args) -> None:
+    header = ("| schedule | idle share of ticks | kept by stage 0 | temp MiB/device | peak MiB/device | "
+              "matmul GFLOP/device | compile | step time / gpipe |")
+    rule = "|---" * (header.count("|") - 1) + "|"
+    print("gpt2_tiny_pp4_dp2, 8 layers, M=16, batch 64 (8 devices: data:2, stage:4)")
+    rows = schedule_rows("gpt2_tiny_pp4_dp2", {"model.num_layers": 8, "pipeline.microbatches": 16,
+                                               "train.batch_size": 64}, list(SCHEDULES), args.pairs)
+    print("\n".join([header, rule, *rows]), flush=True)
+    if args.compile_only:
+        labels = ["gpipe", "1f1b, stash inputs", "1f1b, stash residuals"]
+        for name, base in (("gpt2_medium_dp2_pp4_tp4", {}), ("llama3_8b_pp4_fsdp2_tp4", {})):
+            print(f"{name} (32 devices, compile only)")
+            print("\n".join([header, rule, *schedule_rows(name, base, labels)]), flush=True)
+
+
 def main(argv: list[str]) -> None:
+    if "--schedules" in argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--schedules", action="store_true")
+        ap.add_argument("--pairs", type=int, default=10, help="timed steps per schedule, alternating")
+        ap.add_argument("--compile_only", action="store_true")
+        return compare_schedules(ap.parse_args(argv))
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", default="4,8,16,32")
