@@ -2,6 +2,7 @@
 
   hardware   the device table (peaks, memory, links) the predictions use
   analytic   memory and collective lower bounds from the formulas
+  pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time
   search     enumerate layouts for a device count, predict by formula, compile the few that can win
@@ -11,7 +12,7 @@
   verify     a layout trained against one device on a shrunk model (plan --verify)
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   text       the report for a terminal
-  docs_tables, docs_figures  the tables of docs/planner.md, written from the code
+  docs_tables, docs_figures, zero_table, pipeline_table  the tables of docs/planner.md, written from the code
 """
 
 import os

@@ -18,7 +18,9 @@ Memory per device (bytes), for fp32 master weights and AdamW:
                the logits (compute dtype) with their float32 log-softmax and gradient: of
                one chunk of train.loss_chunk positions when the loss runs in chunks
                (meshtrain/loss.py), with then the output projection's gradient summed
-               over the chunks in float32
+               over the chunks in float32; under a pipeline, what each schedule keeps
+               (planner/pipeline_memory.py: gpipe and circular every microbatch, 1f1b and
+               interleaved the few in flight)
 On a plain data-parallel mesh these reduce to ZeRO's stage formulas (arXiv 1910.02054):
 stage 0 (dp) 16 Psi, stage 1 (zero1) 8 Psi + 8 Psi / N, stage 2 (zero2) 4 Psi + 12 Psi / N,
 stage 3 (fsdp) 16 Psi / N with fp32 gradients and no microbatching. (XLA may split zero1's
@@ -46,7 +48,8 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                lookup forward and the output projection's input gradient backward, once per
                loss chunk (meshtrain/loss.py: n chunks send n all-reduces of [b, T/n, D]).
   stage        each microbatch crosses each stage boundary once forward and once backward,
-               [b, T, D] in the compute dtype, (S-1)/S of the devices sending.
+               [b, T, D] in the compute dtype, (S-1)/S of the devices sending; r times round
+               the stages under circular/interleaved: (r S - 1)/S per device.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import jax.numpy as jnp
 from meshtrain import grad_reduce, loss as loss_lib, state as state_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.planner import pipeline_memory
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -131,6 +135,24 @@ def memory(exp, hw=None) -> dict[str, float]:
             "activations": activations(exp, hw)}
 
 
+def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each", shape=None):
+    """What `memory` reads of an Experiment, on an abstract mesh of `shape` (default
+    cfg.mesh.shape; no devices, nothing compiled: 64 devices plan on a laptop): from `cfg`
+    checked by experiment.check_config, or from a given `model` (a state.ModelDef, its
+    pipeline as it is) and `layout`."""
+    import types
+    from meshtrain import mesh as mesh_lib
+    from meshtrain.experiment import abstract_mesh, check_config
+    mesh = abstract_mesh(mesh_lib.parse_shape(shape if shape is not None else cfg.mesh.shape))
+    if model is None:
+        plan = check_config(cfg, mesh)
+        model, layout, params, opt = plan.model, plan.layout, plan.params, plan.opt_state
+    else:
+        params, opt = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
+    return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
+                                 shardings=types.SimpleNamespace(params=params), grad_shardings=opt)
+
+
 def gathered(exp) -> tuple[str, ...]:
     """The mesh axes the step gathers params over once per step (train.accum_gather=once
     with microbatches; grad_reduce.gathered_axes), else ()."""
@@ -142,22 +164,60 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     """Activation bytes per device (see the module docstring); None when the model family
     gives no per-layer formula. `dtype`: computed in this dtype instead of model.dtype (the
     report's account of the CPU compile, which computes bf16 in float32)."""
+    if exp.model.pipeline is not None:
+        acct = pipeline_activations(exp, hw, dtype)
+        return None if acct is None else acct.total
     m, b = exp.model, local_batch(exp)
     per_layer = m.family.layer_activation_bytes
     if per_layer is None:
         return None
     cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
     t = cfg.seq_len
-    stages = m.pipeline.stages if m.pipeline else 1
-    layers = cfg.num_layers // stages
-    kept = layers * per_layer(cfg, b["stage_rows"] * t, b["tensor"], cfg.remat)
+    kept = cfg.num_layers * per_layer(cfg, b["rows"] * t, b["tensor"], cfg.remat)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
-        kept += per_layer(cfg, b["pipeline_rows"] * t, b["tensor"], "none")
+        kept += per_layer(cfg, b["rows"] * t, b["tensor"], "none")
+    return kept + _head(exp, cfg, b["rows"], b["vocab"])
+
+
+def pipeline_activations(exp, hw=None, dtype: str | None = None):
+    """The pipelined step's activations per schedule (planner/pipeline_memory.py): a
+    pipeline_memory.Account, or None without a pipeline or a per-layer formula."""
+    m, b, pipe = exp.model, local_batch(exp), exp.model.pipeline
+    per_layer = m.family.layer_activation_bytes
+    if per_layer is None or pipe is None:
+        return None
+    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
+    t, mb = cfg.seq_len, b["pipeline_rows"]
+    recompute = per_layer(cfg, mb * t, b["tensor"], "none") if cfg.remat != "none" else 0.0
+    inner = exp.layout.without("stage")
+    pieces = _shards(exp, "length", inner)[0] * _shards(exp, "embed", inner)[0]
+    stream = mb * t * _embed_dim(m) * jnp.dtype(cfg.dtype).itemsize / pieces  # one [mb, T, D]
+    vocab, vocab_axes = _shards(exp, "vocab")
+    # 1F1B's loss head runs on every tick, its vocabulary split over tensor and stage
+    head_vocab = vocab * (1 if "stage" in vocab_axes else pipe.stages)
+    return pipeline_memory.account(
+        pipe, cfg.num_layers, lambda rows: per_layer(cfg, rows * t, b["tensor"], cfg.remat), recompute, mb,
+        stream, _head(exp, cfg, b["rows"], vocab), _head(exp, cfg, mb, head_vocab))
+
+
+def activation_traffic(exp, hw=None) -> float | None:
+    """Activation bytes the step writes for its backward pass, what the roofline's memory
+    term reads: the activations, but under 1f1b/interleaved every item's residuals (written
+    once each, though few are kept at once), as gpipe's."""
+    if exp.model.pipeline is None:
+        return activations(exp, hw)
+    acct = pipeline_activations(exp, hw)
+    return None if acct is None else acct.written
+
+
+def _head(exp, cfg, rows: int, vocab_shards: int) -> float:
+    """The loss head for `rows` rows: logits (compute dtype) with their float32 log-softmax
+    and gradient, of one chunk of positions when the loss runs in chunks, and then the
+    output projection's gradient summed over the chunks in float32."""
     chunks = loss_chunks(exp)
-    v_local = cfg.padded_vocab_size / b["vocab"]
-    logits = b["rows"] * t // chunks * v_local * (jnp.dtype(cfg.dtype).itemsize + 8)
-    projection = v_local * _embed_dim(m) * 4 if chunks > 1 else 0
-    return kept + logits + projection
+    v_local = cfg.padded_vocab_size / vocab_shards
+    logits = rows * cfg.seq_len // chunks * v_local * (jnp.dtype(cfg.dtype).itemsize + 8)
+    return logits + (v_local * _embed_dim(exp.model) * 4 if chunks > 1 else 0)
 
 
 def loss_chunks(exp) -> int:
@@ -246,9 +306,10 @@ def collective_bounds(exp) -> list[dict]:
             whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * k
             add("all-reduce", t_axes, (1 + chunks) * k, 2 * 2 * (n - 1) / n * whole,
                 "vocab-parallel embedding: lookup forward, output projection backward per loss chunk")
-    if stages > 1:
-        sends = 2 * b["micro"]
-        add("collective-permute", ("stage",), sends, sends * activation * (stages - 1) / stages,
+    if stages > 1:  # r times round the ring under circular/interleaved: r S - 1 crossings
+        r = m.pipeline.repeats
+        add("collective-permute", ("stage",), 2 * b["micro"] * r,
+            2 * b["micro"] * activation * (r * stages - 1) / stages,
             "pipeline: each microbatch over each stage boundary, forward and backward")
     return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
 

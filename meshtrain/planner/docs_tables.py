@@ -31,6 +31,7 @@ TABLES: dict[str, str] = {
     "survey-tp16": "meshtrain.planner.docs_figures:survey_table",
     "acceptance": "meshtrain.planner.docs_figures:acceptance_table",
     "zero-stages": "meshtrain.planner.zero_table:markdown",
+    "pipeline-schedules": "meshtrain.planner.pipeline_table:markdown",
 }
 SIMULATED_DEVICES = 32
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md"

@@ -16,6 +16,10 @@ back. The checks, by code:
   batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
+  pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
+                      activations, and the step does not fit `hw` by the formulas where 1f1b
+                      (interleaved for circular) would, or 1f1b saves at least SAVES_A_LOT of
+                      its usable memory; cost in GiB per device, both figures
   zero-saves-nothing  (warning) the layout shards weights, gradients or moments over data/fsdp, all of size 1;
                       the fix names the preset that does the same (found among the presets)
   unused-axis         (warning) a mesh axis of size > 1 that no rule of the layout names: every
@@ -45,6 +49,8 @@ from meshtrain.planner.lint_sharding import replicated, unused, zero
 
 __all__ = ["Finding", "fix_overrides", "lint"]
 BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined step not flagged
+SAVES_A_LOT = 0.25                       # share of the device's usable memory 1F1B must save to be flagged
+GiB = 2**30
 
 
 def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
@@ -67,7 +73,7 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
     found = [*_batch(run), *_heads(run), *unused(run), *replicated(run), *_tensor_on_dcn(run), *_bubble(run),
-             *zero(run)]
+             *zero(run), *_pipeline_activations(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -156,7 +162,7 @@ def _tensor_on_dcn(run: Run) -> list[Finding]:
 
 def _bubble(run: Run) -> list[Finding]:
     p, s = run.cfg.pipeline, run.shape["stage"]
-    m, r = p.microbatches, (p.repeats if p.schedule == "circular" else 1)
+    m, r = p.microbatches, (p.repeats if p.schedule in ("circular", "interleaved") else 1)
     if s <= 1 or m <= 0 or r < 1 or 4 * (s - 1) <= r * m + s - 1:
         return []
     bubble = (s - 1) / (r * m + s - 1)
@@ -182,3 +188,44 @@ def _bubble(run: Run) -> list[Finding]:
                     f"{after:.1%}{grow}", fix)]
 
 
+def _pipeline_activations(run: Run) -> list[Finding]:
+    pipe = run.model.pipeline if run.model is not None else None
+    if pipe is None or pipe.one_f_one_b or run.model.family.layer_activation_bytes is None:
+        return []
+    alt = "1f1b" if pipe.repeats == 1 else "interleaved"
+    now, then, lean = (_formula_memory(run, dataclasses.replace(pipe, schedule=sched, stash=stash))
+                       for sched, stash in ((pipe.schedule, pipe.stash), (alt, pipe.stash), (alt, "residuals")))
+    usable = run.hw.hbm_bytes * run.hw.usable_memory
+    (act, total), (act1, total1) = now, then
+    saved = act - act1
+    if not ((total > usable >= total1) or saved >= SAVES_A_LOT * usable):
+        return []
+    from meshtrain.planner import pipeline_memory
+    kept = pipeline_memory.items_kept(dataclasses.replace(pipe, schedule=alt))[0]
+    fits = "does not fit" if total > usable else "fits"
+    g = lambda b: f"{b / GiB:,.2f} GiB"  # noqa: E731
+    what = "chunk inputs, recomputing one item's residuals at a time for 4/3 of the layers' FLOPs" \
+        if pipe.stash == "inputs" else "residuals"
+    fix = override("pipeline.schedule", alt)
+    if pipe.stash == "inputs" and lean[1] <= usable:
+        fix += (f" (or with {override('pipeline.stash', 'residuals')}, no recompute: activations "
+                f"{g(lean[0])}, total {g(lean[1])})")
+    return [Finding(
+        "pipeline-activations", "warning",
+        f"pipeline.schedule={pipe.schedule} keeps all M={pipe.microbatches} microbatches' activations for the "
+        f"stage's {run.model.cfg.num_layers // pipe.stages} layers until the backward pass: {g(act)} per device; "
+        f"the step {fits} on {run.hw.name} by the formulas, {g(total)} of {g(usable)} usable",
+        f"{g(saved)} of activations per device: {g(act)} under {pipe.schedule} against {g(act1)} under {alt}, "
+        f"whose stage 0 keeps {kept} of {pipe.repeats * pipe.microbatches} items (its {what}; "
+        f"same bubble); total {g(total)} against {g(total1)}", fix)]
+
+
+def _formula_memory(run: Run, pipe) -> tuple[float, float]:
+    """(activations, total) bytes per device by the formulas (planner/analytic.py) with the
+    model pipelined by `pipe`, on an abstract mesh of the run's shape."""
+    from meshtrain.planner import analytic
+    once = run.cfg.train.accum_gather == "once"
+    exp = analytic.abstract_experiment(run.cfg, dataclasses.replace(run.model, pipeline=pipe), run.layout,
+                                       "once" if once else "each", run.shape)
+    memory = analytic.memory(exp, run.hw)
+    return memory["activations"], sum(v or 0.0 for v in memory.values())

@@ -57,8 +57,11 @@ def _is_own(cfg, cand) -> bool:
         return False
     micro = cfg.pipeline.microbatches if shape["stage"] > 1 else 0
     options = all(str(config_lib.get(cfg, k)) == v for k, v in cand.options)
+    p = cfg.pipeline
+    schedule = not micro or (cand.schedule == p.schedule and cand.repeats == p.repeats
+                             and cand.stash in ("", p.stash))
     return (dict(cand.mesh) == shape and cand.layout == cfg.layout and cand.remat == cfg.model.remat
-            and cand.microbatches == micro and options)
+            and cand.microbatches == micro and options and schedule)
 
 
 def command_overrides(cfg, cand) -> list[tuple[str, str]]:

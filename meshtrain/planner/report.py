@@ -68,14 +68,17 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     tokens = exp.cfg.train.batch_size * cfg.seq_len
     model_flops = metrics.flops_per_token(cfg) * tokens
     flops_dev = hlo.dot_flops(compiled)
-    # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values.
-    predicted = roofline.predict(hw, cfg.dtype, flops_dev, {**memory, "activations": formula["activations"]},
+    # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values;
+    # those the step writes, which under 1F1B are more than it keeps at once.
+    predicted = roofline.predict(hw, cfg.dtype, flops_dev, {**memory, "activations": analytic.activation_traffic(exp, hw)},
                                  rows, model_flops, devices)
+    pipe = analytic.pipeline_activations(exp, hw)
     fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
     return {
         "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
         "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
         "attention": analytic.attention_on(exp, hw),
+        "pipeline": None if pipe is None else pipe.to_json(),
         "compile_time_s": compile_s,
         "memory_per_device_bytes": memory,
         "analytic_memory_per_device_bytes": formula,

@@ -7,16 +7,18 @@ compile the few that can win, rank.
    that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
    by its entry there, and no two candidates are the same program), each remat policy and
    each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
-   microbatches S, 2S and 4S (train.accum_gather="auto" resolved as train would on the
-   hardware, planner/accumulation.py); with --nodes=K the inter-node factor K goes on data (or
-   fsdp), never on tensor or stage.
+   microbatches S, 2S and 4S under each of PIPELINE_SCHEDULES (train.accum_gather="auto"
+   resolved as train would on the hardware, planner/accumulation.py); with --nodes=K the
+   inter-node factor K goes on data (or fsdp), never on tensor or stage.
 2. Drop, counting why: the linter's errors and the config checks (what does not divide),
    then the formulas' memory against the hardware's usable memory (what does not fit).
 3. Predict every survivor's step by the roofline on the formulas alone (no compile), and
    compile (on simulated CPU devices, `jobs` processes, each result cached on disk) only
-   those within `margin` of the best prediction, plus the config's own layout's best
-   (so its rank is known); the rest are dominated on predicted step time and keep their
-   formula figures. Compiling stops when the time budget is spent.
+   those within `margin` of the best prediction, one pipeline schedule of each (the
+   fastest, then the leanest, by the formulas: as many compiles as before schedules were
+   searched), plus the config's own layout's best (so its rank is known); the rest are
+   dominated on predicted step time and keep their formula figures. Compiling stops when
+   the time budget is spent.
 4. Rank everything by its best figure (compiled where compiled, else the formulas), make
    sure the best PODIUM are compiled ones, say why it wins, and print the `--config.` overrides
    that run it and where the config's own layout ranks (planner/ranking.py).
@@ -38,7 +40,7 @@ import time
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.layouts import presets
 from meshtrain.errors import UserError
-from meshtrain.planner import hardware as hardware_lib, ranking
+from meshtrain.planner import hardware as hardware_lib, pipeline_memory, ranking
 from meshtrain.progress import Progress, format_duration
 
 REMAT = ("none", "save_dots", "full")
@@ -49,6 +51,11 @@ REMAT = ("none", "save_dots", "full")
 REMAT_FLOPS = {"none": 1.0, "save_dots": 1.04, "full": 1.21}
 # Config keys the search tries each value of, when the config has the key: {key: values}.
 SEARCHED: dict[str, tuple[str, ...]] = {}
+# Pipeline schedules tried on a stage axis: (schedule, repeats v, stash); those with v > 1
+# only where v S divides the layers (the microbatches S, 2S, 4S are multiples of S). Under
+# gpipe/circular the stash means nothing and is left out of the overrides.
+PIPELINE_SCHEDULES = (("gpipe", 1, ""), ("circular", 2, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
+                      ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals"))
 MARGIN = 0.10  # compile what the formulas predict within this share of the best step time
 PODIUM = 3     # the best rows, compiled whatever the formulas said
 
@@ -61,15 +68,25 @@ class Candidate:
     microbatches: int = 0
     dcn: str = ""
     options: tuple[tuple[str, str], ...] = ()  # (key, value) of the SEARCHED keys
+    schedule: str = "gpipe"  # with microbatches: pipeline.schedule, .repeats, .stash ("" unset)
+    repeats: int = 1
+    stash: str = ""
 
     def overrides(self) -> list[tuple[str, str]]:
         out = [("mesh.shape", ",".join(f"{a}:{n}" for a, n in self.mesh)), ("mesh.dcn", self.dcn),
                ("layout", self.layout), ("model.remat", self.remat)]
-        return out + [("pipeline.microbatches", str(self.microbatches)), *self.options]
+        out.append(("pipeline.microbatches", str(self.microbatches)))
+        if self.microbatches:
+            out += [("pipeline.schedule", self.schedule), ("pipeline.repeats", str(self.repeats))]
+            out += [("pipeline.stash", self.stash)] if self.stash else []
+        return out + list(self.options)
 
     def describe(self) -> str:
         mesh = ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
-        pipe = f" pp-micro {self.microbatches}" if self.microbatches else ""
+        pipe = ""
+        if self.microbatches:
+            pipe = (f" pp-micro {self.microbatches} {self.schedule}" + (f" v={self.repeats}" if self.repeats > 1 else "")
+                    + (f" stash={self.stash}" if self.stash else ""))
         extra = "".join(f" {k.split('.')[-1]}={v}" for k, v in self.options)
         return f"{mesh} {self.layout} remat={self.remat}{pipe}{extra}" + (f" dcn {self.dcn}" if self.dcn else "")
 
@@ -96,6 +113,16 @@ def _dcn_for(shape: dict, nodes: int | None) -> str | None:
     return None
 
 
+def pipeline_options(stages: int, num_layers: int) -> list[tuple[int, str, int, str]]:
+    """(microbatches, schedule, repeats, stash) tried on a stage axis of `stages`: M = S, 2S,
+    4S under each of PIPELINE_SCHEDULES that chunks the layers evenly; one plain entry
+    (0, "gpipe", 1, "") without a stage axis."""
+    if stages == 1:
+        return [(0, "gpipe", 1, "")]
+    return [(m * stages, schedule, v, stash) for m in (1, 2, 4) for schedule, v, stash in PIPELINE_SCHEDULES
+            if num_layers % (v * stages) == 0]
+
+
 def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layouts=None,
                          remats=REMAT, options: dict | None = None) -> tuple[list[Candidate], collections.Counter]:
     """Candidates for `devices`, restricted to the `layouts` presets (default all) and
@@ -115,12 +142,12 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
                 dropped["cannot keep tensor and stage inside a node (--nodes)"] += len(remats)
                 continue
             stages = shape["stage"]
-            micro = [m * stages for m in (1, 2, 4)] if stages > 1 else [0]
             if stages > 1 and num_layers % stages:
-                dropped["stages do not divide the layers"] += len(remats) * len(micro)
+                dropped["stages do not divide the layers"] += len(remats) * 3 * len(PIPELINE_SCHEDULES)
                 continue
-            for (remat, opts), m in itertools.product(remats, micro):
-                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn, opts))
+            for (remat, opts), (m, schedule, v, stash) in itertools.product(
+                    remats, pipeline_options(stages, num_layers)):
+                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn, opts, schedule, v, stash))
     return out, dropped
 
 
@@ -192,12 +219,13 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     say(f"search: {len(candidates)} candidates for {devices} devices"
         + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); predicting each by the formulas")
     feasible = _check(name, overrides, candidates, inputs, hw, dropped)
-    feasible.sort(key=lambda f: f["prediction"]["step_time_s"])
+    # Ties (schedules that differ only in what they keep) go to the leaner.
+    feasible.sort(key=lambda f: (f["prediction"]["step_time_s"], f["memory_bytes"]))
     say(f"{len(feasible)} feasible; dropped " + (", ".join(f"{n} {why}" for why, n in dropped.most_common())
                                                   or "none"))
     own = ranking.own_candidates(cfg, feasible)
     best = feasible[0]["prediction"]["step_time_s"] if feasible else 0.0
-    chosen = [f for f in feasible if f["prediction"]["step_time_s"] <= (1 + margin) * best]
+    chosen = one_schedule_each([f for f in feasible if f["prediction"]["step_time_s"] <= (1 + margin) * best])
     near = len(chosen)
     chosen += [f for f in own if f not in chosen]
     if feasible:
@@ -233,6 +261,19 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     return {"devices": devices, "nodes": nodes, "hardware": hw.describe(), "candidates": len(candidates),
             "feasible": len(feasible), "compiled": done, "not_compiled": skipped,
             "margin": margin, "dropped": dict(dropped), "ranked": shown, "winner": winner, "own_layout": own_row}
+
+
+def one_schedule_each(entries: list[dict]) -> list[dict]:
+    """The first of `entries` (sorted: fastest, then leanest) of each group of candidates
+    that differ only in their pipeline schedule: the formulas rank schedules well (their
+    bubble, recompute and stash are arithmetic), so the group is compiled once."""
+    seen, out = set(), []
+    for entry in entries:
+        key = dataclasses.replace(entry["candidate"], schedule="", repeats=1, stash="")
+        if key not in seen:
+            seen.add(key)
+            out.append(entry)
+    return out
 
 
 def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
@@ -284,8 +325,13 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     bounds = roofline.place(analytic.collective_bounds(exp), exp.mesh, node_of)
     tokens = exp.cfg.train.batch_size * cfg.seq_len
     square = 6.0 * getattr(cfg, "num_layers", 0) * getattr(cfg, "embed_dim", 0) * cfg.seq_len * tokens
-    flops = (model_flops + square) / n * REMAT_FLOPS.get(cfg.remat, 1.0) * waste
-    return roofline.predict(hw, cfg.dtype, flops, memory, bounds, model_flops, n), bounds
+    # 1F1B with stash=inputs runs each chunk's forward again: the layers', not the head's
+    head = 6.0 * getattr(cfg, "padded_vocab_size", 0) * getattr(cfg, "embed_dim", 0) * tokens
+    again = pipeline_memory.LAYER_FLOPS[pipe.stash] if pipe is not None and pipe.one_f_one_b else 1.0
+    flops = (head + (model_flops + square - head) * again) / n * REMAT_FLOPS.get(cfg.remat, 1.0) * waste
+    # The memory term reads the activations the step writes (1F1B keeps fewer at once).
+    traffic = {**memory, "activations": analytic.activation_traffic(exp, hw)}
+    return roofline.predict(hw, cfg.dtype, flops, traffic, bounds, model_flops, n), bounds
 
 
 def _compile_all(name, overrides, entries, hw, devices, deadline, jobs, cache_dir, say) -> dict:

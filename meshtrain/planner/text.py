@@ -48,6 +48,17 @@ def fit_lines(fit: dict, mem: dict) -> list[str]:
     return lines
 
 
+def pipeline_lines(p: dict) -> list[str]:
+    """The schedule, the items stage 0 keeps and the activation formula's parts."""
+    how = p["schedule"] + (f" (v={p['repeats']})" if p["repeats"] > 1 else "")
+    how += f", stash={p['stash']}" if p["stash"] else ""
+    kept = p["items_kept_per_stage"]
+    parts = ", ".join(f"{k} {_mib(v)}" for k, v in p["activation_parts_bytes"].items() if v)
+    return [f"  pipeline {how}: S={p['stages']}, M={p['microbatches']}, bubble {p['bubble']:.1%}; items kept "
+            f"per stage {', '.join(map(str, kept))} of {p['items_per_stage']} ({p['layers_per_item']} layers "
+            f"each); activations {_mib(p['activations_bytes'])} MiB by the formula ({parts} MiB)"]
+
+
 def render(r: dict) -> str:
     lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
              + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
@@ -66,6 +77,8 @@ def render(r: dict) -> str:
     lines += table(rows, right={1, 2, 3})
     fit = r["fits"]
     lines += fit_lines(fit, mem)
+    if r.get("pipeline"):
+        lines += pipeline_lines(r["pipeline"])
     lines += ["", "collectives per step (MiB each device sends; ring algorithms)"]
     rows = [["mesh axes", "kind", "count", "MiB", "link"]]
     for c in r["collectives"]:

@@ -14,7 +14,6 @@ planner/analytic.memory, so N = 64 runs on a laptop.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 from meshtrain import config as config_lib
 from meshtrain.planner import analytic, hardware
@@ -39,16 +38,7 @@ def survey_config(layout: str, devices: int):
 def formulas(layout: str, devices: int, hw=None) -> dict[str, float]:
     """analytic.memory of the survey's config, bytes per device: params, gradients,
     optimizer, activations."""
-    from meshtrain.experiment import abstract_mesh, check_config
-    from meshtrain import mesh as mesh_lib
-    cfg = survey_config(layout, devices)
-    shape = mesh_lib.parse_shape(cfg.mesh.shape)
-    mesh = abstract_mesh(shape)
-    plan = check_config(cfg, mesh)
-    # What analytic.memory reads of an Experiment, on the abstract mesh.
-    exp = types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=plan.layout, model=plan.model,
-                                shardings=types.SimpleNamespace(params=plan.params),
-                                grad_shardings=plan.opt_state, accum_gather="each")
+    exp = analytic.abstract_experiment(survey_config(layout, devices))
     return analytic.memory(exp, hw or hardware.get(HARDWARE))
 
 

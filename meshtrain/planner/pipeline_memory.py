@@ -1,0 +1,119 @@
+"""Activation memory of a pipelined step per schedule, by the formulas: the pipeline part
+of planner/analytic.py's `activations`, from numbers analytic works out.
+
+Per device, with S stages, M microbatches, v chunks per stage (pipeline.repeats: 1 for
+gpipe and 1f1b), a chunk of L/(v S) layers, an *item* = one microbatch through one chunk,
+R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
+(Family.layer_activation_bytes) and X = one [mb, T, D] activation in the compute dtype:
+
+    gpipe, circular     autodiff through the forward ticks keeps every item of the stage:
+                        L/S x R(M mb)                       (all M microbatches)
+    1f1b, interleaved   stage s keeps K_s items between their forward and backward slots
+                        (pipeline_ticks.in_flight; K = max_s K_s = K_0, stage 0 sets the
+                        device's memory):
+      stash=inputs        K X + L/(v S) x R(mb) + 4 X       (each item's chunk input; one
+                                                            item's residuals, recomputed in
+                                                            its backward slot; the forward
+                                                            and backward send buffers)
+      stash=residuals     K x L/(v S) x R(mb) + 4 X
+    every schedule      + one layer's full activations of one microbatch when model.remat
+                          recomputes (the backward redoes one layer at a time)
+                        + the loss head: gpipe/circular run it after the pipeline on the
+                          device's rows with the vocabulary split as the layout says;
+                          1f1b/interleaved on each tick on one microbatch with the
+                          vocabulary split over tensor x stage (analytic computes both)
+
+Why K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep,
+one forward and one backward slot a tick. An item leaving stage s forward takes S-1-s
+ticks to reach the last stage and as many for its gradient to come back, while stage s
+takes in a new microbatch every tick, so it holds up to 2(S-1-s) + 1 items (asynchronous
+1F1B, whose stages run at their own pace, holds S - s). Still never M when M > 2S - 1.
+
+The bubble is (S-1)/(v M + S - 1) for every schedule (Pipeline.bubble): the lockstep
+1F1B keeps GPipe's idle share and changes what is kept, not how long the step takes.
+stash=inputs recomputes each chunk's forward in its backward slot: one more forward of
+the stage's layers per microbatch, 4/3 of the layers' FLOPs (LAYER_FLOPS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+from meshtrain import pipeline_ticks
+from meshtrain.pipeline import Pipeline
+
+BUFFER_SLOTS = 4  # [mb, T, D] slots a stage keeps in the 1f1b loop: forward and backward sends
+# Layer FLOPs of a step over gpipe's (forward 1 + backward 2): stash=inputs runs each
+# chunk's forward again in its backward slot.
+LAYER_FLOPS = {"inputs": 4 / 3, "residuals": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Account:
+    """One pipelined step's activations per device, and what sets them."""
+    schedule: str
+    stash: str | None         # 1f1b/interleaved only
+    stages: int
+    microbatches: int
+    repeats: int
+    kept: tuple[int, ...]     # [S]: the most items stage s keeps at once
+    item_layers: int          # layers in one item (a chunk): L/(v S)
+    parts: dict               # {what: bytes per device}
+    written: float            # bytes the step writes for its backward, all items (the roofline's traffic)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def bubble(self) -> float:
+        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "stash": self.stash, "stages": self.stages,
+                "microbatches": self.microbatches, "repeats": self.repeats, "bubble": self.bubble,
+                "items_kept_per_stage": list(self.kept), "items_per_stage": self.repeats * self.microbatches,
+                "layers_per_item": self.item_layers, "activation_parts_bytes": dict(self.parts),
+                "activations_bytes": self.total}
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(stages: int, microbatches: int, repeats: int, schedule: str) -> tuple[int, ...]:
+    """pipeline_ticks.in_flight, once per shape: it walks every tick (the search asks often)."""
+    pipe = Pipeline(stages=stages, microbatches=microbatches, repeats=repeats, schedule=schedule)
+    return tuple(int(k) for k in pipeline_ticks.in_flight(pipe))
+
+
+def items_kept(pipe: Pipeline) -> tuple[int, ...]:
+    """[S]: the most items (one microbatch through one chunk) stage s keeps at once: all
+    v M under gpipe/circular, pipeline_ticks.in_flight under 1f1b/interleaved."""
+    if not pipe.one_f_one_b:
+        return (pipe.repeats * pipe.microbatches,) * pipe.stages
+    return _in_flight(pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule)
+
+
+def account(pipe: Pipeline, num_layers: int, residuals: Callable[[int], float], recompute: float,
+            mb_rows: int, stream: float, head_after: float, head_per_tick: float) -> Account:
+    """The activations of one step (module docstring). `residuals(rows)`: R, one layer at
+    model.remat for `rows` rows on the device; `recompute`: one layer's full activations
+    of one microbatch when model.remat recomputes, else 0; `mb_rows`: a microbatch's rows
+    on the device; `stream`: X, bytes of one [mb, T, D] on the device; `head_after`: the
+    loss head run after the pipeline (gpipe, circular); `head_per_tick`: run on each tick
+    on one microbatch (1f1b, interleaved)."""
+    s, m, v = pipe.stages, pipe.microbatches, pipe.repeats
+    kept = items_kept(pipe)
+    item_layers = num_layers // (v * s)
+    every = num_layers // s * residuals(m * mb_rows)  # every item's residuals: what gpipe keeps
+    if not pipe.one_f_one_b:
+        parts = {"residuals": every, "recompute": recompute, "head": head_after}
+        stash = None
+    else:
+        k, one_item = max(kept), item_layers * residuals(mb_rows)
+        parts = ({"stash": k * stream, "residuals": one_item} if pipe.stash == "inputs" else
+                 {"stash": k * one_item})
+        parts.update(recompute=recompute, buffers=BUFFER_SLOTS * stream, head=head_per_tick)
+        stash = pipe.stash
+    return Account(pipe.schedule, stash, s, m, v, kept, item_layers, parts,
+                   written=every + recompute + head_after)
