@@ -156,6 +156,22 @@ def test_lint_suggests_1f1b_where_gpipe_does_not_fit():
     assert "pipeline-activations" not in [g.code for g in lint.lint(small, model=model, hw=H100)]
 
 
+def test_lint_suggests_1f1b_where_it_saves_a_quarter_of_the_device():
+    """At batch 256 gpipe fits an h100 by the formulas, but 1f1b saves more than a quarter
+    of its usable memory: flagged, saying it fits; at 64 it saves less and is not."""
+    usable = H100.hbm_bytes * H100.usable_memory
+    for batch, flagged in ((256, True), (64, False)):
+        cfg = load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch})
+        gpipe = analytic.abstract_experiment(cfg)
+        ofob = analytic.abstract_experiment(load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch,
+                                                                "pipeline.schedule": "1f1b"}))
+        saved = analytic.activations(gpipe) - analytic.activations(ofob)
+        assert sum(analytic.memory(gpipe, H100).values()) <= usable
+        assert (saved >= lint.SAVES_A_LOT * usable) == flagged
+        found = [f for f in lint.lint(cfg, model=gpipe.model, hw=H100) if f.code == "pipeline-activations"]
+        assert len(found) == flagged and all("the step fits on h100" in f.what for f in found)
+
+
 def test_search_lists_the_schedules():
     """Each M under gpipe, 1f1b (both stashes) and, where v S divides the layers, circular and
     interleaved with v = 2; a plain mesh has no schedule."""
