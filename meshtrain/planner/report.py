@@ -70,8 +70,8 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     flops_dev = hlo.dot_flops(compiled)
     # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values;
     # those the step writes, which under 1F1B are more than it keeps at once.
-    predicted = roofline.predict(hw, cfg.dtype, flops_dev, {**memory, "activations": analytic.activation_traffic(exp, hw)},
-                                 rows, model_flops, devices)
+    traffic = {**memory, "activations": analytic.activation_traffic(exp, hw)}
+    predicted = roofline.predict(hw, cfg.dtype, flops_dev, traffic, rows, model_flops, devices)
     pipe = analytic.pipeline_activations(exp, hw)
     fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
     return {

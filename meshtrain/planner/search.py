@@ -85,7 +85,7 @@ class Candidate:
         mesh = ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
         pipe = ""
         if self.microbatches:
-            pipe = (f" pp-micro {self.microbatches} {self.schedule}" + (f" v={self.repeats}" if self.repeats > 1 else "")
+            pipe = (f" pp-micro {self.microbatches} {self.schedule}" + (f" v={self.repeats}" * (self.repeats > 1))
                     + (f" stash={self.stash}" if self.stash else ""))
         extra = "".join(f" {k.split('.')[-1]}={v}" for k, v in self.options)
         return f"{mesh} {self.layout} remat={self.remat}{pipe}{extra}" + (f" dcn {self.dcn}" if self.dcn else "")
