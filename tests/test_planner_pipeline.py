@@ -78,16 +78,17 @@ def test_gpipe_and_circular_keep_every_microbatch():
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_one_f_one_b_by_hand(remat):
     """S=4, M=16: stage 0 keeps 7 = 2S-1 items. stash=inputs: 7 chunk inputs, one item's
-    residuals (6 layers of one microbatch), 4 send buffers, the per-tick head; with remat
-    one layer's full activations more. stash=residuals: 7 items' residuals."""
+    residuals (6 layers of one microbatch), 4 send buffers, the 16 embedded microbatches
+    and their gradient, the per-tick head; with remat one layer's full activations more.
+    stash=residuals: 7 items' residuals."""
     base = {"model.dtype": "float32", "model.remat": remat, "pipeline.schedule": "1f1b"}
     exp = experiment(**base)
     n = by_hand(exp)
     item = 6 * n["layer"](n["mb"], remat)
     extra = n["layer"](n["mb"], "none") if remat != "none" else 0
-    common = extra + 4 * n["stream"] + n["head_per_tick"]
+    common = extra + 4 * n["stream"] + 2 * 16 * n["stream"] + n["head_per_tick"]
     acct = analytic.pipeline_activations(exp)
-    assert acct.kept[0] == 7 == 2 * 4 - 1 and acct.item_layers == 6
+    assert acct.kept[0] == 7 == 2 * 4 - 1 == acct.slots and acct.item_layers == 6
     assert acct.total == pytest.approx(7 * n["stream"] + item + common)
     assert analytic.activations(exp) == acct.total
     lean = experiment(**base, **{"pipeline.stash": "residuals"})
@@ -95,12 +96,16 @@ def test_one_f_one_b_by_hand(remat):
 
 
 def test_interleaved_keeps_chunks_of_l_over_v_s_layers():
+    """The stash is allocated as v x K slots (K: the most items of one repeat alive at
+    once), more than the items alive at once on stage 0."""
     exp = experiment(**{"model.dtype": "float32", "pipeline.schedule": "interleaved", "pipeline.repeats": 2})
     n = by_hand(exp)
-    k = max(pipeline_ticks.in_flight(exp.model.pipeline))
+    pipe = exp.model.pipeline
+    slots = 2 * pipeline_ticks.stash_slots(pipe)
     acct = analytic.pipeline_activations(exp)
-    assert acct.item_layers == 3 and acct.kept[0] == k
-    want = k * n["stream"] + 3 * n["layer"](n["mb"], "none") + 4 * n["stream"] + n["head_per_tick"]
+    assert acct.item_layers == 3 and acct.kept[0] == max(pipeline_ticks.in_flight(pipe)) < slots == acct.slots
+    want = (slots * n["stream"] + 3 * n["layer"](n["mb"], "none") + 4 * n["stream"] + 2 * 16 * n["stream"]
+            + n["head_per_tick"])
     assert acct.total == pytest.approx(want)
     assert acct.bubble == pytest.approx(3 / (2 * 16 + 3)) == exp.model.pipeline.bubble
 
@@ -127,6 +132,7 @@ def test_report_shows_the_schedule_and_what_is_kept():
     p = r["pipeline"]
     assert (p["schedule"], p["stash"], p["stages"], p["microbatches"]) == ("1f1b", "inputs", 2, 4)
     assert p["items_kept_per_stage"] == [3, 1] and p["items_per_stage"] == 4 and p["layers_per_item"] == 1
+    assert p["stash_slots"] == 3
     assert p["activations_bytes"] == r["analytic_memory_per_device_bytes"]["activations"]
     assert p["bubble"] == pytest.approx(1 / 5)
     line = next(x for x in text.render(r).splitlines() if "pipeline 1f1b" in x)

@@ -193,8 +193,10 @@ def pipeline_activations(exp, hw=None, dtype: str | None = None):
     pieces = _shards(exp, "length", inner)[0] * _shards(exp, "embed", inner)[0]
     stream = mb * t * _embed_dim(m) * jnp.dtype(cfg.dtype).itemsize / pieces  # one [mb, T, D]
     vocab, vocab_axes = _shards(exp, "vocab")
-    # 1F1B's loss head runs on every tick, its vocabulary split over tensor and stage
-    head_vocab = vocab * (1 if "stage" in vocab_axes else pipe.stages)
+    # 1F1B's loss head runs on every tick, its vocabulary split over stage too where it
+    # divides (pipeline_1f1b.head_layout)
+    over_stage = "stage" not in vocab_axes and cfg.padded_vocab_size % (vocab * pipe.stages) == 0
+    head_vocab = vocab * (pipe.stages if over_stage else 1)
     return pipeline_memory.account(
         pipe, cfg.num_layers, lambda rows: per_layer(cfg, rows * t, b["tensor"], cfg.remat), recompute, mb,
         stream, _head(exp, cfg, b["rows"], vocab), _head(exp, cfg, mb, head_vocab))

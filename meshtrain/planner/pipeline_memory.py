@@ -9,25 +9,33 @@ R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
     gpipe, circular     autodiff through the forward ticks keeps every item of the stage:
                         L/S x R(M mb)                       (all M microbatches)
     1f1b, interleaved   stage s keeps K_s items between their forward and backward slots
-                        (pipeline_ticks.in_flight; K = max_s K_s = K_0, stage 0 sets the
-                        device's memory):
-      stash=inputs        K X + L/(v S) x R(mb) + 4 X       (each item's chunk input; one
-                                                            item's residuals, recomputed in
-                                                            its backward slot; the forward
-                                                            and backward send buffers)
-      stash=residuals     K x L/(v S) x R(mb) + 4 X
+                        (pipeline_ticks.in_flight, K_0 the most), in a stash the program
+                        allocates as v x K slots, K = pipeline_ticks.stash_slots (the most
+                        items of one repeat alive at once: K_0 = 2S - 1 for 1f1b; for
+                        interleaved v K can pass K_0, 16 slots for 11 items at S = 4,
+                        M = 16, v = 2); and the embedded microbatches the loop reads,
+                        [M, mb, T, D] on every stage's devices, with their gradient:
+      stash=inputs        v K X + L/(v S) x R(mb) + 4 X + 2 M X   (each item's chunk input;
+                                                            one item's residuals, recomputed
+                                                            in its backward slot; the forward
+                                                            and backward send buffers; the
+                                                            inputs and their gradient)
+      stash=residuals     v K x L/(v S) x R(mb) + 4 X + 2 M X
     every schedule      + one layer's full activations of one microbatch when model.remat
                           recomputes (the backward redoes one layer at a time)
                         + the loss head: gpipe/circular run it after the pipeline on the
                           device's rows with the vocabulary split as the layout says;
                           1f1b/interleaved on each tick on one microbatch with the
-                          vocabulary split over tensor x stage (analytic computes both)
+                          vocabulary split over stage too where the padded vocabulary
+                          divides (pipeline_1f1b.head_layout; analytic computes both)
 
 Why K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep,
 one forward and one backward slot a tick. An item leaving stage s forward takes S-1-s
 ticks to reach the last stage and as many for its gradient to come back, while stage s
 takes in a new microbatch every tick, so it holds up to 2(S-1-s) + 1 items (asynchronous
 1F1B, whose stages run at their own pace, holds S - s). Still never M when M > 2S - 1.
+gpipe's own loop buffers (its inputs, their gradient and the per-tick outputs, (2M +
+ticks) X) are left out as before: small beside its M-fold residuals.
 
 The bubble is (S-1)/(v M + S - 1) for every schedule (Pipeline.bubble): the lockstep
 1F1B keeps GPipe's idle share and changes what is kept, not how long the step takes.
@@ -59,6 +67,7 @@ class Account:
     microbatches: int
     repeats: int
     kept: tuple[int, ...]     # [S]: the most items stage s keeps at once
+    slots: int                # items the stash holds room for on a device (v K), or v M under gpipe
     item_layers: int          # layers in one item (a chunk): L/(v S)
     parts: dict               # {what: bytes per device}
     written: float            # bytes the step writes for its backward, all items (the roofline's traffic)
@@ -74,7 +83,8 @@ class Account:
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "stash": self.stash, "stages": self.stages,
                 "microbatches": self.microbatches, "repeats": self.repeats, "bubble": self.bubble,
-                "items_kept_per_stage": list(self.kept), "items_per_stage": self.repeats * self.microbatches,
+                "items_kept_per_stage": list(self.kept), "stash_slots": self.slots,
+                "items_per_stage": self.repeats * self.microbatches,
                 "layers_per_item": self.item_layers, "activation_parts_bytes": dict(self.parts),
                 "activations_bytes": self.total}
 
@@ -94,6 +104,20 @@ def items_kept(pipe: Pipeline) -> tuple[int, ...]:
     return _in_flight(pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule)
 
 
+def stash_slots(pipe: Pipeline) -> int:
+    """Items a device's stash holds room for: v x pipeline_ticks.stash_slots under
+    1f1b/interleaved (slot (i, m mod K) of each repeat i), every item v M under gpipe."""
+    if not pipe.one_f_one_b:
+        return pipe.repeats * pipe.microbatches
+    return pipe.repeats * _stash_slots(pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def _stash_slots(stages: int, microbatches: int, repeats: int, schedule: str) -> int:
+    return int(pipeline_ticks.stash_slots(Pipeline(stages=stages, microbatches=microbatches, repeats=repeats,
+                                                   schedule=schedule)))
+
+
 def account(pipe: Pipeline, num_layers: int, residuals: Callable[[int], float], recompute: float,
             mb_rows: int, stream: float, head_after: float, head_per_tick: float) -> Account:
     """The activations of one step (module docstring). `residuals(rows)`: R, one layer at
@@ -110,10 +134,10 @@ def account(pipe: Pipeline, num_layers: int, residuals: Callable[[int], float], 
         parts = {"residuals": every, "recompute": recompute, "head": head_after}
         stash = None
     else:
-        k, one_item = max(kept), item_layers * residuals(mb_rows)
+        k, one_item = stash_slots(pipe), item_layers * residuals(mb_rows)
         parts = ({"stash": k * stream, "residuals": one_item} if pipe.stash == "inputs" else
                  {"stash": k * one_item})
-        parts.update(recompute=recompute, buffers=BUFFER_SLOTS * stream, head=head_per_tick)
+        parts.update(recompute=recompute, buffers=BUFFER_SLOTS * stream, inputs=2 * m * stream, head=head_per_tick)
         stash = pipe.stash
-    return Account(pipe.schedule, stash, s, m, v, kept, item_layers, parts,
+    return Account(pipe.schedule, stash, s, m, v, kept, stash_slots(pipe), item_layers, parts,
                    written=every + recompute + head_after)

@@ -54,9 +54,10 @@ def pipeline_lines(p: dict) -> list[str]:
     how += f", stash={p['stash']}" if p["stash"] else ""
     kept = p["items_kept_per_stage"]
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in p["activation_parts_bytes"].items() if v)
+    room = f", stash room for {p['stash_slots']}" if p["stash"] else ""
     return [f"  pipeline {how}: S={p['stages']}, M={p['microbatches']}, bubble {p['bubble']:.1%}; items kept "
             f"per stage {', '.join(map(str, kept))} of {p['items_per_stage']} ({p['layers_per_item']} layers "
-            f"each); activations {_mib(p['activations_bytes'])} MiB by the formula ({parts} MiB)"]
+            f"each{room}); activations {_mib(p['activations_bytes'])} MiB by the formula ({parts} MiB)"]
 
 
 def render(r: dict) -> str:
