@@ -35,7 +35,8 @@ ticks to reach the last stage and as many for its gradient to come back, while s
 takes in a new microbatch every tick, so it holds up to 2(S-1-s) + 1 items (asynchronous
 1F1B, whose stages run at their own pace, holds S - s). Still never M when M > 2S - 1.
 gpipe's own loop buffers (its inputs, their gradient and the per-tick outputs, (2M +
-ticks) X) are left out as before: small beside its M-fold residuals.
+ticks) X) are left out as before: small beside M microbatches' residuals without remat,
+not under remat=full, where the formulas understate what 1F1B saves.
 
 The bubble is (S-1)/(v M + S - 1) for every schedule (Pipeline.bubble): the lockstep
 1F1B keeps GPipe's idle share and changes what is kept, not how long the step takes.
