@@ -99,7 +99,10 @@ def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[st
         cfg = config_lib.load(name)
         for key, value in {**base, **SCHEDULES[label]}.items():
             config_lib.override(cfg, key, str(value))
-        exp = Experiment.build(cfg)
+        needed = 1
+        for part in cfg.mesh.shape.split(","):
+            needed *= int(part.split(":")[1])
+        exp = Experiment.build(cfg, devices=jax.devices()[:needed])
         t0 = time.perf_counter()
         compiled = exp.compile()
         compile_s = time.perf_counter() - t0
