@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain import loss as loss_lib
+from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import layer_maker
 from meshtrain.pipeline import Pipeline, StagePlan
@@ -78,6 +79,12 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
                         loss_chunk: int) -> Callable:
     """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop."""
     pipe, mesh = plan.pipe, plan.mesh
+    if not (hasattr(model.family.module, "embed_tokens") and hasattr(model.family.module, "head")):
+        raise UserError(
+            f"pipeline.schedule={pipe.schedule}: model family {model.family.name!r} does not split its "
+            f"forward pass into embed_tokens and head (docs/models.md, the model seam), which the 1F1B "
+            f"tick loop runs apart. Use pipeline.schedule={'circular' if pipe.repeats > 1 else 'gpipe'}, "
+            f"or give the family those two methods.")
     s, v, n_micro, n = pipe.stages, pipe.repeats, pipe.microbatches, plan.n_shards
     shard, stacked_key = plan.shard, model.stacked
     k_slots = stash_slots(pipe)

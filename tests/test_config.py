@@ -162,8 +162,14 @@ def test_vocab_smaller_than_tokenizer(tmp_path):
      {"pipeline.repeats": 2}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"schedule=circular with pipeline.repeats=1 is gpipe",
      {"pipeline.schedule": "circular"}),
-    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.schedule='1f1b': choose one of gpipe, circular",
-     {"pipeline.schedule": "1f1b"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.schedule='pipedream': choose one of gpipe, circular, "
+     r"1f1b, interleaved", {"pipeline.schedule": "pipedream"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"schedule=interleaved with pipeline.repeats=1 is 1f1b",
+     {"pipeline.schedule": "interleaved"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.repeats=2 needs pipeline.schedule=interleaved",
+     {"pipeline.schedule": "1f1b", "pipeline.repeats": "2", "model.num_layers": "4"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.stash='all': choose one of inputs, residuals",
+     {"pipeline.schedule": "1f1b", "pipeline.stash": "all"}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"Layout 'dp' does not put the logical axis 'stage' on the "
      r"mesh axis 'stage' in its params rules.*Use a pipeline layout \(dp_pp, fsdp_pp", {"layout": "dp"}),
 ])

@@ -15,7 +15,10 @@ A family gives:
                   project(h [B, t, D], w, constrain) -> logits [B, t, V]
               with __call__ = project(*hidden(...)) and project reading nothing but its
               arguments: the loss then projects a chunk of positions at a time
-              (meshtrain/loss.py); without them it takes whole logits
+              (meshtrain/loss.py); without them it takes whole logits; and for the
+              1f1b/interleaved pipeline schedules, hidden cut in its two ends:
+                  embed_tokens(tokens, constrain, key) -> x [B, T, D], what the first layer takes
+                  head(x, constrain) -> (h, w) as hidden returns them, from the last layer's x
   sizes       model.size -> {field: value}; fields named like a `model.*` config key are
               overridden by that key when it is set; every size has num_layers, vocab_size
               and seq_len
