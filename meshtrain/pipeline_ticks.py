@@ -40,7 +40,7 @@ import numpy as np
 from meshtrain.pipeline import Pipeline, schedule as forward_items
 
 __all__ = ["forward_items", "backward_items", "phases", "in_flight", "stash_slots", "tick_table",
-           "busy_fraction"]
+           "busy_fraction", "describe"]
 
 
 def backward_items(pipe: Pipeline, t, xp=np):
@@ -127,3 +127,17 @@ def tick_table(pipe: Pipeline) -> str:
         phase = "warm-up" if t < warm else "steady" if t < warm + steady else "cool-down"
         rows.append(f"{t:5d} | " + " ".join(f"{c:<{width}}" for c in cells) + " " + phase)
     return "\n".join(rows)
+
+
+def describe(pipe: Pipeline) -> str:
+    """One line for the run's start: schedule, stages, chunks, microbatches, ticks, bubble,
+    and what stage 0 keeps."""
+    head = (f"{pipe.schedule}: {pipe.stages} stages x {pipe.repeats} chunk(s), {pipe.microbatches} "
+            f"microbatches")
+    bubble = f"bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}"
+    if not pipe.one_f_one_b:
+        return f"{head}, {pipe.ticks} ticks, {bubble}; each stage keeps all {pipe.microbatches}"
+    warm, steady, cool = phases(pipe)
+    return (f"{head}, {warm + steady + cool} ticks ({warm} warm-up, {steady} steady, {cool} cool-down), "
+            f"{bubble}; stage 0 keeps {in_flight(pipe)[0]} of {pipe.repeats * pipe.microbatches} items "
+            f"(stash={pipe.stash})")

@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 
-from meshtrain import cli, mesh as mesh_lib
+from meshtrain import cli, mesh as mesh_lib, pipeline_ticks
 from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib, xla_flags
 from meshtrain.errors import UserError, warn
 
@@ -70,8 +70,7 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     say(f"attention: {impl} ({why})")
     pipe = exp.model.pipeline
     if pipe is not None:
-        say(f"pipeline: {pipe.stages} stages x {pipe.repeats} repeat(s), {pipe.microbatches} "
-            f"microbatches, {pipe.ticks} ticks, bubble (S-1)/(r*M+S-1) = {pipe.bubble:.1%}")
+        say(f"pipeline: {pipeline_ticks.describe(pipe)}")
     return node
 
 

@@ -66,7 +66,7 @@ def test_pipeline_warns_when_microbatches_are_few(tmp_path):
     r = run_cli("--config=gpt2_tiny_pp4_dp2", "--config.pipeline.microbatches=2", "--config.train.steps=0")
     assert r.returncode == 0, r.stderr
     assert "meshtrain: warning: pipeline.microbatches=2 < stage=4" in r.stderr
-    assert "pipeline: 4 stages x 1 repeat(s), 2 microbatches, 5 ticks, bubble" in r.stdout
+    assert "pipeline: gpipe: 4 stages x 1 chunk(s), 2 microbatches, 5 ticks, bubble" in r.stdout
 
 
 def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
