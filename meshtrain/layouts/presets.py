@@ -40,6 +40,13 @@ _TP = "heads:tensor;mlp:tensor;vocab:tensor"
 # exactly one dim sharded over fsdp, so per-device state is exactly 1/n.
 _FSDP_PARAMS = "embed:fsdp;mlp:fsdp;head_dim:fsdp"
 _OVER_DATA = "embed:data;mlp:data;head_dim:data"  # ZeRO-1/2's split, one dim per weight as fsdp
+# Pipeline storage of the tables used outside the stages: the token table (and an untied
+# head) split over stage by vocab row, the position table by position (`length` names no
+# other parameter), so each stage holds 1/S of them instead of a whole copy. Compute
+# (activations) keeps them whole over stage: one all-gather per step in the compute dtype.
+_EMBED_PP = "vocab:stage;length:stage"
+_TP_PP = "heads:tensor;mlp:tensor;vocab:tensor+stage;length:stage"  # tensor first: gathering
+# over stage then joins contiguous rows of each tensor shard
 
 PRESETS = {
     "dp": "batch:data",
@@ -49,12 +56,14 @@ PRESETS = {
     "tp": _TP,
     "dp_tp": f"batch:data;{_TP}",
     "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp",
-    "dp_pp": "stage:stage;batch:data+stage",
-    "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_FSDP_PARAMS}",
-    "zero1_pp": f"stage:stage;batch:data+stage | opt_state=stage:stage;{_OVER_DATA}",
-    "zero2_pp": f"stage:stage;batch:data+stage | opt_state=stage:stage;{_OVER_DATA} | grads=stage:stage;{_OVER_DATA}",
-    "dp_pp_tp": f"stage:stage;batch:data+stage;{_TP}",
-    "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP};embed:fsdp",
+    "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
+    "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
+    "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
+                f" | opt_state=stage:stage;{_EMBED_PP};{_OVER_DATA}",
+    "zero2_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
+                f" | opt_state=stage:stage;{_EMBED_PP};{_OVER_DATA} | grads=stage:stage;{_EMBED_PP};{_OVER_DATA}",
+    "dp_pp_tp": f"stage:stage;batch:data+stage;{_TP} | params=stage:stage;{_TP_PP}",
+    "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP_PP};embed:fsdp",
 }
 PIPELINE_PRESETS = tuple(name for name in PRESETS if "pp" in name)
 # preset -> (mesh axes it needs, mesh axes it may use) when those have size > 1: a mesh
