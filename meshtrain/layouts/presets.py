@@ -30,6 +30,14 @@ stacked block params [stage, layers, ...] live on their stage's devices, and add
 loss) the stage devices split the batch instead of all computing the same head.
 `stage` comes last in `batch`, so dropping it inside the pipeline is an
 all-gather over `stage` of contiguous rows, not a shuffle.
+
+Their params (hence opt_state and grads) tables also split the tables used only
+outside the pipeline over `stage`: the token table and an untied head by `vocab`
+(`vocab:tensor+stage` under tp), GPT-2's position table by `length`. One SPMD program
+gives every device a shard of every array, so "only on the first and last stage" would
+still cost a whole copy on each; split, each device keeps 1/S (GPT-2 medium on
+dp2_pp4_tp4: 376 -> 256 MiB of params and Adam state per device) and the step gathers
+the tables over `stage` once, in the compute dtype: ZeRO-3 over `stage` for them alone.
 """
 
 from meshtrain.errors import UserError
