@@ -43,6 +43,9 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                gradients, (n-1)/n x gathered bytes, per microbatch: ZeRO-3's 3 Psi (arXiv
                1910.02054 §7). With train.accum_gather=once: one gather per step before the
                microbatch loop and one reduce-scatter of the accumulated gradients after it.
+               Under a pipeline, the tables outside it (embedding, head: split over stage)
+               are gathered once per accumulation microbatch, the forward's copy serving
+               the backward pass, and their gradients reduce-scattered as often.
   tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
                2 backward per microbatch, plus, when the vocabulary is split, the embedding
                lookup forward and the output projection's input gradient backward, once per
@@ -289,6 +292,14 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP weight all-gather, once per step before the microbatch loop")
             add("reduce-scatter", gather, 0, (n - 1) * local * g,
                 "FSDP reduce-scatter of the accumulated gradients, once per step")
+        elif gather and m.pipeline is not None and not path.startswith(m.stacked + "/"):
+            # the embedding and head under a pipeline (split over stage, fsdp): run once per
+            # accumulation microbatch outside the ticks; backward reuses the forward's gather
+            n, k = _size(mesh, gather), exp.cfg.train.grad_accum_steps
+            add("all-gather", gather, 0, k * (n - 1) * local * compute,
+                "table outside the pipeline gathered once per microbatch (ZeRO-3 over stage)")
+            add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
+                "its gradient reduce-scattered once per microbatch")
         elif gather:
             n = _size(mesh, gather)
             add("all-gather", gather, 0, 2 * b["micro"] * (n - 1) * local * compute,

@@ -202,5 +202,10 @@ def _kind_excess(kind: str, r: dict, b: dict) -> str:
         return head + f": {r['count'] - b['count']} ops more than the bound (remat recomputes the " \
                       "forward's, the loss reduces over the split vocabulary, or a gradient is " \
                       "reduced in pieces)"
+    if kind == "all-reduce" and "stage" in r["mesh_axes"] and len(r["mesh_axes"]) > 1 and ratio > 2:
+        return head + ": the gradients of the tables split over stage (embedding, head) all-reduced " \
+                      "whole over the batch axes, then sliced, where the bound reduce-scatters them over " \
+                      "stage and reduces 1/S over the rest (the CPU compiler's choice here; check the " \
+                      "accelerator's HLO)"
     return head + ": some of it in float32 where the bound assumes the compute dtype (e.g. norm " \
                   "and bias gradients computed in float32, or a float32 table)"
