@@ -128,6 +128,22 @@ def test_stage_params_live_on_their_stage(make_config):
         assert shard.data.shape == (1, 1, 64, 256)
 
 
+@pytest.mark.parametrize("name, tables", [("gpt2_tiny_pp4_dp2", {"wte": 0, "wpe": 0}),
+                                          ("llama_tiny_pp2_dp4", {"embed": 0, "lm_head": 1})])
+def test_embedding_tables_and_their_moments_are_split_over_stage(make_config, name, tables):
+    """The tables used outside the pipeline hold 1/S of their rows (vocab, or positions)
+    on each device, and so do their Adam moments: no stage keeps a whole copy."""
+    exp = Experiment.build(make_config(name))
+    state = exp.init_state()
+    stages = exp.mesh.shape["stage"]
+    mu = state.opt_state[1][0].mu
+    for table, dim in tables.items():
+        for arr in (state.params[table], mu[table]):
+            assert arr.sharding.spec[dim] == "stage"
+            for shard in arr.addressable_shards:
+                assert shard.data.shape[dim] == arr.shape[dim] // stages
+
+
 def test_every_combination_of_schedule_constants_is_consistent():
     for s, r, m in itertools.product((1, 2, 4), (1, 2), (4, 8, 16, 32)):
         pipe = Pipeline(stages=s, microbatches=m, repeats=r)

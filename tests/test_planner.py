@@ -126,6 +126,18 @@ def test_pipeline_bound_counts_each_microbatch_over_the_boundary(planned):
     assert sent >= bound["bytes"]
 
 
+def test_pipeline_bound_gathers_the_stage_split_tables_once_per_step(planned):
+    """wte and wpe, stored split over stage, are gathered once per step (not once per
+    pipeline microbatch): (S-1)/S of each, in the compute dtype; the program sends at least that."""
+    exp, _, r = planned["gpt2_tiny_pp2_dp4"]
+    s, c = exp.mesh.shape["stage"], exp.model.cfg
+    tables = (c.padded_vocab_size + c.seq_len) * c.embed_dim * np.dtype(c.dtype).itemsize
+    bound = [b for b in r["collective_bounds"] if b["kind"] == "all-gather" and tuple(b["mesh_axes"]) == ("stage",)]
+    assert sum(b["bytes"] for b in bound) == pytest.approx((s - 1) / s * tables)
+    sent = sum(x["bytes"] for x in r["collectives"] if x["kind"] == "all-gather" and tuple(x["mesh_axes"]) == ("stage",))
+    assert sent >= sum(b["bytes"] for b in bound)
+
+
 def test_compiled_matmul_flops_match_the_formula(planned):
     """GPT-2's matmuls: 6 x (block matrices + the tied output table) per token, plus the
     attention scores and values over the full T x T square, 12 L D T per token."""
