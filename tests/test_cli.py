@@ -58,8 +58,10 @@ def test_compile_only_pipelined_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert run["mesh"]["shape"] == {"data": 2, "stage": 4, "fsdp": 1, "tensor": 4}
     assert run["pipeline"] == {"stages": 4, "microbatches": 16, "repeats": 1, "ticks": 19,
                                "bubble": 3 / 19}
-    # Blocks split 16 ways (stage x tensor); wte, wpe and LayerNorms only over tensor or not at all.
-    assert 370 < run["compiled_memory_per_device"]["argument"] / 2**20 < 380
+    # Blocks and wte split 16 ways (stage x tensor), wpe 4 (stage), LayerNorms whole: 22.4M
+    # params a device x 12 bytes (fp32 params and Adam moments) = 256 MiB; 376 MiB with wte
+    # and wpe whole over stage.
+    assert 250 < run["compiled_memory_per_device"]["argument"] / 2**20 < 262
 
 
 def test_pipeline_warns_when_microbatches_are_few(tmp_path):
