@@ -260,6 +260,7 @@ def collective_bounds(exp) -> list[dict]:
     flat_shapes = tree_paths.flat(m.shapes)
     flat_params = tree_paths.flat(exp.shardings.params)
     flat_opt = tree_paths.flat(exp.grad_shardings)
+    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
     zero2 = exp.layout.splits_grads
     for path, shape in flat_shapes.items():
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
@@ -294,7 +295,12 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP reduce-scatter of the accumulated gradients, once per step")
         elif gather and m.pipeline is not None and not path.startswith(m.stacked + "/"):
             # the embedding and head under a pipeline (split over stage, fsdp): run once per
-            # accumulation microbatch outside the ticks; backward reuses the forward's gather
+            # accumulation microbatch outside the ticks; backward reuses the forward's gather.
+            # 1F1B's head splits vocab over stage as stored (pipeline_1f1b.head_layout).
+            if m.pipeline.one_f_one_b and flat_axes[path] == ("embed", "vocab"):
+                gather = [a for a in gather if a != "stage"]
+            if not gather:
+                continue
             n, k = _size(mesh, gather), exp.cfg.train.grad_accum_steps
             add("all-gather", gather, 0, k * (n - 1) * local * compute,
                 "table outside the pipeline gathered once per microbatch (ZeRO-3 over stage)")
