@@ -159,3 +159,18 @@ def test_gpt2_small_dp8_stops_before_allocating_on_a_cpu_host():
     assert abs(8 * each - total) <= 8 * 0.05 + 0.05 and total > available  # each shown to 0.1 GiB
     assert "The cheapest fix the planner knows that fits" in r.stderr, r.stderr
     assert took < 300
+
+
+@pytest.mark.parametrize("name, schedule", [("gpt2_tiny_pp4_dp2", "1f1b"),
+                                            ("gpt2_tiny_pp4_dp2_circular", "interleaved")])
+def test_a_gpipe_run_that_does_not_fit_is_offered_1f1b_first(make_config, name, schedule):
+    """The 1F1B counterpart keeps 2S-1 microbatches per stage for the same compute: the
+    cheapest fix, before any recompute; with stashed inputs alone it comes after save_dots."""
+    cfg = make_config(name)
+    shape = {"data": 2, "stage": 4, "fsdp": 1, "tensor": 1}
+    flags = [f.flags() for f in memory_check.candidates(cfg, shape, None)]
+    assert flags[0] == f"--config.pipeline.schedule={schedule} --config.pipeline.stash=residuals"
+    assert flags[1] == "--config.model.remat=save_dots"
+    assert flags[2] == f"--config.pipeline.schedule={schedule} --config.pipeline.stash=inputs"
+    unpipelined = [f.flags() for f in memory_check.candidates(make_config("gpt2_tiny_dp8"), shape, None)]
+    assert not any("pipeline" in f for f in unpipelined)

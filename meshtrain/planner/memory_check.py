@@ -191,7 +191,8 @@ def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[F
     zero1, fsdp = SHARDED.get(cfg.layout, (None, None))
     save_dots = Fix((("model.remat", "save_dots"),), "recomputes element-wise ops in backward, ~10% more compute")
     full = Fix((("model.remat", "full"),), "recomputes each layer in backward, ~33% more compute")
-    out = [save_dots] if m.remat == "none" else []
+    out = pipeline_fixes(cfg, shape)[:1] + ([save_dots] if m.remat == "none" else [])
+    out += pipeline_fixes(cfg, shape)[1:]
     out.append(micro[0])
     if zero1:
         out.append(Fix((("layout", zero1),), "shards the optimizer state over data, no more traffic"))
@@ -216,6 +217,21 @@ def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[F
             out.append(Fix((("train.batch_size", str(t.batch_size // f)),),
                            f"changes the run: {f}x fewer tokens a step (retune optim.lr)"))
     return out
+
+
+def pipeline_fixes(cfg, shape: dict[str, int]) -> list[Fix]:
+    """A gpipe or circular run's 1F1B counterpart (interleaved for circular), keeping each
+    stage's microbatches only between their forward and backward slots: with autodiff's
+    residuals (no more compute), then with the stage inputs alone (docs/pipeline.md)."""
+    p = cfg.pipeline
+    if shape.get("stage", 1) <= 1 or p.microbatches <= 0 or p.schedule not in ("gpipe", "circular"):
+        return []
+    schedule = ("pipeline.schedule", "1f1b" if p.schedule == "gpipe" else "interleaved")
+    kept = f"keeps at most 2S-1 = {2 * shape['stage'] - 1} microbatches per stage, not M = {p.microbatches}"
+    return [Fix((schedule, ("pipeline.stash", "residuals")), f"{kept}, the same compute"),
+            Fix((schedule, ("pipeline.stash", "inputs")),
+                f"{kept}, each as its stage input alone; recomputes each stage's forward in backward, "
+                f"~33% more layer compute")]
 
 
 def _together(fixes: list[Fix]) -> Fix:
@@ -257,9 +273,9 @@ def explain(peak: float, budget: Budget, fix: Fix | None, tried: list[Fix], who:
         fixes = (f" The cheapest fix the planner knows that fits, compiled here: {fix.flags()} ({fix.cost}): "
                  f"{gib(fix.compiled)} per device{total}.")
     else:
-        fixes = (" None of the planner's fixes fits (remat, gradient accumulation, an fsdp layout, a smaller batch, and "
-                 "those combined): the run needs more devices, or devices with more memory; `meshtrain plan "
-                 "--search --devices=N` ranks the layouts for N devices.")
+        fixes = (" None of the planner's fixes fits (1F1B for a pipeline, remat, gradient accumulation, an "
+                 "fsdp layout, a smaller batch, and those combined): the run needs more devices, or devices "
+                 "with more memory; `meshtrain plan --search --devices=N` ranks the layouts for N devices.")
     if tried:
         fixes += (" Not enough " + ("alone" if fix is not None else "either") + " (per device, compiled where "
                   "marked, else by the planner's formulas, which on CPU are a floor): "
