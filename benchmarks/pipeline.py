@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -50,7 +51,7 @@ jax.config.update("jax_num_cpu_devices", 32 if "--compile_only" in sys.argv else
 
 import jax.numpy as jnp  # noqa: E402
 
-from meshtrain import config as config_lib, step as step_lib  # noqa: E402
+from meshtrain import config as config_lib, mesh as mesh_lib, step as step_lib  # noqa: E402
 from meshtrain.planner import hlo
 from meshtrain import metrics
 from meshtrain.experiment import Experiment  # noqa: E402
@@ -99,9 +100,7 @@ def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[st
         cfg = config_lib.load(name)
         for key, value in {**base, **SCHEDULES[label]}.items():
             config_lib.override(cfg, key, str(value))
-        needed = 1
-        for part in cfg.mesh.shape.split(","):
-            needed *= int(part.split(":")[1])
+        needed = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
         exp = Experiment.build(cfg, devices=jax.devices()[:needed])
         t0 = time.perf_counter()
         compiled = exp.compile()

@@ -47,6 +47,7 @@ keeps the gradients for the backward to scale by the loss's cotangent.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -56,7 +57,7 @@ from meshtrain import loss as loss_lib
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import layer_maker
-from meshtrain.pipeline import Pipeline, StagePlan
+from meshtrain.pipeline import StagePlan
 from meshtrain.pipeline_ticks import backward_items, forward_items, phases, stash_slots
 
 
@@ -64,12 +65,8 @@ def head_layout(inner: Layout, mesh_shape, padded_vocab: int) -> Layout:
     """`inner` (the layout a stage sees) with `stage` added to the activations' vocab rule,
     first, when the padded vocabulary divides over it: the head's logits split over the
     stages. Else `inner`, and every stage computes the whole head."""
-    rules = dict(inner.activations)
-    axes = (*rules.get("vocab", ()), "stage")
-    parts = 1
-    for a in axes:
-        parts *= mesh_shape[a]
-    if padded_vocab % parts:
+    axes = (*dict(inner.activations).get("vocab", ()), "stage")
+    if padded_vocab % math.prod(mesh_shape[a] for a in axes):
         return inner
     acts = (("vocab", axes), *((n, a) for n, a in inner.activations if n != "vocab"))
     return dataclasses.replace(inner, name=f"{inner.name}, vocab over stage", activations=acts)
@@ -132,7 +129,7 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
 
         head_grad = jax.vmap(jax.value_and_grad(shard_head, argnums=(0, 1)), spmd_axis_name=shard)
 
-        def stage_keys(i, m):  # per stage [S]: chunk i's keys for microbatch m
+        def stage_keys(i):  # per stage [S]: chunk i's keys (the chunk folds in the microbatch)
             return None if keys is None else jax.vmap(lambda k, i: k[i])(keys, i)
 
         pullback = {}  # "residuals": the pullback's structure, recorded where it is traced
@@ -165,13 +162,12 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
 
         def forward_slot(carry, t_now):
             fv, fi, fm = forward_items(pipe, t_now, jnp)
-            m0 = jnp.minimum((t_now // (v * s)) * s + t_now % s, n_micro - 1)
-            fresh = jax.lax.dynamic_index_in_dim(inputs, m0, 1, keepdims=False)
+            fresh = jax.lax.dynamic_index_in_dim(inputs, fm[0], 1, keepdims=False)  # stage 0's
             first = ((jnp.arange(s) == 0) & (fi == 0))[:, None, None, None]
             x = jnp.where(first, fresh, jnp.roll(carry["fwd"], 1, axis=0))
             x = jax.lax.with_sharding_constraint(x, slot)
             y, items = jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(fi, fm), fi, fm, x)
+                weights, stage_keys(fi), fi, fm, x)
             y = jax.lax.with_sharding_constraint(y, slot)
 
             def store(stash_s, valid, i, m, item):  # one stage keeps an item in slot (i, m mod K)
@@ -202,7 +198,7 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
             items = [jax.vmap(lambda st, i, m: st[i, m % k_slots], **stage_vmap)(st, bi, bm)
                      for st in carry["stash"]]
             dw, dx = jax.vmap(bwd_one, (w_axis, 0, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(bi, bm), bi, bm, items, g)
+                weights, stage_keys(bi), bi, bm, items, g)
             dx = jax.lax.with_sharding_constraint(dx, slot)
 
             def add(acc, d):  # acc [.., S, v, Lc, ...] += d [.., S, Lc, ...] at each stage's i
@@ -235,7 +231,7 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
 
         def stash_zeros():  # [S, v, K, *item] per stashed leaf, from the forward slot's shapes
             _, items = jax.eval_shape(lambda: jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(jnp.zeros(s, int), jnp.zeros(s, int)), jnp.zeros(s, int),
+                weights, stage_keys(jnp.zeros(s, int)), jnp.zeros(s, int),
                 jnp.zeros(s, int), zeros_slot))
             if pipe.stash == "inputs":
                 return [jax.lax.with_sharding_constraint(
@@ -283,6 +279,3 @@ def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: C
 
     loss_fn.defvjp(fwd, bwd)
     return loss_fn
-
-
-__all__ = ["Pipeline", "head_layout", "make_loss_and_grads", "make_loss_fn"]

@@ -39,8 +39,7 @@ import numpy as np
 
 from meshtrain.pipeline import Pipeline, schedule as forward_items
 
-__all__ = ["forward_items", "backward_items", "phases", "in_flight", "stash_slots", "tick_table",
-           "busy_fraction", "describe"]
+__all__ = ["forward_items", "backward_items", "phases", "in_flight", "stash_slots", "tick_table", "describe"]
 
 
 def backward_items(pipe: Pipeline, t, xp=np):
@@ -75,36 +74,26 @@ def _lifetimes(pipe: Pipeline):
     return out
 
 
+def _most_alive(spans) -> int:
+    """The most (forward tick, backward tick) spans that hold one tick at once."""
+    return max((sum(f <= t <= b for f, b in spans) for f0, _ in spans for t in (f0,)), default=0)
+
+
 def in_flight(pipe: Pipeline) -> np.ndarray:
     """[S]: the most items (a microbatch through one chunk, 1/v of the stage) stage s keeps
     between their forward and their backward slot, the one being run included."""
-    counts = np.zeros(pipe.stages, int)
-    for s in range(pipe.stages):
-        spans = [(f, b) for st, _, _, f, b in _lifetimes(pipe) if st == s]
-        counts[s] = max(sum(f <= t <= b for f, b in spans) for t in range(sum(phases(pipe))))
-    return counts
+    life = _lifetimes(pipe)
+    return np.array([_most_alive([(f, b) for st, _, _, f, b in life if st == s])
+                     for s in range(pipe.stages)])
 
 
 def stash_slots(pipe: Pipeline) -> int:
     """K: slots per (stage, repeat) in the stash, which keeps item (i, m) in slot
     (i, m mod K). Items of one repeat leave a stage in the order they came, so those alive
     at once are consecutive microbatches, and K = the most alive at once never collides."""
-    best = 1
     life = _lifetimes(pipe)
-    for s in range(pipe.stages):
-        for i in range(pipe.repeats):
-            spans = [(f, b) for st, ii, _, f, b in life if st == s and ii == i]
-            best = max(best, max(sum(f <= t <= b for f, b in spans) for t in range(sum(phases(pipe)))))
-    return best
-
-
-def busy_fraction(pipe: Pipeline) -> float:
-    """Share of the step's time a stage does work, counting a forward slot as F/v and a
-    backward slot as B/v with B = 2F: 1 - (S-1)/(v M + S - 1) for any B/F."""
-    warm, steady, cool = phases(pipe)
-    f, b = 1.0, 2.0
-    total = warm * f + steady * (f + b) + cool * b
-    return pipe.microbatches * pipe.repeats * (f + b) / total
+    return max(_most_alive([(f, b) for st, ii, _, f, b in life if (st, ii) == (s, i)])
+               for s in range(pipe.stages) for i in range(pipe.repeats))
 
 
 def tick_table(pipe: Pipeline) -> str:

@@ -12,7 +12,7 @@ inputs where GPipe keeps all 16 microbatches' activations (docs/pipeline.md);
 benchmarks/pipeline.py --schedules compares the two compiled (docs/benchmarks.md).
 """
 
-from meshtrain.config import base
+from meshtrain.configs import llama3_8b_fsdp8_tp4
 from meshtrain.layouts.presets import PRESETS
 
 # fsdp_pp_tp with the kv heads split over tensor too (4 divides the 8 kv heads).
@@ -20,12 +20,9 @@ LAYOUT = PRESETS["fsdp_pp_tp"].replace("heads:tensor;", "heads:tensor;kv_heads:t
 
 
 def get_config():
-    c = base(size="llama3_8b", mesh="stage:4,fsdp:2,tensor:4", layout=LAYOUT)
-    c.model.name = "llama"
-    c.model.dtype = "bfloat16"  # params and Adam state stay float32
-    c.model.remat = "full"      # keep only each layer's input: 8192-token rows
+    """llama3_8b_fsdp8_tp4's model, batch and recipe, on a 4-stage pipeline."""
+    c = llama3_8b_fsdp8_tp4.get_config()
+    c.mesh.shape, c.layout = "stage:4,fsdp:2,tensor:4", LAYOUT
+    c.train.grad_accum_steps = 1  # the pipeline's 16 microbatches take its place
     c.pipeline.update(microbatches=16, schedule="1f1b")  # bubble 3/19 = 15.8%
-    c.train.update(steps=20_000, batch_size=32, log_every=50, eval_every=1000, eval_steps=20)
-    # Llama 2's recipe (Touvron et al. 2023, section 2.2), as llama3_8b_fsdp8_tp4.
-    c.optim.update(lr=3e-4, min_lr=3e-5, warmup_steps=2000, b2=0.95, eps=1e-5, weight_decay=0.1)
     return c

@@ -191,8 +191,8 @@ def candidates(cfg, shape: dict[str, int], dcn: dict[str, int] | None) -> list[F
     zero1, fsdp = SHARDED.get(cfg.layout, (None, None))
     save_dots = Fix((("model.remat", "save_dots"),), "recomputes element-wise ops in backward, ~10% more compute")
     full = Fix((("model.remat", "full"),), "recomputes each layer in backward, ~33% more compute")
-    out = pipeline_fixes(cfg, shape)[:1] + ([save_dots] if m.remat == "none" else [])
-    out += pipeline_fixes(cfg, shape)[1:]
+    one_f_one_b = pipeline_fixes(cfg, shape)
+    out = one_f_one_b[:1] + ([save_dots] if m.remat == "none" else []) + one_f_one_b[1:]
     out.append(micro[0])
     if zero1:
         out.append(Fix((("layout", zero1),), "shards the optimizer state over data, no more traffic"))
