@@ -124,23 +124,32 @@ def execute(args) -> int:
     say(f"meshtrain eval: {loaded} | {exp.model.family.describe(m)}, compute {m.dtype}")
     mesh = mesh_lib.format_factors(dict(exp.mesh.shape))
     mesh = "data:1" if mesh == "1" else mesh
+    unit, per_row = exp.task.unit, exp.task.units_per_example(m)
+    rows_text = f"{cfg.train.batch_size} x {m.seq_len} tokens" if unit == "tokens" else f"{cfg.train.batch_size} {unit}"
     say(f"mesh {mesh} ({why}), layout {exp.layout.name} | "
-        f"split {flags['split']}: {n} batches of {cfg.train.batch_size} x {m.seq_len} tokens ({note})")
+        f"split {flags['split']}: {n} batches of {rows_text} ({note})")
+    if flags["dump_logits"] and unit != "tokens":
+        raise UserError(f"--dump_logits writes a language model's logits; {exp.model.family.name} is a "
+                        f"{exp.task.name} model. Leave --dump_logits out.")
     params = init_from.load_params(exp.init, exp.model, exp.shardings.params)
+    stats = init_from.load_stats(exp.init, exp.model, exp.shardings.stats)
 
-    result, seconds, dumped = run_eval(exp, params, flags["split"], n, flags["dump_logits"], say)
-    tokens = n * cfg.train.batch_size * m.seq_len
+    results, seconds, dumped = run_eval(exp, params, flags["split"], n, flags["dump_logits"], say, stats)
+    result = results["loss"]
+    units = n * cfg.train.batch_size * per_row
     try:
         perplexity = math.exp(result)
     except OverflowError:
         perplexity = math.inf
     if dumped:
         say(dumped)
-    line = (f"eval: loss {result:.4f} | perplexity {perplexity:,.2f} | {tokens:,} tokens in {n} batches of "
+    scores = (f"perplexity {perplexity:,.2f}" if unit == "tokens" else
+              " | ".join(f"{k} {100 * results[k]:.2f}%" for k in exp.task.eval_metrics))
+    line = (f"eval: loss {result:.4f} | {scores} | {units:,} {unit} in {n} batches of "
             f"split {flags['split']} | {what} | mesh {mesh}, layout {exp.layout.name} | {seconds:.1f}s")
     if flags["json"]:
         say(line)
-        print(json.dumps({"loss": result, "perplexity": perplexity, "tokens": tokens, "batches": n,
+        print(json.dumps({**results, "perplexity": perplexity, unit: units, "batches": n,
                           "split": flags["split"], "step": step, "mesh": dict(exp.mesh.shape),
                           "layout": exp.layout.name, "seconds": round(seconds, 3),
                           "checkpoint": str(exp.init.step_dir), "dump_logits": flags["dump_logits"]}),
@@ -173,16 +182,18 @@ def num_batches(exp, split: str, asked: int | None) -> tuple[int, str]:
     return n, note
 
 
-def run_eval(exp, params, split: str, n: int, dump: str | None, say) -> tuple[float, float, str]:
-    """(mean loss as training's eval computes it, seconds, the --dump_logits log line or "")
-    over `n` batches of `split`, with a progress bar on stderr."""
+def run_eval(exp, params, split: str, n: int, dump: str | None, say, stats=None) -> tuple[dict, float, str]:
+    """({"loss", and the task's eval metrics} as training's eval computes them, seconds,
+    the --dump_logits log line or "") over `n` batches of `split`, with a progress bar on
+    stderr."""
     import jax
     import numpy as np
 
     from meshtrain import loop, step as step_lib
     rows = exp.eval_batches(n) if split == "validation" else itertools.islice(exp.train_batches(), n)
     b, t, vocab = exp.cfg.train.batch_size, exp.model.cfg.seq_len, exp.model.cfg.vocab_size
-    progress = Progress(f"eval {split}", n * b * t, unit=" tokens")
+    per_batch = b * exp.task.units_per_example(exp.model.cfg)
+    progress = Progress(f"eval {split}", n * per_batch, unit=f" {exp.task.unit}")
     kept: list = []
     if dump:
         logits_step = step_lib.make_logits_step(exp.model, exp.layout, exp.mesh, exp.shardings.params)
@@ -194,10 +205,10 @@ def run_eval(exp, params, split: str, n: int, dump: str | None, say) -> tuple[fl
             logits = np.asarray(jax.device_get(logits_step(params, tokens[:, :-1])))[..., :vocab]
             kept.append((np.asarray(jax.device_get(tokens)), logits))
         jax.block_until_ready(loss)
-        progress.update(b * t)
+        progress.update(per_batch)
 
     t0 = time.perf_counter()
-    loss = loop.evaluate(exp, params, rows, each)
+    loss = loop.evaluate(exp, params, rows, each, stats)
     seconds = time.perf_counter() - t0
     progress.close()
     if not dump:

@@ -17,13 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, trackers
+from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
 from meshtrain.cluster import distributed
 from meshtrain.checkpoints import init_from, store as checkpoint_store
 from meshtrain.data import make_source
@@ -77,8 +76,12 @@ def read_inputs(cfg: ml_collections.ConfigDict) -> Inputs:
     init = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
     cfg = resolve(cfg, init)
     dims = init_from.model_dims(init, cfg.model) if init else models.size_dims(cfg.model)
-    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seq_len=dims["seq_len"],
-                         seed=cfg.train.seed)
+    task = models.family.get(cfg.model.name).task
+    # The task decides what the data must produce: token windows of seq_len + 1, or images.
+    shape = ({"seq_len": dims["seq_len"]} if task == "lm" else
+             {"seq_len": 0, "task": task, "image_size": dims["image_size"],
+              "image_channels": dims.get("image_channels", 3)})
+    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seed=cfg.train.seed, **shape)
     return Inputs(init, source)
 
 
@@ -96,6 +99,7 @@ class Plan:
     model: state_lib.ModelDef
     params: Any     # params-shaped NamedShardings: how weights are stored
     opt_state: Any  # params-shaped NamedShardings: optimizer moments, and where gradients reduce to
+    stats: Any      # stats-shaped NamedShardings: BatchStat state ({} for most models)
 
 
 def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
@@ -114,7 +118,8 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)
-    loss.check_config(cfg.train, dims["seq_len"])
+    if models.family.get(cfg.model.name).task == "lm":
+        loss.check_config(cfg.train, dims["seq_len"])
     grad_reduce.check(cfg.train.grad_dtype, cfg.train.accum_gather)
     grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
@@ -124,6 +129,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
                                     dims=dims)
     model = state_lib.abstract_model(model_cfg, pipe)
+    grad_reduce.check_stats(cfg.train.grad_dtype, bool(model.stats_shapes), model.family.name)
     state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
         state_lib.check_activations(model, micro // pipe.microbatches, layout.without("stage"), mesh)
@@ -132,7 +138,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
     if layout.splits_grads:  # divisibility of the gradients' split (ZeRO-2)
         state_lib.param_shardings(model, layout, mesh, "grads")
-    return Plan(layout, model, params, opt_state)
+    return Plan(layout, model, params, opt_state, state_lib.stats_shardings(model, layout, mesh))
 
 
 def check_config(cfg: ml_collections.ConfigDict, mesh) -> Plan:
@@ -151,11 +157,13 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
     return m.vocab_size or source.vocab_size
 
 
-def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str) -> Callable:
+def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str,
+                task: tasks.Task, batch_shardings) -> Callable:
     return step_lib.make_train_step(
         model, tx, schedule, layout, mesh, shardings, grad_shardings,
         microbatches=cfg.train.grad_accum_steps, nonfinite=cfg.train.nonfinite,
-        loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype, accum_gather=accum_gather)
+        loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype, accum_gather=accum_gather,
+        task=task, batch_shardings=batch_shardings)
 
 
 def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
@@ -175,7 +183,8 @@ class Experiment:
     source: Any
     train_step: Callable
     eval_step: Callable
-    batch_sharding: NamedSharding
+    batch_sharding: Any  # a NamedSharding per batch field, like task.batch_fields
+    task: tasks.Task
     dcn: dict[str, int] | None = None  # the inter-node factor of each axis (mesh.parse_dcn)
     init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
     # How train_step gathers fsdp-sharded params with microbatches: "once" or "each" per
@@ -207,26 +216,39 @@ class Experiment:
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
-        shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh)
+        shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats)
+        task = tasks.for_family(model.task, source.info)
+        batch_sharding = step_lib.batch_sharding(layout, mesh, task.batch_fields(model.cfg, 1))
         accum = cfg.train.accum_gather if cfg.train.accum_gather != "auto" else "each"
-        train_step = _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum)
-        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params,
-                                            loss_chunk=cfg.train.loss_chunk)
-        batch_sharding = step_lib.batch_sharding(layout, mesh)
+        train_step = _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum,
+                                 task, batch_sharding)
+        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, cfg.train.loss_chunk,
+                                            task, shardings.stats, batch_sharding)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, dcn, inputs.init, accum)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum)
 
     def with_accum_gather(self, mode: str) -> "Experiment":
         """A copy whose train step gathers fsdp-sharded params once per step ("once") or in
         every microbatch ("each"); nothing traced. The train and plan commands resolve
         train.accum_gather="auto" so (meshtrain/planner/accumulation.py)."""
         step = _train_step(self.cfg, self.model, self.tx, self.schedule, self.layout, self.mesh,
-                           self.shardings, self.grad_shardings, mode)
+                           self.shardings, self.grad_shardings, mode, self.task, self.batch_sharding)
         return dataclasses.replace(self, train_step=step, accum_gather=mode)
 
     @property
-    def batch_shape(self) -> tuple[int, int]:
-        return (self.cfg.train.batch_size, self.model.cfg.seq_len + 1)
+    def batch_fields(self):
+        """The task's batch at train.batch_size rows: a pytree of tasks.Field."""
+        return self.task.batch_fields(self.model.cfg, self.cfg.train.batch_size)
+
+    @property
+    def batch_shape(self):
+        """The global shape of each batch field (token rows: (B, T+1))."""
+        return jax.tree.map(lambda f: f.shape, self.batch_fields, is_leaf=tasks.task.is_field)
+
+    @property
+    def units_per_step(self) -> int:
+        """Throughput units (task.unit: tokens, images) in one step's batch."""
+        return self.cfg.train.batch_size * self.task.units_per_example(self.model.cfg)
 
     def init_state(self) -> state_lib.TrainState:
         """Step 0: fresh params, or init.from's params; a fresh optimizer either way."""
@@ -239,12 +261,18 @@ class Experiment:
 
     def compile(self):
         """AOT-compiles the train step from shapes alone (nothing allocated)."""
-        batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return self.train_step.lower(self.abstract_state(), batch).compile()
+        return self.train_step.lower(self.abstract_state(), self.abstract_batch()).compile()
 
-    def put_batch(self, local_rows: np.ndarray) -> jax.Array:
-        """This process's rows [B / processes, T+1] -> a global sharded array [B, T+1]."""
-        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, self.batch_shape)
+    def abstract_batch(self):
+        """The batch as ShapeDtypeStructs with their shardings, for compiling."""
+        return jax.tree.map(lambda f, sh: f.struct(sh), self.batch_fields, self.batch_sharding,
+                            is_leaf=tasks.task.is_field)
+
+    def put_batch(self, local_rows):
+        """This process's rows of each batch field ([B / processes, T+1] token rows, or the
+        task's dict) -> global sharded arrays ([B, T+1], ...)."""
+        return jax.tree.map(lambda sh, x, shape: jax.make_array_from_process_local_data(sh, x, shape),
+                            self.batch_sharding, local_rows, self.batch_shape)
 
     def train_batches(self, start_step: int = 0):
         d = self.cfg.data

@@ -72,6 +72,18 @@ def check(grad_dtype: str, accum_gather: str = "auto") -> None:
                         f"them in every microbatch), or auto (the planner's memory formula picks).")
 
 
+def check_stats(grad_dtype: str, has_stats: bool, family: str) -> None:
+    """train.grad_dtype reduces per-replica gradients, whose forward passes would see only
+    their replica's rows: BatchNorm's statistics would then differ from one device's."""
+    if grad_dtype and has_stats:
+        raise UserError(
+            f"train.grad_dtype={grad_dtype!r} with model.name={family!r}, whose BatchNorm statistics "
+            f"are synchronised over the whole batch: the hand-written reduction runs each data "
+            f"replica's forward pass on its own rows, so the statistics (and the result) would "
+            f"depend on the layout. Leave train.grad_dtype empty (XLA reduces the gradients), or "
+            f"set model.batch_norm=false.")
+
+
 def replica_axes(layout: Layout, mesh: Mesh, param_shardings, gathered: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the batch and no parameter, plus `gathered` (whose
     parameters the caller gathers first), in the batch's order: over these a gradient is
@@ -101,18 +113,19 @@ def _param_axes(param_shardings) -> set[str]:
 
 
 def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh) -> Callable:
-    """value_and_grad(params, tokens [b, T+1], key) -> (loss, grads), built on the layout
-    without the replica axes (`Layout.without(*axes)`), -> fn(params, tokens [B, T+1], key) -> (loss [n], grads [n, ...]), replica i
-    on rows i*B/n .. (i+1)*B/n, the rows its devices hold."""
+    """value_and_grad(params, stats, batch, key) -> (out, grads), built on the layout
+    without the replica axes (`Layout.without(*axes)`), -> fn(params, stats, batch, key)
+    -> (out [n, ...], grads [n, ...]), replica i on rows i*B/n .. (i+1)*B/n of every batch
+    field, the rows its devices hold."""
     n = math.prod(mesh.shape[a] for a in axes)
     split = NamedSharding(mesh, P(axes))
 
-    def fn(params, tokens, key):
-        b, t1 = tokens.shape
-        rows = jax.lax.with_sharding_constraint(tokens.reshape(n, b // n, t1), split)
+    def fn(params, stats, batch, key):
+        rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(n, x.shape[0] // n, *x.shape[1:]), split), batch)
         keys = None if key is None else jax.random.split(key, n)
-        return jax.vmap(value_and_grad, in_axes=(None, 0, None if key is None else 0),
-                        spmd_axis_name=axes)(params, rows, keys)
+        return jax.vmap(value_and_grad, in_axes=(None, None, 0, None if key is None else 0),
+                        spmd_axis_name=axes)(params, stats, rows, keys)
     return fn
 
 

@@ -87,18 +87,21 @@ class Profiler:
                      f"(TensorBoard's profile plugin or ui.perfetto.dev; docs/profiling.md)")
 
 
-def evaluate(exp, params, batches=None, each=None) -> float:
-    """Mean loss of `exp`'s (an Experiment's) eval batches under `params`: the mean of
-    the batches' mean losses. `batches` (this process's rows [B / processes, T+1] of
-    each batch) replaces exp.eval_batches(); `each(tokens [B, T+1], loss [])`, when given,
-    is called after each batch is dispatched (meshtrain eval: its progress bar and logits)."""
-    losses = []
+def evaluate(exp, params, batches=None, each=None, stats=None) -> dict[str, float]:
+    """{"loss", and the task's eval metrics (top1, top5)}: each the mean over `exp`'s (an
+    Experiment's) eval batches of the batch's mean, under `params` and `stats` (BatchStat
+    state; {} for a model without). `batches` (this process's rows of each batch)
+    replaces exp.eval_batches(); `each(batch, result)`, when given, is called after each
+    batch is dispatched (meshtrain eval: its progress bar and logits)."""
+    results = []
+    stats = {} if stats is None else stats
     for rows in exp.eval_batches() if batches is None else batches:
-        tokens = exp.put_batch(rows)
-        losses.append(exp.eval_step(params, tokens))
+        batch = exp.put_batch(rows)
+        results.append(exp.eval_step(params, stats, batch))
         if each is not None:
-            each(tokens, losses[-1])
-    return float(np.mean(jax.device_get(losses)))
+            each(batch, results[-1]["loss"])
+    results = jax.device_get(results)
+    return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
 @dataclasses.dataclass
@@ -231,7 +234,8 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                                                     "skipped": guard.skipped, "run": run_summary or {}})
             if evaluate_now:
                 with clock.time("eval"), watch.busy("evaluation"):
-                    log.log_eval(step, evaluate(exp, state.params))
+                    result = evaluate(exp, state.params, stats=state.stats)
+                    log.log_eval(step, result["loss"], result)
                 reader.restart_clock(step)  # eval time is not training time (tokens/s, ETA)
             if stop:
                 saved = f"saved step {step} in {checkpointer.dir}" if checkpointer else "no checkpoint dir, nothing saved"

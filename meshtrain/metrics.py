@@ -23,6 +23,9 @@ from meshtrain.errors import warn
 from meshtrain.models import ModelConfig, family_of
 from meshtrain.progress import format_duration
 
+# Training metrics a task adds to the step's (tasks/): written to the rows when present.
+TASK_METRICS = ("top1", "top5")
+
 # Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
               "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12}
@@ -33,9 +36,18 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return family_of(cfg).flops_per_token(cfg)
 
 
+def flops_per_unit(cfg: ModelConfig) -> float:
+    """Training FLOPs per throughput unit of the family's task: per token for a language
+    model, per image for a classifier (Family.flops_per_example)."""
+    fam = family_of(cfg)
+    return fam.flops_per_token(cfg) if fam.task == "lm" else fam.flops_per_example(cfg)
+
+
 def flops_convention(cfg: ModelConfig) -> str:
-    """How the family counts FLOPs: the first line of its flops_per_token docstring."""
-    fn = family_of(cfg).flops_per_token
+    """How the family counts FLOPs: the first line of its flops_per_token (or
+    flops_per_example) docstring."""
+    fam = family_of(cfg)
+    fn = fam.flops_per_token if fam.task == "lm" else fam.flops_per_example
     doc = inspect.getdoc(fn)
     return doc.splitlines()[0] if doc else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
@@ -74,8 +86,9 @@ def run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
         "num_params": exp.num_params(), "num_params_stored": exp.num_stored_params(),
         "vocab_size": m.vocab_size, "padded_vocab_size": m.padded_vocab_size,
         "model": {"family": exp.model.family.name, **dataclasses.asdict(m)},
-        "tokens_per_step": exp.cfg.train.batch_size * m.seq_len,
-        "flops_per_token": flops_per_token(m), "flops_convention": flops_convention(m),
+        "task": exp.task.name,
+        f"{exp.task.unit}_per_step": exp.units_per_step,
+        f"flops_per_{exp.task.unit[:-1]}": flops_per_unit(m), "flops_convention": flops_convention(m),
         "peak_flops_per_device": peak_flops(device),
         "compile_time_s": compile_s,
         "compiled_memory_per_device": compiled_memory,
@@ -86,7 +99,15 @@ def run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
 
 
 def data_line(info: dict, vocab: int, windows: int) -> str:
-    """What the run reads, and how far into it the run goes."""
+    """What the run reads, and how far into it the run goes (`windows`: the examples it reads)."""
+    if "best_accuracy" in info:
+        return (f"data: {info['kind']} images, {vocab} classes, best possible accuracy "
+                f"{100 * info['best_accuracy']:.2f}%")
+    if "train_examples" in info:
+        what = info.get("name") or info.get("path")
+        return (f"data: {info['kind']} {what} | {vocab} classes | train {info['train_examples']:,} images, "
+                f"eval {info.get('eval_examples', 0):,} | this run reads "
+                f"{windows / max(info['train_examples'], 1):.2f} epochs")
     if "best_loss" in info:
         return (f"data: {info['kind']}, best possible loss {info['best_loss']:.4f} "
                 f"(log vocab = {math.log(vocab):.4f})")
@@ -109,8 +130,9 @@ class RunLog:
 
     def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
                  flops_per_step: float, peak_per_device: float | None, num_devices: int,
-                 resume_step: int | None = None, trackers: str = "tensorboard,jsonl"):
-        """`resume_step`: the checkpoint this run continues from. Rows the earlier run
+                 resume_step: int | None = None, trackers: str = "tensorboard,jsonl", unit: str = "tokens"):
+        """`tokens_per_step`: throughput units per step, `unit` names them (the task's:
+        tokens, images); rows carry `<unit>_per_s`. `resume_step`: the checkpoint this run continues from. Rows the earlier run
         logged after it are dropped (this run logs those steps again), so metrics.jsonl
         reads as one run; TensorBoard purges them the same way. `trackers`: train.trackers,
         where the rows go besides the progress lines (meshtrain/trackers.py)."""
@@ -118,6 +140,7 @@ class RunLog:
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
+        self.unit = unit
         self.flops_per_step = flops_per_step
         self.peak = None if peak_per_device is None else peak_per_device * num_devices
         self.started = time.perf_counter()
@@ -191,25 +214,32 @@ class RunLog:
     def log_train(self, step: int, metrics: dict, step_time: float, skipped: int = 0) -> dict:
         """Records one logged step; `step_time` is the mean seconds per step since the last
         log; `skipped` counts the steps skipped for non-finite values so far."""
-        tokens_per_s = self.tokens_per_step / step_time
+        per_s = self.tokens_per_step / step_time
         mfu = None if self.peak is None else self.flops_per_step / step_time / self.peak
-        row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-               "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
+        extra = {k: float(metrics[k]) for k in TASK_METRICS if k in metrics}  # a classifier's top1/top5
+        row = {"step": step, "loss": float(metrics["loss"]), **extra, "lr": float(metrics["lr"]),
+               "grad_norm": float(metrics["grad_norm"]), f"{self.unit}_per_s": per_s,
                "step_time_s": step_time, "mfu": mfu, "skipped": skipped}
         self._write(row)
         self.last_train = row
         remaining = (self.total - step) * step_time
         mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
+        extra_text = "".join(f" | {k} {100 * v:.1f}%" for k, v in extra.items())
+        short = {"tokens": "tok", "images": "img"}.get(self.unit, self.unit)
         self.say(f"step {step:>{len(str(self.total))}}/{self.total} ({100 * step / max(self.total, 1):3.0f}%)"
-                 f" | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f}"
-                 f" | {tokens_per_s:,.0f} tok/s | {1e3 * step_time:.1f} ms/step{mfu_text}"
+                 f" | loss {row['loss']:.4f}{extra_text} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f}"
+                 f" | {per_s:,.0f} {short}/s | {1e3 * step_time:.1f} ms/step{mfu_text}"
                  f" | ETA {format_duration(remaining)}")
         return row
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
-        self.last_eval = {"step": step, "eval_loss": eval_loss}
+    def log_eval(self, step: int, eval_loss: float, metrics: dict | None = None) -> None:
+        """An eval row: `eval_loss` and the task's eval metrics (`metrics`, e.g. top1 and
+        top5, written as eval_top1, eval_top5)."""
+        extra = {f"eval_{k}": float(v) for k, v in (metrics or {}).items() if k != "loss"}
+        self.last_eval = {"step": step, "eval_loss": eval_loss, **extra}
         self._write(dict(self.last_eval))
-        self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}")
+        self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}"
+                 + "".join(f" | {k} {100 * v:.2f}%" for k, v in extra.items()))
 
     def _write(self, row: dict) -> None:
         """Adds `time_s`: seconds since this RunLog was made (after the train step's
@@ -229,7 +259,7 @@ class RunLog:
 
 
 def this_run(log: RunLog) -> tuple[int, int, int]:
-    """(first step, last step, tokens) this run trained, resumed or not."""
+    """(first step, last step, units: tokens or images) this run trained, resumed or not."""
     end = log.end_step if log.end_step is not None else (log.resume_step or 0)
     first = (log.resume_step or 0) + 1
     return first, end, (end - first + 1) * log.tokens_per_step
@@ -240,17 +270,19 @@ def final_summary(log: RunLog, *, wall_s: float, checkpoint: str | None) -> dict
     tokens and wall time of this run (RunLog.finish adds what others report)."""
     first, end, tokens = this_run(log)
     out = {"end_step": end, "steps": log.total, "preempted": log.preempted,
-           "first_step_this_run": first, "tokens_this_run": tokens, "wall_s": round(wall_s, 3),
+           "first_step_this_run": first, f"{log.unit}_this_run": tokens, "wall_s": round(wall_s, 3),
            "checkpoint": checkpoint}
     if log.last_train:
         out.update(train_loss=log.last_train["loss"], train_loss_step=log.last_train["step"])
     if log.last_eval:
-        out.update(eval_loss=log.last_eval["eval_loss"], eval_loss_step=log.last_eval["step"])
+        out.update({k: v for k, v in log.last_eval.items() if k.startswith("eval_")},
+                   eval_loss_step=log.last_eval["step"])
     return out
 
 
 def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, checkpoint: str | None,
-            workdir: str | None, command: str, processes: int = 1, goodput: str | None = None) -> list[str]:
+            workdir: str | None, command: str, processes: int = 1, goodput: str | None = None,
+            best_accuracy: float | None = None) -> list[str]:
     """The lines a run ends with: how far it got and how long it took, its last losses
     beside the data's best possible loss, what it left on disk, and what to run next.
     `command` reruns this process; a run of several processes is resumed by whatever
@@ -259,15 +291,21 @@ def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, 
     first, end, tokens = this_run(log)
     how = {"SIGTERM": "preempted (SIGTERM) at", "Ctrl-C": "interrupted (Ctrl-C) at"}.get(
         log.preempted or "", "stopped at" if end < steps else "trained to")
-    lines = [f"done: {how} step {end} of {steps}; this run: steps {first}-{end}, {tokens:,} tokens "
+    lines = [f"done: {how} step {end} of {steps}; this run: steps {first}-{end}, {tokens:,} {log.unit} "
              f"in {format_duration(wall_s)}"]
     losses = []
     if log.last_train:
         losses.append(f"train loss {log.last_train['loss']:.4f} (step {log.last_train['step']})")
     if log.last_eval:
-        losses.append(f"eval_loss {log.last_eval['eval_loss']:.4f} (step {log.last_eval['step']})")
-    floor = (f"best possible {best_loss:.4f} (the data's entropy rate)" if best_loss is not None else
-             f"best possible unknown for this data; uniform guessing scores ln {vocab} = {math.log(vocab):.4f}")
+        top1 = log.last_eval.get("eval_top1")
+        losses.append(f"eval_loss {log.last_eval['eval_loss']:.4f}"
+                      + ("" if top1 is None else f", top-1 {100 * top1:.2f}%") + f" (step {log.last_eval['step']})")
+    if best_accuracy is not None:
+        floor = f"best possible top-1 {100 * best_accuracy:.2f}% (the synthetic images' Bayes accuracy)"
+    elif best_loss is not None:
+        floor = f"best possible {best_loss:.4f} (the data's entropy rate)"
+    else:
+        floor = f"best possible unknown for this data; uniform guessing scores ln {vocab} = {math.log(vocab):.4f}"
     lines.append("  " + " | ".join(losses + [floor]))
     if goodput:
         lines.append(f"  {goodput}")
@@ -283,6 +321,7 @@ def summary(log: RunLog, *, best_loss: float | None, vocab: int, wall_s: float, 
                          f"  resume: rerun the command that started the {processes} processes "
                          f"(launch/local.sh, sbatch, srun) as it was")
         else:
-            lines.append(f"  next: meshtrain sample --workdir={workdir} | meshtrain eval --workdir={workdir} | "
+            lines.append(f"  next: meshtrain eval --workdir={workdir}" if log.unit != "tokens" else
+                         f"  next: meshtrain sample --workdir={workdir} | meshtrain eval --workdir={workdir} | "
                          f"meshtrain convert to_hf --workdir={workdir} --out=DIR")
     return lines

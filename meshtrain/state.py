@@ -39,6 +39,9 @@ class TrainState:
     rng: jax.Array    # [2] uint32: key data of the run's base PRNG key (dropout folds in the step)
     params: Any       # nested dict of arrays, as nnx.State.to_pure_dict()
     opt_state: Any    # optax state over params
+    # The model's non-trainable state (nnx.BatchStat: BatchNorm's running statistics), a
+    # nested dict of arrays that the training forward pass updates; {} for most models.
+    stats: Any = flax.struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +55,42 @@ class ModelDef:
     axes: Any     # params dict of logical-axis tuples
     # When set, params[family.stacked] are stored [stage, layers per stage, ...] (pipeline.to_stages).
     pipeline: Pipeline | None = None
+    stats_shapes: Any = dataclasses.field(default_factory=dict)  # nnx.BatchStat dict of ShapeDtypeStruct
+    stats_axes: Any = dataclasses.field(default_factory=dict)    # ... and of logical-axis tuples
 
     @property
     def stacked(self) -> str:
         """The params key of the stacked layers (what the pipeline cuts into stages)."""
         return self.family.stacked
 
-    def bind(self, params) -> nnx.Module:
-        return nnx.merge(self.graphdef, params)
+    @property
+    def task(self) -> str:
+        return self.family.task
+
+    def bind(self, params, stats=None) -> nnx.Module:
+        """The module with `params` (and `stats`, the BatchStat state; default: the
+        shapes' zeros are not wanted, so a model with statistics must be given them)."""
+        if stats is None:
+            if self.stats_shapes:
+                raise ValueError("this model has BatchStat state: bind(params, stats)")
+            stats = {}
+        return nnx.merge(self.graphdef, params, stats)
+
+    def stats_of(self, module: nnx.Module):
+        """The BatchStat state of a bound module, as a nested dict (after a forward pass)."""
+        return nnx.to_pure_dict(nnx.state(module, nnx.BatchStat))
 
     def init_params(self, seed: int):
         """The model's initial params; the same values under any pipeline, only reordered."""
-        params = nnx.to_pure_dict(nnx.state(self.family.module(self.cfg, nnx.Rngs(seed))))
+        return self.init_variables(seed)[0]
+
+    def init_variables(self, seed: int):
+        """(params, stats) of a freshly initialised model."""
+        _, params, stats = nnx.split(self.family.module(self.cfg, nnx.Rngs(seed)), nnx.Param, nnx.BatchStat)
+        params = nnx.to_pure_dict(params)
         if self.pipeline is not None:
             params[self.stacked] = to_stages(params[self.stacked], self.pipeline)
-        return params
+        return params, nnx.to_pure_dict(stats)
 
     def activation_axes(self) -> list[tuple[str, tuple]]:
         """[(what, logical axes)] of the activations the forward pass constrains."""
@@ -79,19 +103,30 @@ class ModelDef:
 def abstract_model(cfg: ModelConfig, pipeline: Pipeline | None = None) -> ModelDef:
     fam = family_of(cfg)
     model = nnx.eval_shape(lambda: fam.module(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    graphdef, state, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    axes, shapes = _axes_of(state), nnx.to_pure_dict(state)
+    if pipeline is not None and fam.stacked is None:
+        raise UserError(
+            f"model.name={fam.name!r} cannot be pipelined: a pipeline stage is one program "
+            f"over a slice of a stack of identical layers, and {fam.name} has no such stack "
+            f"(its layers differ in shape from one to the next). Use a layout without a "
+            f"stage axis (dp, zero1, fsdp, dp_tp, dp_spatial) and pipeline.microbatches=0.")
+    if pipeline is not None:
+        is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+        axes[fam.stacked] = jax.tree.map(stage_axes, axes[fam.stacked], is_leaf=is_axes)
+        shapes[fam.stacked] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes[fam.stacked])
+    return ModelDef(cfg, fam, graphdef, shapes, axes, pipeline, nnx.to_pure_dict(stats), _axes_of(stats))
+
+
+def _axes_of(state) -> dict:
+    """A nested dict of each variable's logical axes (its `out_sharding` metadata)."""
     axes: dict = {}
     for path, var in nnx.to_flat_state(state):
         node = axes
         for k in path[:-1]:
             node = node.setdefault(k, {})
         node[path[-1]] = tuple(var.get_metadata()["out_sharding"])
-    shapes = nnx.to_pure_dict(state)
-    if pipeline is not None:
-        is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-        axes[fam.stacked] = jax.tree.map(stage_axes, axes[fam.stacked], is_leaf=is_axes)
-        shapes[fam.stacked] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes[fam.stacked])
-    return ModelDef(cfg, fam, graphdef, shapes, axes, pipeline)
+    return axes
 
 
 def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str,
@@ -128,16 +163,28 @@ def check_activations(model: ModelDef, micro_batch: int, layout: Layout, mesh: M
         check_divisible(shape, axes, spec, mesh, layout, f"activation {what} {axes}", model.size_keys())
 
 
+def stats_shardings(model: ModelDef, layout: Layout, mesh: Mesh):
+    """stats dict of NamedSharding: BatchStat variables are stored like parameters."""
+    def one(path, shape, axes):
+        where = f"statistic {path_str(path)}"
+        spec = layout.spec(axes, "params", where=where)
+        check_divisible(shape.shape, axes, spec, mesh, layout, where, model.size_keys())
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, model.stats_shapes, model.stats_axes)
+
+
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, moments,
-                    mesh: Mesh) -> TrainState:
+                    mesh: Mesh, stats=None) -> TrainState:
     """TrainState of NamedShardings from params-shaped shardings of the params and of the
-    optimizer moments (`param_shardings` under the params and opt_state rules)."""
+    optimizer moments (`param_shardings` under the params and opt_state rules), and the
+    stats' (`stats_shardings`; default: none, for a model without)."""
     abstract_opt = jax.eval_shape(tx.init, model.shapes)
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(
         tx, lambda _, s: s, abstract_opt, moments,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
-    return TrainState(step=replicated, rng=replicated, params=params, opt_state=opt)
+    return TrainState(step=replicated, rng=replicated, params=params, opt_state=opt,
+                      stats={} if stats is None else stats)
 
 
 def base_key_data(seed) -> jax.Array:
@@ -149,15 +196,16 @@ def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: Tra
                seed: int) -> TrainState:
     """Creates the state directly in its shards (no host copy of the full model)."""
     def init():
-        params = model.init_params(seed)
+        params, stats = model.init_variables(seed)
         return TrainState(step=jnp.zeros((), jnp.int32), rng=base_key_data(seed), params=params,
-                          opt_state=tx.init(params))
+                          opt_state=tx.init(params), stats=stats)
     return jax.jit(init, out_shardings=shardings)()
 
 
 def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """ShapeDtypeStructs with shardings, for compiling without allocating."""
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), rng=jax.eval_shape(base_key_data, 0),
-                        params=model.shapes, opt_state=jax.eval_shape(tx.init, model.shapes))
+                        params=model.shapes, opt_state=jax.eval_shape(tx.init, model.shapes),
+                        stats=model.stats_shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)

@@ -1,16 +1,23 @@
 """The training and eval steps: pure functions, jitted with shardings and donation.
 
-    train_step(state, tokens [B, T+1] int32) -> (state, metrics)
-    eval_step(params, tokens [B, T+1] int32) -> mean loss over the B x T targets []
+    train_step(state, batch) -> (state, metrics)
+    eval_step(params, stats, batch) -> {"loss": [], and the task's eval metrics}
 
-metrics, each a scalar: "loss" (mean over the batch's targets), "grad_norm" (global L2
+A batch is what the model's task says (meshtrain/tasks): token rows [B, T+1] int32 for a
+language model, {"images", "labels"} for a classifier.
+
+metrics, each a scalar: "loss" (mean over the batch), "grad_norm" (global L2
 norm before clipping), "lr" (this step's), "nonfinite_grads" (gradient leaves holding a
 NaN or Inf) and "first_nonfinite" (index into gradient_names(model) of the first, -1 for
-none); train.nonfinite decides what the loop does with the last two (loop.py).
+none), and the task's own (a classifier's top1/top5 on the training batch);
+train.nonfinite decides what the loop does with "nonfinite_grads" and "first_nonfinite"
+(loop.py). A model with BatchStat state (BatchNorm) gets its running statistics from the
+training forward pass; the optimizer never sees them.
 
 With train.grad_accum_steps = k the batch is cut into k microbatches of B/k rows and
 gradients are averaged over a `lax.scan`; the mean of k equal-size mean losses is
-the full-batch mean loss, so k changes memory, not the result. With
+the full-batch mean loss, so k changes memory, not the result (BatchNorm aside: its
+statistics are those of each microbatch, carried from one to the next, as on one device). With
 accum_gather="once" and parameters sharded over a batch axis (fsdp):
 
     w = gather(cast(params))             # once, to the params' sharding without fsdp
@@ -29,16 +36,26 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import grad_reduce, loss as loss_lib, pipeline, pipeline_1f1b
+from meshtrain import grad_reduce, pipeline, pipeline_1f1b, tasks
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import is_matrix
 from meshtrain.state import ModelDef, TrainState
+from meshtrain.tasks.task import is_field
 from meshtrain import tree_paths
 
 
-def batch_sharding(layout: Layout, mesh: Mesh) -> NamedSharding:
-    """Where a batch of token rows [B, T+1] lives: rows split like the activations' batch."""
-    return NamedSharding(mesh, layout.spec(("batch", None), "activations"))
+def batch_sharding(layout: Layout, mesh: Mesh, fields=None):
+    """Where a batch lives: a pytree of NamedSharding like `fields` (the task's
+    `batch_fields`; default token rows [B, T+1]), each field laid out like the
+    activations its logical axes name."""
+    fields = tasks.Field((1, 1), "int32", ("batch", None)) if fields is None else fields
+    return jax.tree.map(lambda f: NamedSharding(mesh, layout.spec(f.axes, "activations")), fields,
+                        is_leaf=is_field)
+
+
+def rows_of(batch) -> int:
+    """B: the leading (batch) dim every field of a batch shares."""
+    return jax.tree.leaves(batch)[0].shape[0]
 
 
 def produced_dtypes(model: ModelDef) -> dict:
@@ -86,8 +103,10 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable
     when model.pipeline is set; else, under a layout that reduce-scatters gradients in
     the layer scan (ZeRO-2's `grads` table), the layers in order, each through
     grad_reduce.pinned_in_backward; else None: the model runs its layers itself)."""
+    constrain, cast = make_constrain(layout, mesh), make_cast(model, layout, mesh)
+    if model.stacked is None:  # no stack of layers: nothing to pipeline or pin
+        return constrain, cast, None
     blocks_axes = model.axes[model.stacked]
-    constrain = make_constrain(layout, mesh)
     pins = grad_reduce.grads_pins(layout, mesh, blocks_axes, 1 if model.pipeline is None else 2)
     run_layers = None
     if model.pipeline is not None:
@@ -95,22 +114,54 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable
                                           scan_layers=model.cfg.scan_layers, grads_pins=pins)
     elif pins is not None:
         run_layers = grad_reduce.sequential_runner(pins, constrain, scan=model.cfg.scan_layers)
-    return constrain, make_cast(model, layout, mesh), run_layers
+    return constrain, cast, run_layers
 
 
-def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0) -> Callable:
-    """loss_fn(params, tokens [B, T+1], key) -> mean loss; pipelined when model.pipeline is set,
-    over chunks of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
+def _task_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task, loss_chunk: int) -> Callable:
     constrain, cast, run_layers = forward_parts(model, layout, mesh)
 
-    def loss_fn(params, tokens_bt1, key):
-        inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-        return loss_lib.next_token_loss(model.bind(cast(params)), inputs, targets, key, run_layers,
-                                        constrain=constrain, layout=layout, mesh=mesh,
-                                        loss_chunk=loss_chunk)
-    if model.pipeline is None or not model.pipeline.one_f_one_b:
+    def objective(params, stats, batch, key, train=True):
+        module = model.bind(cast(params), stats)
+        loss, metrics = task.loss(module, batch, key, run_layers, constrain=constrain, layout=layout,
+                                  mesh=mesh, loss_chunk=loss_chunk, train=train)
+        return loss, (metrics, model.stats_of(module) if model.stats_shapes else stats)
+    return objective
+
+
+def _one_f_one_b(model: ModelDef) -> bool:
+    return model.pipeline is not None and model.pipeline.one_f_one_b
+
+
+def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task | None = None,
+                   loss_chunk: int = 0) -> Callable:
+    """objective(params, stats, batch, key, train=True) -> (mean loss, (metrics, stats)):
+    the task's loss of the model bound to params and its BatchStat `stats`, the task's
+    metrics ({name: []}) and the stats the forward pass leaves (updated when `train`).
+    Pipelined when model.pipeline is set (language models; 1f1b's gradient comes from its
+    tick loop, make_loss_fn)."""
+    task = tasks.for_family(model.task) if task is None else task
+    if _one_f_one_b(model):
+        loss_fn = make_loss_fn(model, layout, mesh, loss_chunk, task)
+        return lambda params, stats, batch, key, train=True: (loss_fn(params, batch, key), ({}, stats))
+    return _task_objective(model, layout, mesh, task, loss_chunk)
+
+
+def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0,
+                 task: tasks.Task | None = None) -> Callable:
+    """loss_fn(params, batch, key) -> mean loss, for a model without BatchStat state (the
+    language models): the task's loss; pipelined when model.pipeline is set, over chunks
+    of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
+    if model.stats_shapes:
+        raise ValueError("a model with BatchStat state has no loss of params alone: use make_objective")
+    objective = _task_objective(model, layout, mesh, tasks.for_family(model.task) if task is None else task,
+                                loss_chunk)
+
+    def loss_fn(params, batch, key):
+        return objective(params, {}, batch, key)[0]
+    if not _one_f_one_b(model):
         return loss_fn
     # 1f1b, interleaved: the same loss, whose gradient comes from the tick loop.
+    constrain, cast, _ = forward_parts(model, layout, mesh)
     blocks_axes = model.axes[model.stacked]
     plan = pipeline.stage_plan(model.pipeline, layout, mesh, blocks_axes,
                                grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
@@ -140,7 +191,8 @@ def gradient_names(model: ModelDef) -> list[str]:
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     microbatches: int, nonfinite: str = "crash", loss_chunk: int = 0,
-                    grad_dtype: str = "", accum_gather: str = "each") -> Callable:
+                    grad_dtype: str = "", accum_gather: str = "each", task: tasks.Task | None = None,
+                    batch_shardings=None) -> Callable:
     """Returns the jitted step.
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
@@ -155,85 +207,107 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
     in that dtype, once per step (meshtrain/grad_reduce.py). With `accum_gather="once"`
     and microbatches, parameters sharded over a batch axis are gathered once before the
-    microbatch loop, and that axis joins the replica axes (module docstring).
+    microbatch loop, and that axis joins the replica axes (module docstring). A model
+    with BatchStat state accumulates without per-replica gradients (its statistics are
+    over a microbatch's rows on every replica, as on one device), so XLA reduces each
+    microbatch's gradients; `grad_dtype` is refused for it (grad_reduce.check_stats).
+    `batch_shardings` defaults to token rows' (batch_sharding).
     """
-    by_hand = bool(grad_dtype) or microbatches > 1
+    task = tasks.for_family(model.task) if task is None else task
+    has_stats = bool(model.stats_shapes)
+    by_hand = bool(grad_dtype) or (microbatches > 1 and not has_stats)
     split_in_backward = layout.splits_grads  # ZeRO-2: accumulate split, never whole
     gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, microbatches, accum_gather)
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
     gather = make_gather(model, layout, mesh, gathered)
+    # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads)
     if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
         inner = layout.without(*replicas)
         grad_fn = grad_reduce.per_replica(
-            jax.value_and_grad(make_loss_fn(model, inner, mesh, loss_chunk)), replicas, mesh)
+            jax.value_and_grad(make_objective(model, inner, mesh, task, loss_chunk), has_aux=True), replicas, mesh)
     else:
-        grad_fn = jax.value_and_grad(make_loss_fn(model, layout, mesh, loss_chunk))
-    batches = batch_sharding(layout, mesh)
-    micro_sharding = NamedSharding(mesh, layout.spec((None, "batch", None), "activations"))
+        grad_fn = jax.value_and_grad(make_objective(model, layout, mesh, task, loss_chunk), has_aux=True)
+    batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
+    micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
     dropout_on = model.cfg.dropout > 0
 
-    def summed_grads(params, tokens, key):
+    def summed_grads(params, stats, batch, key):  # -> (grads, loss, metrics, stats)
         if microbatches == 1:
-            loss, grads = grad_fn(params, tokens, key)
-            return grads, loss
-        b, t1 = tokens.shape
+            (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
+            return grads, loss, metrics, stats
         # Row i*k + j goes to microbatch j, so every device keeps its own rows.
-        micro = tokens.reshape(b // microbatches, microbatches, t1).swapaxes(0, 1)
-        micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+        micro = jax.tree.map(
+            lambda x, sh: jax.lax.with_sharding_constraint(
+                x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), sh),
+            batch, micro_shardings)
         keys = None if key is None else jax.random.split(key, microbatches)
         params = gather(params)
-        shapes = jax.eval_shape(grad_fn, params, micro[0], None if keys is None else keys[0])
+        first = jax.tree.map(lambda x: x[0], micro)
+        (loss_shape, (metric_shapes, _)), grad_shapes = jax.eval_shape(
+            grad_fn, params, stats, first, None if keys is None else keys[0])
         # Accumulated in float32 (gathered matrices' gradients arrive in the compute dtype).
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), shapes)
+        grads0, loss0, metrics0 = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)),
+            (grad_shapes, loss_shape, metric_shapes))
         if split_in_backward:
-            zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], grad_shardings))
+            grads0 = jax.lax.with_sharding_constraint(grads0, grad_shardings)
 
-        def body(acc, xs):
+        def body(carry, xs):
+            (acc, loss_sum, metric_sum), stats = carry
             mb, k = xs
-            loss, grads = grad_fn(params, mb, k)
-            acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (grads, loss))
+            (loss, (metrics, stats)), grads = grad_fn(params, stats, mb, k)
+            acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, grads)
             if split_in_backward:  # ZeRO-2: accumulate where the moments live, never whole
-                acc = (jax.lax.with_sharding_constraint(acc[0], grad_shardings), acc[1])
-            return acc, None
-        (grads, loss), _ = jax.lax.scan(body, (zeros[1], zeros[0]), (micro, keys))
+                acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
+            metric_sum = jax.tree.map(lambda a, x: a + x.astype(a.dtype), metric_sum, metrics)
+            return ((acc, loss_sum + loss, metric_sum), stats), None
+        ((grads, loss, metrics), stats), _ = jax.lax.scan(body, ((grads0, loss0, metrics0), stats), (micro, keys))
         # grad_reduce.reduce takes the float32 sums to their reduction dtype; else back to
         # the dtype the backward produced.
         mean = jax.tree.map(lambda g, s: (g / microbatches).astype(jnp.float32 if replicas else s.dtype),
-                            grads, shapes[1])
-        return mean, loss / microbatches
+                            grads, grad_shapes)
+        return mean, loss / microbatches, jax.tree.map(lambda m: m / microbatches, metrics), stats
 
-    def grads_and_loss(params, tokens, key):
-        grads, loss = summed_grads(params, tokens, key)
-        if replicas:
-            return grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params), loss.mean()
-        return grads, loss
+    def grads_and_loss(params, stats, batch, key):
+        grads, loss, metrics, stats = summed_grads(params, stats, batch, key)
+        if replicas:  # per-replica losses and metrics [n]; no stats (refused with replicas)
+            metrics = jax.tree.map(jnp.mean, metrics)
+            return grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params), loss.mean(), metrics, stats
+        return grads, loss, metrics, stats
 
-    def train_step(state: TrainState, tokens: jax.Array):
+    def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
-        grads, loss = grads_and_loss(state.params, tokens, key)
+        grads, loss, task_metrics, stats = grads_and_loss(state.params, state.stats, batch, key)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm, count, first = norm_and_nonfinite(grads)
-        if nonfinite == "skip":  # a bad step leaves params and optimizer state as they were
+        if nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
             good = jnp.isfinite(loss) & (count == 0)
-            params, opt_state = jax.tree.map(lambda old, new: jnp.where(good, new, old),
-                                             (state.params, state.opt_state), (params, opt_state))
+            params, opt_state, stats = jax.tree.map(lambda old, new: jnp.where(good, new, old),
+                                                    (state.params, state.opt_state, state.stats),
+                                                    (params, opt_state, stats))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "nonfinite_grads": count, "first_nonfinite": first}
-        return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state), metrics
+                   "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
+        return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
+                          stats=stats), metrics
 
     replicated = NamedSharding(mesh, P())
     return jax.jit(train_step, in_shardings=(shardings, batches),
                    out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
-                   loss_chunk: int = 0) -> Callable:
-    """eval_step(params, tokens [B, T+1]) -> mean loss (no dropout)."""
-    loss_fn = make_loss_fn(model, layout, mesh, loss_chunk)
-    return jax.jit(lambda params, tokens: loss_fn(params, tokens, None),
-                   in_shardings=(param_shardings, batch_sharding(layout, mesh)),
+def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, loss_chunk: int = 0,
+                   task: tasks.Task | None = None, stats_shardings=None, batch_shardings=None) -> Callable:
+    """eval_step(params, stats, batch) -> {"loss": mean loss, and the task's eval metrics}
+    (no dropout; BatchNorm uses its running statistics)."""
+    objective = make_objective(model, layout, mesh, task, loss_chunk)
+
+    def eval_step(params, stats, batch):
+        loss, (metrics, _) = objective(params, stats, batch, None, False)
+        return {"loss": loss, **metrics}
+    return jax.jit(eval_step, in_shardings=(param_shardings, {} if stats_shardings is None else stats_shardings,
+                                            batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings),
                    out_shardings=NamedSharding(mesh, P()))
 
 

@@ -156,11 +156,10 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         # Before init_state or a restore allocates: a step that cannot fit stops here, with fixes.
         memory_check.check(exp, memory, say, skip=cfg.train.skip_memory_check, compile_only=not cfg.train.steps)
         m = exp.model.cfg
-        tokens_per_step = cfg.train.batch_size * m.seq_len
-        log = metrics.RunLog(workdir, cfg.train.steps, tokens_per_step,
-                             metrics.flops_per_token(m) * tokens_per_step,
+        units = exp.units_per_step  # tokens, or images (exp.task.unit)
+        log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(m) * units,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                             resume_step=resume_step, trackers=cfg.train.trackers)
+                             resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit)
         clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
         clock.add("compile", compile_s)
         info = metrics.run_info(args.config_name, exp, memory, compile_s, source)
@@ -203,6 +202,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         clock.save()
         total = clock.total()
         for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
+                                    best_accuracy=exp.source.info.get("best_accuracy"),
                                     wall_s=wall_s, checkpoint=saved,
                                     workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
                                     processes=jax.process_count(), goodput=goodput.line(total)):

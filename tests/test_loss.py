@@ -64,9 +64,9 @@ def test_eval_step_takes_the_same_chunks(make_config):
     exp = build(make_config, "gpt2_tiny_dp2_tp4", **{"train.loss_chunk": CHUNK})
     params = exp.init_state().params
     tokens = np.random.default_rng(0).integers(0, 256, (8, T + 1), dtype=np.int32)
-    loss = exp.eval_step(params, jax.device_put(tokens, exp.batch_sharding))
+    loss = exp.eval_step(params, {}, jax.device_put(tokens, exp.batch_sharding))["loss"]
     whole = step_lib.make_eval_step(exp.model, exp.layout, exp.mesh, exp.shardings.params, loss_chunk=0)
-    assert float(loss) == pytest.approx(float(whole(params, tokens)), rel=1e-6)
+    assert float(loss) == pytest.approx(float(whole(params, {}, tokens)["loss"]), rel=1e-6)
 
 
 def test_chunks_keep_the_bf16_data_reduction_and_the_flops(make_config):

@@ -294,17 +294,17 @@ def nest(flat: dict) -> dict:
     return out
 
 
-def _restore(src: InitSource, items: dict, args: dict) -> dict:
-    """Only the params leaves named in `items` ({path: placeholder}); flat result."""
+def _restore(src: InitSource, items: dict, args: dict, key: str = "params") -> dict:
+    """Only the `key` (params, stats) leaves named in `items` ({path: placeholder}); flat result."""
     import orbax.checkpoint as ocp
     handler = ocp.PyTreeCheckpointHandler()
     try:
         with _reading(src):
             restored = handler.restore(src.step_dir / "state", args=ocp.args.PyTreeRestore(
-                item={"params": nest(items)}, restore_args={"params": nest(args)}, partial_restore=True))
+                item={key: nest(items)}, restore_args={key: nest(args)}, partial_restore=True))
     finally:
         handler.close()
-    return tree_paths.flat(restored["params"])
+    return tree_paths.flat(restored[key])
 
 
 def read_leaf(src: InitSource, path: str, stacked: str) -> np.ndarray:
@@ -340,7 +340,7 @@ def load_params(src: InitSource, model, param_shardings):
     dtype = jnp.dtype(model.cfg.param_dtype)
     items, args, plans = {}, {}, {}
     for path, want in shapes.items():
-        stacked = path.startswith(model.stacked + "/")
+        stacked = model.stacked is not None and path.startswith(model.stacked + "/")
         # Leading layer dims: [L] or [S, L/S] in the run and in the checkpoint.
         run_lead = (2 if current else 1) if stacked else 0
         saved_lead = (2 if src.pipeline else 1) if stacked else 0
@@ -395,13 +395,27 @@ def load_params(src: InitSource, model, param_shardings):
     return nest({p: fitted[p] if p in todo else restored[p] for p in shapes})
 
 
+def load_stats(src: InitSource, model, stats_shardings) -> dict:
+    """The checkpoint's BatchStat state (BatchNorm's running statistics) for `model`, in
+    `stats_shardings`: saved as the model has them ({} for a model without)."""
+    import orbax.checkpoint as ocp
+    shapes, shardings = tree_paths.flat(model.stats_shapes), tree_paths.flat(stats_shardings)
+    if not shapes:
+        return {}
+    items = {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[p]) for p, s in shapes.items()}
+    args = {p: ocp.ArrayRestoreArgs(sharding=shardings[p], global_shape=s.shape, dtype=s.dtype)
+            for p, s in shapes.items()}
+    return nest(_restore(src, items, args, key="stats"))
+
+
 def init_state(src: InitSource, exp):
-    """TrainState at step 0: `src`'s params (load_params), a fresh optimizer state, the
-    run's seed; in exp.shardings."""
+    """TrainState at step 0: `src`'s params (load_params) and statistics (load_stats), a
+    fresh optimizer state, the run's seed; in exp.shardings."""
     from meshtrain import state as state_lib
     params = load_params(src, exp.model, exp.shardings.params)
+    stats = load_stats(src, exp.model, exp.shardings.stats)
 
-    def init(p):
+    def init(p, s):
         return state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=state_lib.base_key_data(exp.cfg.train.seed),
-                                    params=p, opt_state=exp.tx.init(p))
-    return jax.jit(init, out_shardings=exp.shardings, donate_argnums=0)(params)
+                                    params=p, opt_state=exp.tx.init(p), stats=s)
+    return jax.jit(init, out_shardings=exp.shardings, donate_argnums=(0, 1))(params, stats)

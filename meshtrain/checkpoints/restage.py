@@ -30,7 +30,7 @@ def arrangement(pipe: dict | Pipeline | None) -> tuple[int, int] | None:
 
 def _in_stack(path, stacked: str) -> bool:
     """Whether a leaf lies under the model's stacked layers (ModelDef.stacked)."""
-    return any(getattr(k, "key", None) == stacked for k in path)
+    return stacked is not None and any(getattr(k, "key", None) == stacked for k in path)
 
 
 def _layer_dims(arr: tuple[int, int] | None) -> int:

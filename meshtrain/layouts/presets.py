@@ -22,6 +22,10 @@ step; x4 bytes in fp32):
   dp_tp    ~12 Psi / t      ~4 Psi / t              tp inside, dp all-reduce of the tensor-sharded
                                                     grads across data
   fsdp_tp  ~12 Psi / (f t)  ~4 Psi / (f t)          both
+  dp_spatial 12 Psi         4 Psi                   image rows split over tensor: per conv of
+                                                    kernel k, k//2 rows x width x channels each
+                                                    way at each split boundary (collective-
+                                                    permutes); grads all-reduced over data+tensor
 The rule order matters: a mesh axis goes to the first rule that claims it.
 
 Pipeline presets (`*_pp*`) add `stage:stage` in front of every table, so the
@@ -43,11 +47,14 @@ the tables over `stage` once, in the compute dtype: ZeRO-3 over `stage` for them
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import Layout, parse
 
-_TP = "heads:tensor;mlp:tensor;vocab:tensor"
+# Conv nets' channel tensor parallelism: `filters` (the inner conv of a pair) is their mlp.
+_TP = "heads:tensor;mlp:tensor;vocab:tensor;filters:tensor"
 # embed first, then mlp, then head_dim: every GPT-2 weight, bias and LayerNorm gets
-# exactly one dim sharded over fsdp, so per-device state is exactly 1/n.
-_FSDP_PARAMS = "embed:fsdp;mlp:fsdp;head_dim:fsdp"
-_OVER_DATA = "embed:data;mlp:data;head_dim:data"  # ZeRO-1/2's split, one dim per weight as fsdp
+# exactly one dim sharded over fsdp, so per-device state is exactly 1/n; a conv net's
+# kernels, BatchNorm vectors and statistics split by channels or filters.
+_FSDP_PARAMS = "embed:fsdp;mlp:fsdp;head_dim:fsdp;channels:fsdp;filters:fsdp"
+# ZeRO-1/2's split, one dim per weight as fsdp
+_OVER_DATA = "embed:data;mlp:data;head_dim:data;channels:data;filters:data"
 # Pipeline storage of the tables used outside the stages: the token table (and an untied
 # head) split over stage by vocab row, the position table by position (`length` names no
 # other parameter), so each stage holds 1/S of them instead of a whole copy. Compute
@@ -63,7 +70,10 @@ PRESETS = {
     "zero2": f"batch:data | opt_state={_OVER_DATA} | grads={_OVER_DATA}",
     "tp": _TP,
     "dp_tp": f"batch:data;{_TP}",
-    "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp",
+    "fsdp_tp": f"batch:data+fsdp;{_TP} | params={_TP};embed:fsdp;channels:fsdp",
+    # Spatial partitioning (Mesh-TensorFlow, LBANN): image activations split by rows over
+    # `tensor`; XLA's SPMD partitioner adds each convolution's halo exchange.
+    "dp_spatial": "batch:data;height:tensor",
     "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
     "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
@@ -82,6 +92,7 @@ PRESET_AXES = {
     "fsdp": ({"fsdp"}, {"data", "fsdp"}), "tp": ({"tensor"}, {"tensor"}),
     "dp_tp": ({"data", "tensor"}, {"data", "tensor"}),
     "fsdp_tp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
+    "dp_spatial": ({"tensor"}, {"data", "tensor"}),
     "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
     "zero2_pp": ({"stage", "data"}, {"data", "stage"}),
     "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),

@@ -5,11 +5,17 @@ a model. A model is a file in meshtrain/models/ that builds a `Family` and calls
 A family gives:
 
   config      its config dataclass, a subclass of `ModelConfig` (the fields the core reads)
+  task        the task it is trained for (meshtrain/tasks): "lm" (default) or "classify";
+              the task fixes the forward pass's signature:
   module      module(cfg, rngs) -> nnx.Module, whose
-                  __call__(tokens [B, T] int32, constrain, key, run_layers) -> logits [B, T, V]
-              carries logical axes on every nnx.Param (`out_sharding` metadata), pins its
-              activations with `constrain`, and runs its stacked layers through
-              `stack.run_layers` so a pipeline can take the pass over; optionally also
+                  lm:       __call__(tokens [B, T] int32, constrain, key, run_layers) -> logits [B, T, V]
+                  classify: __call__(images [B, H, W, C] float, constrain, key, train) -> logits [B, V]
+              carries logical axes on every nnx.Param and nnx.BatchStat (`out_sharding`
+              metadata; BatchStat variables are the model's non-trainable state, e.g.
+              BatchNorm's running statistics, updated by the forward pass when `train`),
+              pins its activations with `constrain`, and (lm) runs its stacked layers
+              through `stack.run_layers` so a pipeline can take the pass over; an lm
+              module optionally also has
                   hidden(tokens, constrain, key, run_layers) -> (h [B, T, D] after the
                       final norm, w: the output projection as compute wants it)
                   project(h [B, t, D], w, constrain) -> logits [B, t, V]
@@ -20,10 +26,11 @@ A family gives:
                   embed_tokens(tokens, constrain, key) -> x [B, T, D], what the first layer takes
                   head(x, constrain) -> (h, w) as hidden returns them, from the last layer's x
   sizes       model.size -> {field: value}; fields named like a `model.*` config key are
-              overridden by that key when it is set; every size has num_layers, vocab_size
-              and seq_len
+              overridden by that key when it is set; every size has num_layers and
+              vocab_size (the outputs: token ids or classes), an lm's also seq_len
   stacked     the params subtree whose leaves have a leading `layers` dim (what the
-              pipeline cuts into stages)
+              pipeline cuts into stages); None for a family without one stack of identical
+              layers (VGG, ResNet), whose pipeline layouts are refused
   activations activations(cfg, b) -> [(what, shape, logical axes)] of the arrays the forward
               pass constrains for a batch of b rows: layout validation checks their
               divisibility, and the golden sharding tables list them
@@ -32,7 +39,8 @@ A family gives:
               that splits heads and mlp `tensor` ways: the planner's analytic activation
               memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
-  flops_per_token  training FLOPs per token (6 N + attention, llm.c's convention)
+  flops_per_token  lm: training FLOPs per token (6 N + attention, llm.c's convention)
+  flops_per_example  classify: training FLOPs per image (3 x the forward's 2 x multiply-adds)
   size_keys   logical axis -> the config key that sets its size, for error messages
   check       optional: cfg -> None, raising UserError for a combination the family refuses
   describe    cfg -> one line, for logs and checkpoint metadata
@@ -61,9 +69,9 @@ class ModelConfig:
     """Fields every model config has; family configs add their dimensions."""
 
     num_layers: int
-    vocab_size: int          # tokens the data can produce
-    padded_vocab_size: int   # rows of the embedding table (>= vocab_size); extra rows are inert
-    seq_len: int             # context length the model is trained at
+    vocab_size: int          # the outputs the data can produce: token ids, or a classifier's classes
+    padded_vocab_size: int   # rows of the embedding table / logits (>= vocab_size); extra ones are inert
+    seq_len: int = 0         # context length the model is trained at (0: inputs are not sequences)
     dropout: float = 0.0
     dtype: str = "float32"        # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
@@ -86,10 +94,12 @@ class Family:
     sizes: Mapping[str, Mapping[str, Any]]
     activations: Callable[[Any, int], Sequence[tuple[str, tuple[int, ...], Axes]]]
     num_params: Callable[[Any], int]
-    flops_per_token: Callable[[Any], float]
+    flops_per_token: Callable[[Any], float] | None
     size_keys: Mapping[str, str]
     describe: Callable[[Any], str]
-    stacked: str = "blocks"
+    stacked: str | None = "blocks"
+    task: str = "lm"
+    flops_per_example: Callable[[Any], float] | None = None
     check: Callable[[Any], None] | None = None
     layer_activation_bytes: Callable[[Any, int, int, str], float] | None = None
 
@@ -111,7 +121,7 @@ def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: f
 
 
 def register(family: Family) -> Family:
-    for field in ("num_layers", "vocab_size", "seq_len"):
+    for field in ("num_layers", "vocab_size"):
         for size, dims in family.sizes.items():
             if field not in dims:
                 raise ValueError(f"model family {family.name!r}: size {size!r} has no {field!r}")

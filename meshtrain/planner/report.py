@@ -65,8 +65,8 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     formula["total"] = sum(v or 0.0 for k, v in formula.items() if k in MEMORY_KEYS)
     rows = roofline.place(hlo.collective_table(compiled, mesh, node_of), mesh, node_of)
     bounds = roofline.place(analytic.collective_bounds(exp), mesh, node_of)
-    tokens = exp.cfg.train.batch_size * cfg.seq_len
-    model_flops = metrics.flops_per_token(cfg) * tokens
+    tokens = exp.units_per_step  # tokens, or images for a classifier
+    model_flops = metrics.flops_per_unit(cfg) * tokens
     flops_dev = hlo.dot_flops(compiled)
     # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values;
     # those the step writes, which under 1F1B are more than it keeps at once.

@@ -319,7 +319,7 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     from meshtrain.planner import analytic, roofline
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
-    model_flops = metrics.flops_per_token(cfg) * exp.cfg.train.batch_size * cfg.seq_len
+    model_flops = metrics.flops_per_unit(cfg) * exp.units_per_step
     waste = pipe.ticks / (pipe.microbatches * pipe.repeats) if pipe else 1.0
     node_of = roofline.node_of_position(exp.mesh, hw.devices_per_node, exp.dcn)
     bounds = roofline.place(analytic.collective_bounds(exp), exp.mesh, node_of)

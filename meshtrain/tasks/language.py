@@ -1,0 +1,36 @@
+"""Language modelling: next-token prediction over rows of tokens.
+
+    batch   tokens [B, T+1] int32 (inputs tokens[:, :-1], targets tokens[:, 1:])
+    loss    mean next-token cross entropy in float32 (meshtrain/loss.py: whole, or a chunk
+            of positions at a time with the model's hidden/project seam)
+    unit    tokens: T per row
+"""
+
+from __future__ import annotations
+
+from meshtrain import loss as loss_lib
+from meshtrain.tasks.task import Field
+
+
+class LanguageModelling:
+    name = "lm"
+    unit = "tokens"
+    eval_metrics: tuple[str, ...] = ()
+
+    @classmethod
+    def from_data(cls, info: dict) -> "LanguageModelling":
+        return cls()
+
+    def batch_fields(self, cfg, rows: int) -> Field:
+        return Field((rows, cfg.seq_len + 1), "int32", ("batch", None))
+
+    def units_per_example(self, cfg) -> int:
+        return cfg.seq_len
+
+    def flops_per_unit(self, family, cfg) -> float:
+        return family.flops_per_token(cfg)
+
+    def loss(self, module, tokens, key, run_layers, *, constrain, layout, mesh, loss_chunk, train):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        return loss_lib.next_token_loss(module, inputs, targets, key, run_layers, constrain=constrain,
+                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk), {}
