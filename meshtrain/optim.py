@@ -4,9 +4,9 @@ cosine or constant, the linear scaling rule), gradient clipping and the decay ma
 Weight decay applies to matrices only: parameters with at least two logical axes besides
 the stacked `layers`/`stage` axes (attention and MLP weights, embeddings, conv kernels
 [kh, kw, in, out]). Biases and LayerNorm/BatchNorm scales and offsets are not decayed (as
-in GPT-2 / nanoGPT and Goyal et al. 2017), and LARS and LAMB do not rescale them by a
-trust ratio either (as the LARS and BERT-LAMB references exclude them from layer
-adaptation): their update is the plain momentum-SGD / Adam step.
+GPT-2 / nanoGPT do for biases and LayerNorm, Goyal et al. 2017 for BatchNorm), and LARS and
+LAMB do not rescale them by a trust ratio either (BERT's LAMB, for one, skips layer
+adaptation wherever it skips decay): their update is the plain momentum-SGD / Adam step.
 
 The trust ratio of LARS and LAMB is per layer: meshtrain stores the blocks' weights
 stacked [layers, ...] (or [stage, layers per stage, ...] under a pipeline) in one array,
