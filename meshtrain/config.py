@@ -84,9 +84,16 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # Multi-process runs (docs/multihost.md), in seconds: how long processes wait for each
     # other at start, and how long a silent process may stay silent before all stop.
     c.distributed = dict(init_timeout=300, heartbeat_timeout=60)
+    # optim.* (docs/optimizers.md): name adamw | sgd | lars | lamb. b1, b2: Adam's (adamw,
+    # lamb); momentum, nesterov: sgd's and lars's (momentum 0: plain SGD); eps: Adam's
+    # denominator (adamw, lamb), LARS's trust-ratio denominator; trust_coefficient: LARS's.
+    # mu_dtype: the first moment's dtype (Adam's mu, the momentum buffer), "" the param
+    # dtype. lr_batch_size: 0 uses optim.lr as given; N > 0 makes optim.lr the lr of a
+    # batch of N, scaled by train.batch_size / N (the linear scaling rule).
     c.optim = dict(name="adamw", lr=3e-3, min_lr=3e-4, warmup_steps=30, schedule="cosine",
                    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0,
-                   mu_dtype="")  # Adam's first moment dtype; "" is the param dtype
+                   mu_dtype="", momentum=0.9, nesterov=False, trust_coefficient=0.001,
+                   lr_batch_size=0)
     # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain
     # worker processes, prefetch is batches read ahead by threads.
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
