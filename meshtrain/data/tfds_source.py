@@ -59,8 +59,11 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
                          where=f"TFDS dataset {builder.name!r}")
 
 
-def open_builder(name, data_dir):
-    """The TFDS builder of a prepared dataset; a UserError if it is not there."""
+def open_builder(name, data_dir, input_flag: str = "--input=..."):
+    """The TFDS builder of a prepared dataset; a UserError if it is not there.
+
+    `input_flag` is the prepare flag the error suggests (image datasets: --images=DIR).
+    """
     if not name:
         raise UserError(
             "data.kind is 'tfds' but data.name is not set. Set data.name to a TFDS dataset "
@@ -74,7 +77,7 @@ def open_builder(name, data_dir):
             f"TFDS dataset {name!r} was not found in {where}: {_first_line(e)}. Datasets "
             f"there: {_listing(data_dir)}. Check data.name and data.data_dir, or create it "
             f"with `python -m meshtrain.data.prepare --name={name} --data_dir=DIR "
-            f"--input=...`.") from None
+            f"{input_flag}`.") from None
     files = list(Path(str(builder.data_dir)).glob("*.array_record*")) if Path(
         str(builder.data_dir)).is_dir() else []
     if not files:
