@@ -178,8 +178,8 @@ def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -
     except ImportError:
         raise UserError(
             "data.name=digits reads scikit-learn's bundled digits, but scikit-learn is not "
-            "installed. Install it with `pip install 'meshtrain-jax[images]'` (or `pip install "
-            "scikit-learn`).") from None
+            "installed. Install it with `pip install scikit-learn`, or install meshtrain with "
+            "its images extra (`pip install -e '.[images]'` in a checkout).") from None
     d = load_digits()
     pixels = np.round(upscale(d.images * (255 / 16), image_size)).clip(0, 255).astype(np.uint8)
     images = np.repeat(pixels[..., None], channels, axis=-1)  # grey to every channel

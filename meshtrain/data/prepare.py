@@ -96,11 +96,12 @@ def execute(args) -> int:
 
 def _prepare_images(args) -> int:
     from meshtrain.data import image_dataset
+    from meshtrain.data.tfds_writer import dataset_dir
 
     if args.tokenizer != "byte" or args.train_bpe:
         raise UserError("--tokenizer and --train_bpe are for text; an image dataset has "
                         "labels, not tokens. Leave them out with --images.")
-    out = token_dataset.dataset_dir(args.data_dir, args.name)
+    out = dataset_dir(args.data_dir, args.name)
     if out.exists() and not args.overwrite:
         raise UserError(
             f"A dataset already exists at {str(out)!r}. Pass --overwrite to replace it, or "
