@@ -12,8 +12,9 @@ the image determines y without error. The label is y with probability
 best guess is therefore y, and the best possible accuracy is exactly
 1 - LABEL_NOISE (`info["best_accuracy"]`), for train and eval alike.
 
-Mean and std per channel are exact: bits are 0 or 1 with probability 1/2 over
-classes, so mean = 128 / 255 and var = 64^2 + (127^2 - 1) / 12 (bits, then noise).
+Mean and std per channel are exact, from the patterns: classes are equally
+likely and the noise has mean 0, so the mean is the prototypes' and the variance
+is the prototypes' about it plus the noise's, (127^2 - 1) / 12.
 
 Example n of a stream is a function of (seed, stream, n) only.
 """
@@ -83,13 +84,14 @@ class ImagePatterns:
         return (on @ protos.T + (1 - on) @ (1 - protos).T).argmax(axis=1).astype(np.int32)
 
     def info(self) -> dict:
-        mean = (LOW + HIGH) / 2 / 255
-        std = float(np.sqrt(((HIGH - LOW) / 2) ** 2 + ((2 * NOISE + 1) ** 2 - 1) / 12) / 255)
+        protos = self.prototypes.reshape(-1, self.channels).astype(np.float64)
+        mean = protos.mean(axis=0)
+        var = ((protos - mean) ** 2).mean(axis=0) + ((2 * NOISE + 1) ** 2 - 1) / 12
         return {"kind": "synthetic", "name": "synthetic_images", "num_classes": self.num_classes,
                 "vocab_size": self.num_classes, "image_size": self.size,
                 "channels": self.channels, "seed": self.seed, "label_noise": LABEL_NOISE,
-                "best_accuracy": 1 - LABEL_NOISE, "mean": [mean] * self.channels,
-                "std": [std] * self.channels, "augment": ""}
+                "best_accuracy": 1 - LABEL_NOISE, "mean": (mean / 255).tolist(),
+                "std": (np.sqrt(var) / 255).tolist(), "augment": ""}
 
 
 def make_synthetic_image_source(*, num_classes: int, image_size: int, channels: int,
