@@ -12,7 +12,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from meshtrain import config as config_lib
-from meshtrain.data import image_transforms as tf, make_source
+from meshtrain.data import image_transforms as transforms, make_source
 from meshtrain.data.image_source import DIGITS_TEST_FRACTION, digits_split, upscale
 from meshtrain.data.prepare import main as prepare
 from meshtrain.data.synthetic_images import LABEL_NOISE, ImagePatterns
@@ -224,8 +224,8 @@ def test_random_resized_crop_bounds():
     n = 4000
     h = rng.integers(8, 400, n)
     w = rng.integers(8, 400, n)
-    u = tf.uniforms(5, np.arange(n))
-    boxes = tf.crop_boxes(h, w, u, 0.08)
+    u = transforms.uniforms(5, np.arange(n))
+    boxes = transforms.crop_boxes(h, w, u, 0.08)
     bw, bh = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     eps = 1e-9
     assert (boxes[:, :2] >= -eps).all() and (boxes[:, 2] <= w + eps).all() and (boxes[:, 3] <= h + eps).all()
@@ -235,24 +235,24 @@ def test_random_resized_crop_bounds():
     square = h == w  # every square image fits a first or later try: area in [0.08, 1]
     assert (area[square] >= 0.08 - eps).all() and (area <= 1 + eps).all()
     assert 0.3 < area.mean() < 0.7  # uniform in [0.08, 1] where tries fit
-    assert abs(tf.flips(u).mean() - 0.5) < 0.03
+    assert abs(transforms.flips(u).mean() - 0.5) < 0.03
     # Counter-based: a position's draws do not depend on its neighbours; seeds differ.
-    np.testing.assert_array_equal(tf.uniforms(5, np.array([17, 3]))[0], u[17])
-    assert not np.array_equal(tf.uniforms(6, np.arange(n)), u)
+    np.testing.assert_array_equal(transforms.uniforms(5, np.array([17, 3]))[0], u[17])
+    assert not np.array_equal(transforms.uniforms(6, np.arange(n)), u)
     assert (u >= 0).all() and (u < 1).all() and abs(u.mean() - 0.5) < 0.01
     # Eval: the centred square of 0.875 of the shorter side.
-    c = tf.centre_boxes(np.array([200]), np.array([300]), tf.EVAL_CROP)[0]
+    c = transforms.centre_boxes(np.array([200]), np.array([300]), transforms.EVAL_CROP)[0]
     np.testing.assert_allclose(c, [62.5, 12.5, 237.5, 187.5])
 
 
 def test_flip_and_render():
     arr = np.random.default_rng(1).integers(0, 256, (20, 30, 3), dtype=np.uint8)
-    img = tf.from_array(arr)
+    img = transforms.from_array(arr)
     box = np.array([[0, 0, 30, 20], [0, 0, 30, 20]], np.float64)
-    out = tf.render_batch([img, img], box, np.array([False, True]), 10, 3)
+    out = transforms.render_batch([img, img], box, np.array([False, True]), 10, 3)
     assert out.shape == (2, 10, 10, 3) and out.dtype == np.uint8
     np.testing.assert_array_equal(out[1], out[0][:, ::-1])
-    same = tf.render(tf.from_array(arr[:16, :16]), [0, 0, 16, 16], 16, 3)
+    same = transforms.render(transforms.from_array(arr[:16, :16]), [0, 0, 16, 16], 16, 3)
     np.testing.assert_array_equal(same, arr[:16, :16])  # nothing to crop or resize
 
 
@@ -263,7 +263,7 @@ def test_jpeg_is_decoded_at_a_reduced_scale_faithfully():
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="JPEG", quality=95)
     box = np.array([100.0, 50.0, 700.0, 550.0])
-    fast = tf.render(tf.open_encoded(buf.getvalue()), box, 32, 3)
+    fast = transforms.render(transforms.open_encoded(buf.getvalue()), box, 32, 3)
     full = Image.open(io.BytesIO(buf.getvalue()))
     full.load()
     slow = np.asarray(full.convert("RGB").resize((32, 32), Image.BILINEAR, box=tuple(box)))

@@ -11,12 +11,12 @@ cifar100 (below); for any other dataset, measured at start on up to 512 evenly
 spaced training images (eval transform), which every process computes alike.
 """
 
-import tensorflow_datasets as tfds
 import numpy as np
+import tensorflow_datasets as tfds
 
-from meshtrain.data import image_transforms as tf
+from meshtrain.data import image_transforms as transforms
 from meshtrain.data.image_source import SMALL_IMAGE, ImageSource, sized_source
-from meshtrain.data.tfds_source import _check_splits, open_builder
+from meshtrain.data.tfds_source import check_splits, open_builder
 from meshtrain.errors import UserError
 
 # Per-channel (R, G, B) mean and std of the training pixels in [0, 1] units.
@@ -35,7 +35,7 @@ def make_tfds_image_source(data_cfg, *, image_size: int, channels: int,
     split = data_cfg.get("split") or "train"
     eval_split = data_cfg.get("eval_split") or "validation"
     builder = open_builder(name, data_dir, input_flag="--images=DIR")
-    _check_splits(builder, (split, eval_split))
+    check_splits(builder, (split, eval_split))
     features = builder.info.features
     missing = [f for f in ("image", "label") if f not in features.keys()]
     if missing:
@@ -54,7 +54,7 @@ def make_tfds_image_source(data_cfg, *, image_size: int, channels: int,
     known = KNOWN_STATS.get(base) if channels == 3 else None
 
     def read(records):
-        return ([tf.open_encoded(r["image"]) for r in records],
+        return ([transforms.open_encoded(r["image"]) for r in records],
                 np.array([r["label"] for r in records], np.int32))
 
     return sized_source(

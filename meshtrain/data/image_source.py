@@ -26,7 +26,7 @@ import json
 import grain
 import numpy as np
 
-from meshtrain.data import image_transforms as tf
+from meshtrain.data import image_transforms as transforms
 from meshtrain.data.source import DataSource
 from meshtrain.errors import UserError
 
@@ -65,7 +65,7 @@ class ImageSource(DataSource):
 
 
 def check_augment(augment, crop_scale) -> None:
-    if augment != "auto" and augment not in tf.AUGMENTS:
+    if augment != "auto" and augment not in transforms.AUGMENTS:
         raise UserError(
             f"data.augment={augment!r} is not known. Use one of 'auto' (the dataset's "
             f"default), '' (none), 'flip', 'crop' or 'crop_flip' (random-resized crop and "
@@ -98,9 +98,9 @@ def sized_source(*, name: str, num_classes: int, image_size: int, channels: int,
         images, labels = read(records)
         h = np.array([im.height for im in images])
         w = np.array([im.width for im in images])
-        boxes, flips = tf.boxes_for(h, w, train=positions is not None, augment=augment,
+        boxes, flips = transforms.boxes_for(h, w, train=positions is not None, augment=augment,
                                     crop_scale=crop_scale, seed=seed, positions=positions)
-        return {"images": tf.render_batch(images, boxes, flips, image_size, channels),
+        return {"images": transforms.render_batch(images, boxes, flips, image_size, channels),
                 "labels": labels}
 
     def read_train(positions):
@@ -117,7 +117,7 @@ def sized_source(*, name: str, num_classes: int, image_size: int, channels: int,
     info = dict(info, kind="images", name=name, splits=list(splits), num_classes=num_classes,
                 vocab_size=num_classes, image_size=image_size, channels=channels, seed=seed,
                 augment=augment, crop_scale=crop_scale if "crop" in augment else None,
-                eval_crop=tf.EVAL_CROP if "crop" in augment else 1.0,
+                eval_crop=transforms.EVAL_CROP if "crop" in augment else 1.0,
                 train_examples=n_train, eval_examples=n_eval,
                 mean=[float(m) for m in mean_std[0]], std=[float(s) for s in mean_std[1]])
     return ImageSource(num_classes=num_classes, info=info,
@@ -196,7 +196,7 @@ def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -
     train_rows = _Rows(images[parts[split]], labels[parts[split]])
 
     def read(records):
-        return ([tf.from_array(img) for img, _ in records],
+        return ([transforms.from_array(img) for img, _ in records],
                 np.array([lab for _, lab in records], np.int32))
 
     return sized_source(

@@ -40,7 +40,7 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
     if meta.get("format") != token_dataset.FORMAT:
         builder = _converted(builder, data_cfg, split, eval_split)
         meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
-    _check_splits(builder, (split, eval_split))
+    check_splits(builder, (split, eval_split))
     tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
     asked = data_cfg.get("tokenizer") or "byte"
     if asked not in ("byte", tok.name) and "source" in meta and "tfds" not in meta["source"]:
@@ -90,7 +90,7 @@ def open_builder(name, data_dir, input_flag: str = "--input=..."):
     return builder
 
 
-def _check_splits(builder, splits) -> None:
+def check_splits(builder, splits) -> None:
     have = list(builder.info.splits.keys())
     for s in splits:
         if s not in have:
@@ -116,7 +116,7 @@ def _stream(source, meta: dict, split: str, builder) -> RecordStream:
 
 def _converted(builder, data_cfg, split: str, eval_split: str):
     """The token dataset made from `builder`'s documents, written on first use."""
-    _check_splits(builder, (split, eval_split))
+    check_splits(builder, (split, eval_split))
     feature = data_cfg.get("feature") or "text"
     features = builder.info.features
     if feature not in features.keys():
