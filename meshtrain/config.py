@@ -98,7 +98,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # worker processes, prefetch is batches read ahead by threads.
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
                   split="train", eval_split="validation", feature="", cache_dir="",
-                  val_fraction=0.05, random_offsets=False, workers=0, prefetch=2)
+                  val_fraction=0.05, random_offsets=False, workers=0, prefetch=2,
+                  # Image models: augment is auto | "" | flip | crop | crop_flip (auto: the
+                  # dataset's default, docs/data.md); crop_scale the smallest crop's area.
+                  augment="auto", crop_scale=0.08)
     c.lock()
     return c
 

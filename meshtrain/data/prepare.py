@@ -1,14 +1,17 @@
 """Turn local text into a TFDS ArrayRecord dataset of token ids (train and validation
-splits, the tokenizer saved beside them), offline: no TensorFlow, no network.
+splits, the tokenizer saved beside them), or a folder of images into one of images
+and labels; offline: no TensorFlow, no network.
 
     meshtrain prepare --input='corpus/*.txt' --name=mytext \\
         --data_dir=~/tensorflow_datasets --tokenizer=char [--val_fraction=0.05]
     meshtrain prepare ... --tokenizer=bpe --train_bpe=2048
+    meshtrain prepare --images=DIR --name=mypics --data_dir=~/tensorflow_datasets
     python -m meshtrain.data.prepare ...   (the same)
 
-Then train on it with --config.data.kind=tfds --config.data.name=mytext
---config.data.data_dir=DIR. The format is
-described in meshtrain/data/token_dataset.py and docs/data.md.
+Then train on text with --config.data.kind=tfds --config.data.name=mytext
+--config.data.data_dir=DIR, on images with --config.data.kind=images and the same
+name and data_dir. The formats are described in meshtrain/data/token_dataset.py,
+meshtrain/data/image_dataset.py and docs/data.md.
 """
 
 import sys
@@ -23,7 +26,10 @@ from meshtrain.progress import Progress, format_duration
 
 def parser() -> cli.Parser:
     p = cli.command_parser("meshtrain prepare", __doc__)
-    p.add_argument("--input", required=True, help="a text file or a glob, e.g. 'data/*.txt'")
+    p.add_argument("--input", default="", help="a text file or a glob, e.g. 'data/*.txt'")
+    p.add_argument("--images", default="",
+                   help="instead of --input: a folder with one subfolder of image files per "
+                        "class (the ImageFolder layout)")
     p.add_argument("--name", required=True, help="dataset name (lower snake case)")
     p.add_argument("--data_dir", required=True, help="TFDS data directory to write into")
     p.add_argument("--tokenizer", default="byte",
@@ -31,7 +37,8 @@ def parser() -> cli.Parser:
     p.add_argument("--train_bpe", type=int, default=0, metavar="VOCAB_SIZE",
                    help="train a byte-level BPE of this vocabulary on the training split")
     p.add_argument("--val_fraction", type=float, default=0.05,
-                   help="share of the corpus (its tail) held out as the validation split")
+                   help="share of the corpus (its tail) held out as the validation split; "
+                        "with --images, the share of every class (its last files)")
     p.add_argument("--doc_separator", default="",
                    help="split files into documents at this string (default: a file is a "
                         "document); backslash escapes such as \\n are understood")
@@ -44,6 +51,12 @@ def execute(args) -> int:
     from meshtrain.data import token_dataset  # imports TFDS: after argument errors
 
     token_dataset.check_name(args.name)
+    if bool(args.input) == bool(args.images):
+        raise UserError(
+            "prepare reads either text (--input='corpus/*.txt') or an image folder "
+            "(--images=DIR); pass exactly one of them.")
+    if args.images:
+        return _prepare_images(args)
     spec = _tokenizer_spec(args)
     if args.record_tokens < 1:
         raise UserError(f"--record_tokens={args.record_tokens}: must be >= 1 (4096 is a good size).")
@@ -78,6 +91,41 @@ def execute(args) -> int:
           f"train with: python -m meshtrain.train --config=gpt2_tiny_dp8 "
           f"--config.data.kind=tfds --config.data.name={args.name} "
           f"--config.data.data_dir={args.data_dir}")
+    return 0
+
+
+def _prepare_images(args) -> int:
+    from meshtrain.data import image_dataset
+    from meshtrain.data.tfds_writer import dataset_dir
+
+    if args.tokenizer != "byte" or args.train_bpe:
+        raise UserError("--tokenizer and --train_bpe are for text; an image dataset has "
+                        "labels, not tokens. Leave them out with --images.")
+    out = dataset_dir(args.data_dir, args.name)
+    if out.exists() and not args.overwrite:
+        raise UserError(
+            f"A dataset already exists at {str(out)!r}. Pass --overwrite to replace it, or "
+            f"choose another --name.")
+    started = time.perf_counter()
+    classes, files = image_dataset.scan_folder(args.images)
+    splits = image_dataset.split_files(files, args.val_fraction)
+    print(f"prepare: {len(files):,} image(s) in {len(classes)} classes; validation = the last "
+          f"{args.val_fraction:g} of every class's files", file=sys.stderr)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    bar = Progress("images", len(files), unit=" files")
+    meta = image_dataset.write_image_dataset(
+        args.name, args.data_dir, classes, splits, progress=bar.update,
+        extra_metadata={"source": {"images": args.images}})
+    bar.close()
+    n = meta["num_examples"]
+    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
+          f"train {n['train']:,} images, validation {n['validation']:,}; {len(classes)} "
+          f"classes, {meta['channels']} channel(s).\n"
+          f"train with: python -m meshtrain.train --config=CONFIG --config.data.kind=images "
+          f"--config.data.name={args.name} --config.data.data_dir={args.data_dir} "
+          f"(CONFIG: an image model's config)")
     return 0
 
 

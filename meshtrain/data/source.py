@@ -22,8 +22,9 @@ from meshtrain.errors import UserError
 # stream positions computed from them stay well inside int64.
 _MAX_ROWS = 2**40
 
-# Window ids [rows] int64 -> tokens [rows, seq_len + 1] int32.
-Reader = Callable[[np.ndarray], np.ndarray]
+# Window ids [rows] int64 -> tokens [rows, seq_len + 1] int32 (an image source's reader
+# returns a dict of arrays instead: meshtrain/data/image_source.py).
+Reader = Callable[[np.ndarray], np.ndarray | dict[str, np.ndarray]]
 
 
 class DataSource:

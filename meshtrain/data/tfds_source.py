@@ -40,7 +40,7 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
     if meta.get("format") != token_dataset.FORMAT:
         builder = _converted(builder, data_cfg, split, eval_split)
         meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
-    _check_splits(builder, (split, eval_split))
+    check_splits(builder, (split, eval_split))
     tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
     asked = data_cfg.get("tokenizer") or "byte"
     if asked not in ("byte", tok.name) and "source" in meta and "tfds" not in meta["source"]:
@@ -59,8 +59,11 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
                          where=f"TFDS dataset {builder.name!r}")
 
 
-def open_builder(name, data_dir):
-    """The TFDS builder of a prepared dataset; a UserError if it is not there."""
+def open_builder(name, data_dir, input_flag: str = "--input=..."):
+    """The TFDS builder of a prepared dataset; a UserError if it is not there.
+
+    `input_flag` is the prepare flag the error suggests (image datasets: --images=DIR).
+    """
     if not name:
         raise UserError(
             "data.kind is 'tfds' but data.name is not set. Set data.name to a TFDS dataset "
@@ -74,7 +77,7 @@ def open_builder(name, data_dir):
             f"TFDS dataset {name!r} was not found in {where}: {_first_line(e)}. Datasets "
             f"there: {_listing(data_dir)}. Check data.name and data.data_dir, or create it "
             f"with `python -m meshtrain.data.prepare --name={name} --data_dir=DIR "
-            f"--input=...`.") from None
+            f"{input_flag}`.") from None
     files = list(Path(str(builder.data_dir)).glob("*.array_record*")) if Path(
         str(builder.data_dir)).is_dir() else []
     if not files:
@@ -87,7 +90,7 @@ def open_builder(name, data_dir):
     return builder
 
 
-def _check_splits(builder, splits) -> None:
+def check_splits(builder, splits) -> None:
     have = list(builder.info.splits.keys())
     for s in splits:
         if s not in have:
@@ -113,7 +116,7 @@ def _stream(source, meta: dict, split: str, builder) -> RecordStream:
 
 def _converted(builder, data_cfg, split: str, eval_split: str):
     """The token dataset made from `builder`'s documents, written on first use."""
-    _check_splits(builder, (split, eval_split))
+    check_splits(builder, (split, eval_split))
     feature = data_cfg.get("feature") or "text"
     features = builder.info.features
     if feature not in features.keys():

@@ -21,12 +21,12 @@ from typing import Callable, Iterable
 import numpy as np
 import tensorflow_datasets as tfds
 
+from meshtrain.data.tfds_writer import dataset_dir, write_dataset  # noqa: F401 (dataset_dir re-exported)
 from meshtrain.data.windows import token_dtype
 from meshtrain.errors import UserError
 
 FORMAT = "meshtrain.tokens/1"
 FEATURE = "tokens"
-VERSION = "1.0.0"
 DEFAULT_RECORD_TOKENS = 4096
 SPLITS = ("train", "validation")
 
@@ -42,10 +42,6 @@ def check_name(name) -> str:
     return name
 
 
-def dataset_dir(data_dir, name: str) -> Path:
-    return Path(data_dir).expanduser() / name / VERSION
-
-
 def write_token_dataset(name: str, data_dir, tokenizer,
                         documents: dict[str, Callable[[], Iterable[np.ndarray]]], *,
                         record_tokens: int = DEFAULT_RECORD_TOKENS,
@@ -57,8 +53,8 @@ def write_token_dataset(name: str, data_dir, tokenizer,
         arrays [n_i], each already ending in end of text (Corpus.tokens).
       extra_metadata: JSON facts kept in metadata.json (e.g. the source files).
 
-    TFDS writes into an `incomplete.*` directory and renames it when every split
-    is done, so an interrupted run leaves no dataset that looks finished.
+    The records are written by tfds_writer.write_dataset (atomically: an
+    interrupted run leaves no dataset that looks finished).
     """
     check_name(name)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -68,46 +64,20 @@ def write_token_dataset(name: str, data_dir, tokenizer,
         vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id, dtype=np.dtype(dtype).name,
         num_tokens={}, num_documents={}, **(extra_metadata or {}))
 
-    class TokenDataset(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        VERSION = tfds.core.Version(globals()["VERSION"])
-        # TFDS looks for checksum files beside the builder's module; there are none
-        # (nothing is downloaded), and meshtrain is a namespace package it cannot walk.
-        code_path = None
+    def examples(split):
+        counts = {"tokens": 0, "documents": 0}
+        for chunk in _records(documents[split](), record_tokens, counts):
+            yield {FEATURE: chunk.astype(dtype)}
+        metadata["num_tokens"][split] = counts["tokens"]
+        metadata["num_documents"][split] = counts["documents"]
 
-        # TFDS prints "Downloading and preparing ..." lines; nothing is downloaded,
-        # and prepare prints its own progress and summary.
-        def _log_download_bytes(self):
-            pass
-
-        def _log_download_done(self):
-            pass
-
-        def _info(self):
-            return tfds.core.DatasetInfo(
-                builder=self,
-                # Records stay in stream order (record k = tokens [k*R, (k+1)*R)):
-                # keys are written as given instead of hashed.
-                disable_shuffling=True,
-                description=f"Token ids of local text ({tokenizer.describe()}), written by "
-                            f"meshtrain.data.prepare in {FORMAT}.",
-                features=tfds.features.FeaturesDict({FEATURE: tfds.features.Tensor(
-                    shape=(None,), dtype=dtype, encoding=tfds.features.Encoding.BYTES)}),
-                metadata=metadata)
-
-        def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(split) for split in documents}
-
-        def _generate_examples(self, split):
-            counts = {"tokens": 0, "documents": 0}
-            for k, chunk in enumerate(_records(documents[split](), record_tokens, counts)):
-                yield k, {FEATURE: chunk.astype(dtype)}
-            metadata["num_tokens"][split] = counts["tokens"]
-            metadata["num_documents"][split] = counts["documents"]
-
-    TokenDataset.name = name
-    tfds.disable_progress_bar()  # the caller shows one progress bar over the input
-    TokenDataset(data_dir=str(Path(data_dir).expanduser()),
-                 file_format="array_record").download_and_prepare()
+    write_dataset(
+        name, data_dir, metadata=metadata,
+        description=f"Token ids of local text ({tokenizer.describe()}), written by "
+                    f"meshtrain.data.prepare in {FORMAT}.",
+        features=tfds.features.FeaturesDict({FEATURE: tfds.features.Tensor(
+            shape=(None,), dtype=dtype, encoding=tfds.features.Encoding.BYTES)}),
+        splits={split: (lambda split=split: examples(split)) for split in documents})
     return dict(metadata)
 
 

@@ -81,11 +81,12 @@ def random_starts(seed: int, positions: np.ndarray, n_starts: int) -> np.ndarray
     position's window is the same whatever batch or process reads it.
     """
     with np.errstate(over="ignore"):
-        z = _splitmix(_splitmix(np.uint64(seed)) ^ np.asarray(positions, np.uint64))
+        z = splitmix64(splitmix64(np.uint64(seed)) ^ np.asarray(positions, np.uint64))
     return (z % np.uint64(n_starts)).astype(np.int64)
 
 
-def _splitmix(x):
+def splitmix64(x):
+    """One splitmix64 step on uint64 values (call under np.errstate(over="ignore"))."""
     z = x + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
