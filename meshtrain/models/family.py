@@ -63,7 +63,7 @@ class ModelConfig:
     num_layers: int
     vocab_size: int          # tokens the data can produce
     padded_vocab_size: int   # rows of the embedding table (>= vocab_size); extra rows are inert
-    seq_len: int             # context length the model is trained at
+    seq_len: int = 0         # context length the model is trained at (0: inputs are not sequences)
     dropout: float = 0.0
     dtype: str = "float32"        # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
@@ -86,10 +86,12 @@ class Family:
     sizes: Mapping[str, Mapping[str, Any]]
     activations: Callable[[Any, int], Sequence[tuple[str, tuple[int, ...], Axes]]]
     num_params: Callable[[Any], int]
-    flops_per_token: Callable[[Any], float]
+    flops_per_token: Callable[[Any], float] | None
     size_keys: Mapping[str, str]
     describe: Callable[[Any], str]
-    stacked: str = "blocks"
+    stacked: str | None = "blocks"
+    task: str = "lm"
+    flops_per_example: Callable[[Any], float] | None = None
     check: Callable[[Any], None] | None = None
     layer_activation_bytes: Callable[[Any, int, int, str], float] | None = None
 
@@ -111,7 +113,7 @@ def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: f
 
 
 def register(family: Family) -> Family:
-    for field in ("num_layers", "vocab_size", "seq_len"):
+    for field in ("num_layers", "vocab_size"):
         for size, dims in family.sizes.items():
             if field not in dims:
                 raise ValueError(f"model family {family.name!r}: size {size!r} has no {field!r}")
