@@ -191,6 +191,23 @@ def test_every_variable_has_logical_axes_from_the_vocabulary(name, size):
         assert len(shape) == len(axes) and all(a in VOCABULARY for a in axes), what
 
 
+@pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "16"), ("resnet", "tiny"), ("resnet", "50")])
+def test_activations_list_what_the_forward_pins(name, size):
+    """activations(cfg, b) is what layout validation checks: the same (shape, axes) pairs
+    the forward pass hands to `constrain`, no more and no fewer."""
+    cfg = cfg_for(name, size)
+    pinned = set()
+
+    def record(x, axes):
+        pinned.add((tuple(x.shape), tuple(axes)))
+        return x
+    model = nnx.eval_shape(lambda: build(cfg))
+    graphdef, state = nnx.split(model)
+    images = jax.ShapeDtypeStruct((2, cfg.image_size, cfg.image_size, cfg.image_channels), jnp.float32)
+    jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x, record, None, True), state, images)
+    assert pinned == {(shape, axes) for _, shape, axes in family.get(name).activations(cfg, 2)}
+
+
 def test_channel_pairs_alternate():
     """Each conv reads what the previous one wrote; the last conv before VGG's classifier
     and every ResNet block output are `channels`, kept whole under channel TP."""

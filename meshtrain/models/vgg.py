@@ -111,9 +111,13 @@ class VGG(nnx.Module):
         cfg = self.cfg
         x = constrain(images_bhwc.astype(cfg.dtype), ("batch", "height", "width", "image_channels"))
         names, out_axes = iter(self.conv_names), ("batch", "height", "width", "image_channels")
-        for t in cfg.plan():
+        plan = cfg.plan()
+        for i, t in enumerate(plan):
             if t == "M":
-                x = constrain(max_pool(x, 2, 2), out_axes)
+                # The features' final pool is not pinned: the flatten right after is. So a
+                # spatial layout need not divide its height (7 at 224 px), only the convs'.
+                x = max_pool(x, 2, 2)
+                x = x if i == len(plan) - 1 else constrain(x, out_axes)
             else:
                 layer = getattr(self, next(names))
                 x, out_axes = layer(x, constrain, train), layer.out_axes
@@ -177,7 +181,7 @@ def activations(cfg: VGGConfig, b: int):
     out = [("images", (b, s0, s0, cfg.image_channels), ("batch", "height", "width", "image_channels"))]
     for i, (s, _, c, (_, axes)) in enumerate(_convs(cfg), 1):
         out.append((f"conv{i} out", (b, s, s, c), ("batch", "height", "width", axes)))
-        if i in _pools_after(cfg):
+        if i in _pools_after(cfg) and i < len(_convs(cfg)):  # the last pool is not pinned (see VGG.__call__)
             out.append((f"pool after conv{i}", (b, s // 2, s // 2, c), ("batch", "height", "width", axes)))
     out += [("flattened features", (b, cfg.flat_dim), ("batch", "embed")),
             ("fc1 out", (b, cfg.mlp_dim), ("batch", "mlp")),
