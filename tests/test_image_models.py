@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib
+from meshtrain import config as config_lib, layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
 from meshtrain.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
@@ -33,10 +33,7 @@ def cfg_for(name, size, *, vocab_size=None, vocab_multiple=1, **keys):
 
 
 def build(cfg, seed=0):
-    return family.get(FAMILIES_OF[type(cfg)]).module(cfg, nnx.Rngs(seed))
-
-
-FAMILIES_OF = {vgg.VGGConfig: "vgg", resnet.ResNetConfig: "resnet"}
+    return models.family_of(cfg).module(cfg, nnx.Rngs(seed))
 
 
 def count_params(cfg) -> int:
@@ -120,7 +117,7 @@ def test_forward_shape_dtype_and_masked_padding(name):
     cfg = cfg_for(name, "tiny", vocab_multiple=16)  # 10 classes padded to 16
     model = build(cfg)
     for dtype in ("float32", "bfloat16"):
-        m = nnx.merge(*nnx.split(model)) if dtype == "float32" else build(dataclasses.replace(cfg, dtype=dtype))
+        m = model if dtype == "float32" else build(dataclasses.replace(cfg, dtype=dtype))
         logits = m(IMAGES, train=False)
         assert logits.shape == (8, 16) and logits.dtype == jnp.dtype(dtype)
         assert bool(jnp.all(logits[:, 10:] == jnp.finfo(logits.dtype).min))
