@@ -213,8 +213,8 @@ def test_channel_pairs_alternate():
         assert axes[0][0] == "image_channels" and axes[-1][1] == "channels"
         assert all(a[1] == b[0] and a[1] != b[1] for a, b in zip(axes, axes[1:]))
     convs = resnet.convs(cfg_for("resnet", "50"))
-    assert {axes for name, *_, axes in convs if name.endswith("conv3")} == {("filters", "channels")}
-    assert {axes for name, *_, axes in convs if name.endswith("conv2")} == {("channels", "filters")}
+    assert {c.axes for c in convs if c.name.endswith("conv3")} == {("filters", "channels")}
+    assert {c.axes for c in convs if c.name.endswith("conv2")} == {("channels", "filters")}
 
 
 @pytest.mark.parametrize("name, keys, words", [
@@ -278,7 +278,8 @@ def reference(request):
 
 @pytest.mark.parametrize("mesh_text, layout_text", [
     ("data:8", "batch:data"),                                   # data parallel, synchronised BatchNorm
-    ("data:2,tensor:4", "batch:data;filters:tensor;vocab:tensor"),  # channel tensor parallelism
+    ("data:2,tensor:4", "batch:data;filters:tensor"),          # channel tensor parallelism
+    ("data:2,tensor:4", "batch:data;filters:tensor;vocab:tensor"),  # ... and the classes split
     ("data:2,tensor:4", "batch:data;height:tensor"),           # spatial: rows split, halos exchanged
     ("data:2,fsdp:4", "batch:data+fsdp | params=embed:fsdp;mlp:fsdp;channels:fsdp;filters:fsdp"),
 ])

@@ -14,6 +14,7 @@ meshtrain.state reads them, as for the language models.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,31 @@ from meshtrain.models.stack import Constrain, no_constraint
 # statistics keep 0.9 of their value per step (PyTorch writes momentum=0.1 for the new part).
 BN_MOMENTUM = 0.9
 BN_EPSILON = 1e-5
+
+
+class ConvSpec(NamedTuple):
+    """One conv of a model, as the families' `convs(cfg)` list them (for parameter and
+    multiply-add counts, and for what a spatial split exchanges: k//2 rows of the input,
+    h_in wide, c_in deep, each way at each boundary)."""
+
+    name: str
+    k: int
+    c_in: int
+    c_out: int
+    stride: int
+    h_in: int     # input height = width
+    h_out: int    # ceil(h_in / stride)
+    axes: tuple[str, str]  # logical (in, out) feature names
+
+    @property
+    def params(self) -> int:
+        """Kernel weights, no bias."""
+        return self.k * self.k * self.c_in * self.c_out
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds per image."""
+        return self.h_out * self.h_out * self.params
 
 
 def _variable(kind, value: jax.Array, axes: tuple[str, ...]):

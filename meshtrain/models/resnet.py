@@ -27,7 +27,7 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import family
-from meshtrain.models.conv import ConvBN, Dense, conv_output_size, global_avg_pool, max_pool, pool_output_size
+from meshtrain.models.conv import ConvBN, ConvSpec, Dense, conv_output_size, global_avg_pool, max_pool, pool_output_size
 from meshtrain.models.stack import Constrain, mask_padding, no_constraint
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # block output width / its inner width
@@ -82,25 +82,24 @@ def blocks(cfg: ResNetConfig):
     return out
 
 
-def convs(cfg: ResNetConfig):
-    """(name, k, c_in, c_out, stride, height out, axes) of every conv, shortcuts included."""
+def convs(cfg: ResNetConfig) -> list[ConvSpec]:
+    """Every conv, in order, shortcuts included."""
+    k, stride = (7, 2) if cfg.stem == "imagenet" else (3, 1)
     s = cfg.image_size
-    k = 7 if cfg.stem == "imagenet" else 3
-    stride = 2 if cfg.stem == "imagenet" else 1
-    out = [("stem", k, cfg.image_channels, cfg.width, stride, conv_output_size(s, stride),
-            ("image_channels", "channels"))]
+    out = [ConvSpec("stem", k, cfg.image_channels, cfg.width, stride, s, conv_output_size(s, stride),
+                    ("image_channels", "channels"))]
     for name, c_in, w, stride, s in blocks(cfg):
         so = conv_output_size(s, stride)
         c_out = w * EXPANSION[cfg.block]
         if cfg.block == "basic":
-            out += [(f"{name}/conv1", 3, c_in, w, stride, so, ("channels", "filters")),
-                    (f"{name}/conv2", 3, w, w, 1, so, ("filters", "channels"))]
+            out += [ConvSpec(f"{name}/conv1", 3, c_in, w, stride, s, so, ("channels", "filters")),
+                    ConvSpec(f"{name}/conv2", 3, w, w, 1, so, so, ("filters", "channels"))]
         else:
-            out += [(f"{name}/conv1", 1, c_in, w, 1, s, ("channels", "channels")),
-                    (f"{name}/conv2", 3, w, w, stride, so, ("channels", "filters")),
-                    (f"{name}/conv3", 1, w, c_out, 1, so, ("filters", "channels"))]
+            out += [ConvSpec(f"{name}/conv1", 1, c_in, w, 1, s, s, ("channels", "channels")),
+                    ConvSpec(f"{name}/conv2", 3, w, w, stride, s, so, ("channels", "filters")),
+                    ConvSpec(f"{name}/conv3", 1, w, c_out, 1, so, so, ("filters", "channels"))]
         if stride != 1 or c_in != c_out:
-            out.append((f"{name}/shortcut", 1, c_in, c_out, stride, so, ("channels", "channels")))
+            out.append(ConvSpec(f"{name}/shortcut", 1, c_in, c_out, stride, s, so, ("channels", "channels")))
     return out
 
 
@@ -161,13 +160,13 @@ class ResNet(nnx.Module):
 
 def num_params(cfg: ResNetConfig) -> int:
     """Closed form: per conv k^2 C_in C_out + 2 C_out (its BatchNorm), then C V + V (classes unpadded)."""
-    return sum(k * k * ci * co + 2 * co for _, k, ci, co, *_ in convs(cfg)) \
+    return sum(c.params + 2 * c.c_out for c in convs(cfg)) \
         + cfg.out_dim * cfg.vocab_size + cfg.vocab_size
 
 
 def forward_macs(cfg: ResNetConfig) -> int:
     """Multiply-adds of one image's forward pass: convs (H_out W_out k^2 C_in C_out) and the fc."""
-    return sum(so * so * k * k * ci * co for _, k, ci, co, _, so, _ in convs(cfg)) \
+    return sum(c.macs for c in convs(cfg)) \
         + cfg.out_dim * cfg.vocab_size
 
 
@@ -182,11 +181,12 @@ def activations(cfg: ResNetConfig, b: int):
     entry per distinct shape and axes (the first conv or block that makes it)."""
     s = cfg.image_size
     seen = {((b, s, s, cfg.image_channels), ("batch", "height", "width", "image_channels")): "images"}
-    for name, _, _, co, _, so, (_, out) in convs(cfg):
-        seen.setdefault(((b, so, so, co), ("batch", "height", "width", out)), f"{name} out")
-        if name == "stem" and cfg.stem == "imagenet":
-            sp = pool_output_size(so, 3, 2, 1)
-            seen.setdefault(((b, sp, sp, co), ("batch", "height", "width", out)), "stem max-pool")
+    for c in convs(cfg):
+        pinned = ("batch", "height", "width", c.axes[1])
+        seen.setdefault(((b, c.h_out, c.h_out, c.c_out), pinned), f"{c.name} out")
+        if c.name == "stem" and cfg.stem == "imagenet":
+            sp = pool_output_size(c.h_out, 3, 2, 1)
+            seen.setdefault(((b, sp, sp, c.c_out), pinned), "stem max-pool")
     seen.setdefault(((b, cfg.out_dim), ("batch", "channels")), "pooled features")
     seen.setdefault(((b, cfg.padded_vocab_size), ("batch", "vocab")), "logits")
     return [(what, shape, axes) for (shape, axes), what in seen.items()]
@@ -200,7 +200,7 @@ def _check(cfg: ResNetConfig) -> None:
         raise UserError("model.batch_norm=False: a resnet here always has BatchNorm (its convs have no "
                         "bias, and without normalisation a deep residual net needs a special "
                         "initialisation this code does not have). Unset model.batch_norm.")
-    want = len(convs(cfg)) - sum(name.endswith("shortcut") for name, *_ in convs(cfg)) + 1
+    want = sum(not c.name.endswith("shortcut") for c in convs(cfg)) + 1
     if cfg.num_layers != want:
         raise UserError(f"model.num_layers={cfg.num_layers}: this resnet has {want} weight layers "
                         f"(convs outside the shortcuts, and the fc); the depth comes from model.size. "

@@ -29,7 +29,7 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import family
-from meshtrain.models.conv import ConvBN, Dense, max_pool
+from meshtrain.models.conv import ConvBN, ConvSpec, Dense, max_pool
 from meshtrain.models.stack import Constrain, dropout as _dropout, mask_padding, no_constraint
 
 # torchvision's cfgs: a width is a 3x3 conv, M a 2x2 max-pool of stride 2.
@@ -128,14 +128,14 @@ class VGG(nnx.Module):
         return constrain(mask_padding(self.fc3(x), cfg.vocab_size), ("batch", "vocab"))
 
 
-def _convs(cfg: VGGConfig):
-    """(height in, c_in, c_out, axes) of each conv, in order."""
+def convs(cfg: VGGConfig) -> list[ConvSpec]:
+    """Every conv, in order (3x3, stride 1)."""
     s, c_in, axes, out = cfg.image_size, cfg.image_channels, iter(cfg.conv_axes()), []
     for t in cfg.plan():
         if t == "M":
             s //= 2
         else:
-            out.append((s, c_in, t, next(axes)))
+            out.append(ConvSpec(f"conv{len(out) + 1}", 3, c_in, t, 1, s, s, next(axes)))
             c_in = t
     return out
 
@@ -154,17 +154,16 @@ def _pools_after(cfg: VGGConfig) -> set[int]:
 def num_params(cfg: VGGConfig) -> int:
     """Closed form: per conv 9 C_in C_out + C_out (+ 2 C_out with BatchNorm); then
     D F + F + F F + F + F V + V with D the flattened features (classes unpadded)."""
-    convs = sum(9 * ci * co + co + (2 * co if cfg.batch_norm else 0) for _, ci, co, _ in _convs(cfg))
+    weights = sum(c.params + c.c_out + (2 * c.c_out if cfg.batch_norm else 0) for c in convs(cfg))
     d, f, v = cfg.flat_dim, cfg.mlp_dim, cfg.vocab_size
-    return convs + d * f + f + f * f + f + f * v + v
+    return weights + d * f + f + f * f + f + f * v + v
 
 
 def forward_macs(cfg: VGGConfig) -> int:
     """Multiply-adds of one image's forward pass: convs (H W 9 C_in C_out at stride 1) and
     the three fc layers (classes unpadded)."""
-    convs = sum(s * s * 9 * ci * co for s, ci, co, _ in _convs(cfg))
     d, f, v = cfg.flat_dim, cfg.mlp_dim, cfg.vocab_size
-    return convs + d * f + f * f + f * v
+    return sum(c.macs for c in convs(cfg)) + d * f + f * f + f * v
 
 
 def flops_per_example(cfg: VGGConfig) -> float:
@@ -178,10 +177,12 @@ def activations(cfg: VGGConfig, b: int):
     entry per distinct shape and axes)."""
     s0, v = cfg.image_size, cfg.padded_vocab_size
     out = [("images", (b, s0, s0, cfg.image_channels), ("batch", "height", "width", "image_channels"))]
-    for i, (s, _, c, (_, axes)) in enumerate(_convs(cfg), 1):
-        out.append((f"conv{i} out", (b, s, s, c), ("batch", "height", "width", axes)))
-        if i in _pools_after(cfg) and i < len(_convs(cfg)):  # the last pool is not pinned (see VGG.__call__)
-            out.append((f"pool after conv{i}", (b, s // 2, s // 2, c), ("batch", "height", "width", axes)))
+    all_convs = convs(cfg)
+    for i, c in enumerate(all_convs, 1):
+        pinned = ("batch", "height", "width", c.axes[1])
+        out.append((f"{c.name} out", (b, c.h_out, c.h_out, c.c_out), pinned))
+        if i in _pools_after(cfg) and i < len(all_convs):  # the last pool is not pinned (see VGG.__call__)
+            out.append((f"pool after {c.name}", (b, c.h_out // 2, c.h_out // 2, c.c_out), pinned))
     out += [("flattened features", (b, cfg.flat_dim), ("batch", "embed")),
             ("fc1 out", (b, cfg.mlp_dim), ("batch", "mlp")),
             ("fc2 out", (b, cfg.mlp_dim), ("batch", "embed")),
