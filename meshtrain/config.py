@@ -33,6 +33,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         vocab_size=None,     # None: from model.size (synthetic data) or the tokenizer (text)
         # Llama only (None: from model.size): grouped-query KV heads, RoPE base, tied output.
         num_kv_heads=None, rope_theta=None, tie_embeddings=None,
+        # Image families only (None: from model.size): input height = width, BatchNorm on/off.
+        image_size=None, batch_norm=None,
         vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
         dropout=0.0, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=True,

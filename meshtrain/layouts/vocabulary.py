@@ -16,11 +16,14 @@ VOCABULARY = {
     "vocab": "the outputs: token ids (rows of the embedding table, columns of the logits) or a classifier's classes",
     "layers": "the stacked (scanned) layer index",
     "stage": "the pipeline stage index of stacked layers",
-    "height": "rows of an image activation (spatial layouts split it)",
+    # Image models (models/conv.py, vgg.py, resnet.py; docs/models.md "Image families").
+    "height": "rows of an image activation (spatial layouts split it; convs exchange halos)",
     "width": "columns of an image activation",
-    "channels": "feature maps of an image activation that channel tensor parallelism keeps whole (a conv net's embed)",
-    "filters": "feature maps between the two convs of a pair: the first's output, the second's input (split like mlp)",
-    "kernel_h": "rows of a convolution kernel",
-    "kernel_w": "columns of a convolution kernel",
-    "image_channels": "the colour channels of the input image (3 for RGB), never split",
+    "channels": "feature maps a conv net keeps whole under tensor parallelism (its embed); "
+                "also BatchNorm's dim after such a conv",
+    "filters": "feature maps between the two convs of a channel-parallel pair (its mlp): "
+               "the first conv's outputs, the second's inputs",
+    "kernel_h": "rows of a conv kernel (never split)",
+    "kernel_w": "columns of a conv kernel (never split)",
+    "image_channels": "colour channels of the input image (3; never split)",
 }

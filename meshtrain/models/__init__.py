@@ -12,7 +12,7 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import attention, family, gpt2, llama, remat  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, family, gpt2, llama, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
