@@ -120,6 +120,19 @@ def gpt2_pretraining(size: str, mesh: str, layout: str, *, lr: float,
     return c
 
 
+def image_classification(name: str, size: str, *, mesh: str, layout: str) -> ml_collections.ConfigDict:
+    """base() for an image classifier (model.name vgg or resnet; tasks/classify.py):
+    synthetic images unless data.* says otherwise, SGD with momentum 0.9 and weight decay
+    5e-4 on the matrices and kernels, no clipping; classes are not padded to 128 (that
+    padding is for a vocabulary's matmul tiles)."""
+    c = base(size=size, mesh=mesh, layout=layout)
+    c.model.update(name=name, vocab_multiple=1)
+    c.train.update(steps=300, batch_size=32, log_every=10, eval_every=100, eval_steps=4)
+    c.optim.update(name="sgd", lr=0.05, min_lr=0.0, momentum=0.9, weight_decay=5e-4,
+                   warmup_steps=10, grad_clip=0.0)
+    return c
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
 

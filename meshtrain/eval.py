@@ -164,7 +164,9 @@ def num_batches(exp, split: str, asked: int | None) -> tuple[int, str]:
     every window of the split once: ceil(windows / batch size) batches, the last one
     filled up with windows read again (both streams cycle)."""
     batch = exp.cfg.train.batch_size
-    windows = exp.source.info.get("val_windows" if split == "validation" else "train_windows")
+    info = exp.source.info
+    windows = (info.get("val_windows" if split == "validation" else "train_windows") if "eval_examples" not in info
+               else info["eval_examples" if split == "validation" else "train_examples"])  # images
     if asked == 0:
         if windows is None:  # a source without a window count is endless
             raise UserError(f"--batches=0 evaluates the whole split, but the {exp.source.info.get('kind')!r} "

@@ -133,7 +133,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
         state_lib.check_activations(model, micro // pipe.microbatches, layout.without("stage"), mesh)
-    optim.schedule(cfg.optim, max(cfg.train.steps, 1))
+    optim.schedule(cfg.optim, max(cfg.train.steps, 1), cfg.train.batch_size)
     # Raise on indivisible dims, naming the parameter; kept, so they are resolved once.
     params, opt_state = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
     if layout.splits_grads:  # divisibility of the gradients' split (ZeRO-2)
@@ -212,7 +212,7 @@ class Experiment:
         layout, model, source = plan.layout, plan.model, inputs.source
 
         total = max(cfg.train.steps, 1)
-        schedule = optim.schedule(cfg.optim, total)
+        schedule = optim.schedule(cfg.optim, total, cfg.train.batch_size)
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state

@@ -101,7 +101,14 @@ def evaluate(exp, params, batches=None, each=None, stats=None) -> dict[str, floa
         if each is not None:
             each(batch, results[-1]["loss"])
     results = jax.device_get(results)
-    return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+    # A task that counts what each batch scored (a classifier's padding rows score
+    # nothing) is averaged per example; otherwise batches weigh the same.
+    weights = np.array([float(r["count"]) if "count" in r else 1.0 for r in results])
+    out = {k: float(np.sum([w * r[k] for w, r in zip(weights, results)]) / max(weights.sum(), 1.0))
+           for k in results[0] if k != "count"}
+    if "count" in results[0]:
+        out["count"] = int(weights.sum())
+    return out
 
 
 @dataclasses.dataclass

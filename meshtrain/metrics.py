@@ -235,8 +235,10 @@ class RunLog:
     def log_eval(self, step: int, eval_loss: float, metrics: dict | None = None) -> None:
         """An eval row: `eval_loss` and the task's eval metrics (`metrics`, e.g. top1 and
         top5, written as eval_top1, eval_top5)."""
-        extra = {f"eval_{k}": float(v) for k, v in (metrics or {}).items() if k != "loss"}
+        extra = {f"eval_{k}": float(v) for k, v in (metrics or {}).items() if k not in ("loss", "count")}
         self.last_eval = {"step": step, "eval_loss": eval_loss, **extra}
+        if metrics and "count" in metrics:  # the examples a finite split's eval scored
+            self.last_eval["eval_examples"] = int(metrics["count"])
         self._write(dict(self.last_eval))
         self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}"
                  + "".join(f" | {k} {100 * v:.2f}%" for k, v in extra.items()))

@@ -174,7 +174,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
             say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
             return 0
         say(metrics.data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
-        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at)
+        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at, batch_size=cfg.train.batch_size)
         say(lr_line)
         for w in lr_warnings:
             warn(w)

@@ -42,9 +42,9 @@ def count_params(cfg) -> int:
 
 
 # torchvision's published counts at 224 x 224, 1000 classes (its model documentation).
-PUBLISHED = [("vgg", "11", 132_863_336), ("vgg", "13", 133_047_848), ("vgg", "16", 138_357_544),
-             ("vgg", "19", 143_667_240), ("vgg", "16_bn", 138_365_992),
-             ("resnet", "18", 11_689_512), ("resnet", "50", 25_557_032)]
+PUBLISHED = [("vgg", "vgg11", 132_863_336), ("vgg", "vgg13", 133_047_848), ("vgg", "vgg16", 138_357_544),
+             ("vgg", "vgg19", 143_667_240), ("vgg", "vgg16_bn", 138_365_992),
+             ("resnet", "resnet18", 11_689_512), ("resnet", "resnet50", 25_557_032)]
 
 
 @pytest.mark.parametrize("name, size, expected", PUBLISHED)
@@ -56,8 +56,8 @@ def test_param_counts_match_published(name, size, expected):
 
 
 @pytest.mark.parametrize("name, size, keys", [("vgg", "tiny", {}), ("vgg", "tiny", dict(batch_norm=False)),
-                                              ("vgg", "11", dict(image_size=32)),
-                                              ("resnet", "tiny", {}), ("resnet", "18", dict(image_size=40))])
+                                              ("vgg", "vgg11", dict(image_size=32)),
+                                              ("resnet", "tiny", {}), ("resnet", "resnet18", dict(image_size=40))])
 def test_closed_form_counts_the_built_model(name, size, keys):
     """Off the published sizes too: no BatchNorm, VGG's classifier at 32 px (1x1 features),
     and a ResNet whose strides do not divide the image evenly."""
@@ -95,7 +95,7 @@ def traced_macs(cfg) -> int:
 
 @pytest.mark.parametrize("name, size, published_gmacs", [
     # torchvision's documentation (its "GFLOPS" column counts multiply-adds).
-    ("vgg", "16", 15.47), ("vgg", "16_bn", 15.47), ("resnet", "50", 4.09), ("resnet", "18", 1.81),
+    ("vgg", "vgg16", 15.47), ("vgg", "vgg16_bn", 15.47), ("resnet", "resnet50", 4.09), ("resnet", "resnet18", 1.81),
     ("vgg", "tiny", None), ("resnet", "tiny", None)])
 def test_flops_per_example_counts_the_traced_forward(name, size, published_gmacs):
     cfg = cfg_for(name, size)
@@ -172,7 +172,7 @@ def test_train_mode_updates_the_running_statistics_and_eval_reads_them(name):
     assert not jnp.allclose(model(IMAGES, train=False), eval0)  # eval now reads the new statistics
 
 
-@pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "16_bn"), ("resnet", "tiny"), ("resnet", "50")])
+@pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "vgg16_bn"), ("resnet", "tiny"), ("resnet", "resnet50")])
 def test_every_variable_has_logical_axes_from_the_vocabulary(name, size):
     cfg = cfg_for(name, size)
     model = nnx.eval_shape(lambda: build(cfg))
@@ -188,7 +188,7 @@ def test_every_variable_has_logical_axes_from_the_vocabulary(name, size):
         assert len(shape) == len(axes) and all(a in VOCABULARY for a in axes), what
 
 
-@pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "16"), ("resnet", "tiny"), ("resnet", "50")])
+@pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "vgg16"), ("resnet", "tiny"), ("resnet", "resnet50")])
 def test_activations_list_what_the_forward_pins(name, size):
     """activations(cfg, b) is what layout validation checks: the same (shape, axes) pairs
     the forward pass hands to `constrain`, no more and no fewer."""
@@ -208,21 +208,21 @@ def test_activations_list_what_the_forward_pins(name, size):
 def test_channel_pairs_alternate():
     """Each conv reads what the previous one wrote; the last conv before VGG's classifier
     and every ResNet block output are `channels`, kept whole under channel TP."""
-    for size in ("11", "16", "tiny"):
+    for size in ("vgg11", "vgg16", "tiny"):
         axes = cfg_for("vgg", size).conv_axes()
         assert axes[0][0] == "image_channels" and axes[-1][1] == "channels"
         assert all(a[1] == b[0] and a[1] != b[1] for a, b in zip(axes, axes[1:]))
-    convs = resnet.convs(cfg_for("resnet", "50"))
+    convs = resnet.convs(cfg_for("resnet", "resnet50"))
     assert {c.axes for c in convs if c.name.endswith("conv3")} == {("filters", "channels")}
     assert {c.axes for c in convs if c.name.endswith("conv2")} == {("channels", "filters")}
 
 
 @pytest.mark.parametrize("name, keys, words", [
-    ("vgg", dict(size="16", image_size=16), "model.image_size=16 is too small"),
+    ("vgg", dict(size="vgg16", image_size=16), "model.image_size=16 is too small"),
     ("vgg", dict(size="tiny", num_layers=5), "model.num_layers=5"),
     ("vgg", dict(size="tiny", remat="full"), "model.remat"),
     ("resnet", dict(size="tiny", batch_norm=False), "model.batch_norm=False"),
-    ("resnet", dict(size="18", num_layers=34), "model.num_layers=34"),
+    ("resnet", dict(size="resnet18", num_layers=34), "model.num_layers=34"),
 ])
 def test_checks_refuse_impossible_models(name, keys, words):
     size = keys.pop("size")

@@ -108,7 +108,11 @@ def sized_source(*, name: str, num_classes: int, image_size: int, channels: int,
         return batch(train.__getitems__(ids), positions)
 
     def read_eval(ids):
-        return batch(evals.__getitems__([int(i) for i in ids]), None)
+        # Positions past the split are padding rows, labelled -1: the classify task leaves
+        # them out, so an eval over ceil(n / B) batches scores every image exactly once.
+        out = batch(evals.__getitems__([max(int(i), 0) for i in ids]), None)
+        out["labels"] = np.where(np.asarray(ids) >= 0, out["labels"], -1).astype(out["labels"].dtype)
+        return out
 
     if mean_std is None:
         sample = np.linspace(0, n_train - 1, min(n_train, 512)).astype(np.int64)
@@ -122,7 +126,8 @@ def sized_source(*, name: str, num_classes: int, image_size: int, channels: int,
                 mean=[float(m) for m in mean_std[0]], std=[float(s) for s in mean_std[1]])
     return ImageSource(num_classes=num_classes, info=info,
                        train_ids=grain.MapDataset.range(2**62), read_train=read_train,
-                       eval_ids=grain.MapDataset.range(n_eval).repeat(), read_eval=read_eval)
+                       eval_ids=grain.MapDataset.range(2**62).map(lambda p: p if p < n_eval else -1),
+                       read_eval=read_eval)
 
 
 def pixel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

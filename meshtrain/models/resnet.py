@@ -41,8 +41,8 @@ def _size(block: str, stages: str, *, width=64, stem="imagenet", image_size=224,
 
 
 SIZES = {
-    "18": _size("basic", "2 2 2 2"),
-    "50": _size("bottleneck", "3 4 6 3"),
+    "resnet18": _size("basic", "2 2 2 2"),
+    "resnet50": _size("bottleneck", "3 4 6 3"),
     # 16 px, the small stem, two stages of one basic block (16 and 32 wide), 10 classes.
     "tiny": _size("basic", "1 1", width=16, stem="small", image_size=16, classes=10),
 }

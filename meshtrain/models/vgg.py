@@ -46,8 +46,8 @@ def _size(plan: str, batch_norm: bool, image_size=224, mlp=4096, classes=1000) -
 
 
 SIZES = {
-    **{str(n): _size(p, False) for n, p in ((11, _A), (13, _B), (16, _D), (19, _E))},
-    **{f"{n}_bn": _size(p, True) for n, p in ((11, _A), (13, _B), (16, _D), (19, _E))},
+    **{f"vgg{n}": _size(p, False) for n, p in ((11, _A), (13, _B), (16, _D), (19, _E))},
+    **{f"vgg{n}_bn": _size(p, True) for n, p in ((11, _A), (13, _B), (16, _D), (19, _E))},
     # 16 px, 4 convs with BatchNorm, a 64-wide classifier, 10 classes: compiles in seconds on a CPU.
     "tiny": _size("16 16 M 32 32 M", True, image_size=16, mlp=64, classes=10),
 }

@@ -3,7 +3,8 @@
     batch   {"images": uint8 [B, H, W, C], "labels": int32 [B]}
     loss    mean cross entropy in float32 over the B images
     metrics top1, top5: the share of images whose label is the highest logit, or among
-            the five highest
+            the five highest; count: the images scored (a label of -1 marks a padding row,
+            which the loss and metrics leave out: a finite eval split's last batch)
     unit    images: 1 per row
 
 Pixels cross to the devices as uint8 (a quarter of float32's bytes) and are normalised
@@ -54,13 +55,17 @@ class Classification:
         x = constrain(self.normalise(batch["images"]), IMAGE_AXES)
         logits = module(x, constrain, key, train).astype(jnp.float32)  # [B, padded classes]
         labels = batch["labels"]
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        return loss, top_k_accuracy(logits, labels)
+        # Label -1 marks a padding row (the last eval batch of a finite split): left out.
+        valid = (labels >= 0).astype(jnp.float32)
+        count = jnp.maximum(valid.sum(), 1.0)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        metrics = {k: (v * valid).sum() / count for k, v in top_k_hits(logits, labels).items()}
+        return (ce * valid).sum() / count, {**metrics, "count": valid.sum()}
 
 
-def top_k_accuracy(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
-    """{"top1", "top5"}: the share of rows whose label's logit is beaten by fewer than k
+def top_k_hits(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    """{"top1", "top5"}: [B] float32, 1 where the label's logit is beaten by fewer than k
     others (ties counted for the label), from logits [B, V] and labels [B]."""
-    own = jnp.take_along_axis(logits, labels[:, None], axis=1)     # [B, 1]
-    rank = jnp.sum(logits > own, axis=1)                            # [B] logits above the label's
-    return {f"top{k}": jnp.mean((rank < k).astype(jnp.float32)) for k in (1, 5)}
+    own = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=1)  # [B, 1]
+    rank = jnp.sum(logits > own, axis=1)                                       # [B] logits above the label's
+    return {f"top{k}": (rank < k).astype(jnp.float32) for k in (1, 5)}
