@@ -9,10 +9,10 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import abstract_mesh, check_config
 
 NAMES = config_lib.available()
-PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor"}
+PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor", "spatial": "tensor"}
 # The survey's recipe names (issue 25) name the data set and the optimizer; a recipe whose
 # name gives no mesh says its mesh here.
-DATA_WORDS = {"wikitext", "imagenet"}
+DATA_WORDS = {"wikitext", "imagenet", "digits"}
 RECIPE_MESH = {"gpt2_medium_wikitext_lamb": "data:8"}
 
 
@@ -48,6 +48,8 @@ def test_name_matches_mesh_and_validates(name):
         if part in DATA_WORDS:
             continue
         kind, n = re.fullmatch(r"([a-z]+)(\d+)", part).groups()
+        if kind == "spatial":  # image rows split over tensor
+            assert cfg.layout == "dp_spatial", f"{name}: layout should be dp_spatial"
         expected[PART_AXIS[kind]] = int(n)
     if name in RECIPE_MESH:
         expected = mesh_lib.parse_shape(RECIPE_MESH[name])
