@@ -114,6 +114,8 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     layout = layouts.get(cfg.layout)
     src, source = inputs.init, inputs.source
     dims = init_from.model_dims(src, cfg.model) if src else models.size_dims(cfg.model)
+    if cfg.pipeline.microbatches > 0 or (mesh.shape["stage"] > 1 and pipeline.uses_stage(layout)):
+        state_lib.check_pipelinable(models.family.get(cfg.model.name))
     pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"], layout)
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)

@@ -105,17 +105,23 @@ def abstract_model(cfg: ModelConfig, pipeline: Pipeline | None = None) -> ModelD
     model = nnx.eval_shape(lambda: fam.module(cfg, nnx.Rngs(0)))
     graphdef, state, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     axes, shapes = _axes_of(state), nnx.to_pure_dict(state)
-    if pipeline is not None and fam.stacked is None:
-        raise UserError(
-            f"model.name={fam.name!r} cannot be pipelined: a pipeline stage is one program "
-            f"over a slice of a stack of identical layers, and {fam.name} has no such stack "
-            f"(its layers differ in shape from one to the next). Use a layout without a "
-            f"stage axis (dp, zero1, fsdp, dp_tp, dp_spatial) and pipeline.microbatches=0.")
+    if pipeline is not None:
+        check_pipelinable(fam)
     if pipeline is not None:
         is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
         axes[fam.stacked] = jax.tree.map(stage_axes, axes[fam.stacked], is_leaf=is_axes)
         shapes[fam.stacked] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes[fam.stacked])
     return ModelDef(cfg, fam, graphdef, shapes, axes, pipeline, nnx.to_pure_dict(stats), _axes_of(stats))
+
+
+def check_pipelinable(fam: Family) -> None:
+    """A pipeline cuts the family's stack of identical layers into stages; refuse one without."""
+    if fam.stacked is None:
+        raise UserError(
+            f"model.name={fam.name!r} cannot be pipelined: a pipeline stage is one program "
+            f"over a slice of a stack of identical layers, and {fam.name} has no such stack "
+            f"(its layers differ in shape from one to the next). Use a layout without a "
+            f"stage axis (dp, zero1, fsdp, dp_tp, dp_spatial) and pipeline.microbatches=0.")
 
 
 def _axes_of(state) -> dict:

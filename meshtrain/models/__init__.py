@@ -53,6 +53,8 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     dims = dict(size_dims(m) if dims is None else dims)
     dims["vocab_size"] = vocab_size
     for f, v in dims.items():
+        if f == "seq_len" and fam.task != "lm":  # 0: a classifier's inputs are not sequences
+            continue
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise UserError(f"model.{f}={v}: must be a positive integer.")
     for key in ("dtype", "param_dtype"):
