@@ -29,8 +29,8 @@ def _build(name, **overrides):
 @pytest.fixture(scope="module")
 def planned():
     out = {}
-    for name, overrides in {**SPATIAL, "vgg_tiny_dp8": {}}.items():
-        exp = _build(name, **overrides)
+    for name, overrides in {**SPATIAL, "vgg_tiny_dp8": {}, "resnet_tiny_dp8 dp": {}}.items():
+        exp = _build(name.split()[0], **overrides)
         compiled = exp.compile()
         out[name] = (exp, compiled, report_lib.plan(exp, H100, compiled, 0.0))
     return out
@@ -110,19 +110,21 @@ def test_no_halo_without_a_row_split(planned):
     assert planned["vgg_tiny_dp8"][2]["halo"] is None
 
 
-def test_a_classifier_plan_counts_convs_and_no_language_model_formula(planned):
+@pytest.mark.parametrize("name", ["vgg_tiny_dp8", "resnet_tiny_dp8 dp"])
+def test_a_classifier_plan_counts_convs_and_no_language_model_formula(name, planned):
     """Compiled FLOPs (matmuls and convs) are 6 x the forward's multiply-adds less the first
-    conv's input gradient, which is not computed (images have no gradient); no attention,
-    no activation formula, and the data axis's reduction equals its bound within BatchNorm's
-    statistics."""
-    exp, _, r = planned["vgg_tiny_dp8"]
+    conv's input gradient, which is not computed (images have no gradient), and with a
+    strided conv's input gradient counted without the zeros it dilates dy with (ResNet's);
+    no attention, no activation formula, and the data axis's reduction equals its bound
+    within BatchNorm's synchronised statistics."""
+    exp, _, r = planned[name]
     cfg, images = exp.model.cfg, exp.cfg.train.batch_size
     first = exp.model.family.convs(cfg)[0]
     assert r["flops_per_step"] == pytest.approx(r["model_flops_per_step"] - 2 * first.macs * images)
     assert r["attention"] is None and r["analytic_memory_per_device_bytes"]["activations"] is None
     assert r["memory_ratio"]["optimizer"] == pytest.approx(1.0)  # SGD's one momentum buffer
     (data,) = r["collectives_by_axes"]
-    assert 1.0 <= data["ratio"] < 1.02
+    assert 1.0 <= data["ratio"] < 1.05
 
 
 def test_plan_prints_compiled_and_formula(capsys, monkeypatch):

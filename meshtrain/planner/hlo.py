@@ -323,7 +323,8 @@ def _dims(shape: str) -> list[int]:
 def dot_flops(compiled_or_text) -> float:
     """Matmul FLOPs one device runs per step: 2 x |result| x |contracted dims| per `dot`,
     and 2 x |result| x |kernel| / its output features per `convolution` (each output sums
-    the kernel's window x input features; zero padding counted, as XLA computes it),
+    the kernel's window x input features; zero padding counted, the zeros a strided conv's
+    input gradient dilates dy with not),
     weighted by loop trip counts. Unlike cost_analysis, it ignores element-wise work
     (whose count moves with XLA's fusion choices) and counts every loop iteration."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
@@ -352,5 +353,10 @@ def dot_flops(compiled_or_text) -> float:
                 rhs = _dims(shapes.get(conv.group(1), ""))
                 if rhs:
                     per_output = np.prod(rhs) / rhs[labels.group(1).index("o")]
+                    # A strided conv's input gradient dilates dy with zeros (lhs_dilate): the
+                    # window meets a real value once in prod(dilation) places, as a
+                    # transposed conv on an accelerator computes it.
+                    dilate = re.search(r"lhs_dilate=([\dx]+)", line)
+                    per_output /= np.prod([int(d) for d in dilate.group(1).split("x")]) if dilate else 1
                     total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * per_output
     return total

@@ -174,7 +174,7 @@ def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
     for kind, r in mine.items():
         b = theirs.get(kind)
         mib = r["bytes"] / 2**20
-        if b is None and kind == "all-reduce" and "reduce-scatter" in theirs:
+        if kind == "all-reduce" and "reduce-scatter" in theirs and (b is None or r["bytes"] > 2 * b["bytes"]):
             reasons.append(f"gradients reduced by all-reduce ({mib:,.1f} MiB) where the bound reduce-"
                            f"scatters: an all-reduce sends twice a reduce-scatter's bytes and leaves "
                            f"the full gradient on every device (the CPU compiler's choice here; check "
