@@ -91,3 +91,24 @@ def test_golden_tables(preset, make_config):
     assert table == path.read_text(), (
         f"sharding table for {preset!r} changed; review the diff and regenerate with "
         f"UPDATE_GOLDEN=1 pytest tests/test_layouts.py")
+
+
+IMAGE_GOLDEN = [("vgg", p) for p in ("dp", "fsdp", "zero1", "dp_tp", "dp_spatial")] + \
+    [("resnet", p) for p in ("fsdp", "dp_tp", "dp_spatial")]
+
+
+@pytest.mark.parametrize("family, preset", IMAGE_GOLDEN)
+def test_golden_tables_image_models(family, preset, make_config):
+    """The image families' tiny sizes: conv kernels and BatchNorm vectors by channels and
+    filters, activations by batch, height and width (BatchNorm's statistics follow the
+    params rules, as the scales beside them show)."""
+    cfg = make_config(f"{family}_tiny_dp8")
+    model = abstract_model(model_config(cfg.model, vocab_size=10))
+    table = sharding_table(model.axes, layouts.get(preset), model.activation_axes())
+    path = GOLDEN / f"{family}_tiny_{preset}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(table)
+    assert path.exists(), f"missing {path}; run UPDATE_GOLDEN=1 pytest tests/test_layouts.py -k golden"
+    assert table == path.read_text(), (
+        f"sharding table of {family} tiny for {preset!r} changed; review the diff and regenerate with "
+        f"UPDATE_GOLDEN=1 pytest tests/test_layouts.py -k golden")

@@ -43,6 +43,9 @@ A family gives:
   flops_per_example  classify: training FLOPs per image (3 x the forward's 2 x multiply-adds)
   size_keys   logical axis -> the config key that sets its size, for error messages
   check       optional: cfg -> None, raising UserError for a combination the family refuses
+  convs       optional: cfg -> [models.conv.ConvSpec], every conv in forward order (kernel,
+              stride, channels, heights, logical names; its name is its params' path
+              prefix): the planner's halo formula for spatial layouts (planner/halo.py)
   describe    cfg -> one line, for logs and checkpoint metadata
 
 Optional decoding (meshtrain/sample.py, meshtrain/sampling/generate.py): a module with
@@ -102,6 +105,7 @@ class Family:
     flops_per_example: Callable[[Any], float] | None = None
     check: Callable[[Any], None] | None = None
     layer_activation_bytes: Callable[[Any, int, int, str], float] | None = None
+    convs: Callable[[Any], list] | None = None
 
     def fields(self) -> tuple[str, ...]:
         """The dimension fields a size sets (the same for every size of the family)."""

@@ -225,5 +225,5 @@ FAMILY = family.register(family.Family(
                "channels": "a block width of model.size", "filters": "a block's inner width (model.size)",
                "image_channels": "the images' colour channels",
                "vocab": "the classes (padded to model.vocab_multiple)"},
-    describe=describe, check=_check,
+    describe=describe, check=_check, convs=convs,
 ))

@@ -227,5 +227,5 @@ FAMILY = family.register(family.Family(
                "image_channels": "the images' colour channels",
                "embed": "the classifier width (flattened features, fc2)", "mlp": "the fc1 width",
                "vocab": "the classes (padded to model.vocab_multiple)"},
-    describe=describe, check=_check,
+    describe=describe, check=_check, convs=convs,
 ))

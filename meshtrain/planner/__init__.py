@@ -2,6 +2,7 @@
 
   hardware   the device table (peaks, memory, links) the predictions use
   analytic   memory and collective lower bounds from the formulas
+  halo       a spatial layout's halo exchanges (conv rows across split boundaries) by formula
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time

@@ -1,9 +1,10 @@
 """What a layout should cost by the formulas, from the config alone (nothing compiled).
 
-Memory per device (bytes), for fp32 master weights and AdamW:
+Memory per device (bytes), for fp32 master weights:
   params       sum over leaves of size / (shards of its params spec) x param bytes
-  optimizer    2 moments x size / (shards of its opt_state spec) x param bytes
-               (the first moment in optim.mu_dtype's bytes when set)
+  optimizer    its moments (optim.moment_dtypes: AdamW and LAMB 2, SGD and LARS with
+               momentum 1) x size / (shards of its opt_state spec) x param bytes (the
+               first moment in optim.mu_dtype's bytes when set)
   gradients    size / (shards of its grads spec) x param bytes: the params' sharding (the
                backward writes them there), or split like the moments under a layout
                whose grads table reduce-scatters each layer's gradient inside the backward
@@ -29,7 +30,8 @@ sharding back into the layer scan when nothing pins the gradient whole; the form
 counts what the layout asks for.)
 
 Collective lower bounds (bytes each device sends per step, ring algorithms):
-  gradients    every leaf's gradient reduced once over the batch axes that do not shard it:
+  gradients    every leaf's gradient reduced once over the batch axes that do not shard it
+               (a conv's leaves also over the axes that split image rows: a sum over positions):
                all-reduce 2 (n-1)/n x local bytes; over an axis that shards only its optimizer
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
                bytes, in the compute dtype (the narrowest the backward computes gradients
@@ -53,6 +55,12 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
   stage        each microbatch crosses each stage boundary once forward and once backward,
                [b, T, D] in the compute dtype, (S-1)/S of the devices sending; r times round
                the stages under circular/interleaved: (r S - 1)/S per device.
+  halo         a layout that splits image rows: each conv's k//2 rows of its input forward
+               and of its output gradient backward, each way at each split boundary
+               (planner/halo.py; the weight gradient's second fetch of the input's rows is
+               known excess). A classifier's channel tensor parallelism has no formula
+               (`no_formula`), nor has the activation memory of a family without
+               layer_activation_bytes.
 """
 
 from __future__ import annotations
@@ -63,10 +71,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import grad_reduce, loss as loss_lib, state as state_lib, step as step_lib, tree_paths
+from meshtrain import grad_reduce, loss as loss_lib, optim, state as state_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.planner import pipeline_memory
+from meshtrain.planner import halo, pipeline_memory
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -133,8 +141,8 @@ def memory(exp, hw=None) -> dict[str, float]:
                  for s, sh in zip(shapes, jax.tree.leaves(exp.shardings.params))]
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
         grads += sum(n * (4 + w) for n, w in zip(inner, wbytes)) - opt * 4
-    mu_bytes = jnp.dtype(exp.cfg.optim.mu_dtype or m.cfg.param_dtype).itemsize
-    return {"params": params * pbytes, "optimizer": opt * (mu_bytes + pbytes), "gradients": grads,
+    moments = sum(jnp.dtype(d).itemsize for d in optim.moment_dtypes(exp.cfg.optim, m.cfg.param_dtype))
+    return {"params": params * pbytes, "optimizer": opt * moments, "gradients": grads,
             "activations": activations(exp, hw)}
 
 
@@ -262,11 +270,19 @@ def collective_bounds(exp) -> list[dict]:
     flat_opt = tree_paths.flat(exp.grad_shardings)
     flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
     zero2 = exp.layout.splits_grads
+    # A conv's gradient sums over the image rows too: a spatial split leaves a part on each device.
+    convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
     for path, shape in flat_shapes.items():
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
         splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
         local = math.prod(shape.shape) / _size(mesh, p_axes)
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
+        rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
+        reduced = local  # what is left to reduce over the batch axes
+        if rows_axes:  # over the row split first (reduce-scatter + all-gather), then 1/n of it over the batch axes
+            n = _size(mesh, rows_axes)
+            add("all-reduce", rows_axes, 0, 2 * (n - 1) / n * local * g, "conv gradient reduction over the row split")
+            reduced = local / n
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
         if grad_bytes and reduce_axes and set(reduce_axes) <= set(replicas):
             g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/grad_reduce.py)
@@ -275,7 +291,7 @@ def collective_bounds(exp) -> list[dict]:
         # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.
         if plain:
             n = _size(mesh, plain)
-            add("all-reduce", plain, 0, 2 * (n - 1) / n * local * g, "gradient reduction")
+            add("all-reduce", plain, 0, 2 * (n - 1) / n * reduced * g, "gradient reduction")
         if zero:
             n = _size(mesh, zero)
             stage = "ZeRO-2" if zero2 else "ZeRO-1"
@@ -312,6 +328,10 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, exp.cfg.train.grad_accum_steps * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
+    for kind, axes, count, nbytes, what in halo.bound_rows(exp):
+        add(kind, axes, count, nbytes, what)
+    if not _has_stream(m):  # a classifier: no Megatron or pipeline formula (no_formula says so)
+        return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
     t_axes = _shards(exp, "heads")[1]
     activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
     stages = m.pipeline.stages if m.pipeline else 1
@@ -333,6 +353,22 @@ def collective_bounds(exp) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
 
 
+def no_formula(exp) -> list[dict]:
+    """[{mesh_axes, why}]: traffic of the layout the bounds do not count. A model without a
+    [batch, length, embed] stream (a classifier) has no formula for tensor parallelism
+    (channel-split convs and classifier) or pipelines: its tensor-axis collectives are
+    reported without a bound."""
+    m, mesh = exp.model, exp.mesh
+    if _has_stream(m):
+        return []
+    names = ("filters", "channels", "mlp", "embed", "vocab", "heads")
+    axes = tuple(dict.fromkeys(a for n in names for a in _shards(exp, n)[1] if mesh.shape[a] > 1))
+    if not axes:
+        return []
+    return [{"mesh_axes": axes, "why": f"no formula for the collectives of a classifier's feature maps "
+                                       f"split over {'+'.join(axes)} (channel tensor parallelism): not in the bound"}]
+
+
 def known_excess(exp) -> list[dict]:
     """Traffic the layout's program sends beyond the bound for reasons of the model's own
     making: [{kind, mesh_axes, bytes, why}].
@@ -340,6 +376,10 @@ def known_excess(exp) -> list[dict]:
       tied table   a [vocab, embed] table with no [embed, vocab] output matrix serves the
                    lookup and the output projection; XLA reduces the two gradient pieces
                    over the batch axes before adding them, so the table's reduction runs twice
+      conv grads   under a row split, XLA all-reduces a conv's gradient over the split,
+                   then whole over the batch axes: (1 - 1/r) of the latter is more than
+                   the bound's (a reduce-scatter over the split first)
+      halo         the weight gradient's halo rows, fetched again (planner/halo.py)
       kv heads     K/V projections kept whole over tensor (grouped-query attention, see
                    docs/layouts.md) get gradient pieces from every head shard: their weight
                    gradients are summed over tensor (counted), and per layer their output
@@ -352,7 +392,9 @@ def known_excess(exp) -> list[dict]:
     tied = not any(tuple(a) == ("embed", "vocab") for a in flat_axes.values())
     _, batch_axes = _shards(exp, "batch")
     t_axes = _shards(exp, "heads")[1]
-    out = []
+    opt = tree_paths.flat(exp.grad_shardings)
+    convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
+    out, conv_rows = [], {}
     for path, shape in tree_paths.flat(m.shapes).items():
         axes, p_axes = flat_axes[path], _axes_of(params[path])
         local = math.prod(shape.shape) / _size(mesh, p_axes)
@@ -363,6 +405,16 @@ def known_excess(exp) -> list[dict]:
                         "bytes": 2 * (n - 1) / n * local * compute,
                         "why": f"the tied table {path} is reduced twice, its lookup and its output-"
                                f"projection gradients apart"})
+        rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
+        plain = [a for a in reduce_axes if a not in _axes_of(opt[path])]
+        if rows_axes and plain:  # the bound's reduced share: collective_bounds
+            n, r = _size(mesh, plain), _size(mesh, rows_axes)
+            row = conv_rows.setdefault(tuple(plain), {
+                "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
+                "why": f"conv gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over "
+                       f"the row split ({'+'.join(rows_axes)}), where a reduce-scatter there would leave 1/{r} "
+                       f"of them to reduce"})
+            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
         kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
         if "kv_heads" in axes and kv_whole:
             n = _size(mesh, kv_whole)
@@ -372,7 +424,12 @@ def known_excess(exp) -> list[dict]:
                                f"is summed over the head shards; so are, per layer, the small "
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})
-    return out
+    return out + list(conv_rows.values()) + halo.known_excess(exp)
+
+
+def _has_stream(model) -> bool:
+    """Whether the family pins a [batch, length, embed] residual stream (a language model)."""
+    return any(tuple(axes) == ("batch", "length", "embed") for _, _, axes in model.family.activations(model.cfg, 1))
 
 
 def _embed_dim(model) -> int:

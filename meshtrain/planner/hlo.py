@@ -7,7 +7,7 @@ product of the `known_trip_count`s of the loops around it.
 
     stats = collectives(exp.compile())
     stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
-    dot_flops(exp.compile())  # matmul FLOPs per step per device, loops counted
+    dot_flops(exp.compile())  # matmul and conv FLOPs per step per device, loops counted
 
 Bytes are counted as an accelerator would send them, where the CPU compiler differs:
   - it widens 16-bit collectives to float32, reductions by XLA's all-reduce promotion (the
@@ -322,6 +322,9 @@ def _dims(shape: str) -> list[int]:
 
 def dot_flops(compiled_or_text) -> float:
     """Matmul FLOPs one device runs per step: 2 x |result| x |contracted dims| per `dot`,
+    and 2 x |result| x |kernel| / its output features per `convolution` (each output sums
+    the kernel's window x input features; zero padding counted, the zeros a strided conv's
+    input gradient dilates dy with not),
     weighted by loop trip counts. Unlike cost_analysis, it ignores element-wise work
     (whose count moves with XLA's fusion choices) and counts every loop iteration."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
@@ -335,11 +338,25 @@ def dot_flops(compiled_or_text) -> float:
             if not m:
                 continue
             shapes[m.group(1)] = m.group(2).split(" ")[0]
-            op = re.search(r"\sdot\(%([^,\s)]+)", m.group(2))
-            if not op or not mult.get(name):
+            if not mult.get(name):
                 continue
-            lhs = _dims(shapes.get(op.group(1), ""))
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-            k = int(np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i])) if contracting else 1
-            total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * k
+            op = re.search(r"\sdot\(%([^,\s)]+)", m.group(2))
+            if op:
+                lhs = _dims(shapes.get(op.group(1), ""))
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+                k = int(np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i])) if contracting else 1
+                total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * k
+                continue
+            conv = re.search(r"\sconvolution\(%[^,\s)]+, %([^,\s)]+)\)", m.group(2))
+            labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line)
+            if conv and labels and "o" in labels.group(1):
+                rhs = _dims(shapes.get(conv.group(1), ""))
+                if rhs:
+                    per_output = np.prod(rhs) / rhs[labels.group(1).index("o")]
+                    # A strided conv's input gradient dilates dy with zeros (lhs_dilate): the
+                    # window meets a real value once in prod(dilation) places, as a
+                    # transposed conv on an accelerator computes it.
+                    dilate = re.search(r"lhs_dilate=([\dx]+)", line)
+                    per_output /= np.prod([int(d) for d in dilate.group(1).split("x")]) if dilate else 1
+                    total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * per_output
     return total

@@ -19,7 +19,7 @@ import jax
 
 from meshtrain.planner import hlo
 from meshtrain import metrics
-from meshtrain.planner import analytic, roofline
+from meshtrain.planner import analytic, halo, roofline
 from meshtrain.planner.hardware import Hardware
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
@@ -77,7 +77,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     return {
         "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
         "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
-        "attention": analytic.attention_on(exp, hw),
+        "attention": analytic.attention_on(exp, hw) if exp.model.family.task == "lm" else None,
         "pipeline": None if pipe is None else pipe.to_json(),
         "compile_time_s": compile_s,
         "memory_per_device_bytes": memory,
@@ -88,11 +88,12 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "collective_bounds": [_row(r) for r in bounds],
         "collective_bytes_per_step": sum(r["bytes"] for r in rows),
         "collective_lower_bound_bytes": sum(r["bytes"] for r in bounds),
-        "collectives_by_axes": by_axes(rows, bounds, analytic.known_excess(exp)),
+        "collectives_by_axes": by_axes(rows, bounds, analytic.known_excess(exp), analytic.no_formula(exp)),
+        "halo": halo.report(exp, rows),
         "flops_per_step": flops_dev * devices,
         "model_flops_per_step": model_flops,
         "flops_convention": (metrics.flops_convention(cfg) + "; flops_per_step: the compiled "
-                             "program's matmul FLOPs on all devices, loops counted (remat and the "
+                             "program's matmul and conv FLOPs on all devices, loops counted (remat and the "
                              "full attention square included)"),
         "predicted_step_time_s": predicted["step_time_s"],
         "predicted_mfu": predicted["mfu"],
@@ -128,9 +129,10 @@ def _row(r: dict) -> dict:
     return {**r, "mesh_axes": list(r["mesh_axes"])}
 
 
-def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = ()) -> list[dict]:
+def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = (), unbounded: list[dict] = ()) -> list[dict]:
     """Per mesh-axes group: compiled bytes, the lower bound, their ratio and the reasons for
-    any excess (`known`: analytic.known_excess, then `excess` for what remains)."""
+    any excess (`known`: analytic.known_excess, then `excess` for what remains; a group in
+    `unbounded`, analytic.no_formula, gives its `why` instead)."""
     keys = list(dict.fromkeys([tuple(r["mesh_axes"]) for r in bounds] + [tuple(r["mesh_axes"]) for r in rows]))
     out = []
     for axes in keys:
@@ -146,8 +148,9 @@ def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = ()) -> lis
         for k in known:
             if tuple(k["mesh_axes"]) == axes and k["kind"] in rest:
                 rest[k["kind"]]["bytes"] += k["bytes"]
+        missing = [u["why"] for u in unbounded if tuple(u["mesh_axes"]) == axes]
         if sent > 1.02 * (least + explained):
-            reasons += excess(mine, list(rest.values()) if bound else [])
+            reasons += missing or excess(mine, list(rest.values()) if bound else [])
         out.append({"mesh_axes": list(axes), "bytes": sent, "lower_bound_bytes": least,
                     "ratio": _ratio(sent, least), "count": sum(r["count"] for r in mine),
                     "lower_bound_count": sum(r["count"] for r in bound), "excess": reasons})
@@ -171,7 +174,7 @@ def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
     for kind, r in mine.items():
         b = theirs.get(kind)
         mib = r["bytes"] / 2**20
-        if b is None and kind == "all-reduce" and "reduce-scatter" in theirs:
+        if kind == "all-reduce" and "reduce-scatter" in theirs and (b is None or r["bytes"] > 2 * b["bytes"]):
             reasons.append(f"gradients reduced by all-reduce ({mib:,.1f} MiB) where the bound reduce-"
                            f"scatters: an all-reduce sends twice a reduce-scatter's bytes and leaves "
                            f"the full gradient on every device (the CPU compiler's choice here; check "
@@ -195,9 +198,12 @@ def _kind_excess(kind: str, r: dict, b: dict) -> str:
     if kind == "all-gather":
         return head + ": weights gathered once more per layer where remat recomputes the forward, " \
                       "norm scales and biases gathered in float32, or activations regathered"
-    if kind == "collective-permute":
+    if kind == "collective-permute" and "stage" in r["mesh_axes"]:
         return head + ": the stage buffer rolls on every tick, the bubble ticks included, and as a " \
                       "ring: the last stage sends too"
+    if kind == "collective-permute":
+        return head + ": halo rows beyond the formula's: a pool whose windows straddle a split " \
+                      "boundary (an odd local height), or a conv's rows fetched more than once"
     if b["count"] and r["count"] > b["count"]:
         return head + f": {r['count'] - b['count']} ops more than the bound (remat recomputes the " \
                       "forward's, the loss reduces over the split vocabulary, or a gradient is " \

@@ -42,9 +42,12 @@ def fit_lines(fit: dict, mem: dict) -> list[str]:
         if account["float32"] != account["xla_attention"]:
             lines.append(f"    {_mib(account['float32']):>10} MiB with that in float32, the width the CPU backend "
                          f"computes bf16 in")
-    lines.append("    the rest is the CPU backend's buffer assignment (XLA's attention keeps more [T, T] tensors "
-                 "than the formula counts); a GPU compile also fuses more and rematerialises a program that "
-                 "would exceed its memory (docs/planner.md, \"Which memory figure decides\")")
+        lines.append("    the rest is the CPU backend's buffer assignment (XLA's attention keeps more [T, T] tensors "
+                     "than the formula counts); a GPU compile also fuses more and rematerialises a program that "
+                     "would exceed its memory (docs/planner.md, \"Which memory figure decides\")")
+    else:
+        lines.append(f"  no activation formula for this model (Family.layer_activation_bytes): its "
+                     f"{_mib(mem['activations'])} MiB are the CPU compile's alone")
     return lines
 
 
@@ -60,16 +63,38 @@ def pipeline_lines(p: dict) -> list[str]:
             f"each{room}); activations {_mib(p['activations_bytes'])} MiB by the formula ({parts} MiB)"]
 
 
+def _amount(x) -> str:
+    """Bytes as MiB, or KiB below one MiB (a tiny model's halos)."""
+    return "-" if x is None else (f"{x / MIB:,.1f} MiB" if x >= MIB else f"{x / 1024:,.1f} KiB")
+
+
+def halo_lines(h: dict) -> list[str]:
+    """The spatial split's halo exchanges: compiled collective-permutes beside the formula
+    (planner/halo.py), its terms, and the least a step could send."""
+    axes = "+".join(h["mesh_axes"]) or "-"
+    lines = [f"  halo exchanges over {axes} (height split {h['split']} ways), collective-permutes:"]
+    if h["bytes"] is None:
+        return lines + [f"    compiled {_amount(h.get('compiled_bytes'))}; no formula"] + \
+            [f"    not counted: {why}" for why in h["not_counted"]]
+    terms = ", ".join(f"{k} {_amount(v)}" for k, v in h["terms"].items())
+    lines += [f"    compiled {_amount(h['compiled_bytes'])} in {h['compiled_count']:,} ops against the halo formula "
+              f"{_amount(h['bytes'])} in {h['count']:,} ({_ratio(h['ratio'])}): {terms}",
+              f"    least (the weight gradient reusing the forward's rows): {_amount(h['least_bytes'])}; "
+              f"compiled/least {_ratio(h['least_ratio'])}"]
+    return lines + [f"    not counted: {why}" for why in h["not_counted"]]
+
+
 def render(r: dict) -> str:
     lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
              + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
              + (f" (dcn {r['dcn']})" if r.get("dcn") else "")
              + f" | layout {r['layout']}"
              + (f" | compiled in {r['compile_time_s']:.1f}s" if r.get("compile_time_s") is not None else ""),
-             f"model: {r['model']}", f"hardware: {r['hardware']}",
-             f"attention on it: {r.get('attention', '?')} (model.attention; the formulas use it, "
-             f"the CPU compile runs xla)", "",
-             "memory per device (MiB)"]
+             f"model: {r['model']}", f"hardware: {r['hardware']}"]
+    if r.get("attention"):
+        lines.append(f"attention on it: {r['attention']} (model.attention; the formulas use it, "
+                     f"the CPU compile runs xla)")
+    lines += ["", "memory per device (MiB)"]
     mem, formula, ratio = r["memory_per_device_bytes"], r["analytic_memory_per_device_bytes"], r["memory_ratio"]
     rows = [["", "CPU compile", "formula", "compiled/formula"]]
     rows += [[k, _mib(mem[k]), _mib(formula[k]), _ratio(ratio[k])] for k in MEMORY_KEYS]
@@ -95,10 +120,12 @@ def render(r: dict) -> str:
     for a in r["collectives_by_axes"]:
         for why in a["excess"]:
             lines.append(f"  why more over {'+'.join(a['mesh_axes'])}: {why}")
+    if r.get("halo"):
+        lines += halo_lines(r["halo"])
     total, bound = r["collective_bytes_per_step"], r["collective_lower_bound_bytes"]
     lines.append(f"  all axes: {_mib(total)} MiB against {_mib(bound)} MiB"
                  + (f" ({total / bound:.2f}x)" if bound else ""))
-    lines += ["", f"FLOPs per step: compiled {r['flops_per_step']:.4g} (matmuls, all devices) against "
+    lines += ["", f"FLOPs per step: compiled {r['flops_per_step']:.4g} (matmuls and convs, all devices) against "
                   f"model {r['model_flops_per_step']:.4g} ({r['flops_per_step'] / r['model_flops_per_step']:.3f}x); "
                   f"model FLOPs: {r['flops_convention'].split(';')[0]}"]
     p = r["prediction"]
