@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.experiment import Experiment
-from meshtrain.planner import pictures
+from meshtrain.planner import pictures, spatial_pictures
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -120,6 +120,7 @@ def test_notebook_runs_and_draws(name, kernel_env, monkeypatch):
     text = "".join(o.get("text", "") for c in code_cells(nb) for o in c.outputs)
     if name == "layouts.ipynb":
         assert text.count("max rel diff vs dp8") == 5
+        assert text.count("max rel diff vs one device") == 1  # the image model's spatial layout
     print(f"{name}: {elapsed:.1f} s, {figures} figures")
 
 
@@ -226,6 +227,67 @@ def test_layout_figure_opt_state_shows_zero1(tiny):
     assert len(moments.axes[0].patches) == 8
     with pytest.raises(KeyError, match="no parameter nope"):
         pictures.layout_figure(exp, leaves=["nope"])
+
+
+# --- spatial_pictures.py -------------------------------------------------------------------
+
+def patches_by_gid(ax) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for p in ax.patches:
+        out.setdefault(p.get_gid(), []).append(p)
+    return out
+
+
+def test_row_spans_follow_the_sharding():
+    sharding = NamedSharding(mesh_of("data:2,tensor:4"), P("data", "tensor", None, None))
+    shape = (32, 16, 16, 3)
+    assert spatial_pictures.row_spans(shape, sharding) == [(0, 4, [0]), (4, 8, [1]), (8, 12, [2]), (12, 16, [3])]
+    assert spatial_pictures.row_spans(shape, sharding, example=16) == [(0, 4, [4]), (4, 8, [5]), (8, 12, [6]),
+                                                                        (12, 16, [7])]
+    # Batch unsplit: each row span is held by the two data replicas.
+    rows = NamedSharding(sharding.mesh, P(None, "tensor", None, None))
+    assert [ids for _, _, ids in spatial_pictures.row_spans(shape, rows)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("height, halo", [(16, 1), (8, 1), (8, 3)])
+def test_rows_picture_draws_each_piece_with_its_halo(height, halo):
+    """4 row pieces: each drawn twice (the image, the piece), with `halo` rows above and below
+    it coloured by the device that holds them, or padding outside the image."""
+    sharding = NamedSharding(mesh_of("data:2,tensor:4"), P("data", "tensor", None, None))
+    fig, ax = plt.subplots()
+    spatial_pictures.rows_picture(ax, (32, height, height, 16), sharding, halo)
+    by = patches_by_gid(ax)
+    piece = height // 4
+    assert [p.get_height() for p in by["rows"]] == [piece] * 4
+    assert [p.get_height() for p in by["own"]] == [piece] * 4
+    # Every piece gets `halo` rows each side: from neighbours inside the image, padding outside.
+    assert sum(p.get_height() for p in by["halo"] + by["pad"]) == 4 * 2 * halo
+    # Padding: the rows of the `halo` above and below a piece that are outside the image.
+    assert sum(p.get_height() for p in by["pad"]) == sum(max(0, halo - r0) + max(0, r0 + piece + halo - height)
+                                                         for r0 in range(0, height, piece))
+    # Halo rows are coloured by their sender: the colour of that device's rows in the image.
+    own = {t.get_text(): p.get_facecolor()[:3] for p, t in zip(by["rows"], ax.texts[:4])}
+    assert sorted(own) == ["0", "1", "2", "3"]
+    senders = [t.get_text() for t in ax.texts if t.get_text().startswith("from ")]
+    assert len(senders) == len(by["halo"])
+    for p, text in zip(by["halo"], senders):
+        assert p.get_facecolor()[:3] == own[text.removeprefix("from ")]
+        assert p.get_hatch() == "///"
+    # With a halo deeper than a piece, a piece receives from two devices on one side.
+    assert len(by["halo"]) == (6 if halo <= piece else 10)
+
+
+def test_rows_figure_one_panel_per_activation(tiny):
+    exp = tiny("vgg_tiny_dp2_spatial4")
+    fig = spatial_pictures.rows_figure(exp, {"images": 1, "pool after conv2": 1})
+    assert len(fig.axes) == 3
+    first, images, pooled = fig.axes
+    assert sorted(t.get_text() for t in first.texts) == [str(i) for i in range(8)]  # batch x height blocks
+    assert [p.get_height() for p in patches_by_gid(images)["own"]] == [4] * 4
+    assert [p.get_height() for p in patches_by_gid(pooled)["own"]] == [2] * 4
+    assert "dp_spatial" in fig._suptitle.get_text()
+    with pytest.raises(KeyError, match="no activation nope"):
+        spatial_pictures.rows_figure(exp, {"nope": 1})
 
 
 def fake_report(devices: int, params: float, layout_axes: dict[str, float], step: float = 1e-3) -> dict:

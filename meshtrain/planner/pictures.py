@@ -8,6 +8,8 @@
   scaling_figure(rows)                    memory and predicted step time against device
                                           count, one line per strategy (scaling_row dicts)
 
+A spatial layout's rows and halos are drawn by spatial_pictures.py.
+
 matplotlib is imported inside the functions, and no backend is chosen here: a notebook
 gets its inline backend, a script whatever matplotlib picks (Agg without a display).
 Functions that make a figure use pyplot and return the Figure; close it when done.
@@ -125,7 +127,7 @@ def sharding_picture(ax, shape: Sequence[int], sharding, title: str | None = Non
         x, w = _placement(block, cols, shape)
         key = tuple(ids)
         if key not in colors:
-            colors[key] = _palette(len(colors))
+            colors[key] = palette(len(colors))
         ax.add_patch(Rectangle((x, y), w, h, facecolor=colors[key], edgecolor="black", linewidth=0.8))
         if label:
             ax.text(x + w / 2, y + h / 2, format_ids(ids), ha="center", va="center",
@@ -141,7 +143,8 @@ def sharding_picture(ax, shape: Sequence[int], sharding, title: str | None = Non
     return ax
 
 
-def _palette(i: int):
+def palette(i: int):
+    """The i-th colour of the pictures' palette (tab20, strong shades first)."""
     import matplotlib
 
     cmap = matplotlib.colormaps["tab20"]
@@ -253,7 +256,7 @@ def compare_figure(reports: Mapping[str, dict]):
         bottom = np.zeros(len(labels))
         for i, k in enumerate(MEMORY_KEYS):
             vals = np.array([m[k] for m in mem[src]]) / scale
-            ax.bar(x, vals, 0.6, bottom=bottom, label=k, color=_palette(i))
+            ax.bar(x, vals, 0.6, bottom=bottom, label=k, color=palette(i))
             bottom += vals
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(f"{unit} per device")
@@ -273,7 +276,7 @@ def compare_figure(reports: Mapping[str, dict]):
         bscale, bunit = _unit(max(sent.sum(axis=1).max(), bound.max()))
         bottom = np.zeros(len(labels))
         for j, g in enumerate(groups):
-            ax.bar(x, sent[:, j] / bscale, 0.6, bottom=bottom, label=g, color=_palette(len(MEMORY_KEYS) + j))
+            ax.bar(x, sent[:, j] / bscale, 0.6, bottom=bottom, label=g, color=palette(len(MEMORY_KEYS) + j))
             bottom += sent[:, j] / bscale
         ax.scatter(x, bound / bscale, marker="_", color="black", s=400, linewidths=2, zorder=3,
                    label="lower bound")
@@ -331,7 +334,7 @@ def scaling_figure(rows: Sequence[Mapping], memory_keys: Sequence[str] = ("analy
         xs = [r["devices"] for r in mine]
         for ax, key in zip(axs, panels):
             ys = [float(r[key]) * 1e3 if key == "step_time_s" else float(r[key]) / scale for r in mine]
-            ax.plot(xs, ys, marker=markers[i % len(markers)], color=_palette(i), label=s)
+            ax.plot(xs, ys, marker=markers[i % len(markers)], color=palette(i), label=s)
     devices = sorted({r["devices"] for r in rows})
     names = {"analytic_memory_bytes": "memory per device (formulas)",
              "compiled_memory_bytes": "memory per device (compiled, CPU)", "step_time_s": "predicted step time"}
