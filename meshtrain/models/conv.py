@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain.errors import UserError
 from meshtrain.models.stack import Constrain, no_constraint
 
 # PyTorch's BatchNorm defaults (torchvision builds VGG-bn and ResNet with them): the running
@@ -187,3 +188,10 @@ class Dense(nnx.Module):
     def __call__(self, x_bd: jax.Array) -> jax.Array:
         dt = x_bd.dtype
         return x_bd @ self.w[...].astype(dt) + self.b[...].astype(dt)
+
+
+def check_remat(cfg) -> None:
+    """The image families run their layers one by one, with no remat policy to apply."""
+    if cfg.remat != "none":
+        raise UserError(f"model.remat={cfg.remat!r}: the image families do not implement "
+                        f"rematerialisation. Set model.remat=none.")

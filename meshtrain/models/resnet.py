@@ -27,7 +27,7 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import family
-from meshtrain.models.conv import ConvBN, ConvSpec, Dense, conv_output_size, global_avg_pool, max_pool, pool_output_size
+from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, conv_output_size, global_avg_pool, max_pool, pool_output_size
 from meshtrain.models.stack import Constrain, mask_padding, no_constraint
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # block output width / its inner width
@@ -205,9 +205,7 @@ def _check(cfg: ResNetConfig) -> None:
         raise UserError(f"model.num_layers={cfg.num_layers}: this resnet has {want} weight layers "
                         f"(convs outside the shortcuts, and the fc); the depth comes from model.size. "
                         f"Unset model.num_layers.")
-    if cfg.remat != "none":
-        raise UserError(f"model.remat={cfg.remat!r}: the image families do not implement "
-                        f"rematerialisation. Set model.remat=none.")
+    check_remat(cfg)
 
 
 def describe(c: ResNetConfig) -> str:

@@ -29,7 +29,7 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import family
-from meshtrain.models.conv import ConvBN, ConvSpec, Dense, max_pool
+from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, max_pool
 from meshtrain.models.stack import Constrain, dropout as _dropout, mask_padding, no_constraint
 
 # torchvision's cfgs: a width is a 3x3 conv, M a 2x2 max-pool of stride 2.
@@ -205,9 +205,7 @@ def _check(cfg: VGGConfig) -> None:
                         f"layers): its {pools} max-pools each halve the height, so the features "
                         f"would be empty. Use model.image_size >= {2 ** pools} (224 is the published "
                         f"size), or a smaller model.size such as tiny.")
-    if cfg.remat != "none":
-        raise UserError(f"model.remat={cfg.remat!r}: the image families do not implement "
-                        f"rematerialisation. Set model.remat=none.")
+    check_remat(cfg)
 
 
 def describe(c: VGGConfig) -> str:
