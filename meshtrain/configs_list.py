@@ -31,7 +31,8 @@ def describe(name: str) -> dict:
     layout = layouts.get(cfg.layout)
     return {
         "name": name, "model": m.size if m.size.startswith(m.name) else f"{m.name} {m.size}",
-        "size": f"{dims['num_layers']} layers x {dims['embed_dim']}, {dims['seq_len']} tokens",
+        "size": (f"{dims['num_layers']} layers x {dims['embed_dim']}, {dims['seq_len']} tokens" if "seq_len" in dims
+                 else f"{dims['num_layers']} layers, {dims['image_size']} px"),
         "mesh": cfg.mesh.shape, "layout": layout.name if layout.name in layouts.PRESETS else "own rules",
         "pipeline": (f"{pipe.schedule}, M={pipe.microbatches}" + (f", r={pipe.repeats}" if pipe.repeats > 1 else "")
                      if pipe.microbatches else ""),
