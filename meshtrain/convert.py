@@ -84,7 +84,7 @@ def from_hf(model_dir: str, out: str, say=print) -> None:
 
 def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) -> None:
     from meshtrain import state as state_lib, tree_paths
-    from meshtrain.checkpoints import init_from
+    from meshtrain.checkpoints import init_from, reading
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) ->
                        "model_type": conv.MODEL_TYPE, "dtype": dtypes, "config": config,
                        "generation_config": json.loads(generation.read_text()) if generation.is_file() else None}}
     say(f"  writing {out}/step_0 ...")
-    write_checkpoint(out, init_from.nest(flat), meta)
+    write_checkpoint(out, reading.nest(flat), meta)
     del flat
     say(f"  tokenizer: {copied}{f' -> data.tokenizer {spec!r} (relative to {out})' if spec else ''}")
     say(f"done in {time.perf_counter() - t0:.1f}s: {out} ({', '.join(dtypes)}). Fine-tune with "
@@ -162,7 +162,7 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     import numpy as np
 
     from meshtrain import hf, state as state_lib, tree_paths
-    from meshtrain.checkpoints import init_from, tokenizer as checkpoint_tokenizer
+    from meshtrain.checkpoints import init_from, reading, tokenizer as checkpoint_tokenizer
     from meshtrain.errors import UserError
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
@@ -176,7 +176,7 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     model = state_lib.abstract_model(src.model_config())
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     axes, shapes = tree_paths.flat(model.axes, is_leaf=is_axes), tree_paths.flat(model.shapes)
-    saved = init_from.saved_params(src)
+    saved = reading.saved_params(src)
     table = conv.table(arch)
     if set(saved) != {t.ours for t in table}:
         raise UserError(f"{src.step_dir} holds params {sorted(saved)}, not those of its "
@@ -189,7 +189,7 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     tok, no_tokenizer = checkpoint_tokenizer.of(src)
 
     def read_leaf(leaf_path: str) -> np.ndarray:
-        x = init_from.read_leaf(src, leaf_path, model.stacked)
+        x = reading.read_leaf(src, leaf_path, model.stacked)
         # The vocabulary padding (rows, or lm_head columns) is not part of the HF model.
         x = x[tuple(slice(0, vocab) if a == "vocab" else slice(None) for a in axes[leaf_path])]
         if x.shape != shapes[leaf_path].shape:

@@ -109,10 +109,10 @@ def execute(args) -> int:
         where, step_arg = checkpoint_path(flags["checkpoint"]), flags["step"]
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
-    from meshtrain.checkpoints import init_from
+    from meshtrain.checkpoints import init_from, reading
     from meshtrain.experiment import Experiment
     # init.from names the step: its architecture and tokenizer (experiment.resolve), and
-    # init_from.load_params reads its params into any layout, mesh or pipeline arrangement.
+    # reading.load_params reads its params into any layout, mesh or pipeline arrangement.
     config_lib.override(cfg, "init.from", str(init_from.read(where, step_arg).step_dir))
     exp = Experiment.build(cfg, devices=devices, mesh_shape=shape)
     step = int(exp.init.step_dir.name.rpartition("_")[2])
@@ -131,8 +131,8 @@ def execute(args) -> int:
     if flags["dump_logits"] and unit != "tokens":
         raise UserError(f"--dump_logits writes a language model's logits; {exp.model.family.name} is a "
                         f"{exp.task.name} model. Leave --dump_logits out.")
-    params = init_from.load_params(exp.init, exp.model, exp.shardings.params)
-    stats = init_from.load_stats(exp.init, exp.model, exp.shardings.stats)
+    params = reading.load_params(exp.init, exp.model, exp.shardings.params)
+    stats = reading.load_stats(exp.init, exp.model, exp.shardings.stats)
 
     results, seconds, dumped = run_eval(exp, params, flags["split"], n, flags["dump_logits"], say, stats)
     result = results["loss"]

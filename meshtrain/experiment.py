@@ -18,13 +18,12 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from meshtrain import grad_reduce, layouts, loop, loss, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
+from meshtrain import grad_reduce, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
 from meshtrain.cluster import distributed
-from meshtrain.checkpoints import init_from, store as checkpoint_store
+from meshtrain.checkpoints import init_from, reading, store as checkpoint_store
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
@@ -76,12 +75,9 @@ def read_inputs(cfg: ml_collections.ConfigDict) -> Inputs:
     init = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
     cfg = resolve(cfg, init)
     dims = init_from.model_dims(init, cfg.model) if init else models.size_dims(cfg.model)
-    task = models.family.get(cfg.model.name).task
     # The task decides what the data must produce: token windows of seq_len + 1, or images.
-    shape = ({"seq_len": dims["seq_len"]} if task == "lm" else
-             {"seq_len": 0, "task": task, "image_size": dims["image_size"],
-              "image_channels": dims.get("image_channels", 3)})
-    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seed=cfg.train.seed, **shape)
+    task = tasks.kind(models.family.get(cfg.model.name).task)
+    source = make_source(cfg.data, vocab_size=dims["vocab_size"], seed=cfg.train.seed, **task.source_args(dims))
     return Inputs(init, source)
 
 
@@ -104,7 +100,7 @@ class Plan:
 
 def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     """Every check that needs no devices, each section by the module that owns its keys:
-    layout and batch here, pipeline.*, train.* (loop; loss_chunk: loss; trackers: trackers),
+    layout and batch here, pipeline.*, train.* (loop; the task's: loss_chunk for a language model; trackers: trackers),
     checkpoint.*, data.*, optim.*, model.*. It only reads: `cfg` is resolved already
     (`resolve`), and what it names on disk was read once (`inputs`).
 
@@ -114,14 +110,14 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     layout = layouts.get(cfg.layout)
     src, source = inputs.init, inputs.source
     dims = init_from.model_dims(src, cfg.model) if src else models.size_dims(cfg.model)
+    fam = models.family.get(cfg.model.name)
     if cfg.pipeline.microbatches > 0 or (mesh.shape["stage"] > 1 and pipeline.uses_stage(layout)):
-        state_lib.check_pipelinable(models.family.get(cfg.model.name))
+        state_lib.check_pipelinable(fam)
     pipe = pipeline.from_config(cfg.pipeline, mesh.shape["stage"], dims["num_layers"], layout)
     pipeline.check_layout(layout, pipe)
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)
-    if models.family.get(cfg.model.name).task == "lm":
-        loss.check_config(cfg.train, dims["seq_len"])
+    tasks.kind(fam.task).check_config(cfg.train, dims)
     grad_reduce.check(cfg.train.grad_dtype, cfg.train.accum_gather)
     grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
@@ -255,7 +251,7 @@ class Experiment:
     def init_state(self) -> state_lib.TrainState:
         """Step 0: fresh params, or init.from's params; a fresh optimizer either way."""
         if self.init is not None:
-            return init_from.init_state(self.init, self)
+            return reading.init_state(self.init, self)
         return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:

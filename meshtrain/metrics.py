@@ -18,13 +18,10 @@ import time
 
 import jax
 
-from meshtrain import trackers as trackers_lib
+from meshtrain import tasks, trackers as trackers_lib
 from meshtrain.errors import warn
 from meshtrain.models import ModelConfig, family_of
 from meshtrain.progress import format_duration
-
-# Training metrics a task adds to the step's (tasks/): written to the rows when present.
-TASK_METRICS = ("top1", "top5")
 
 # Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
@@ -38,18 +35,20 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
 def flops_per_unit(cfg: ModelConfig) -> float:
     """Training FLOPs per throughput unit of the family's task: per token for a language
-    model, per image for a classifier (Family.flops_per_example)."""
-    fam = family_of(cfg)
-    return fam.flops_per_token(cfg) if fam.task == "lm" else fam.flops_per_example(cfg)
+    model, per image for a classifier (tasks/: the task names the family's function)."""
+    return _flops_fn(cfg)(cfg)
 
 
 def flops_convention(cfg: ModelConfig) -> str:
-    """How the family counts FLOPs: the first line of its flops_per_token (or
-    flops_per_example) docstring."""
-    fam = family_of(cfg)
-    fn = fam.flops_per_token if fam.task == "lm" else fam.flops_per_example
+    """How the family counts FLOPs: the first line of its FLOPs function's docstring."""
+    fn = _flops_fn(cfg)
     doc = inspect.getdoc(fn)
     return doc.splitlines()[0] if doc else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
+def _flops_fn(cfg: ModelConfig):
+    fam = family_of(cfg)
+    return tasks.kind(fam.task).flops(fam)
 
 
 def peak_flops(device: jax.Device) -> float | None:
@@ -130,9 +129,11 @@ class RunLog:
 
     def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
                  flops_per_step: float, peak_per_device: float | None, num_devices: int,
-                 resume_step: int | None = None, trackers: str = "tensorboard,jsonl", unit: str = "tokens"):
+                 resume_step: int | None = None, trackers: str = "tensorboard,jsonl", unit: str = "tokens",
+                 task_metrics: tuple[str, ...] = ()):
         """`tokens_per_step`: throughput units per step, `unit` names them (the task's:
-        tokens, images); rows carry `<unit>_per_s`. `resume_step`: the checkpoint this run continues from. Rows the earlier run
+        tokens, images); rows carry `<unit>_per_s` and the step's `task_metrics` (the
+        task's eval_metrics, a classifier's top1 and top5). `resume_step`: the checkpoint this run continues from. Rows the earlier run
         logged after it are dropped (this run logs those steps again), so metrics.jsonl
         reads as one run; TensorBoard purges them the same way. `trackers`: train.trackers,
         where the rows go besides the progress lines (meshtrain/trackers.py)."""
@@ -140,7 +141,7 @@ class RunLog:
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
-        self.unit = unit
+        self.unit, self.task_metrics = unit, task_metrics
         self.flops_per_step = flops_per_step
         self.peak = None if peak_per_device is None else peak_per_device * num_devices
         self.started = time.perf_counter()
@@ -216,7 +217,7 @@ class RunLog:
         log; `skipped` counts the steps skipped for non-finite values so far."""
         per_s = self.tokens_per_step / step_time
         mfu = None if self.peak is None else self.flops_per_step / step_time / self.peak
-        extra = {k: float(metrics[k]) for k in TASK_METRICS if k in metrics}  # a classifier's top1/top5
+        extra = {k: float(metrics[k]) for k in self.task_metrics}
         row = {"step": step, "loss": float(metrics["loss"]), **extra, "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), f"{self.unit}_per_s": per_s,
                "step_time_s": step_time, "mfu": mfu, "skipped": skipped}

@@ -68,8 +68,8 @@ class ModelDef:
         return self.family.task
 
     def bind(self, params, stats=None) -> nnx.Module:
-        """The module with `params` (and `stats`, the BatchStat state; default: the
-        shapes' zeros are not wanted, so a model with statistics must be given them)."""
+        """The module with `params` and `stats` (its BatchStat state; may be left out only
+        by a model without one)."""
         if stats is None:
             if self.stats_shapes:
                 raise ValueError("this model has BatchStat state: bind(params, stats)")
@@ -107,7 +107,6 @@ def abstract_model(cfg: ModelConfig, pipeline: Pipeline | None = None) -> ModelD
     axes, shapes = _axes_of(state), nnx.to_pure_dict(state)
     if pipeline is not None:
         check_pipelinable(fam)
-    if pipeline is not None:
         is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
         axes[fam.stacked] = jax.tree.map(stage_axes, axes[fam.stacked], is_leaf=is_axes)
         shapes[fam.stacked] = jax.tree.map(lambda a: stage_shape(a, pipeline), shapes[fam.stacked])
@@ -154,12 +153,21 @@ def check_divisible(shape, axes, spec: P, mesh: Mesh, layout: Layout, where: str
 
 def param_shardings(model: ModelDef, layout: Layout, mesh: Mesh, target: str):
     """params dict of NamedSharding under `layout.<target>` rules; checks divisibility."""
+    return _shardings(model, model.shapes, model.axes, layout, mesh, target, "parameter")
+
+
+def stats_shardings(model: ModelDef, layout: Layout, mesh: Mesh):
+    """stats dict of NamedSharding: BatchStat variables are stored like parameters."""
+    return _shardings(model, model.stats_shapes, model.stats_axes, layout, mesh, "params", "statistic")
+
+
+def _shardings(model: ModelDef, shapes, axes_tree, layout: Layout, mesh: Mesh, target: str, what: str):
     def one(path, shape, axes):
-        where = f"parameter {path_str(path)}"
+        where = f"{what} {path_str(path)}"
         spec = layout.spec(axes, target, where=where)
         check_divisible(shape.shape, axes, spec, mesh, layout, where, model.size_keys())
         return NamedSharding(mesh, spec)
-    return jax.tree_util.tree_map_with_path(one, model.shapes, model.axes)
+    return jax.tree_util.tree_map_with_path(one, shapes, axes_tree)
 
 
 def check_activations(model: ModelDef, micro_batch: int, layout: Layout, mesh: Mesh) -> None:
@@ -167,16 +175,6 @@ def check_activations(model: ModelDef, micro_batch: int, layout: Layout, mesh: M
     for what, shape, axes in model.family.activations(model.cfg, micro_batch):
         spec = layout.spec(axes, "activations", where=f"activation {what}")
         check_divisible(shape, axes, spec, mesh, layout, f"activation {what} {axes}", model.size_keys())
-
-
-def stats_shardings(model: ModelDef, layout: Layout, mesh: Mesh):
-    """stats dict of NamedSharding: BatchStat variables are stored like parameters."""
-    def one(path, shape, axes):
-        where = f"statistic {path_str(path)}"
-        spec = layout.spec(axes, "params", where=where)
-        check_divisible(shape.shape, axes, spec, mesh, layout, where, model.size_keys())
-        return NamedSharding(mesh, spec)
-    return jax.tree_util.tree_map_with_path(one, model.stats_shapes, model.stats_axes)
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, moments,

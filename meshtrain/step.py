@@ -53,11 +53,6 @@ def batch_sharding(layout: Layout, mesh: Mesh, fields=None):
                         is_leaf=is_field)
 
 
-def rows_of(batch) -> int:
-    """B: the leading (batch) dim every field of a batch shares."""
-    return jax.tree.leaves(batch)[0].shape[0]
-
-
 def produced_dtypes(model: ModelDef) -> dict:
     """Params-shaped tree of the dtype the backward pass produces each gradient in: the
     compute dtype for matrices (make_cast), the param dtype for the rest."""

@@ -159,7 +159,8 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         units = exp.units_per_step  # tokens, or images (exp.task.unit)
         log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(m) * units,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                             resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit)
+                             resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
+                             task_metrics=exp.task.eval_metrics)
         clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
         clock.add("compile", compile_s)
         info = metrics.run_info(args.config_name, exp, memory, compile_s, source)

@@ -14,7 +14,7 @@ pytest.importorskip("safetensors")
 
 import hf_models  # noqa: E402
 from meshtrain import config as config_lib, convert, state as state_lib, tree_paths  # noqa: E402
-from meshtrain.checkpoints import init_from
+from meshtrain.checkpoints import init_from, reading
 from meshtrain.errors import UserError  # noqa: E402
 from meshtrain.experiment import Experiment  # noqa: E402
 
@@ -36,9 +36,9 @@ def meshtrain_logits(ckpt, tokens) -> np.ndarray:
     vocab = src.architecture["vocab_size"]
 
     def leaf(path):
-        x = init_from.read_leaf(src, path, model.stacked).astype(np.float32)
+        x = reading.read_leaf(src, path, model.stacked).astype(np.float32)
         return x[tuple(slice(0, vocab) if a == "vocab" else slice(None) for a in axes[path])]
-    params = init_from.nest({p: leaf(p) for p in axes})
+    params = reading.nest({p: leaf(p) for p in axes})
     return np.asarray(jax.jit(lambda p, t: model.bind(p)(t))(params, tokens))
 
 
@@ -101,7 +101,7 @@ def test_bf16_stays_bf16_both_ways(tmp_path):
     import torch
     hf = hf_models.llama(tmp_path / "hf", dtype=torch.bfloat16)
     convert.from_hf(hf, tmp_path / "ckpt", say=quiet)
-    saved = init_from.saved_params(init_from.read(tmp_path / "ckpt"))
+    saved = reading.saved_params(init_from.read(tmp_path / "ckpt"))
     assert {np.dtype(m.dtype).name for m in saved.values()} == {"bfloat16"}
     convert.to_hf(tmp_path / "ckpt", tmp_path / "out", say=quiet)
     assert_bitwise_equal(hf, tmp_path / "out")
@@ -111,8 +111,8 @@ def test_bf16_stays_bf16_both_ways(tmp_path):
     # A float32 run reads the bf16 params cast (exactly) to float32.
     src, cfg = finetune_config(tmp_path / "ckpt", "data:1", "dp")
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    params = tree_paths.flat(jax.device_get(init_from.load_params(src, exp.model, exp.shardings.params)))
-    wq = init_from.read_leaf(src, "blocks/attn/wq", "blocks")
+    params = tree_paths.flat(jax.device_get(reading.load_params(src, exp.model, exp.shardings.params)))
+    wq = reading.read_leaf(src, "blocks/attn/wq", "blocks")
     assert params["blocks/attn/wq"].dtype == np.float32
     np.testing.assert_array_equal(params["blocks/attn/wq"], wq.astype(np.float32))
 
@@ -229,7 +229,7 @@ def finetune_config(ckpt, mesh: str, layout: str, pipeline_microbatches: int = 0
 
 def first_loss(src, cfg, devices=None, mesh_shape=None):
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    state = init_from.init_state(src, exp)
+    state = reading.init_state(src, exp)
     assert int(state.step) == 0
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]  # Adam's mu and nu
     assert moments and all(not np.asarray(x).any() for x in moments)
@@ -291,7 +291,7 @@ def test_a_run_whose_model_differs_is_refused(gpt2_ckpt):
     cfg.model.update(name="gpt2", num_layers=2, embed_dim=64, num_heads=4, seq_len=32)
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
     with pytest.raises(UserError, match="mlp_dim: run 128, checkpoint 256"):
-        init_from.load_params(src, exp.model, exp.shardings.params)
+        reading.load_params(src, exp.model, exp.shardings.params)
 
 
 def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path, capsys):
@@ -318,10 +318,10 @@ def test_a_training_run_exports_and_restarts_under_another_layout(tmp_path, caps
     assert_logits_match(meshtrain_logits(work, tokens)[..., :200], hf_models.logits(tmp_path / "hf", tokens))
     _, cfg = finetune_config(work, *LAYOUTS["dp2_tp4"])
     exp = Experiment.build(cfg)
-    params = jax.device_get(init_from.load_params(src, exp.model, exp.shardings.params))
+    params = jax.device_get(reading.load_params(src, exp.model, exp.shardings.params))
     model = state_lib.abstract_model(src.model_config())
     for path, leaf in tree_paths.flat(params).items():  # both padded to 256 rows
-        np.testing.assert_array_equal(leaf, init_from.read_leaf(src, path, model.stacked), err_msg=path)
+        np.testing.assert_array_equal(leaf, reading.read_leaf(src, path, model.stacked), err_msg=path)
     shutil.rmtree(work)
 
 
@@ -335,7 +335,7 @@ def test_a_finetuned_run_exports_with_its_origins_config(tmp_path):
     convert.from_hf(hf, tmp_path / "ckpt", say=quiet)
     src, cfg = finetune_config(tmp_path / "ckpt", "data:1", "dp", seq_len=16)
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    state, batches = init_from.init_state(src, exp), exp.train_batches()
+    state, batches = reading.init_state(src, exp), exp.train_batches()
     for _ in range(2):  # the first step's lr is 0 (warmup)
         state, _ = exp.train_step(state, exp.put_batch(next(batches)))
     run = {**checkpoint_lib.run_summary(exp), "family": "llama", "init_from": str(tmp_path / "ckpt"),

@@ -53,8 +53,6 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     dims = dict(size_dims(m) if dims is None else dims)
     dims["vocab_size"] = vocab_size
     for f, v in dims.items():
-        if f == "seq_len" and fam.task != "lm":  # 0: a classifier's inputs are not sequences
-            continue
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise UserError(f"model.{f}={v}: must be a positive integer.")
     for key in ("dtype", "param_dtype"):
@@ -95,7 +93,9 @@ def family_of(cfg: ModelConfig) -> Family:
 
 def architecture(cfg: ModelConfig) -> dict:
     """The fields that fix the parameters' shapes (what init.from and exports carry)."""
-    run_only = {f.name for f in dataclasses.fields(ModelConfig)} - {"num_layers", "vocab_size", "seq_len"}
+    # seq_len only for a family whose sizes have one: a classifier's is an unused 0.
+    shaping = {"num_layers", "vocab_size"} | ({"seq_len"} & set(family_of(cfg).fields()))
+    run_only = {f.name for f in dataclasses.fields(ModelConfig)} - shaping
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in run_only}
 
 

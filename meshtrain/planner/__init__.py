@@ -2,7 +2,9 @@
 
   hardware   the device table (peaks, memory, links) the predictions use
   analytic   memory and collective lower bounds from the formulas
+  beyond_bounds  the traffic those bounds do not count: known excess, axes with no formula
   halo       a spatial layout's halo exchanges (conv rows across split boundaries) by formula
+  spatial_pictures  which device holds which rows of an image activation, and its halo rows
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time

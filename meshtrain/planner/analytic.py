@@ -330,7 +330,7 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP gradient reduce-scatter, per microbatch")
     for kind, axes, count, nbytes, what in halo.bound_rows(exp):
         add(kind, axes, count, nbytes, what)
-    if not _has_stream(m):  # a classifier: no Megatron or pipeline formula (no_formula says so)
+    if not has_stream(m):  # a classifier: no Megatron or pipeline formula (no_formula says so)
         return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
     t_axes = _shards(exp, "heads")[1]
     activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
@@ -353,88 +353,19 @@ def collective_bounds(exp) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
 
 
-def no_formula(exp) -> list[dict]:
-    """[{mesh_axes, why}]: traffic of the layout the bounds do not count. A model without a
-    [batch, length, embed] stream (a classifier) has no formula for tensor parallelism
-    (channel-split convs and classifier) or pipelines: its tensor-axis collectives are
-    reported without a bound."""
-    m, mesh = exp.model, exp.mesh
-    if _has_stream(m):
-        return []
-    names = ("filters", "channels", "mlp", "embed", "vocab", "heads")
-    axes = tuple(dict.fromkeys(a for n in names for a in _shards(exp, n)[1] if mesh.shape[a] > 1))
-    if not axes:
-        return []
-    return [{"mesh_axes": axes, "why": f"no formula for the collectives of a classifier's feature maps "
-                                       f"split over {'+'.join(axes)} (channel tensor parallelism): not in the bound"}]
-
-
-def known_excess(exp) -> list[dict]:
-    """Traffic the layout's program sends beyond the bound for reasons of the model's own
-    making: [{kind, mesh_axes, bytes, why}].
-
-      tied table   a [vocab, embed] table with no [embed, vocab] output matrix serves the
-                   lookup and the output projection; XLA reduces the two gradient pieces
-                   over the batch axes before adding them, so the table's reduction runs twice
-      conv grads   under a row split, XLA all-reduces a conv's gradient over the split,
-                   then whole over the batch axes: (1 - 1/r) of the latter is more than
-                   the bound's (a reduce-scatter over the split first)
-      halo         the weight gradient's halo rows, fetched again (planner/halo.py)
-      kv heads     K/V projections kept whole over tensor (grouped-query attention, see
-                   docs/layouts.md) get gradient pieces from every head shard: their weight
-                   gradients are summed over tensor (counted), and per layer their output
-                   gradients too (named, not counted)"""
-    m, mesh = exp.model, exp.mesh
-    cfg = m.cfg
-    compute = jnp.dtype(cfg.dtype).itemsize
-    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
-    params = tree_paths.flat(exp.shardings.params)
-    tied = not any(tuple(a) == ("embed", "vocab") for a in flat_axes.values())
-    _, batch_axes = _shards(exp, "batch")
-    t_axes = _shards(exp, "heads")[1]
-    opt = tree_paths.flat(exp.grad_shardings)
-    convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
-    out, conv_rows = [], {}
-    for path, shape in tree_paths.flat(m.shapes).items():
-        axes, p_axes = flat_axes[path], _axes_of(params[path])
-        local = math.prod(shape.shape) / _size(mesh, p_axes)
-        reduce_axes = [a for a in batch_axes if a not in p_axes and mesh.shape[a] > 1]
-        if tied and tuple(axes) == ("vocab", "embed") and reduce_axes:
-            n = _size(mesh, reduce_axes)
-            out.append({"kind": "all-reduce", "mesh_axes": tuple(reduce_axes),
-                        "bytes": 2 * (n - 1) / n * local * compute,
-                        "why": f"the tied table {path} is reduced twice, its lookup and its output-"
-                               f"projection gradients apart"})
-        rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
-        plain = [a for a in reduce_axes if a not in _axes_of(opt[path])]
-        if rows_axes and plain:  # the bound's reduced share: collective_bounds
-            n, r = _size(mesh, plain), _size(mesh, rows_axes)
-            row = conv_rows.setdefault(tuple(plain), {
-                "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
-                "why": f"conv gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over "
-                       f"the row split ({'+'.join(rows_axes)}), where a reduce-scatter there would leave 1/{r} "
-                       f"of them to reduce"})
-            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
-        kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
-        if "kv_heads" in axes and kv_whole:
-            n = _size(mesh, kv_whole)
-            out.append({"kind": "all-reduce", "mesh_axes": tuple(kv_whole),
-                        "bytes": 2 * (n - 1) / n * local * compute,
-                        "why": f"{path} is kept whole over tensor (kv heads unsplit): its gradient "
-                               f"is summed over the head shards; so are, per layer, the small "
-                               f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
-                               f"within each kv group): split kv_heads over tensor to remove both"})
-    return out + list(conv_rows.values()) + halo.known_excess(exp)
-
-
-def _has_stream(model) -> bool:
+def has_stream(model) -> bool:
     """Whether the family pins a [batch, length, embed] residual stream (a language model)."""
-    return any(tuple(axes) == ("batch", "length", "embed") for _, _, axes in model.family.activations(model.cfg, 1))
+    return _stream_shape(model) is not None
 
 
 def _embed_dim(model) -> int:
     """The residual stream's width, [b, T, D]: read from the activations the family pins."""
-    for _, shape, axes in model.family.activations(model.cfg, 1):
-        if tuple(axes) == ("batch", "length", "embed"):
-            return shape[-1]
-    raise ValueError(f"model family {model.family.name!r} pins no [batch, length, embed] activation")
+    shape = _stream_shape(model)
+    if shape is None:
+        raise ValueError(f"model family {model.family.name!r} pins no [batch, length, embed] activation")
+    return shape[-1]
+
+
+def _stream_shape(model) -> tuple[int, ...] | None:
+    return next((shape for _, shape, axes in model.family.activations(model.cfg, 1)
+                 if tuple(axes) == ("batch", "length", "embed")), None)

@@ -19,7 +19,7 @@ import jax
 
 from meshtrain.planner import hlo
 from meshtrain import metrics
-from meshtrain.planner import analytic, halo, roofline
+from meshtrain.planner import analytic, beyond_bounds, halo, roofline
 from meshtrain.planner.hardware import Hardware
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
@@ -88,7 +88,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "collective_bounds": [_row(r) for r in bounds],
         "collective_bytes_per_step": sum(r["bytes"] for r in rows),
         "collective_lower_bound_bytes": sum(r["bytes"] for r in bounds),
-        "collectives_by_axes": by_axes(rows, bounds, analytic.known_excess(exp), analytic.no_formula(exp)),
+        "collectives_by_axes": by_axes(rows, bounds, beyond_bounds.known_excess(exp), beyond_bounds.no_formula(exp)),
         "halo": halo.report(exp, rows),
         "flops_per_step": flops_dev * devices,
         "model_flops_per_step": model_flops,
@@ -131,8 +131,8 @@ def _row(r: dict) -> dict:
 
 def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = (), unbounded: list[dict] = ()) -> list[dict]:
     """Per mesh-axes group: compiled bytes, the lower bound, their ratio and the reasons for
-    any excess (`known`: analytic.known_excess, then `excess` for what remains; a group in
-    `unbounded`, analytic.no_formula, gives its `why` instead)."""
+    any excess (`known`: beyond_bounds.known_excess, then `excess` for what remains; a group in
+    `unbounded`, beyond_bounds.no_formula, gives its `why` instead)."""
     keys = list(dict.fromkeys([tuple(r["mesh_axes"]) for r in bounds] + [tuple(r["mesh_axes"]) for r in rows]))
     out = []
     for axes in keys:

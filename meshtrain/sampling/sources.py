@@ -156,10 +156,10 @@ def build_from_source(src, layout, shape: dict, devices, dtype: str):
     import numpy as np
 
     from meshtrain import config as config_lib, models, state as state_lib
-    from meshtrain.checkpoints import init_from
+    from meshtrain.checkpoints import reading
     from meshtrain.experiment import vocab_shards
     mesh = mesh_lib.make_mesh(shape, devices)
-    stored = [np.dtype(m.dtype).name for m in init_from.saved_params(src).values()]
+    stored = [np.dtype(m.dtype).name for m in reading.saved_params(src).values()]
     param_dtype = max(set(stored), key=stored.count) if stored else "float32"
     m = ml_collections.ConfigDict(config_lib.base().model.to_dict())
     m.update(name=src.family, dtype=dtype, param_dtype=param_dtype if param_dtype in DTYPES else "float32")
@@ -170,11 +170,11 @@ def build_from_source(src, layout, shape: dict, devices, dtype: str):
 
 
 def load_source_params(src, model, shardings):
-    """The checkpoint's params straight into `shardings` (init_from.load_params: each
+    """The checkpoint's params straight into `shardings` (reading.load_params: each
     device reads its shards, vocabulary rows past the checkpoint's are zero, a pipelined
     training checkpoint's stacks are put back in layer order)."""
-    from meshtrain.checkpoints import init_from
-    return init_from.load_params(src, model, shardings)
+    from meshtrain.checkpoints import reading
+    return reading.load_params(src, model, shardings)
 
 
 def checkpoint_tokenizer(src):

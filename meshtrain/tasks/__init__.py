@@ -23,12 +23,17 @@ from meshtrain.tasks.task import Field, Task
 TASKS = {"lm": LanguageModelling, "classify": Classification}
 
 
+def kind(name: str) -> type:
+    """The task class `name` (`Family.task`): its static methods need no data."""
+    if name not in TASKS:
+        raise UserError(f"task {name!r} is not a known task; the tasks are: {', '.join(TASKS)}.")
+    return TASKS[name]
+
+
 def for_family(name: str, data_info: dict | None = None) -> Task:
     """The task a family serves (`Family.task`), set up for its data (`source.info`: the
     classifier normalises with the data's per-channel mean and std)."""
-    if name not in TASKS:
-        raise UserError(f"task {name!r} is not a known task; the tasks are: {', '.join(TASKS)}.")
-    return TASKS[name].from_data(data_info or {})
+    return kind(name).from_data(data_info or {})
 
 
-__all__ = ["Classification", "Field", "LanguageModelling", "TASKS", "Task", "for_family"]
+__all__ = ["Classification", "Field", "LanguageModelling", "TASKS", "Task", "for_family", "kind"]

@@ -43,8 +43,18 @@ class Classification:
     def units_per_example(self, cfg) -> int:
         return 1
 
-    def flops_per_unit(self, family, cfg) -> float:
-        return family.flops_per_example(cfg)
+    @staticmethod
+    def flops(family):
+        return family.flops_per_example
+
+    @staticmethod
+    def source_args(dims: dict) -> dict:
+        return {"seq_len": 0, "task": "classify", "image_size": dims["image_size"],
+                "image_channels": dims.get("image_channels", 3)}
+
+    @staticmethod
+    def check_config(train, dims: dict) -> None:
+        """Nothing the classifier refuses among train.* (loss_chunk is a sequence's)."""
 
     def normalise(self, images: jax.Array) -> jax.Array:
         """uint8 [B, H, W, C] -> float32, per channel (x / 255 - mean) / std."""

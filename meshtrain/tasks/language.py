@@ -27,8 +27,17 @@ class LanguageModelling:
     def units_per_example(self, cfg) -> int:
         return cfg.seq_len
 
-    def flops_per_unit(self, family, cfg) -> float:
-        return family.flops_per_token(cfg)
+    @staticmethod
+    def flops(family):
+        return family.flops_per_token
+
+    @staticmethod
+    def source_args(dims: dict) -> dict:
+        return {"seq_len": dims["seq_len"]}  # windows of seq_len + 1 tokens
+
+    @staticmethod
+    def check_config(train, dims: dict) -> None:
+        loss_lib.check_config(train, dims["seq_len"])  # train.loss_chunk against the length
 
     def loss(self, module, tokens, key, run_layers, *, constrain, layout, mesh, loss_chunk, train):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -5,7 +5,10 @@
         of every field is `batch`
     units_per_example(cfg) -> how many throughput units one example is (tokens: seq_len)
     unit                   -> the name of that unit ("tokens", "images")
-    flops_per_unit(family, cfg) -> training FLOPs per unit, as the family counts them
+    flops(family)          -> the family's FLOPs-per-unit function (cfg -> training FLOPs)
+    source_args(dims)      -> what make_source needs of the model's dims
+      (these three are static methods: they are needed before the data exists)
+    check_config(train, dims) -> raises UserError for train.* keys the task cannot take
     loss(module, batch, key, run_layers, *, constrain, layout, mesh, loss_chunk, train)
         -> (mean loss [], {metric: [] float32}): a bound model on a batch; `train` picks
         the model's training behaviour (BatchNorm's batch statistics)
@@ -47,7 +50,14 @@ class Task(Protocol):
 
     def units_per_example(self, cfg) -> int: ...
 
-    def flops_per_unit(self, family, cfg) -> float: ...
+    @staticmethod
+    def flops(family) -> Callable: ...
+
+    @staticmethod
+    def source_args(dims: dict) -> dict: ...
+
+    @staticmethod
+    def check_config(train, dims: dict) -> None: ...
 
     def loss(self, module, batch, key, run_layers, *, constrain: Callable, layout, mesh,
              loss_chunk: int, train: bool) -> tuple[jax.Array, dict[str, jax.Array]]: ...

@@ -1,0 +1,92 @@
+"""Collective traffic the planner's bounds (analytic.collective_bounds) do not count, set
+beside the compiled program's in the report:
+
+  known_excess  what the layout's program sends beyond the bound for reasons of the model's
+                own making (a tied table reduced twice, conv gradients under a row split,
+                halo rows fetched again, kv heads kept whole), counted in bytes
+  no_formula    mesh axes whose traffic has no formula at all (a classifier's channel
+                tensor parallelism): reported without a bound
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from meshtrain import tree_paths
+from meshtrain.planner import analytic, halo
+
+
+def no_formula(exp) -> list[dict]:
+    """[{mesh_axes, why}]: traffic of the layout the bounds do not count. A model without a
+    [batch, length, embed] stream (a classifier) has no formula for tensor parallelism
+    (channel-split convs and classifier) or pipelines: its tensor-axis collectives are
+    reported without a bound."""
+    m, mesh = exp.model, exp.mesh
+    if analytic.has_stream(m):
+        return []
+    names = ("filters", "channels", "mlp", "embed", "vocab", "heads")
+    axes = tuple(dict.fromkeys(a for n in names for a in analytic._shards(exp, n)[1] if mesh.shape[a] > 1))
+    if not axes:
+        return []
+    return [{"mesh_axes": axes, "why": f"no formula for the collectives of a classifier's feature maps "
+                                       f"split over {'+'.join(axes)} (channel tensor parallelism): not in the bound"}]
+
+
+def known_excess(exp) -> list[dict]:
+    """Traffic the layout's program sends beyond the bound for reasons of the model's own
+    making: [{kind, mesh_axes, bytes, why}].
+
+      tied table   a [vocab, embed] table with no [embed, vocab] output matrix serves the
+                   lookup and the output projection; XLA reduces the two gradient pieces
+                   over the batch axes before adding them, so the table's reduction runs twice
+      conv grads   under a row split, XLA all-reduces a conv's gradient over the split,
+                   then whole over the batch axes: (1 - 1/r) of the latter is more than
+                   the bound's (a reduce-scatter over the split first)
+      halo         the weight gradient's halo rows, fetched again (planner/halo.py)
+      kv heads     K/V projections kept whole over tensor (grouped-query attention, see
+                   docs/layouts.md) get gradient pieces from every head shard: their weight
+                   gradients are summed over tensor (counted), and per layer their output
+                   gradients too (named, not counted)"""
+    m, mesh = exp.model, exp.mesh
+    cfg = m.cfg
+    compute = jnp.dtype(cfg.dtype).itemsize
+    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
+    params = tree_paths.flat(exp.shardings.params)
+    tied = not any(tuple(a) == ("embed", "vocab") for a in flat_axes.values())
+    _, batch_axes = analytic._shards(exp, "batch")
+    t_axes = analytic._shards(exp, "heads")[1]
+    opt = tree_paths.flat(exp.grad_shardings)
+    convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
+    out, conv_rows = [], {}
+    for path, shape in tree_paths.flat(m.shapes).items():
+        axes, p_axes = flat_axes[path], analytic._axes_of(params[path])
+        local = math.prod(shape.shape) / analytic._size(mesh, p_axes)
+        reduce_axes = [a for a in batch_axes if a not in p_axes and mesh.shape[a] > 1]
+        if tied and tuple(axes) == ("vocab", "embed") and reduce_axes:
+            n = analytic._size(mesh, reduce_axes)
+            out.append({"kind": "all-reduce", "mesh_axes": tuple(reduce_axes),
+                        "bytes": 2 * (n - 1) / n * local * compute,
+                        "why": f"the tied table {path} is reduced twice, its lookup and its output-"
+                               f"projection gradients apart"})
+        rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
+        plain = [a for a in reduce_axes if a not in analytic._axes_of(opt[path])]
+        if rows_axes and plain:  # the bound's reduced share: collective_bounds
+            n, r = analytic._size(mesh, plain), analytic._size(mesh, rows_axes)
+            row = conv_rows.setdefault(tuple(plain), {
+                "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
+                "why": f"conv gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over "
+                       f"the row split ({'+'.join(rows_axes)}), where a reduce-scatter there would leave 1/{r} "
+                       f"of them to reduce"})
+            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
+        kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
+        if "kv_heads" in axes and kv_whole:
+            n = analytic._size(mesh, kv_whole)
+            out.append({"kind": "all-reduce", "mesh_axes": tuple(kv_whole),
+                        "bytes": 2 * (n - 1) / n * local * compute,
+                        "why": f"{path} is kept whole over tensor (kv heads unsplit): its gradient "
+                               f"is summed over the head shards; so are, per layer, the small "
+                               f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
+                               f"within each kv group): split kv_heads over tensor to remove both"})
+    return out + list(conv_rows.values()) + halo.known_excess(exp)
