@@ -60,6 +60,14 @@ def test_eval_reads_the_statistics_and_reports_accuracy(straight, capsys):
     assert 0.0 <= out["top1"] <= out["top5"] <= 1.0
 
 
+def test_dump_logits_is_refused_for_a_classifier(straight, tmp_path, capsys):
+    capsys.readouterr()
+    assert eval_main([f"--workdir={straight}", f"--dump_logits={tmp_path / 'l.npz'}"]) == 2
+    err = capsys.readouterr().err
+    assert "--dump_logits writes a language model's logits; resnet is a classify model" in err
+    assert "Leave --dump_logits out" in err and "Traceback" not in err
+
+
 def test_pipelines_are_refused_for_unlike_layers(make_config):
     cfg = make_config("vgg_tiny_dp8", **{"layout": "dp_pp", "mesh.shape": "data:4,stage:2",
                                          "pipeline.microbatches": 4})
