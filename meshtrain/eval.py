@@ -136,7 +136,8 @@ def execute(args) -> int:
 
     results, seconds, dumped = run_eval(exp, params, flags["split"], n, flags["dump_logits"], say, stats)
     result = results["loss"]
-    units = n * cfg.train.batch_size * per_row
+    # A finite image split's last batch is padded; its padding rows are not scored (count).
+    units = results.pop("count", n * cfg.train.batch_size * per_row)
     try:
         perplexity = math.exp(result)
     except OverflowError:

@@ -98,3 +98,16 @@ def test_accumulation_with_batchnorm_matches_one_device(make_config):
     many = losses(make_config("resnet_tiny_dp8", **over))
     one = losses(make_config("resnet_tiny_dp8", **over), devices=jax.devices()[:1], mesh_shape="data:1")
     np.testing.assert_allclose(many, one, rtol=1e-5)
+
+
+def test_eval_scores_every_digit_once(tmp_path, capsys):
+    """The digits' 359 test images in 6 batches of 64: the 25 padding rows are not scored,
+    and the eval says 359 images."""
+    assert main(["--config=vgg_tiny_digits_dp2", f"--workdir={tmp_path}", "--config.train.steps=2",
+                 "--config.train.eval_every=0", "--config.mesh.shape=data:8"]) == 0
+    capsys.readouterr()
+    assert eval_main([f"--workdir={tmp_path}", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["images"] == 359 and out["batches"] == 6
+    assert "359 images in 6 batches" in captured.err
