@@ -1,7 +1,12 @@
-"""The device mesh: four named axes in a fixed order, sized by config, laid over nodes.
+"""The device mesh: five named axes in a fixed order, sized by config, laid over nodes.
 
-Every mesh has the axes `AXES = ("data", "stage", "fsdp", "tensor")`, slowest link
-first, with size 1 where unused, so PartitionSpecs read the same on any mesh.
+Every mesh has the axes `AXES = ("data", "stage", "fsdp", "context", "tensor")`,
+slowest link first, with size 1 where unused, so PartitionSpecs read the same on any
+mesh. `context` (a sequence's positions split over devices, docs/layouts.md "Long
+sequences") sits between fsdp and tensor: every layer's attention passes keys and
+values over it, forward and backward (a ring's permutes or an all-gather), more than
+fsdp's once-per-layer weight gathers at long sequence and less than tensor's blocking
+all-reduces, so it wants a fast link but yields the fastest to tensor.
 
   parse_shape("data:8,tensor:4")  -> all four axes; one size may be -1
   resolve_shape(shape, n, why=)   fills the -1 from n devices and checks the product;
@@ -41,11 +46,11 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import UserError
 
-AXES = ("data", "stage", "fsdp", "tensor")
+AXES = ("data", "stage", "fsdp", "context", "tensor")
 
 
 def parse_shape(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """`"data:8,tensor:4"` -> {"data": 8, "stage": 1, "fsdp": 1, "tensor": 4}.
+    """`"data:8,tensor:4"` -> {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}.
 
     At most one axis may be -1 (filled later by `resolve_shape`).
     """
@@ -83,7 +88,7 @@ def parse_shape(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def format_shape(shape: Mapping[str, int]) -> str:
-    """{"data": 8, "stage": 1, ...} -> "data:8,stage:1,fsdp:1,tensor:4"."""
+    """{"data": 8, "stage": 1, ...} -> "data:8,stage:1,fsdp:1,context:1,tensor:4"."""
     return ",".join(f"{a}:{shape[a]}" for a in AXES)
 
 
@@ -206,11 +211,16 @@ def parse_dcn(spec: str, shape: Mapping[str, int]) -> dict[str, int] | None:
 
 def dcn_warnings(dcn: Mapping[str, int] | None) -> list[str]:
     """Placements that send heavy traffic over the slow inter-node links."""
+    out = []
     if dcn and dcn["tensor"] > 1:
-        return [f"mesh.dcn puts the tensor axis across {dcn['tensor']} nodes: tensor parallelism "
-                f"all-reduces activations in every layer, forward and backward, and is the one "
-                f"layout that should stay inside a node. Put data (or fsdp, or stage) on DCN instead."]
-    return []
+        out.append(f"mesh.dcn puts the tensor axis across {dcn['tensor']} nodes: tensor parallelism "
+                   f"all-reduces activations in every layer, forward and backward, and is the one "
+                   f"layout that should stay inside a node. Put data (or fsdp, or stage) on DCN instead.")
+    if dcn and dcn["context"] > 1:
+        out.append(f"mesh.dcn puts the context axis across {dcn['context']} nodes: context parallelism "
+                   f"passes every layer's keys and values between the devices of a sequence, "
+                   f"forward and backward. Keep context inside a node and put data (or fsdp) on DCN.")
+    return out
 
 
 def granules(devices: Sequence[jax.Device], count: int, hosts: Sequence[str]) -> tuple[list[int], str]:
@@ -248,7 +258,7 @@ def nodes_of(devices: Sequence[jax.Device], dcn: Mapping[str, int] | None,
 
 def hybrid_grid(shape: Mapping[str, int], dcn: Mapping[str, int], devices: Sequence[jax.Device],
                 hosts: Sequence[str]) -> tuple[np.ndarray, str]:
-    """Devices arranged [data, stage, fsdp, tensor] with each axis split DCN x ICI: position
+    """Devices arranged [data, stage, fsdp, context, tensor] with each axis split DCN x ICI: position
     k along an axis is node k // ici, device k % ici within the node. Returns (grid, how the
     nodes were found)."""
     dcn_sizes = [dcn[a] for a in AXES]
@@ -268,7 +278,8 @@ def hybrid_grid(shape: Mapping[str, int], dcn: Mapping[str, int], devices: Seque
     for k, group in enumerate(groups):
         grid[k] = group
     # [dcn..., ici...] -> interleave each axis's (dcn, ici) pair -> merge each pair.
-    grid = grid.reshape(dcn_sizes + ici_sizes).transpose(0, 4, 1, 5, 2, 6, 3, 7)
+    n = len(AXES)
+    grid = grid.reshape(dcn_sizes + ici_sizes).transpose([i for a in range(n) for i in (a, n + a)])
     return grid.reshape([shape[a] for a in AXES]), how
 
 

@@ -146,7 +146,7 @@ def test_dcn_that_does_not_fit_shows_the_arithmetic(shape, dcn, hosts, message):
 def test_uneven_nodes_are_refused_with_the_ici_arithmetic():
     shape = mesh.parse_shape("data:2,tensor:4")
     devices = [FakeDevice(i, 0 if i < 6 else 1) for i in range(8)]
-    with pytest.raises(UserError, match=r"mesh.dcn=data:2 needs 4 devices in each of 2 nodes \(ICI tensor:4: 1 x 1 x 1 x 4 = 4\), but the nodes \(2 hosts\) have 2 or 6"):
+    with pytest.raises(UserError, match=r"mesh.dcn=data:2 needs 4 devices in each of 2 nodes \(ICI tensor:4: 1 x 1 x 1 x 1 x 4 = 4\), but the nodes \(2 hosts\) have 2 or 6"):
         mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, ["a", "b"])
 
 

@@ -131,7 +131,7 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
     out, dropped = [], collections.Counter()
     extra = [tuple(zip(options, values)) for values in itertools.product(*options.values())] if options else [()]
     remats = [(r, o) for r in remats for o in extra]
-    for sizes in factorizations(devices):
+    for sizes in factorizations(devices, len(mesh_lib.AXES)):
         shape = dict(zip(mesh_lib.AXES, sizes))
         used = {a for a, n in shape.items() if n > 1}
         for layout, (required, allowed) in presets.PRESET_AXES.items():
