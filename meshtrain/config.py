@@ -40,6 +40,9 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         remat="none", scan_layers=True,
         # auto | xla | cudnn | pallas (meshtrain/models/attention.py; docs/performance.md)
         attention="auto",
+        # allgather | ring: how attention meets the pieces of a sequence split over the
+        # context axis (meshtrain/models/context_attention.py; docs/layouts.md)
+        context_attention="allgather",
     )
     # dcn: the inter-node factor of each axis, e.g. "data:2" (docs/multihost.md).
     c.mesh = dict(shape=mesh, dcn="")

@@ -28,6 +28,7 @@ gradient's data-parallel reduction sends what it sends without chunks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -37,6 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
+from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.models import stack
 from meshtrain.models.stack import Constrain, RunLayers
 
 
@@ -93,12 +96,21 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
 
     b, t, d = h_btd.shape
     c = t // chunks
-    # [B, T, D] -> [chunks, n, B/n, c, D]: shard k keeps its rows, chunk i holds positions
-    # i*c .. i*c + c-1 of each.
-    h = h_btd.reshape(n, b // n, chunks, c, d).transpose(2, 0, 1, 3, 4)
+    # Positions split over q devices (context or sequence parallelism): each chunk takes
+    # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
+    # over positions, so which rows make up a chunk does not change it.
+    q = math.prod(mesh.shape[a] for a in mesh_axes_of(inner.spec(("batch", "length", "embed"), "activations")[1]))
+    if c % q:
+        raise UserError(
+            f"train.loss_chunk={c}: the layout splits each sequence's positions over {q} devices, "
+            f"and each chunk of the loss takes an equal share from each, so loss_chunk must be a "
+            f"multiple of {q}. Use e.g. {max(q, c - c % q)}, or 0 for the whole sequence at once.")
+    # [B, T, D] -> [chunks, n, B/n, c, D]: shard k keeps its rows, chunk i holds rows
+    # i*c/q .. (i+1)*c/q - 1 of each of the q pieces of each row.
+    h = h_btd.reshape(n, b // n, q, chunks, c // q, d).transpose(3, 0, 1, 2, 4, 5).reshape(chunks, n, b // n, c, d)
     h = jax.lax.with_sharding_constraint(h, NamedSharding(
         mesh, P(None, shard, *inner.spec(("batch", "length", "embed"), "activations"))))
-    y = targets_bt.reshape(n, b // n, chunks, c).transpose(2, 0, 1, 3)
+    y = targets_bt.reshape(n, b // n, q, chunks, c // q).transpose(3, 0, 1, 2, 4).reshape(chunks, n, b // n, c)
     y = jax.lax.with_sharding_constraint(y, NamedSharding(
         mesh, P(None, shard, *inner.spec(("batch", "length"), "activations"))))
     # One copy of w per batch shard: each shard sums its gradient over the chunks, and
@@ -148,7 +160,12 @@ def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: ja
     """Mean loss of a bound model on inputs [B, T] against targets [B, T]: over whole
     logits when the sequence is one chunk or the model has no hidden/project seam."""
     chunks = num_chunks(inputs_bt.shape[1], loss_chunk)
-    if chunks == 1 or not has_seam(module):
+    if not has_seam(module):
         return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt)
+    # hidden's rows are in the layout's storage order (context parallelism reorders them,
+    # layouts/sequence.py); the targets are put in the same order, so nothing is re-sorted.
     h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
+    targets_bt = stack.stored(targets_bt, constrain)
+    if chunks == 1:
+        return cross_entropy(module.project(h_btd, w, constrain), targets_bt)
     return chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh)

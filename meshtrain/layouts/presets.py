@@ -26,6 +26,17 @@ step; x4 bytes in fp32):
                                                     kernel k, k//2 rows x width x channels each
                                                     way at each split boundary (collective-
                                                     permutes); grads all-reduced over data+tensor
+  *_sp     as without sp                            Megatron sequence parallelism (Korthikanti et
+                                                    al. 2022): `length:tensor` last, so it splits
+                                                    only what heads and mlp leave whole (the
+                                                    residual stream, norms, dropout); each tensor
+                                                    all-reduce becomes a reduce-scatter + an
+                                                    all-gather of the same bytes
+  *_cp     as without cp, the   as without cp       context parallelism: `length:context` splits
+           weights replicated                       every activation's positions; attention passes
+           over context                             keys and values over context (all-gather or a
+                                                    ring, model.context_attention); the weights'
+                                                    gradients are all-reduced over context too
 The rule order matters: a mesh axis goes to the first rule that claims it.
 
 Pipeline presets (`*_pp*`) add `stage:stage` in front of every table, so the
@@ -63,6 +74,13 @@ _EMBED_PP = "vocab:stage;length:stage"
 _TP_PP = "heads:tensor;mlp:tensor;vocab:tensor+stage;length:stage"  # tensor first: gathering
 # over stage then joins contiguous rows of each tensor shard
 
+# Sequence parallelism: length last, so heads and mlp claim tensor first and only the
+# residual stream, norms and dropout ([batch, length, embed]) split by position.
+_SP = "length:tensor"
+# Context parallelism: every activation split by position over context (attention passes
+# keys and values between the pieces: models/context_attention.py).
+_CP = "length:context"
+
 PRESETS = {
     "dp": "batch:data",
     "fsdp": f"batch:data+fsdp | params={_FSDP_PARAMS}",
@@ -74,6 +92,12 @@ PRESETS = {
     # Spatial partitioning (Mesh-TensorFlow, LBANN): image activations split by rows over
     # `tensor`; XLA's SPMD partitioner adds each convolution's halo exchange.
     "dp_spatial": "batch:data;height:tensor",
+    "dp_tp_sp": f"batch:data;{_TP};{_SP}",
+    "fsdp_tp_sp": f"batch:data+fsdp;{_TP};{_SP} | params={_TP};embed:fsdp;channels:fsdp",
+    "dp_cp": f"batch:data;{_CP}",
+    "fsdp_cp": f"batch:data+fsdp;{_CP} | params={_FSDP_PARAMS}",
+    "dp_tp_cp": f"batch:data;{_TP};{_CP}",
+    "fsdp_tp_cp": f"batch:data+fsdp;{_TP};{_CP} | params={_TP};embed:fsdp;channels:fsdp",
     "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
     "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
@@ -93,6 +117,12 @@ PRESET_AXES = {
     "dp_tp": ({"data", "tensor"}, {"data", "tensor"}),
     "fsdp_tp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
     "dp_spatial": ({"tensor"}, {"data", "tensor"}),
+    "dp_tp_sp": ({"data", "tensor"}, {"data", "tensor"}),
+    "fsdp_tp_sp": ({"fsdp", "tensor"}, {"data", "fsdp", "tensor"}),
+    "dp_cp": ({"context"}, {"data", "context"}),
+    "fsdp_cp": ({"fsdp", "context"}, {"data", "fsdp", "context"}),
+    "dp_tp_cp": ({"context", "tensor"}, {"data", "context", "tensor"}),
+    "fsdp_tp_cp": ({"fsdp", "context", "tensor"}, {"data", "fsdp", "context", "tensor"}),
     "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
     "zero2_pp": ({"stage", "data"}, {"data", "stage"}),
     "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),

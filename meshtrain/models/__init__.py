@@ -12,13 +12,13 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import attention, family, gpt2, llama, remat, resnet, vgg  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, context_attention, family, gpt2, llama, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.
 COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers",
-               "attention")
+               "attention", "context_attention")
 
 
 def size_dims(m: ml_collections.ConfigDict) -> dict:
@@ -61,12 +61,14 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     if not 0.0 <= m.dropout < 1.0:
         raise UserError(f"model.dropout={m.dropout}: must be in [0, 1).")
     remat.check(m.remat)
+    context_attention.check_kind(m.context_attention)
     multiple = math.lcm(max(1, int(m.vocab_multiple)), vocab_shards)
     padded = -(-vocab_size // multiple) * multiple
     known = {f.name for f in dataclasses.fields(fam.config)}
     cfg = fam.config(**{k: v for k, v in dims.items() if k in known}, padded_vocab_size=padded,
                      dropout=float(m.dropout), dtype=m.dtype, param_dtype=m.param_dtype,
-                     remat=m.remat, scan_layers=bool(m.scan_layers))
+                     remat=m.remat, scan_layers=bool(m.scan_layers),
+                     context_attention=m.context_attention)
     impl, _ = attention_choice(m.attention, cfg, platform)
     cfg = dataclasses.replace(cfg, attention=impl)
     if fam.check is not None:

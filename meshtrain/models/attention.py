@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.errors import UserError
+from meshtrain.models import context_attention
 
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
@@ -183,18 +184,37 @@ def _pallas_sharded(q_bthe, k_bthe, v_bthe, constrain):
                          check_vma=False)(q_bthe, k_bthe, v_bthe)
 
 
+def _length_split(constrain):
+    """The activation spec of q, k and v when the layout splits their positions over
+    devices (context parallelism), else None."""
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is None:
+        return None
+    spec = constrain.spec(BTHE)
+    axes = () if spec[1] is None else (spec[1],) if isinstance(spec[1], str) else spec[1]
+    return spec if any(mesh.shape[a] > 1 for a in axes) else None
+
+
 def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
            cache: Cache | None = None, pos: jax.Array | None = None, *,
-           implementation: str = "xla", constrain=None) -> tuple[jax.Array, Cache | None]:
+           implementation: str = "xla", constrain=None,
+           context: str = "allgather") -> tuple[jax.Array, Cache | None]:
     """-> (out [B, T, H, E], cache).
 
     Without a cache, position i attends to positions <= i of this call, with the chosen
     `implementation` (already resolved by `choose`: xla, cudnn or pallas; pallas needs
-    K = H). With one, k and v are written at cache positions pos..pos+T-1 and query i
+    K = H). When the layout splits the positions over devices, the rows are in its zigzag
+    order (layouts/sequence.py) and `context` (model.context_attention: allgather or
+    ring) says how the pieces meet (models/context_attention.py; K = H there too). With one, k and v are written at cache positions pos..pos+T-1 and query i
     (at position pos + i) attends to cache positions <= pos + i; the rest of the cache
     is masked.
     """
     if cache is None:
+        split = _length_split(constrain)
+        if split is not None:
+            order = constrain.order(q_bthe.shape[1])
+            return context_attention.attend(q_bthe, k_btke, v_btke, jnp.asarray(order), kind=context,
+                                            constrain=constrain, spec=split), None
         if implementation == "pallas":
             return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
         if implementation == "xla":

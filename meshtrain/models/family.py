@@ -81,6 +81,7 @@ class ModelConfig:
     remat: str = "none"           # see models/remat.py
     scan_layers: bool = True
     attention: str = "xla"        # xla | cudnn | pallas, resolved from model.attention (models/attention.py)
+    context_attention: str = "allgather"  # allgather | ring: positions split over devices (models/context_attention.py)
 
     def max_context(self) -> tuple[int, str]:
         """(the most positions the model can decode over, why that many), for sampling's

@@ -110,7 +110,7 @@ class Attention(nnx.Module):
         qkv = jnp.einsum("btd,dkhe->btkhe", x_btd, self.w_qkv[...].astype(dt)) + self.b_qkv[...].astype(dt)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
         o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
-                               constrain=constrain)
+                               constrain=constrain, context=self.cfg.context_attention)
         o_bthe = constrain(o_bthe, ("batch", "length", "heads", "head_dim"))
         y = jnp.einsum("bthe,hed->btd", o_bthe, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
         return y if cache is None else (y, cache)
@@ -167,7 +167,8 @@ class GPT2(nnx.Module):
         `run_layers` replaces the sequential pass over the block stack (the pipeline
         passes its schedule here); the default runs the layers in order.
         """
-        return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+        logits_btv = self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+        return stack.natural(logits_btv, constrain)
 
     def hidden(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
@@ -183,8 +184,9 @@ class GPT2(nnx.Module):
 
     def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                      key: jax.Array | None = None) -> jax.Array:
-        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes."""
-        return self._embed(self._table(constrain), tokens_bt, 0, constrain, key)
+        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes, its rows in the
+        layout's storage order (stack.stored), each with its position's embedding."""
+        return self._embed(self._table(constrain), stack.stored(tokens_bt, constrain), None, constrain, key)
 
     def head(self, x_btd: jax.Array, constrain: Constrain = no_constraint):
         """x [B, T, D] out of the last layer -> (h [B, T, D], the tied table [V, D]), as `hidden`."""
@@ -222,8 +224,14 @@ class GPT2(nnx.Module):
         return constrain(self.wte[...].astype(self.cfg.dtype), ("vocab", "embed"))
 
     def _embed(self, wte_vd, tokens_bt, pos, constrain, key) -> jax.Array:
+        """pos None: a whole sequence in the layout's order; else positions pos..pos+t-1."""
         t = tokens_bt.shape[1]
-        wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, t, axis=0).astype(wte_vd.dtype)
+        order = None if pos is not None else stack.sequence_order(constrain, t)
+        if order is None:
+            wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], 0 if pos is None else pos, t, axis=0)
+        else:
+            wpe_td = jnp.take(self.wpe[...], order, axis=0)
+        wpe_td = wpe_td.astype(wte_vd.dtype)
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + wpe_td
         x_btd = _dropout(x_btd, self.cfg.dropout, key)
         return constrain(x_btd, ("batch", "length", "embed"))

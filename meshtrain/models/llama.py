@@ -156,24 +156,28 @@ class Attention(nnx.Module):
         """x [B, T, D] at positions pos..pos+T-1 (0.. without a cache) -> y [B, T, D];
         with a K-head cache (k, v [B, S, K, E], see attention.attend) -> (y, cache)."""
         cfg, dt = self.cfg, x_btd.dtype
-        positions_t = jnp.arange(x_btd.shape[1]) + (0 if pos is None else pos)
+        positions_t = stack.positions(constrain, x_btd.shape[1], pos)
         inv_freq = inverse_frequencies(cfg)
         q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dke->btke", x_btd, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt))
         q = constrain(rope(q, positions_t, inv_freq), BTHE)
-        # All K heads on every tensor rank (kv_heads unsplit): see the module docstring.
-        k = constrain(rope(k, positions_t, inv_freq), BTKE)
-        v = constrain(v, BTKE)
+        k = rope(k, positions_t, inv_freq)
         if cache is None:
             # Query head h reads kv head h // (H/K); jnp.repeat keeps each group
             # contiguous, so a rank holding a block of query heads needs only its rows.
+            # k and v are pinned only once repeated: pinned as [B, T, K, E] first, sequence
+            # parallelism (length:tensor, which K heads do not claim) would split them by
+            # position and XLA would regather them whole for the heads split.
             group = cfg.num_heads // cfg.num_kv_heads
             k, v = (constrain(jnp.repeat(a, group, axis=2), BTHE) for a in (k, v))
+        else:
+            # All K heads on every tensor rank (kv_heads unsplit): see the module docstring.
+            k, v = constrain(k, BTKE), constrain(v, BTKE)
         # With a cache, attend stores the K heads and dot_product_attention groups the
         # H query heads over them itself (K < H), so the cache is H/K times smaller.
         o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
-                               constrain=constrain)
+                               constrain=constrain, context=self.cfg.context_attention)
         o_bthe = constrain(o_bthe, BTHE)
         y = jnp.einsum("bthe,hed->btd", o_bthe, self.wo[...].astype(dt))
         if cache is None:
@@ -237,7 +241,8 @@ class Llama(nnx.Module):
         `run_layers` replaces the sequential pass over the block stack (the pipeline
         passes its schedule here); the default runs the layers in order.
         """
-        return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+        logits_btv = self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
+        return stack.natural(logits_btv, constrain)
 
     def hidden(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
@@ -254,8 +259,9 @@ class Llama(nnx.Module):
 
     def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                      key: jax.Array | None = None) -> jax.Array:
-        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes."""
-        return self._embed(self._table(constrain), tokens_bt, constrain, key)
+        """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes, its rows in the
+        layout's storage order (stack.stored)."""
+        return self._embed(self._table(constrain), stack.stored(tokens_bt, constrain), constrain, key)
 
     def head(self, x_btd: jax.Array, constrain: Constrain = no_constraint):
         """x [B, T, D] out of the last layer -> (h [B, T, D], the output projection), as `hidden`."""

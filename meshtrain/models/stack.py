@@ -7,6 +7,9 @@ pass over with `run_layers` (meshtrain/pipeline.py does, to run the stack as pip
 stages); the model never knows how its layers are scheduled.
 
     constrain(x, axes) -> x                     pins an activation to the layout
+    constrain.order(t) -> positions | None      the order a sequence is stored in under
+                                                context parallelism (layouts/sequence.py);
+                                                `stored`, `natural` and `positions` read it
     run_layers(make_layer, stacked, x, key) -> x
         make_layer(constrain) -> layer(x, one layer's params, key) -> x
 """
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshtrain.models import remat
@@ -36,6 +40,34 @@ def is_matrix(axes: Axes) -> bool:
 def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
     del axes
     return x
+
+
+def sequence_order(constrain: Constrain, t: int) -> np.ndarray | None:
+    """Positions [t] in the order the layout stores a sequence, or None for 0..t-1."""
+    order = getattr(constrain, "order", None)
+    return None if order is None else order(t)
+
+
+def stored(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
+    """x with its `axis` (positions 0..t-1) put in the layout's storage order: what the
+    model does to its tokens and the loss to its targets. A gather of int32 ids, cheap."""
+    order = sequence_order(constrain, x.shape[axis])
+    return x if order is None else jnp.take(x, order, axis=axis)
+
+
+def natural(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
+    """The inverse of `stored`: x back in position order (logits handed to a caller)."""
+    order = sequence_order(constrain, x.shape[axis])
+    return x if order is None else jnp.take(x, np.argsort(order), axis=axis)
+
+
+def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax.Array:
+    """The positions [t] of a sequence's rows as stored: pos..pos+t-1 when decoding (a
+    cache is never reordered), else the layout's order."""
+    order = None if pos is not None else sequence_order(constrain, t)
+    if order is not None:
+        return jnp.asarray(order)
+    return jnp.arange(t) + (0 if pos is None else pos)
 
 
 def param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",

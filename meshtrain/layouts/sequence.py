@@ -1,0 +1,67 @@
+"""Where a sequence's positions live when a layout splits them inside attention (context
+parallelism), and the order they are stored in.
+
+A layout splits `length` inside attention when the activation spec of q, k and v
+([batch, length, heads, head_dim]) puts mesh axes on `length` (`length:context` in the
+*_cp presets). Sequence parallelism's `length:tensor` does not: heads claim tensor first
+there, so attention sees whole sequences.
+
+Causal attention over n contiguous pieces would leave the first device idle on masked
+blocks while the last works on all of them. So the sequence is cut into 2n equal chunks
+and device i holds chunks i and 2n-1-i, one early and one late (the "zigzag" order of
+Brandon et al. 2023, Striped/Ring Attention; Llama 3's context parallelism, Dubey et al.
+2024 §3.3.2): every device then has the same unmasked work. The model reads its tokens
+in this order, computes its positions from it, and the loss reads the targets in it, so
+nothing between embedding and loss is ever re-sorted.
+
+  order(layout, shape, t)  -> positions [t] in storage order, or None (natural order)
+  split(layout, shape)     -> (n, mesh axes) of attention's `length`
+  check(layout, shape, t)  a UserError unless 2n divides t
+
+For n = 2 and t = 8: chunks [0 1][2 3][4 5][6 7]; device 0 holds positions 0 1 6 7,
+device 1 holds 2 3 4 5; order = [0 1 6 7 2 3 4 5].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from meshtrain.errors import UserError
+from meshtrain.layouts.rules import Layout, mesh_axes_of
+
+ATTENTION_AXES = ("batch", "length", "heads", "head_dim")
+
+
+def split(layout: Layout, shape: Mapping[str, int]) -> tuple[int, tuple[str, ...]]:
+    """How many pieces attention's `length` is cut into, and over which mesh axes."""
+    axes = mesh_axes_of(layout.spec(ATTENTION_AXES, "activations")[1])
+    return math.prod(shape[a] for a in axes), axes
+
+
+def balanced(t: int, n: int) -> np.ndarray:
+    """The zigzag order of t positions over n devices (module docstring): [t] int32."""
+    chunks = np.arange(t, dtype=np.int32).reshape(2 * n, t // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def check(layout: Layout, shape: Mapping[str, int], t: int) -> None:
+    n, axes = split(layout, shape)
+    if n > 1 and t % (2 * n):
+        raise UserError(
+            f"model.seq_len={t} cannot be split over {'+'.join(axes)}={n}: context parallelism "
+            f"cuts the sequence into 2 x {n} = {2 * n} equal chunks (each device holds an early "
+            f"and a late one, so causal attention's work is balanced), and {2 * n} does not "
+            f"divide {t}. Use a seq_len divisible by {2 * n}, or a smaller {'+'.join(axes)} axis.")
+
+
+def order(layout: Layout, shape: Mapping[str, int], t: int) -> np.ndarray | None:
+    """Positions in the order the devices store them, or None when attention's `length`
+    is whole (natural order)."""
+    n, _ = split(layout, shape)
+    if n == 1:
+        return None
+    check(layout, shape, t)
+    return balanced(t, n)

@@ -1,0 +1,131 @@
+"""Causal attention over a sequence whose positions are split over devices (context
+parallelism, `model.context_attention`), written per device with shard_map.
+
+Each of the n devices on attention's `length` axes holds 2c = T/n rows of q, k and v in
+the zigzag order of layouts/sequence.py: chunk i (positions i c .. i c + c-1) and chunk
+2n-1-i. Shapes per device: q, k, v [B, 2c, H, E] (B, H: this device's share of the batch
+and heads), positions [2c] int32.
+
+  allgather  (Llama 3's recipe, Dubey et al. 2024 §3.3.2) k and v are all-gathered over
+             the context axes, [B, T, H, E], and each query row attends to every key
+             whose position is <= its own: scores [B, H, 2c, T] per device. Backward
+             reduce-scatters dk and dv.
+  ring       (Liu et al. 2023, Ring Attention) k and v travel once around the ring, a
+             ppermute per step, while each device folds one block at a time into an
+             online softmax (running max m, sum l, unnormalised output o, as flash
+             attention): scores are never bigger than [B, H, 2c, c].
+
+The ring's load balance. At step 0 a device attends its own 2c keys, with the causal mask
+by position. At step j > 0 it holds the keys of device s = (i - j) mod n:
+  s < i:  both its chunks are later than chunk s and earlier than chunk 2n-1-s, so all 2c
+          queries see the first c keys and none sees the last c;
+  s > i:  chunk i sees neither of s's chunks, chunk 2n-1-i sees both:
+          the last c queries see all 2c keys.
+Either way one [2c x c] or [c x 2c] block, unmasked, equal work on every device and every
+step; the masked half is never computed. Per device: 4 c^2 + (n-1) 2 c^2 score entries,
+against (2nc)^2 / 2n = 2 n c^2 for a perfect split of the causal triangle, (n+1)/n of it.
+
+Arithmetic: scores in float32, scaled after the product, probabilities cast to v's dtype
+for the second matmul, as models/attention.causal_attention. Masked scores are not used
+at all (exp is where'd to 0), so a row's running max is always a real score: every row
+sees its own position at step 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.errors import UserError
+
+KINDS = ("allgather", "ring")
+_NEG = float(-0.7 * np.finfo(np.float32).max)  # a masked score, as attention._MASKED
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise UserError(f"model.context_attention={kind!r} is not a way to attend across a split "
+                        f"sequence. Choose one of: {', '.join(KINDS)} (docs/layouts.md, "
+                        f"'Long sequences').")
+
+
+def _scores(q_bqhe, k_bkhe):
+    s = jnp.einsum("bqhe,bkhe->bhqk", q_bqhe, k_bkhe, preferred_element_type=jnp.float32)
+    return s * jnp.float32(1.0 / np.sqrt(q_bqhe.shape[-1]))
+
+
+def _block(q_bqhe, k_bkhe, v_bkhe, mask_qk=None):
+    """One block of keys: -> (o [B, q, H, E] float32 unnormalised, m [B, H, q], l [B, H, q])."""
+    s = _scores(q_bqhe, k_bkhe)
+    if mask_qk is not None:
+        s = jnp.where(mask_qk, s, jnp.float32(_NEG))
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    if mask_qk is not None:
+        p = jnp.where(mask_qk, p, 0.0)
+    o = jnp.einsum("bhqk,bkhe->bqhe", p.astype(v_bkhe.dtype), v_bkhe, preferred_element_type=jnp.float32)
+    return o, m, jnp.sum(p, axis=-1)
+
+
+def _merge(acc, new):
+    """Online softmax: two partial results over disjoint keys -> their union's."""
+    (o1, m1, l1), (o2, m2, l2) = acc, new
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    scale = lambda a: jnp.swapaxes(a, 1, 2)[..., None]  # [B, H, q] -> [B, q, H, 1]
+    return o1 * scale(a1) + o2 * scale(a2), m, l1 * a1 + l2 * a2
+
+
+def _allgather(q, k, v, pos_q, *, axes):
+    k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
+    pos_k = jax.lax.all_gather(pos_q, axes, axis=0, tiled=True)
+    o, _, l = _block(q, k_all, v_all, pos_q[:, None] >= pos_k[None, :])
+    return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
+
+
+def _ring(q, k, v, pos_q, *, axes, n):
+    c = q.shape[1] // 2
+    me = jax.lax.axis_index(axes)
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    acc = _block(q, k, v, pos_q[:, None] >= pos_q[None, :])
+
+    def early_keys(acc, q, k, v):  # s < i: all 2c queries, the first c keys
+        return _merge(acc, _block(q, k[:, :c], v[:, :c]))
+
+    def late_queries(acc, q, k, v):  # s > i: the last c queries, all 2c keys
+        o, m, l = acc
+        o2, m2, l2 = _merge((o[:, c:], m[..., c:], l[..., c:]), _block(q[:, c:], k, v))
+        return (o.at[:, c:].set(o2), m.at[..., c:].set(m2), l.at[..., c:].set(l2))
+
+    for j in range(1, n):
+        k, v = jax.lax.ppermute((k, v), axes, shift)
+        source = (me - j) % n
+        acc = jax.lax.cond(source < me, early_keys, late_queries, acc, q, k, v)
+    o, _, l = acc
+    return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
+
+
+def attend(q_bthe, k_bthe, v_bthe, positions_t, *, kind: str, constrain, spec: P):
+    """Causal attention with `length` split over the mesh axes in spec[1]: -> [B, T, H, E].
+
+    q, k, v [B, T, H, E] (k and v already repeated to the H query heads), stored in the
+    zigzag order whose positions are `positions_t` [T]; `spec` is their activation spec
+    under the layout, `constrain.mesh` the mesh."""
+    check_kind(kind)
+    mesh = constrain.mesh
+    axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
+    n = math.prod(mesh.shape[a] for a in axes)
+    if spec[3] is not None:
+        raise UserError(f"Context parallelism splits heads and positions, not the head width; "
+                        f"this layout splits head_dim ({spec}). Remove head_dim's rule.")
+    axis = axes[0] if len(axes) == 1 else axes
+    body = (functools.partial(_allgather, axes=axis) if kind == "allgather"
+            else functools.partial(_ring, axes=axis, n=n))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(spec[1])), out_specs=spec,
+                         check_vma=False)(q_bthe, k_bthe, v_bthe, positions_t)
