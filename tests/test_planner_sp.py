@@ -2,6 +2,7 @@
 Megatron's formula, its activation saving against the planner's, and the linter's and the
 search's handling of the context axis. Each config is compiled once per module."""
 
+import jax
 import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib
@@ -100,7 +101,7 @@ ENTRY %main (p: f32[8,4], i: s32[]) -> (f32[2,4], f32[8,4]) {
   ROOT %t = (f32[2,4]{1,0}, f32[8,4]{1,0}) tuple(%f, %ar2)
 }
 """
-    mesh = mesh_lib.make_mesh(mesh_lib.parse_shape("tensor:4"), __import__("jax").devices()[:4])
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_shape("tensor:4"), jax.devices()[:4])
     ops = sp.layer_collectives(text, mesh, 1, 8 * 4 * 4)
     assert ops["forward", "reduce-scatter"] == sp.LayerOps(1, 128, 3 / 4 * 128)
     assert ops["forward", "all-reduce"] == sp.LayerOps(1, 128, 2 * 3 / 4 * 128)
