@@ -117,15 +117,18 @@ class Family:
 _FAMILIES: dict[str, Family] = {}
 
 
-def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: float,
+def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: float, stream: float = 0,
                       scores: float, tensor: int, sp: int = 1) -> float:
     """Activation bytes a layer keeps (Korthikanti et al. 2022, arXiv 2205.05198, §4), from
-    per-token element counts: `whole` elements every tensor rank keeps in full (norm and
-    projection inputs), `split` elements divided over the `tensor` ranks (heads, mlp), and
+    per-token element counts: `stream` elements of the residual stream (the norms' inputs,
+    the block input) and `whole` elements every tensor rank keeps in full (attention's and
+    the MLP's inputs), `split` elements divided over the `tensor` ranks (heads, mlp), and
     `scores` attention-probability elements (heads x length, divided too). `sp`: the ranks
-    sequence parallelism splits the `whole` ones over by position (the tensor ranks under
-    an *_sp layout, 1 without): TP+SP = sbh(34 + 5as/h)/t, the paper's Table 2."""
-    return tokens * compute_bytes * (whole / sp + (split + scores) / tensor)
+    sequence parallelism splits the stream over by position (the tensor ranks under an *_sp
+    layout, 1 without). The paper's TP+SP row, sbh(34 + 5as/h)/t, also splits attention's
+    and the MLP's inputs, re-gathering them in backward; here they are gathered once
+    (models/stack.sequence_gather) and kept whole, as XLA saves a matmul's input."""
+    return tokens * compute_bytes * (stream / sp + whole + (split + scores) / tensor)
 
 
 def register(family: Family) -> Family:
