@@ -20,7 +20,9 @@ Implementations, all computing softmax(q k^T / sqrt(E) + causal mask) v:
           measurement showing it beats XLA where cuDNN cannot run.
 
 Decoding with a KV cache always uses xla: its mask is the cache's fill level, not the
-causal square these kernels are given.
+causal square these kernels are given. A layout that splits attention's positions over
+devices (context parallelism) runs models/context_attention.py instead, in XLA blocks: the
+kernels return no log-sum-exp to merge a device's blocks with.
 """
 
 from __future__ import annotations
