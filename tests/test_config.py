@@ -50,6 +50,9 @@ def test_name_matches_mesh_and_validates(name):
         if re.fullmatch(r"seq\d+k", part):  # the sequence length, in units of 1024
             assert cfg.model.seq_len == int(part[3:-1]) * 1024, f"{name}: model.seq_len should be {part}"
             continue
+        if part == "sp":  # Megatron sequence parallelism over the tensor axis
+            assert cfg.layout.endswith("_sp"), f"{name}: layout should be a *_sp preset"
+            continue
         kind, n = re.fullmatch(r"([a-z]+)(\d+)", part).groups()
         if kind == "spatial":  # image rows split over tensor
             assert cfg.layout == "dp_spatial", f"{name}: layout should be dp_spatial"

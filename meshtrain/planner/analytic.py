@@ -15,7 +15,8 @@ Memory per device (bytes), for fp32 master weights:
                in the compute dtype) count here too: both live through the microbatch loop
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device
-               (a row's T / n under context parallelism, with the other devices' keys and
+               (the residual stream's share divided by tensor under sequence parallelism;
+               a row's T / n under context parallelism, with the other devices' keys and
                values and the context attention's score blocks: planner/context.py),
                plus one layer's full activations when a remat policy recomputes them, plus
                the logits (compute dtype) with their float32 log-softmax and gradient: of
@@ -190,12 +191,21 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     if per_layer is None:
         return None
     cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
-    n = context.split(exp)[0]  # each sequence's positions split n ways (context parallelism)
-    tokens, cp = b["rows"] * cfg.seq_len / n, {"context": n} if n > 1 else {}
-    kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **cp)
+    sp, n = sequence_parallel(exp), context.split(exp)[0]  # n: each sequence's positions split n ways
+    # each keyword only asked of a family under sequence or context parallelism
+    split = {**({"sp": sp} if sp > 1 else {}), **({"context": n} if n > 1 else {})}
+    tokens = b["rows"] * cfg.seq_len / n
+    kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **split)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
-        kept += per_layer(cfg, tokens, b["tensor"], "none", **cp)
+        kept += per_layer(cfg, tokens, b["tensor"], "none", **split)
     return kept + _head(exp, cfg, b["rows"] / n, b["vocab"])
+
+
+def sequence_parallel(exp) -> int:
+    """The tensor ranks a layout splits the residual stream [batch, length, embed] over by
+    position (Megatron sequence parallelism, the *_sp presets' `length:tensor`), else 1."""
+    _, axes = _shards(exp, "length")
+    return _size(exp.mesh, [a for a in axes if a == "tensor"])
 
 
 def pipeline_activations(exp, hw=None, dtype: str | None = None):
