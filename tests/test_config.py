@@ -47,6 +47,9 @@ def test_name_matches_mesh_and_validates(name):
             continue
         if part in DATA_WORDS:
             continue
+        if re.fullmatch(r"seq\d+k", part):  # the sequence length, in units of 1024
+            assert cfg.model.seq_len == int(part[3:-1]) * 1024, f"{name}: model.seq_len should be {part}"
+            continue
         if part == "sp":  # Megatron sequence parallelism over the tensor axis
             assert cfg.layout.endswith("_sp"), f"{name}: layout should be a *_sp preset"
             continue

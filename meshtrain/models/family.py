@@ -34,11 +34,13 @@ A family gives:
   activations activations(cfg, b) -> [(what, shape, logical axes)] of the arrays the forward
               pass constrains for a batch of b rows: layout validation checks their
               divisibility, and the golden sharding tables list them
-  layer_activation_bytes  optional: (cfg, tokens, tensor, remat, sp=1) -> bytes one layer keeps for
-              its backward pass under the remat policy, for `tokens` (rows x length) on a device
-              that splits heads and mlp `tensor` ways, and the residual stream `sp` ways by
-              position (sequence parallelism; the keyword is passed only when sp > 1): the
-              planner's analytic activation memory (meshtrain/planner/analytic.py)
+  layer_activation_bytes  optional: (cfg, tokens, tensor, remat, sp=1, context=1) -> bytes one layer
+              keeps for its backward pass under the remat policy, for `tokens` (rows x length)
+              on a device that splits heads and mlp `tensor` ways, the residual stream `sp`
+              ways by position (sequence parallelism), and each sequence's positions
+              `context` ways (then tokens = rows x length / context; `context_elements`);
+              each keyword is passed only when above 1: the planner's analytic activation
+              memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
   flops_per_token  lm: training FLOPs per token (6 N + attention, llm.c's convention)
   flops_per_example  classify: training FLOPs per image (3 x the forward's 2 x multiply-adds)
@@ -129,6 +131,18 @@ def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: f
     and the MLP's inputs, re-gathering them in backward; here they are gathered once
     (models/stack.sequence_gather) and kept whole, as XLA saves a matmul's input."""
     return tokens * compute_bytes * (stream / sp + whole + (split + scores) / tensor)
+
+
+def context_elements(kind: str, heads: int, head_dim: int, seq_len: int, context: int) -> tuple[float, float]:
+    """(score elements, gathered k and v elements) a layer keeps per token of a device for
+    the backward pass when attention's positions are split `context` ways
+    (models/context_attention.py; planner/context.py), both to be divided over the head
+    shards. Scores: allgather's [2c, T] block, `heads` x T per token, as without the split;
+    the ring's own [2c, 2c] block and n-1 blocks of 2c x c, heads x T (n+1)/(2n). Keys and
+    values: the n-1 other devices' (gathered, or received round the ring), 2 (n-1) x heads
+    x head_dim, at the H query heads (k and v are repeated before they travel)."""
+    scores = heads * seq_len * ((context + 1) / (2 * context) if kind == "ring" else 1.0)
+    return scores, 2 * (context - 1) * heads * head_dim
 
 
 def register(family: Family) -> Family:

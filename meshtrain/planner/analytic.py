@@ -15,7 +15,9 @@ Memory per device (bytes), for fp32 master weights:
                in the compute dtype) count here too: both live through the microbatch loop
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device
-               (the residual stream's share divided by tensor under sequence parallelism),
+               (the residual stream's share divided by tensor under sequence parallelism;
+               a row's T / n under context parallelism, with the other devices' keys and
+               values and the context attention's score blocks: planner/context.py),
                plus one layer's full activations when a remat policy recomputes them, plus
                the logits (compute dtype) with their float32 log-softmax and gradient: of
                one chunk of train.loss_chunk positions when the loss runs in chunks
@@ -32,7 +34,9 @@ counts what the layout asks for.)
 
 Collective lower bounds (bytes each device sends per step, ring algorithms):
   gradients    every leaf's gradient reduced once over the batch axes that do not shard it
-               (a conv's leaves also over the axes that split image rows: a sum over positions):
+               (a conv's leaves also over the axes that split image rows, and every leaf
+               over the axes that split a sequence's positions: sums over positions, reduced
+               there first, then 1/n of it over the batch axes):
                all-reduce 2 (n-1)/n x local bytes; over an axis that shards only its optimizer
                state (ZeRO-1) reduce-scatter then all-gather of the updated params, the same
                bytes, in the compute dtype (the narrowest the backward computes gradients
@@ -49,13 +53,16 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
                Under a pipeline, the tables outside it (embedding, head: split over stage)
                are gathered once per accumulation microbatch, the forward's copy serving
                the backward pass, and their gradients reduce-scattered as often.
-  tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] per layer forward and
+  tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] (T/n of a context split) per layer forward and
                2 backward per microbatch, plus, when the vocabulary is split, the embedding
                lookup forward and the output projection's input gradient backward, once per
                loss chunk (meshtrain/loss.py: n chunks send n all-reduces of [b, T/n, D]).
   stage        each microbatch crosses each stage boundary once forward and once backward,
                [b, T, D] in the compute dtype, (S-1)/S of the devices sending; r times round
                the stages under circular/interleaved: (r S - 1)/S per device.
+  context      a layout that splits attention's positions: k and v round the ring
+               forward and their gradients back, or all-gathered and reduce-scattered
+               (planner/context.py; remat's recompute is known excess).
   halo         a layout that splits image rows: each conv's k//2 rows of its input forward
                and of its output gradient backward, each way at each split boundary
                (planner/halo.py; the weight gradient's second fetch of the input's rows is
@@ -75,7 +82,7 @@ import jax.numpy as jnp
 from meshtrain import grad_reduce, loss as loss_lib, optim, state as state_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.planner import halo, pipeline_memory
+from meshtrain.planner import context, halo, pipeline_memory
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -184,12 +191,14 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     if per_layer is None:
         return None
     cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
-    t, sp = cfg.seq_len, sequence_parallel(exp)
-    split = {"sp": sp} if sp > 1 else {}  # only asked of a family under sequence parallelism
-    kept = cfg.num_layers * per_layer(cfg, b["rows"] * t, b["tensor"], cfg.remat, **split)
+    sp, n = sequence_parallel(exp), context.split(exp)[0]  # n: each sequence's positions split n ways
+    # each keyword only asked of a family under sequence or context parallelism
+    split = {**({"sp": sp} if sp > 1 else {}), **({"context": n} if n > 1 else {})}
+    tokens = b["rows"] * cfg.seq_len / n
+    kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **split)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
-        kept += per_layer(cfg, b["rows"] * t, b["tensor"], "none", **split)
-    return kept + _head(exp, cfg, b["rows"], b["vocab"])
+        kept += per_layer(cfg, tokens, b["tensor"], "none", **split)
+    return kept + _head(exp, cfg, b["rows"] / n, b["vocab"])
 
 
 def sequence_parallel(exp) -> int:
@@ -281,6 +290,7 @@ def collective_bounds(exp) -> list[dict]:
     zero2 = exp.layout.splits_grads
     # A conv's gradient sums over the image rows too: a spatial split leaves a part on each device.
     convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
+    positions = context.split(exp)[1]  # every weight's gradient is a sum over a split sequence's positions
     for path, shape in flat_shapes.items():
         p_axes, o_axes = _axes_of(flat_params[path]), _axes_of(flat_opt[path])
         splits = inner_axes if (m.pipeline is not None and path.startswith(m.stacked + "/")) else batch_axes
@@ -292,6 +302,11 @@ def collective_bounds(exp) -> list[dict]:
             n = _size(mesh, rows_axes)
             add("all-reduce", rows_axes, 0, 2 * (n - 1) / n * local * g, "conv gradient reduction over the row split")
             reduced = local / n
+        split_axes = [a for a in positions if a not in p_axes]
+        if split_axes:  # likewise over the positions' split (context parallelism)
+            n = _size(mesh, split_axes)
+            add("all-reduce", split_axes, 0, 2 * (n - 1) / n * reduced * g, "gradient reduction over the context split")
+            reduced /= n
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
         if grad_bytes and reduce_axes and set(reduce_axes) <= set(replicas):
             g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/grad_reduce.py)
@@ -337,12 +352,13 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, exp.cfg.train.grad_accum_steps * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
-    for kind, axes, count, nbytes, what in halo.bound_rows(exp):
+    for kind, axes, count, nbytes, what in halo.bound_rows(exp) + context.bound_rows(exp):
         add(kind, axes, count, nbytes, what)
     if not has_stream(m):  # a classifier: no Megatron or pipeline formula (no_formula says so)
         return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
     t_axes = _shards(exp, "heads")[1]
-    activation = b["pipeline_rows"] * cfg.seq_len * _embed_dim(m) * compute
+    length = cfg.seq_len / context.split(exp)[0]  # the positions a device holds
+    activation = b["pipeline_rows"] * length * _embed_dim(m) * compute
     stages = m.pipeline.stages if m.pipeline else 1
     if b["tensor"] > 1:
         n = b["tensor"]
@@ -351,7 +367,7 @@ def collective_bounds(exp) -> list[dict]:
             "Megatron: 2 all-reduces per layer forward, 2 backward")
         if b["vocab"] > 1:
             k, chunks = exp.cfg.train.grad_accum_steps, loss_chunks(exp)
-            whole = b["rows"] * cfg.seq_len * _embed_dim(m) * compute * k
+            whole = b["rows"] * length * _embed_dim(m) * compute * k
             add("all-reduce", t_axes, (1 + chunks) * k, 2 * 2 * (n - 1) / n * whole,
                 "vocab-parallel embedding: lookup forward, output projection backward per loss chunk")
     if stages > 1:  # r times round the ring under circular/interleaved: r S - 1 crossings

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.planner import analytic, halo
+from meshtrain.planner import analytic, context, halo
 
 
 def no_formula(exp) -> list[dict]:
@@ -45,6 +45,8 @@ def known_excess(exp) -> list[dict]:
                    then whole over the batch axes: (1 - 1/r) of the latter is more than
                    the bound's (a reduce-scatter over the split first)
       halo         the weight gradient's halo rows, fetched again (planner/halo.py)
+      context      the same for every leaf under a context split; and remat's recompute of
+                   context attention's k and v exchange (planner/context.py)
       kv heads     K/V projections kept whole over tensor (grouped-query attention, see
                    docs/layouts.md) get gradient pieces from every head shard: their weight
                    gradients are summed over tensor (counted), and per layer their output
@@ -59,7 +61,8 @@ def known_excess(exp) -> list[dict]:
     t_axes = analytic._shards(exp, "heads")[1]
     opt = tree_paths.flat(exp.grad_shardings)
     convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
-    out, conv_rows = [], {}
+    out, conv_rows, context_rows = [], {}, {}
+    positions = context.split(exp)[1]
     for path, shape in tree_paths.flat(m.shapes).items():
         axes, p_axes = flat_axes[path], analytic._axes_of(params[path])
         local = math.prod(shape.shape) / analytic._size(mesh, p_axes)
@@ -80,6 +83,15 @@ def known_excess(exp) -> list[dict]:
                        f"the row split ({'+'.join(rows_axes)}), where a reduce-scatter there would leave 1/{r} "
                        f"of them to reduce"})
             row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
+        split_axes = [a for a in positions if a not in p_axes]
+        if split_axes and plain:  # as the convs', for every leaf under a context split
+            n, r = analytic._size(mesh, plain), analytic._size(mesh, split_axes)
+            row = context_rows.setdefault(tuple(plain), {
+                "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
+                "why": f"gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over the "
+                       f"context split ({'+'.join(split_axes)}), where a reduce-scatter there would leave "
+                       f"1/{r} of them to reduce"})
+            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
         kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
         if "kv_heads" in axes and kv_whole:
             n = analytic._size(mesh, kv_whole)
@@ -89,4 +101,5 @@ def known_excess(exp) -> list[dict]:
                                f"is summed over the head shards; so are, per layer, the small "
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})
-    return out + list(conv_rows.values()) + halo.known_excess(exp)
+    return (out + list(conv_rows.values()) + list(context_rows.values()) + halo.known_excess(exp)
+            + context.known_excess(exp))

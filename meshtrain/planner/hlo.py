@@ -8,6 +8,12 @@ product of the `known_trip_count`s of the loops around it.
     stats = collectives(exp.compile())
     stats["all-gather"]  # Collective(count=executions per step, bytes=result bytes, wire=...)
     dot_flops(exp.compile())  # matmul and conv FLOPs per step per device, loops counted
+    conditionals(exp.compile())  # each `conditional`'s branches' matmul FLOPs
+
+A `conditional` (lax.cond) runs one of its branches per execution: dot_flops counts its
+costliest branch (the device that takes it sets the step's pace; the load-balanced ring
+of models/context_attention.py has equal branches, which `conditionals` shows). The
+collectives count every branch's (none of this package's conditionals holds one).
 
 Bytes are counted as an accelerator would send them, where the CPU compiler differs:
   - it widens 16-bit collectives to float32, reductions by XLA's all-reduce promotion (the
@@ -39,7 +45,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")  # name, the rest
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
 _PROMOTED = re.compile(r"to_apply=%\S*_promoted\b")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
@@ -97,22 +103,40 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per execution of the entry computation."""
-    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _calls(comps: dict[str, list[str]]) -> dict[str, list[tuple[tuple[str, ...], int, bool]]]:
+    """name -> [(called computations, times each runs per call, whether they are one
+    conditional's branches: one of them runs)]."""
+    calls: dict[str, list[tuple[tuple[str, ...], int, bool]]] = collections.defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
+            branches: list[str] = []
             for role, targets in _CALLED.findall(line):
+                found = re.findall(r"%([^,}\s]+)", targets)
+                if role in _BRANCHES:
+                    branches += found
+                    continue
                 factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
-                for t in re.findall(r"%([^,}\s]+)", targets):
-                    calls[name].append((t, factor))
+                calls[name] += [((t,), factor, False) for t in found]
+            if branches:
+                calls[name].append((tuple(branches), 1, True))
+    return calls
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How often each computation runs per execution of the entry computation (every
+    branch of a conditional as often as the conditional: an upper bound)."""
+    calls = _calls(comps)
     mult: dict[str, int] = collections.Counter()
 
     def visit(name: str, m: int) -> None:
         mult[name] += m
-        for child, factor in calls.get(name, ()):
-            visit(child, m * factor)
+        for targets, factor, _ in calls.get(name, ()):
+            for child in targets:
+                visit(child, m * factor)
     visit(entry, 1)
     return mult
 
@@ -123,10 +147,11 @@ _MOVES = {"parameter", "constant", "convert", "bitcast", "copy", "reshape", "tra
 
 def _widened(operand: str, defs: dict[str, str], comps: dict[str, list[str]]) -> bool:
     """Whether `operand` is a 16-bit float only widened to float32: a convert of a bf16/f16
-    value, or a fusion of data moves and converts through which a bf16/f16 value passes
-    (a 16-bit input, or a float32 rounded to 16 bits and widened back). The CPU compiler
-    wraps collectives of 16-bit values so (float normalization); an accelerator sends
-    them at 16 bits."""
+    value, a fusion whose result is one (a sum of 16-bit gradients, computed in float32
+    and rounded, as the CPU compiler adds bf16), or a fusion of data moves and converts
+    through which a bf16/f16 value passes (a 16-bit input, or a float32 rounded to 16 bits
+    and widened back). The CPU compiler wraps collectives of 16-bit values so (float
+    normalization); an accelerator sends them at 16 bits."""
     rhs = defs.get(operand, "")
     if not rhs.startswith("f32["):
         return False
@@ -134,6 +159,11 @@ def _widened(operand: str, defs: dict[str, str], comps: dict[str, list[str]]) ->
     if fused is None:
         source = re.search(r" convert\(%([^,\s)]+)\)", rhs)
         return source is not None and re.match(r"(bf16|f16)\[", defs.get(source.group(1), "")) is not None
+    inner = {m.group(1): m.group(2) for m in map(_INSTRUCTION.match, comps.get(fused.group(1), [])) if m}
+    root = next((line for line in comps.get(fused.group(1), []) if line.lstrip().startswith("ROOT ")), "")
+    m = _INSTRUCTION.match(root)
+    if m and _widened(m.group(1), inner, {}):  # its result: a 16-bit value widened
+        return True
     sixteen = False  # some value on the way is 16-bit: a 16-bit input, or a round trip
     for line in comps.get(fused.group(1), []):
         m = _INSTRUCTION.match(line)
@@ -320,43 +350,88 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def dot_flops(compiled_or_text) -> float:
+def _own_dot_flops(lines: list[str], batched: bool) -> float:
+    """Matmul and conv FLOPs of one computation's own instructions, once (`dot_flops`)."""
+    shapes, total = {}, 0.0
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        shapes[m.group(1)] = m.group(2).split(" ")[0]
+        op = re.search(r"\sdot\(%([^,\s)]+)", m.group(2))
+        if batched and not (op and re.search(r"lhs_batch_dims=\{\d", line)):
+            continue
+        if op:
+            lhs = _dims(shapes.get(op.group(1), ""))
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+            k = int(np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i])) if contracting else 1
+            total += 2.0 * np.prod(_dims(m.group(2))) * k
+            continue
+        conv = re.search(r"\sconvolution\(%[^,\s)]+, %([^,\s)]+)\)", m.group(2))
+        labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line)
+        if conv and labels and "o" in labels.group(1):
+            rhs = _dims(shapes.get(conv.group(1), ""))
+            if rhs:
+                per_output = np.prod(rhs) / rhs[labels.group(1).index("o")]
+                # A strided conv's input gradient dilates dy with zeros (lhs_dilate): the
+                # window meets a real value once in prod(dilation) places, as a
+                # transposed conv on an accelerator computes it.
+                dilate = re.search(r"lhs_dilate=([\dx]+)", line)
+                per_output /= np.prod([int(d) for d in dilate.group(1).split("x")]) if dilate else 1
+                total += 2.0 * np.prod(_dims(m.group(2))) * per_output
+    return total
+
+
+def _flops_of(text: str, batched: bool):
+    """-> (computations, entry, cost(name): FLOPs of one run of a computation and all it
+    calls, a conditional's costliest branch counted once)."""
+    comps, entry = _computations(text)
+    calls = _calls(comps)
+    own = {name: _own_dot_flops(lines, batched) for name, lines in comps.items()}
+    memo: dict[str, float] = {}
+
+    def cost(name: str) -> float:
+        if name not in memo:
+            total = own.get(name, 0.0)
+            for targets, factor, branches in calls.get(name, ()):
+                each = [cost(t) for t in targets]
+                total += factor * (max(each) if branches else sum(each))
+            memo[name] = total
+        return memo[name]
+    return comps, entry, cost
+
+
+def dot_flops(compiled_or_text, batched: bool = False) -> float:
     """Matmul FLOPs one device runs per step: 2 x |result| x |contracted dims| per `dot`,
     and 2 x |result| x |kernel| / its output features per `convolution` (each output sums
     the kernel's window x input features; zero padding counted, the zeros a strided conv's
     input gradient dilates dy with not),
-    weighted by loop trip counts. Unlike cost_analysis, it ignores element-wise work
-    (whose count moves with XLA's fusion choices) and counts every loop iteration."""
+    weighted by loop trip counts, a conditional's costliest branch once per execution.
+    Unlike cost_analysis, it ignores element-wise work (whose count moves with XLA's
+    fusion choices) and counts every loop iteration. `batched`: only dots with batch
+    dimensions (in a transformer, attention's scores and values: the projections have
+    none; XLA drops the ops' source names from some bf16 dots, so this is the test)."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    comps, entry = _computations(text)
+    _, entry, cost = _flops_of(text, batched)
+    return cost(entry)
+
+
+def conditionals(compiled_or_text, batched: bool = False) -> list[dict]:
+    """Every `conditional` of the program: [{"name", "executions" per step (the loops
+    around it; nested in a branch: as if its branch always ran), "branch_flops": [matmul
+    FLOPs of one run of each branch, `batched` as dot_flops]}]."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    comps, entry, cost = _flops_of(text, batched)
     mult = _multiplicities(comps, entry)
-    total = 0.0
+    calls = _calls(comps)
+    out = []
     for name, lines in comps.items():
-        shapes = {}
+        if not mult.get(name):
+            continue
+        groups = iter(targets for targets, _, branches in calls.get(name, ()) if branches)
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            shapes[m.group(1)] = m.group(2).split(" ")[0]
-            if not mult.get(name):
-                continue
-            op = re.search(r"\sdot\(%([^,\s)]+)", m.group(2))
-            if op:
-                lhs = _dims(shapes.get(op.group(1), ""))
-                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-                k = int(np.prod([lhs[int(i)] for i in contracting.group(1).split(",") if i])) if contracting else 1
-                total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * k
-                continue
-            conv = re.search(r"\sconvolution\(%[^,\s)]+, %([^,\s)]+)\)", m.group(2))
-            labels = re.search(r"dim_labels=[^_]+_([^-]+)->", line)
-            if conv and labels and "o" in labels.group(1):
-                rhs = _dims(shapes.get(conv.group(1), ""))
-                if rhs:
-                    per_output = np.prod(rhs) / rhs[labels.group(1).index("o")]
-                    # A strided conv's input gradient dilates dy with zeros (lhs_dilate): the
-                    # window meets a real value once in prod(dilation) places, as a
-                    # transposed conv on an accelerator computes it.
-                    dilate = re.search(r"lhs_dilate=([\dx]+)", line)
-                    per_output /= np.prod([int(d) for d in dilate.group(1).split("x")]) if dilate else 1
-                    total += mult[name] * 2.0 * np.prod(_dims(m.group(2))) * per_output
-    return total
+            if m and " conditional(" in m.group(2):
+                out.append({"name": m.group(1), "executions": mult[name],
+                            "branch_flops": [cost(t) for t in next(groups)]})
+    return out
