@@ -5,7 +5,8 @@ the cache stays split by position (no device gathers it while decoding).
 Decoding never reorders: a cache is written at positions pos..pos+t-1, so the prefill and
 every step run in natural order (stack.positions), and the cache [L, B, S, K, E] is split
 into contiguous pieces of S over `context` (docs/layouts.md, "Long sequences"). The prompt
-(5) and the cache (17) are lengths the context axis does not divide: GSPMD pads them.
+(5) is a length the context axis does not divide (GSPMD pads it); the cache's (17) is
+rounded up to a multiple of the pieces (sampling/generate.cache_length).
 """
 
 import jax
@@ -18,7 +19,8 @@ from meshtrain.planner.hlo import collectives
 from meshtrain.sampling import generate as gen
 from test_sample import N_NEW, _peaky, _prompts, greedy_by_recompute
 
-LAYOUTS = [("data:2,context:4", "dp_cp"), ("data:2,context:2,tensor:2", "dp_tp_cp")]
+# Sequence parallelism too: Llama's cache [.., S, K, E] leaves tensor to `length` there.
+LAYOUTS = [("data:2,context:4", "dp_cp"), ("data:2,context:2,tensor:2", "dp_tp_cp"), ("data:2,tensor:4", "dp_tp_sp")]
 
 
 @pytest.fixture(scope="module", params=["gpt2_tiny_dp8", "llama_tiny_dp8"])
@@ -43,11 +45,18 @@ def on(name: str, mesh: str, layout: str, **overrides) -> Experiment:
 @pytest.mark.parametrize("mesh, layout", LAYOUTS)
 def test_greedy_with_cache_equals_recompute_under_context(reference, mesh, layout):
     exp = on(reference["name"], mesh, layout)
-    assert exp.mesh.shape["context"] > 1
     fn = gen.make_generate(exp.model, exp.layout, exp.mesh, exp.shardings.params, max_new_tokens=N_NEW)
     params = jax.device_put(reference["params"], exp.shardings.params)
     out = gen.generate(fn, params, reference["prompts"], exp.layout, exp.mesh, temperature=0.0)
     np.testing.assert_array_equal(out, reference["expected"])
+
+
+def test_cache_length_is_a_multiple_of_the_pieces_of_its_positions():
+    gpt2, llama = on("gpt2_tiny_dp8", "data:2,tensor:4", "dp_tp_sp"), on("llama_tiny_dp8", "data:2,tensor:4", "dp_tp_sp")
+    cp = on("gpt2_tiny_dp8", "data:2,context:4", "dp_cp")
+    assert gen.cache_length(gpt2.model, gpt2.layout, gpt2.mesh, 17) == 17  # heads claim tensor
+    assert gen.cache_length(llama.model, llama.layout, llama.mesh, 17) == 20  # its K heads do not
+    assert [gen.cache_length(cp.model, cp.layout, cp.mesh, s) for s in (16, 17, 19)] == [16, 20, 20]
 
 
 def test_the_cache_stays_split_over_context_while_decoding(reference):
