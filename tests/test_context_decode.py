@@ -35,9 +35,10 @@ def reference(request):
     return dict(name=request.param, params=params, prompts=prompts, expected=expected)
 
 
-def on(name: str, mesh: str, layout: str, **overrides) -> Experiment:
+def on(name: str, mesh: str, layout: str) -> Experiment:
+    """configs/NAME.py on another mesh and layout."""
     cfg = config_lib.load(name)
-    for k, v in {"mesh.shape": mesh, "layout": layout, **overrides}.items():
+    for k, v in {"mesh.shape": mesh, "layout": layout}.items():
         config_lib.override(cfg, k, v)
     return Experiment.build(cfg)
 
@@ -52,7 +53,8 @@ def test_greedy_with_cache_equals_recompute_under_context(reference, mesh, layou
 
 
 def test_cache_length_is_a_multiple_of_the_pieces_of_its_positions():
-    gpt2, llama = on("gpt2_tiny_dp8", "data:2,tensor:4", "dp_tp_sp"), on("llama_tiny_dp8", "data:2,tensor:4", "dp_tp_sp")
+    gpt2 = on("gpt2_tiny_dp8", "data:2,tensor:4", "dp_tp_sp")
+    llama = on("llama_tiny_dp8", "data:2,tensor:4", "dp_tp_sp")
     cp = on("gpt2_tiny_dp8", "data:2,context:4", "dp_cp")
     assert gen.cache_length(gpt2.model, gpt2.layout, gpt2.mesh, 17) == 17  # heads claim tensor
     assert gen.cache_length(llama.model, llama.layout, llama.mesh, 17) == 20  # its K heads do not
