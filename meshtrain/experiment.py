@@ -21,12 +21,12 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from meshtrain import grad_reduce, layouts, loop, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
+from meshtrain import grad_reduce, layouts, loop, loss as loss_lib, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
 from meshtrain.cluster import distributed
 from meshtrain.checkpoints import init_from, reading, store as checkpoint_store
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
+from meshtrain.layouts import Layout, sequence
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:
@@ -126,6 +126,9 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
              else _model_vocab(cfg.model, source, cfg.data.kind))
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
                                     dims=dims)
+    if model_cfg.seq_len:  # a split sequence: 2 chunks per device, whole chunks per loss chunk
+        sequence.check(layout, mesh.shape, model_cfg.seq_len)
+        loss_lib.check_split(cfg.train.loss_chunk, model_cfg.seq_len, layout, mesh.shape)
     model = state_lib.abstract_model(model_cfg, pipe)
     grad_reduce.check_stats(cfg.train.grad_dtype, bool(model.stats_shapes), model.family.name)
     state_lib.check_activations(model, micro, layout, mesh)

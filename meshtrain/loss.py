@@ -69,6 +69,24 @@ def check_config(t, seq_len: int) -> None:
     num_chunks(seq_len, t.loss_chunk)
 
 
+def length_pieces(layout: Layout, shape) -> int:
+    """How many devices share each sequence's positions in the residual stream
+    [batch, length, embed] (context or sequence parallelism)."""
+    return math.prod(shape[a] for a in mesh_axes_of(layout.spec(("batch", "length", "embed"), "activations")[1]))
+
+
+def check_split(loss_chunk: int, seq_len: int, layout: Layout, shape) -> None:
+    """A chunk of the loss takes an equal share of rows from every piece of a split sequence."""
+    q, chunks = length_pieces(layout, shape), num_chunks(seq_len, loss_chunk)
+    c = seq_len // chunks
+    if chunks > 1 and c % q:
+        raise UserError(
+            f"train.loss_chunk={c}: the layout splits each sequence's positions over {q} devices, "
+            f"and each chunk of the loss takes an equal share from each, so loss_chunk must be a "
+            f"multiple of {q} (and divide model.seq_len={seq_len}). Use e.g. {q * max(1, c // q)}, "
+            f"or 0 for the whole sequence at once.")
+
+
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     """Mean next-token loss in float32 over whole logits [B, T, V]."""
     logits = logits_btv.astype(jnp.float32)
@@ -99,12 +117,8 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     # Positions split over q devices (context or sequence parallelism): each chunk takes
     # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
     # over positions, so which rows make up a chunk does not change it.
-    q = math.prod(mesh.shape[a] for a in mesh_axes_of(inner.spec(("batch", "length", "embed"), "activations")[1]))
-    if c % q:
-        raise UserError(
-            f"train.loss_chunk={c}: the layout splits each sequence's positions over {q} devices, "
-            f"and each chunk of the loss takes an equal share from each, so loss_chunk must be a "
-            f"multiple of {q}. Use e.g. {max(q, c - c % q)}, or 0 for the whole sequence at once.")
+    q = length_pieces(inner, mesh.shape)
+    check_split(c, t, inner, mesh.shape)
     # [B, T, D] -> [chunks, n, B/n, c, D]: shard k keeps its rows, chunk i holds rows
     # i*c/q .. (i+1)*c/q - 1 of each of the q pieces of each row.
     h = h_btd.reshape(n, b // n, q, chunks, c // q, d).transpose(3, 0, 1, 2, 4, 5).reshape(chunks, n, b // n, c, d)

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from meshtrain import loss as loss_lib
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
+from meshtrain.models import stack
 from meshtrain.models.stack import layer_maker
 from meshtrain.pipeline import StagePlan
 from meshtrain.pipeline_ticks import backward_items, forward_items, phases, stash_slots
@@ -114,6 +115,9 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
         keys = plan.keys(k_layers, params[stacked_key])
         make_layer, _ = layer_maker(getattr(model.bind(params), stacked_key), model.cfg.remat)
         chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers)
+        # embed_tokens put the positions in the layout's storage order (context parallelism,
+        # layouts/sequence.py); the targets follow them.
+        targets_bt = stack.stored(targets_bt, constrain)
         targets = targets_bt.reshape(mb, n_micro, t).swapaxes(0, 1)  # [M, mb, T], rows as inputs
         chunks = loss_lib.num_chunks(t, loss_chunk)
         blocks_const = params[stacked_key]

@@ -55,6 +55,7 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     import jax
 
     from meshtrain import models
+    from meshtrain.layouts import sequence
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
@@ -67,7 +68,13 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     say(f"model: {exp.model.family.describe(m)} | {exp.num_params():,} parameters (closed form), "
         f"vocab {m.vocab_size} padded to {m.padded_vocab_size}")
     impl, why = models.attention_choice(exp.cfg.model.attention, m)
-    say(f"attention: {impl} ({why})")
+    n, axes = sequence.split(exp.layout, exp.mesh.shape)
+    if n > 1:  # the kernels run whole sequences; a split one is attended in XLA blocks
+        say(f"attention: context parallelism, {m.context_attention} over {'+'.join(axes)}={n}, "
+            f"positions in zigzag order (each device an early and a late chunk of {m.seq_len // (2 * n)}); "
+            f"XLA blocks on each device (model.attention={impl} applies to whole sequences)")
+    else:
+        say(f"attention: {impl} ({why})")
     pipe = exp.model.pipeline
     if pipe is not None:
         say(f"pipeline: {pipeline_ticks.describe(pipe)}")

@@ -9,7 +9,7 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import abstract_mesh, check_config
 
 NAMES = config_lib.available()
-PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "tp": "tensor", "spatial": "tensor"}
+PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "cp": "context", "tp": "tensor", "spatial": "tensor"}
 # The survey's recipe names (issue 25) name the data set and the optimizer; a recipe whose
 # name gives no mesh says its mesh here.
 DATA_WORDS = {"wikitext", "imagenet", "digits"}
@@ -46,6 +46,9 @@ def test_name_matches_mesh_and_validates(name):
             assert cfg.optim.name == part, f"{name}: optim.name should be {part}"
             continue
         if part in DATA_WORDS:
+            continue
+        if part == "sp":  # Megatron sequence parallelism over the tensor axis
+            assert cfg.layout.endswith("_sp"), f"{name}: layout should be a *_sp preset"
             continue
         kind, n = re.fullmatch(r"([a-z]+)(\d+)", part).groups()
         if kind == "spatial":  # image rows split over tensor

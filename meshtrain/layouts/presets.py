@@ -104,6 +104,7 @@ PRESETS = {
                 f" | opt_state=stage:stage;{_EMBED_PP};{_OVER_DATA}",
     "zero2_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
                 f" | opt_state=stage:stage;{_EMBED_PP};{_OVER_DATA} | grads=stage:stage;{_EMBED_PP};{_OVER_DATA}",
+    "dp_pp_cp": f"stage:stage;batch:data+stage;{_CP} | params=stage:stage;{_EMBED_PP}",
     "dp_pp_tp": f"stage:stage;batch:data+stage;{_TP} | params=stage:stage;{_TP_PP}",
     "fsdp_pp_tp": f"stage:stage;batch:data+fsdp+stage;{_TP} | params=stage:stage;{_TP_PP};embed:fsdp",
 }
@@ -126,6 +127,7 @@ PRESET_AXES = {
     "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
     "zero2_pp": ({"stage", "data"}, {"data", "stage"}),
     "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),
+    "dp_pp_cp": ({"stage", "context"}, {"data", "stage", "context"}),
     "dp_pp_tp": ({"stage", "tensor"}, {"data", "stage", "tensor"}),
     "fsdp_pp_tp": ({"stage", "fsdp", "tensor"}, {"data", "stage", "fsdp", "tensor"}),
 }

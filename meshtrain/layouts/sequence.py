@@ -17,6 +17,9 @@ nothing between embedding and loss is ever re-sorted.
   order(layout, shape, t)  -> positions [t] in storage order, or None (natural order)
   split(layout, shape)     -> (n, mesh axes) of attention's `length`
   check(layout, shape, t)  a UserError unless 2n divides t
+  for_attention(layout, axes)  the spec of `axes` with `length` split only as attention
+                           splits it: attention's and the MLP's input under sequence
+                           parallelism (Megatron's all-gather, models/stack.sequence_gather)
 
 For n = 2 and t = 8: chunks [0 1][2 3][4 5][6 7]; device 0 holds positions 0 1 6 7,
 device 1 holds 2 3 4 5; order = [0 1 6 7 2 3 4 5].
@@ -28,6 +31,7 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import Layout, mesh_axes_of
@@ -65,3 +69,14 @@ def order(layout: Layout, shape: Mapping[str, int], t: int) -> np.ndarray | None
         return None
     check(layout, shape, t)
     return balanced(t, n)
+
+
+def for_attention(layout: Layout, axes) -> P:
+    """The activation spec of `axes` (which name `length`) with the positions split over
+    attention's length axes only: under sequence parallelism `length:tensor` is dropped
+    (the pieces are gathered), `length:context` kept."""
+    spec = layout.spec(axes, "activations")
+    keep = set(mesh_axes_of(layout.spec(ATTENTION_AXES, "activations")[1]))
+    i = list(axes).index("length")
+    entry = tuple(a for a in mesh_axes_of(spec[i]) if a in keep)
+    return P(*spec[:i], None if not entry else entry[0] if len(entry) == 1 else entry, *spec[i + 1:])

@@ -34,10 +34,11 @@ A family gives:
   activations activations(cfg, b) -> [(what, shape, logical axes)] of the arrays the forward
               pass constrains for a batch of b rows: layout validation checks their
               divisibility, and the golden sharding tables list them
-  layer_activation_bytes  optional: (cfg, tokens, tensor, remat) -> bytes one layer keeps for its
-              backward pass under the remat policy, for `tokens` (rows x length) on a device
-              that splits heads and mlp `tensor` ways: the planner's analytic activation
-              memory (meshtrain/planner/analytic.py)
+  layer_activation_bytes  optional: (cfg, tokens, tensor, remat, sp=1) -> bytes one layer keeps for
+              its backward pass under the remat policy, for `tokens` (rows x length) on a device
+              that splits heads and mlp `tensor` ways, and the residual stream `sp` ways by
+              position (sequence parallelism; the keyword is passed only when sp > 1): the
+              planner's analytic activation memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
   flops_per_token  lm: training FLOPs per token (6 N + attention, llm.c's convention)
   flops_per_example  classify: training FLOPs per image (3 x the forward's 2 x multiply-adds)
@@ -105,7 +106,7 @@ class Family:
     task: str = "lm"
     flops_per_example: Callable[[Any], float] | None = None
     check: Callable[[Any], None] | None = None
-    layer_activation_bytes: Callable[[Any, int, int, str], float] | None = None
+    layer_activation_bytes: Callable[..., float] | None = None
     convs: Callable[[Any], list] | None = None
 
     def fields(self) -> tuple[str, ...]:
@@ -116,13 +117,18 @@ class Family:
 _FAMILIES: dict[str, Family] = {}
 
 
-def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: float,
-                      scores: float, tensor: int) -> float:
+def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: float, stream: float = 0,
+                      scores: float, tensor: int, sp: int = 1) -> float:
     """Activation bytes a layer keeps (Korthikanti et al. 2022, arXiv 2205.05198, §4), from
-    per-token element counts: `whole` elements every tensor rank keeps in full (norm and
-    projection inputs), `split` elements divided over the `tensor` ranks (heads, mlp), and
-    `scores` attention-probability elements (heads x length, divided too)."""
-    return tokens * compute_bytes * (whole + (split + scores) / tensor)
+    per-token element counts: `stream` elements of the residual stream (the norms' inputs,
+    the block input) and `whole` elements every tensor rank keeps in full (attention's and
+    the MLP's inputs), `split` elements divided over the `tensor` ranks (heads, mlp), and
+    `scores` attention-probability elements (heads x length, divided too). `sp`: the ranks
+    sequence parallelism splits the stream over by position (the tensor ranks under an *_sp
+    layout, 1 without). The paper's TP+SP row, sbh(34 + 5as/h)/t, also splits attention's
+    and the MLP's inputs, re-gathering them in backward; here they are gathered once
+    (models/stack.sequence_gather) and kept whole, as XLA saves a matmul's input."""
+    return tokens * compute_bytes * (stream / sp + whole + (split + scores) / tensor)
 
 
 def register(family: Family) -> Family:

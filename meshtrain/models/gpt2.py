@@ -246,20 +246,21 @@ def activations(cfg: GPT2Config, b: int):
             ("logits", (b, t, v), ("batch", "length", "vocab"))]
 
 
-def layer_activation_bytes(cfg: GPT2Config, tokens: int, tensor: int, remat: str) -> float:
+def layer_activation_bytes(cfg: GPT2Config, tokens: int, tensor: int, remat: str, sp: int = 1) -> float:
     """Bytes one block keeps for its backward pass (per-token elements, compute dtype):
-    none       2 LayerNorm inputs, attention and MLP inputs whole (4 D); q, k, v and the
+    none       2 LayerNorm inputs (2 D, the stream), attention and MLP inputs whole (2 D); q, k, v and the
                attention output (4 D), the MLP hidden before and after GELU (2 F) and the
                softmax probabilities (H T, XLA attention only) split over tensor
-    save_dots  the block input, attention and MLP projections' outputs (3 D whole, 3 D + F split)
-    full       the block input (D)"""
+    save_dots  the block input, attention and MLP projections' outputs (3 D, the stream; 3 D + F split)
+    full       the block input (D, the stream)
+    sp         the ranks the stream is split over by position (sequence parallelism)"""
     d, f = cfg.embed_dim, cfg.mlp_dim
-    whole, split, scores = {"full": (d, 0, 0), "save_dots": (3 * d, 3 * d + f, 0)}.get(
-        remat, (4 * d, 4 * d + 2 * f, cfg.num_heads * cfg.seq_len))
+    stream, whole, split, scores = {"full": (d, 0, 0, 0), "save_dots": (3 * d, 0, 3 * d + f, 0)}.get(
+        remat, (2 * d, 2 * d, 4 * d + 2 * f, cfg.num_heads * cfg.seq_len))
     if cfg.attention != "xla":  # flash kernels keep a row statistic, not the [T, T] probabilities
         scores = 0
-    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, whole=whole, split=split,
-                                     scores=scores, tensor=tensor)
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, stream=stream, whole=whole,
+                                     split=split, scores=scores, tensor=tensor, sp=sp)
 
 
 def flops_per_token(cfg: GPT2Config) -> float:

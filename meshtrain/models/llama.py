@@ -323,21 +323,22 @@ def activations(cfg: LlamaConfig, b: int):
             ("logits", (b, t, cfg.padded_vocab_size), ("batch", "length", "vocab"))]
 
 
-def layer_activation_bytes(cfg: LlamaConfig, tokens: int, tensor: int, remat: str) -> float:
+def layer_activation_bytes(cfg: LlamaConfig, tokens: int, tensor: int, remat: str, sp: int = 1) -> float:
     """Bytes one block keeps for its backward pass (per-token elements, compute dtype):
-    none       2 RMSNorm inputs, attention and MLP inputs whole (4 D); q, k and v repeated
+    none       2 RMSNorm inputs (2 D, the stream), attention and MLP inputs whole (2 D); q, k and v repeated
                to H heads, the attention output (4 D), the SwiGLU gate, its SiLU, up and
                their product (4 F) and the softmax probabilities (H T, XLA attention only) split over tensor
-    save_dots  the block input, the K/V projections (whole: kv heads are not split), the
-               output and down projections (3 D + 2 K E whole), q and gate/up (D + 2 F split)
-    full       the block input (D)"""
+    save_dots  the block input, the output and down projections (3 D, the stream), the K/V
+               projections (2 K E whole: kv heads are not split), q and gate/up (D + 2 F split)
+    full       the block input (D, the stream)
+    sp         the ranks the stream is split over by position (sequence parallelism)"""
     d, f, kv = cfg.embed_dim, cfg.mlp_dim, cfg.num_kv_heads * cfg.head_dim
-    whole, split, scores = {"full": (d, 0, 0), "save_dots": (3 * d + 2 * kv, d + 2 * f, 0)}.get(
-        remat, (4 * d, 4 * d + 4 * f, cfg.num_heads * cfg.seq_len))
+    stream, whole, split, scores = {"full": (d, 0, 0, 0), "save_dots": (3 * d, 2 * kv, d + 2 * f, 0)}.get(
+        remat, (2 * d, 2 * d, 4 * d + 4 * f, cfg.num_heads * cfg.seq_len))
     if cfg.attention != "xla":  # flash kernels keep a row statistic, not the [T, T] probabilities
         scores = 0
-    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, whole=whole, split=split,
-                                     scores=scores, tensor=tensor)
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, stream=stream, whole=whole,
+                                     split=split, scores=scores, tensor=tensor, sp=sp)
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from meshtrain.models import remat
 
@@ -68,6 +69,35 @@ def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax
     if order is not None:
         return jnp.asarray(order)
     return jnp.arange(t) + (0 if pos is None else pos)
+
+
+BTD = ("batch", "length", "embed")
+
+
+def sequence_gather(x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+    """Megatron's `g` under sequence parallelism (Korthikanti et al. 2022, §4.2.2): the
+    input of attention or the MLP, split by position over tensor in the residual stream, is
+    all-gathered whole in the forward pass, and its gradient, a partial sum on each tensor
+    rank, is reduce-scattered back to the split in the backward pass. Left to itself, XLA
+    moved q, k and v by all-to-all and gathered weights instead. A no-op unless the layout
+    splits the stream's positions more than attention's (x [B, T, D])."""
+    if not hasattr(constrain, "for_attention") or constrain.for_attention(BTD) == constrain.spec(BTD):
+        return x_btd
+    mesh = constrain.mesh
+    whole, stream = (NamedSharding(mesh, s) for s in (constrain.for_attention(BTD), constrain.spec(BTD)))
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.with_sharding_constraint(x, whole)
+
+    def gather_fwd(x):
+        return gather(x), None
+
+    def gather_bwd(_, dy):
+        return (jax.lax.with_sharding_constraint(dy, stream),)
+
+    gather.defvjp(gather_fwd, gather_bwd)
+    return gather(x_btd)
 
 
 def param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",
@@ -183,9 +213,9 @@ def pre_norm_block(x_btd: jax.Array, constrain: Constrain, key: jax.Array | None
     x [B, T, D] -> x; with a KV cache (decoding: attn returns (y, cache)) -> (x, cache).
     """
     keys = (None, None) if key is None else tuple(jax.random.split(key))
-    a = attn(norm1(x_btd), constrain, cache, pos)
+    a = attn(sequence_gather(norm1(x_btd), constrain), constrain, cache, pos)
     a, cache = a if cache is not None else (a, None)
-    x_btd = constrain(x_btd + dropout(a, rate, keys[0]), ("batch", "length", "embed"))
-    x_btd = x_btd + dropout(mlp(norm2(x_btd), constrain), rate, keys[1])
-    x_btd = constrain(x_btd, ("batch", "length", "embed"))
+    x_btd = constrain(x_btd + dropout(a, rate, keys[0]), BTD)
+    x_btd = x_btd + dropout(mlp(sequence_gather(norm2(x_btd), constrain), constrain), rate, keys[1])
+    x_btd = constrain(x_btd, BTD)
     return x_btd if cache is None else (x_btd, cache)

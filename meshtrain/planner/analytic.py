@@ -14,7 +14,8 @@ Memory per device (bytes), for fp32 master weights:
                params' sharding (fsdp struck), and the gathered params themselves (matrices
                in the compute dtype) count here too: both live through the microbatch loop
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
-               2022, at the remat policy) for the tokens one microbatch puts on a device,
+               2022, at the remat policy) for the tokens one microbatch puts on a device
+               (the residual stream's share divided by tensor under sequence parallelism),
                plus one layer's full activations when a remat policy recomputes them, plus
                the logits (compute dtype) with their float32 log-softmax and gradient: of
                one chunk of train.loss_chunk positions when the loss runs in chunks
@@ -183,11 +184,19 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     if per_layer is None:
         return None
     cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
-    t = cfg.seq_len
-    kept = cfg.num_layers * per_layer(cfg, b["rows"] * t, b["tensor"], cfg.remat)
+    t, sp = cfg.seq_len, sequence_parallel(exp)
+    split = {"sp": sp} if sp > 1 else {}  # only asked of a family under sequence parallelism
+    kept = cfg.num_layers * per_layer(cfg, b["rows"] * t, b["tensor"], cfg.remat, **split)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
-        kept += per_layer(cfg, b["rows"] * t, b["tensor"], "none")
+        kept += per_layer(cfg, b["rows"] * t, b["tensor"], "none", **split)
     return kept + _head(exp, cfg, b["rows"], b["vocab"])
+
+
+def sequence_parallel(exp) -> int:
+    """The tensor ranks a layout splits the residual stream [batch, length, embed] over by
+    position (Megatron sequence parallelism, the *_sp presets' `length:tensor`), else 1."""
+    _, axes = _shards(exp, "length")
+    return _size(exp.mesh, [a for a in axes if a == "tensor"])
 
 
 def pipeline_activations(exp, hw=None, dtype: str | None = None):

@@ -15,6 +15,12 @@ back. The checks, by code:
                       nodes' NICs (planner/roofline.py ring_bandwidth)
   batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
+  sequence-indivisible (error) context parallelism cuts model.seq_len into 2 x n chunks (n: the
+                      devices attention's `length` is split over; layouts/sequence.check), and
+                      2 n does not divide it; the fix is the nearest seq_len it divides
+  context-on-dcn      (warning) mesh.dcn puts the context axis across nodes: every layer passes
+                      keys and values over it forward and their gradients backward; cost in
+                      bytes per step and the link ratio, as tensor-on-dcn's
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
   pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
                       activations, and the step does not fit `hw` by the formulas where 1f1b
@@ -40,6 +46,7 @@ import math
 
 from meshtrain import layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
+from meshtrain.layouts import sequence
 from meshtrain.layouts.rules import TARGETS
 from meshtrain.mesh import AXES
 from meshtrain.planner import hardware as hardware_lib, roofline
@@ -72,8 +79,8 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
-    found = [*_batch(run), *_heads(run), *unused(run), *replicated(run), *_tensor_on_dcn(run), *_bubble(run),
-             *zero(run), *_pipeline_activations(run)]
+    found = [*_batch(run), *_heads(run), *_sequence(run), *unused(run), *replicated(run), *_tensor_on_dcn(run),
+             *_context_on_dcn(run), *_bubble(run), *zero(run), *_pipeline_activations(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -122,6 +129,71 @@ def _heads(run: Run) -> list[Finding]:
                     f"{' x '.join(f'{a}={run.shape[a]}' for a in over)}: {more}",
                     "the run cannot start: validation refuses heads that do not split evenly "
                     "(every rank needs whole heads)", fix)]
+
+
+def _sequence(run: Run) -> list[Finding]:
+    t = run.dims.get("seq_len")
+    n, axes = sequence.split(run.layout, run.shape)
+    if not isinstance(t, int) or n <= 1 or t % (2 * n) == 0:
+        return []
+    q = 2 * n
+    lo, hi = t // q * q, -(-t // q) * q
+    new = hi if lo < 1 or hi - t <= t - lo else lo
+    over = " x ".join(f"{a}={run.shape[a]}" for a in axes)
+    return [Finding("sequence-indivisible", "error",
+                    f"layout {run.layout.name!r} splits attention's positions over {over}: context "
+                    f"parallelism cuts model.seq_len={t} into 2 x {n} = {q} equal chunks (each device holds "
+                    f"an early and a late one), and {q} does not divide {t}",
+                    "the run cannot start: validation refuses a sequence that does not split evenly",
+                    override("model.seq_len", new) + f" (or a smaller {'+'.join(axes)} axis)")]
+
+
+def _ring_share(run: Run, axis: str, f: int) -> tuple[str, float, float]:
+    """(the ratio text, GB/s a ring gets across nodes, GB/s over the links in a node) for
+    rings along `axis` crossing f nodes: the node's NICs shared by the rings crossing it."""
+    shape, hw = run.shape, run.hw
+    per_node = max(shape[axis] // f, 1)
+    rings = max(product(shape, AXES) // math.prod(run.dcn.values()) // per_node, 1)
+    net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
+    ratio = (f"~{net:,.0f} GB/s a ring ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
+             f"shared by the {rings} {axis} rings crossing it) instead of ~{link:,.0f} GB/s over the links in a "
+             f"node: {link / net:.1f}x slower")
+    return ratio, net, link
+
+
+def _context_on_dcn(run: Run) -> list[Finding]:
+    dcn, shape, d = run.dcn, run.shape, run.dims
+    n, axes = sequence.split(run.layout, shape)
+    if not dcn or dcn["context"] <= 1 or "context" not in axes:
+        return []
+    import jax.numpy as jnp
+    f = dcn["context"]
+    ratio, net, link = _ring_share(run, "context", f)
+    source = f"{run.hw.name}: {run.hw.source}"
+    cost = f"the keys and values go at {ratio} ({source})"
+    if all(isinstance(d.get(k), int) for k in ("num_layers", "seq_len", "num_heads")):
+        width = d["num_heads"] * (d.get("head_dim") or d["embed_dim"] // d["num_heads"])
+        rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), shape)
+        dtype = run.model.cfg.dtype if run.model is not None else run.cfg.model.dtype
+        # k and v repeated to the query heads (models/context_attention.py), (n-1)/n of
+        # the sequence arriving on each device; the backward sends their gradients back.
+        wire = (2 * d["num_layers"] / shape["stage"] * 2 * (n - 1) / n * rows * d["seq_len"] * width
+                * jnp.dtype(dtype).itemsize)
+        cost = (f"about {mib(wire)} per device per step of keys and values (k and v of [rows, seq_len, "
+                f"heads x head_dim] in {dtype} per layer, (n-1)/n of them arriving on each device, forward "
+                f"and their gradients backward) go at {ratio}, at least {wire / net / 1e6:,.1f} ms instead "
+                f"of {wire / link / 1e6:,.1f} ms per step ({source})")
+    for to in ("data", "fsdp"):
+        if shape[to] % (dcn[to] * f) == 0:
+            fix = override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, "context": 1}))
+            break
+    else:
+        fix = (f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change "
+               f"mesh.shape so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
+    return [Finding("context-on-dcn", "warning",
+                    f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the context axis (context={shape['context']}) "
+                    f"across {f} nodes: context parallelism passes every layer's keys and values between the "
+                    f"devices of a sequence, forward and backward, and should stay inside a node", cost, fix)]
 
 
 def _tensor_on_dcn(run: Run) -> list[Finding]:

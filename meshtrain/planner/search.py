@@ -3,13 +3,15 @@ compile the few that can win, rank.
 
     python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 --search --devices=32 --hardware=h100
 
-1. Enumerate: every factorisation of N into (data, stage, fsdp, tensor), each layout preset
-   that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
+1. Enumerate: every factorisation of N into (data, stage, fsdp, context, tensor), each
+   layout preset that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
    by its entry there, and no two candidates are the same program), each remat policy and
    each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
    microbatches S, 2S and 4S under each of PIPELINE_SCHEDULES (train.accum_gather="auto"
    resolved as train would on the hardware, planner/accumulation.py); with --nodes=K the
-   inter-node factor K goes on data (or fsdp), never on tensor or stage.
+   inter-node factor K goes on data (or fsdp), never on tensor, context or stage. A
+   context axis only for sequences of CONTEXT_MIN_SEQ positions or more (the sequence
+   parallel *_sp presets, which add no axis, always).
 2. Drop, counting why: the linter's errors and the config checks (what does not divide),
    then the formulas' memory against the hardware's usable memory (what does not fit).
 3. Predict every survivor's step by the roofline on the formulas alone (no compile), and
@@ -56,6 +58,15 @@ SEARCHED: dict[str, tuple[str, ...]] = {}
 # gpipe/circular the stash means nothing and is left out of the overrides.
 PIPELINE_SCHEDULES = (("gpipe", 1, ""), ("circular", 2, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
                       ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals"))
+# Context parallelism is searched from this many positions. Below it, a ring step cannot
+# hide its permute: each step sends k and v of its 2c = T/n positions (8 c K E bytes in
+# bf16) while computing a [2c x c] block of scores and its product with v (8 c^2 H E
+# FLOPs), c H / K FLOPs a byte, and an H100 does ~2,200 FLOPs (989 TFLOP/s dense bf16) in
+# the time NVLink moves a byte (450 GB/s): with Llama 3's H/K = 4 over n = 8 devices c
+# reaches 550 at T ~ 8,800. Shorter sequences fit a device by tensor parallelism and
+# remat (Llama 3 trains at 8K without context parallelism, Dubey et al. 2024 §3.3.2),
+# and skipping context there keeps the candidates as many as before the axis existed.
+CONTEXT_MIN_SEQ = 8192
 MARGIN = 0.10  # compile what the formulas predict within this share of the best step time
 PODIUM = 3     # the best rows, compiled whatever the formulas said
 
@@ -124,16 +135,20 @@ def pipeline_options(stages: int, num_layers: int) -> list[tuple[int, str, int, 
 
 
 def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layouts=None,
-                         remats=REMAT, options: dict | None = None) -> tuple[list[Candidate], collections.Counter]:
+                         remats=REMAT, options: dict | None = None,
+                         seq_len: int | None = None) -> tuple[list[Candidate], collections.Counter]:
     """Candidates for `devices`, restricted to the `layouts` presets (default all) and
-    `remats` policies, each with every combination of `options` ({key: values}); and the
-    counts of those dropped on sight, by reason."""
+    `remats` policies, each with every combination of `options` ({key: values}), a context
+    axis only when `seq_len` >= CONTEXT_MIN_SEQ; and the counts of those dropped on sight,
+    by reason."""
     out, dropped = [], collections.Counter()
     extra = [tuple(zip(options, values)) for values in itertools.product(*options.values())] if options else [()]
     remats = [(r, o) for r in remats for o in extra]
     for sizes in factorizations(devices, len(mesh_lib.AXES)):
         shape = dict(zip(mesh_lib.AXES, sizes))
         used = {a for a, n in shape.items() if n > 1}
+        if "context" in used and (seq_len or 0) < CONTEXT_MIN_SEQ:
+            continue  # not counted as dropped: never a candidate (module docstring)
         for layout, (required, allowed) in presets.PRESET_AXES.items():
             if (layouts and layout not in layouts) or not (required <= used <= allowed):
                 continue
@@ -215,7 +230,8 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     inputs = read_inputs(cfg)  # the data and init.from, once for every candidate
     dims = models.size_dims(resolve(cfg, inputs.init).model)
     options = {k: v for k, v in SEARCHED.items() if k in config_lib.keys(cfg)}
-    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats, options)
+    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats, options,
+                                               dims.get("seq_len"))
     say(f"search: {len(candidates)} candidates for {devices} devices"
         + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); predicting each by the formulas")
     feasible = _check(name, overrides, candidates, inputs, hw, dropped)

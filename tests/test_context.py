@@ -1,0 +1,115 @@
+"""Long sequences: sequence parallelism (length:tensor outside attention and MLP) and context
+parallelism (length:context everywhere, attention by all-gather or a load-balanced ring)
+change how a step is split, never what it computes: 20 float32 steps equal one device.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from meshtrain import config as config_lib
+from meshtrain.errors import UserError
+from meshtrain.experiment import check_config
+from meshtrain.layouts import get, sequence
+from test_equivalence import losses_and_grads
+
+STEPS = 20
+LLAMA = {"model.seq_len": 512, "train.loss_chunk": 128}  # the issue's "Llama tiny, sequence 512"
+
+
+def configure(name, overrides):
+    cfg = config_lib.load(name)
+    for key, value in overrides.items():
+        config_lib.override(cfg, key, str(value))
+    return cfg
+
+
+def devices_for(mesh: str):
+    return jax.devices()[:int(np.prod([int(p.split(":")[1]) for p in mesh.split(",")]))]
+
+
+def run(name, overrides, mesh, steps=STEPS):
+    cfg = configure(name, {**overrides, "mesh.shape": mesh})
+    return losses_and_grads(cfg, devices=devices_for(mesh), steps=steps)
+
+
+def assert_equal_training(label, got, ref):
+    """Every step's loss within relative 1e-5 of one device's, the model learning, and the
+    first step's gradients within float32 rounding."""
+    (losses, grads), (ref_losses, ref_grads) = got, ref
+    rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
+    assert rel.max() < 1e-5, f"{label}: loss sequence differs, max rel diff {rel.max():.2e}"
+    assert losses[-1] < losses[0] - 0.3, f"{label}: the model should be learning"
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference():
+    return run("gpt2_tiny_dp8", {}, "data:1")
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return run("llama_tiny_dp8", LLAMA, "data:1")
+
+
+@pytest.mark.parametrize("layout, mesh, kind", [
+    ("dp_tp_sp", "data:2,tensor:4", "allgather"),   # sequence parallelism
+    ("dp_cp", "context:2", "allgather"),
+    ("dp_cp", "context:2", "ring"),
+])
+def test_gpt2_tiny_matches_one_device(layout, mesh, kind, gpt2_reference):
+    got = run("gpt2_tiny_dp8", {"layout": layout, "model.context_attention": kind}, mesh)
+    assert_equal_training(f"gpt2 {layout} {mesh} {kind}", got, gpt2_reference)
+
+
+@pytest.mark.parametrize("layout, mesh, kind", [
+    ("dp_tp_sp", "data:2,tensor:4", "allgather"),   # sequence parallelism
+    ("dp_cp", "data:2,context:4", "allgather"),
+    ("dp_cp", "data:2,context:4", "ring"),
+    ("dp_tp_cp", "context:4,tensor:2", "allgather"),
+    ("dp_tp_cp", "context:4,tensor:2", "ring"),
+])
+def test_llama_tiny_seq512_matches_one_device(layout, mesh, kind, llama_reference):
+    got = run("llama_tiny_dp8", {**LLAMA, "layout": layout, "model.context_attention": kind}, mesh)
+    assert_equal_training(f"llama {layout} {mesh} {kind}", got, llama_reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_context_inside_pipeline_stages(schedule, gpt2_reference):
+    """`context` and `stage` combine: the stages' attention runs the ring per stage, and
+    1F1B's loss reads its targets in the layout's order (5 steps)."""
+    over = {"layout": "dp_pp_cp", "model.context_attention": "ring", "pipeline.schedule": schedule,
+            "pipeline.microbatches": 2, "train.loss_chunk": 32}
+    got = run("gpt2_tiny_dp8", over, "stage:2,context:2,data:2", steps=5)
+    ref_losses, _ = gpt2_reference
+    np.testing.assert_allclose(got[0], ref_losses[:5], rtol=1e-5)
+
+
+def test_zigzag_order_balances_the_causal_work():
+    """Device i holds chunks i and 2n-1-i: every device's rows see the same number of keys."""
+    order = sequence.balanced(16, 4)
+    assert order.tolist()[:4] == [0, 1, 14, 15] and order.tolist()[-4:] == [6, 7, 8, 9]
+    visible = [(rows[:, None] >= np.arange(16)[None]).sum() for rows in order.reshape(4, 4)]
+    assert len(set(visible)) == 1, visible
+    assert sorted(order.tolist()) == list(range(16))
+
+
+def test_an_indivisible_sequence_is_refused_with_the_fix():
+    cfg = configure("gpt2_tiny_dp8", {"layout": "dp_cp", "model.seq_len": 100})
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1), ("data", "stage", "fsdp", "context", "tensor"))
+    with pytest.raises(UserError, match=r"seq_len=100 cannot be split over context=4: .* 8 does not divide "
+                                        r"100. Use a seq_len divisible by 8"):
+        check_config(cfg, mesh)
+    cfg = configure("gpt2_tiny_dp8", {"layout": "dp_cp", "train.loss_chunk": 2})
+    with pytest.raises(UserError, match=r"loss_chunk must be a multiple of 4"):
+        check_config(cfg, mesh)
+
+
+def test_sequence_parallelism_leaves_attention_whole():
+    """dp_tp_sp's `length:tensor` splits the residual stream, never attention's positions."""
+    shape = {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    sp = get("dp_tp_sp")
+    assert sp.spec(("batch", "length", "embed"), "activations")[1] == "tensor"
+    assert sequence.split(sp, shape) == (1, ())
+    assert sequence.split(get("dp_tp_cp"), {**shape, "context": 2}) == (2, ("context",))
