@@ -94,7 +94,7 @@ def execute(args) -> int:
     prompt = encode_prompt(flags["prompt"], src.tokenizer, model.cfg.vocab_size)
     n_new = new_tokens(len(prompt), flags["max_new_tokens"], flags["max_len"], model.cfg)
     rows = gen.padded_rows(flags["num_samples"], layout, mesh)
-    check_cache(model, layout, mesh, rows, len(prompt) + n_new)
+    check_cache(model, layout, mesh, rows, gen.cache_length(model, layout, mesh, len(prompt) + n_new))
     params = src.restore()
 
     say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731

@@ -13,14 +13,21 @@ Sharding: prompts and outputs are split over the batch like the training batch;
 the cache [L, B, S, K, E] is pinned with logical axes (layers, batch, length,
 heads or kv_heads, head_dim) under the layout's activation rules, so under tensor
 parallelism each device holds the cache of its own heads. Rows are padded up to a
-multiple of the batch shards (copies of row 0) and the extras dropped.
+multiple of the batch shards (copies of row 0) and the extras dropped. Where the layout
+splits the cache's `length` (`length:context` under context parallelism; Llama's cache
+under sequence parallelism, whose K heads leave `tensor` to `length`), each device holds
+a contiguous piece of the positions (decoding never reorders them) and S is rounded up to
+a multiple of the pieces (`cache_length`): the extra positions are never written, always
+masked. Each step's attention then reduces over those devices (docs/layouts.md, "Long
+sequences").
 
 Shapes: n samples, B padded rows, P prompt length, N new tokens, V vocab (padded),
-L layers, S = P + N cache positions, K key/value heads, E head width.
+L layers, S = P + N cache positions (rounded up: `cache_length`), K key/value heads, E head width.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -36,6 +43,21 @@ from meshtrain.step import batch_sharding
 def batch_shards(layout: Layout, mesh: Mesh) -> int:
     """How many pieces the activations' batch is split into (rows must be a multiple)."""
     return layout.shards("batch", mesh.shape)[0]
+
+
+def cache_pieces(model: ModelDef, layout: Layout, mesh: Mesh) -> int:
+    """How many pieces the layout splits the KV cache's `length` into (1: whole)."""
+    axes = model.bind(model.shapes).cache_axes()[0]  # k's axes; v's are the same
+    split = layout.spec(axes, "activations", where="the KV cache")[axes.index("length")]
+    names = () if split is None else (split,) if isinstance(split, str) else split
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def cache_length(model: ModelDef, layout: Layout, mesh: Mesh, length: int) -> int:
+    """The KV cache's positions for `length` (prompt + new tokens): rounded up to a multiple
+    of `cache_pieces`, so each device holds as many."""
+    pieces = cache_pieces(model, layout, mesh)
+    return -(-length // pieces) * pieces
 
 
 def padded_rows(n: int, layout: Layout, mesh: Mesh) -> int:
@@ -86,13 +108,14 @@ def make_generate(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, 
     n_new = max_new_tokens
     constrain = make_constrain(layout, mesh)
     rows = batch_sharding(layout, mesh)
+    pieces = cache_pieces(model, layout, mesh)
     replicated = NamedSharding(mesh, P())
 
     def run(params, prompt_bp, seed, temperature, top_k, top_p):
         module = model.bind(params)
         b, p = prompt_bp.shape
         key = jax.random.key(seed)
-        cache = module.init_cache(b, p + n_new)
+        cache = module.init_cache(b, -(-(p + n_new) // pieces) * pieces)  # cache_length
         # The axes attention pins k and v to, so the cache is never resharded in the loop.
         axes = module.cache_axes()
 
