@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, make_constrain
+from meshtrain.layouts import Layout, make_constrain, sequence
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import stack
 from meshtrain.models.stack import Constrain, RunLayers
@@ -103,40 +103,49 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     gradient to values it closes over). The n batch shards each run the chunks on their own
     copy of w, so w's gradient adds up on each device and is reduced over the batch axes
     once, when autodiff transposes the copy (as meshtrain/pipeline.py copies the stage
-    weights): summed in the scan, it would be all-reduced once per chunk. A chunk sees the
-    layout without the batch axes; the vmap puts them back.
+    weights): summed in the scan, it would be all-reduced once per chunk. Under context
+    parallelism the positions stay split too, and each (batch shard, piece of the positions)
+    pair has its copy. A chunk sees the layout without those axes; the vmap puts them back.
     """
-    n, batch_axes = layout.shards("batch", mesh.shape)
-    inner = layout.without(*batch_axes)
-    shard = batch_axes or None
-
-    inner_constrain = make_constrain(inner, mesh)
-
     b, t, d = h_btd.shape
     c = t // chunks
-    # Positions split over q devices (context or sequence parallelism): each chunk takes
+    check_split(c, t, layout, mesh.shape)
+    # A shard is a batch shard and, under context parallelism, a piece of the positions
+    # (attention's length split): the positions stay split through the loss, so each piece
+    # sums its own gradient of w too. Sequence parallelism's pieces (length:tensor in the
+    # stream alone) are gathered for the vocab-split projection as in the model.
+    nb, batch_axes = layout.shards("batch", mesh.shape)
+    nc, context_axes = sequence.split(layout, mesh.shape)
+    n, axes = nb * nc, (*batch_axes, *context_axes)
+    inner = layout.without(*axes)
+    shard = axes or None
+    inner_constrain = make_constrain(inner, mesh)
+    # The stream's positions are in q pieces (nc context pieces of qt each): each chunk takes
     # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
     # over positions, so which rows make up a chunk does not change it.
-    q = length_pieces(inner, mesh.shape)
-    check_split(c, t, inner, mesh.shape)
-    # [B, T, D] -> [chunks, n, B/n, c, D]: shard k keeps its rows, chunk i holds rows
-    # i*c/q .. (i+1)*c/q - 1 of each of the q pieces of each row.
-    h = h_btd.reshape(n, b // n, q, chunks, c // q, d).transpose(3, 0, 1, 2, 4, 5).reshape(chunks, n, b // n, c, d)
+    q = length_pieces(layout, mesh.shape)
+    qt = q // nc
+    # [B, T, D] -> [chunks, nb x nc, B/nb, c/nc, D]: shard (k, j) keeps batch shard k's rows
+    # and context piece j's positions; chunk i holds rows i*c/q .. (i+1)*c/q - 1 of each of
+    # the q pieces of each row.
+    h = (h_btd.reshape(nb, b // nb, nc, qt, chunks, c // q, d).transpose(4, 0, 2, 1, 3, 5, 6)
+         .reshape(chunks, n, b // nb, c // nc, d))
     h = jax.lax.with_sharding_constraint(h, NamedSharding(
         mesh, P(None, shard, *inner.spec(("batch", "length", "embed"), "activations"))))
-    y = targets_bt.reshape(n, b // n, q, chunks, c // q).transpose(3, 0, 1, 2, 4).reshape(chunks, n, b // n, c)
+    y = (targets_bt.reshape(nb, b // nb, nc, qt, chunks, c // q).transpose(4, 0, 2, 1, 3, 5)
+         .reshape(chunks, n, b // nb, c // nc))
     y = jax.lax.with_sharding_constraint(y, NamedSharding(
         mesh, P(None, shard, *inner.spec(("batch", "length"), "activations"))))
-    # One copy of w per batch shard: each shard sums its gradient over the chunks, and
-    # autodiff's transpose of the copy reduces the shards' sums over the batch axes once, in
-    # w's dtype, as narrow as without chunks.
+    # One copy of w per shard: each shard sums its gradient over the chunks, and autodiff's
+    # transpose of the copy reduces the shards' sums over the batch (and context) axes once,
+    # in w's dtype, as narrow as without chunks.
     per_shard = NamedSharding(mesh, P(shard, *(P.UNCONSTRAINED,) * w.ndim))
     copies = jax.lax.with_sharding_constraint(jnp.broadcast_to(w[None], (n, *w.shape)), per_shard)
 
     def zeros_n():  # [n] float32, a sum per batch shard
         return jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), NamedSharding(mesh, P(shard)))
 
-    def shard_loss(w, h_bcd, y_bc):  # one batch shard, one chunk: h [B/n, c, D] -> summed loss
+    def shard_loss(w, h_bcd, y_bc):  # one shard, one chunk: h [B/nb, c/nc, D] -> summed loss
         logits_bcv = project(h_bcd, w, inner_constrain).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_bcv, y_bc).sum()
 

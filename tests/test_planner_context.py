@@ -21,6 +21,9 @@ RUNS = {  # name: (mesh, layout, context_attention, remat)
     "ring": ("data:2,context:4", "dp_cp", "ring", "none"),
     "ring_tp_full": ("context:4,tensor:2", "dp_tp_cp", "ring", "full"),
     "allgather": ("data:2,context:4", "dp_cp", "allgather", "none"),
+    # kv heads split as the query heads are (as llama3_8b's layouts do): 1 of 2 travels a device
+    "ring_kv_split": ("context:4,tensor:2", "batch:data;heads:tensor;kv_heads:tensor;mlp:tensor;vocab:tensor;length:context",
+                      "ring", "none"),
     # the ring's rows per device with sequences whole (context left unused: each row repeated there)
     "whole": ("data:2,context:4", "dp", "allgather", "none"),
 }
@@ -44,7 +47,7 @@ def planned():
     return out
 
 
-@pytest.mark.parametrize("name", ["ring", "ring_tp_full", "allgather"])
+@pytest.mark.parametrize("name", ["ring", "ring_tp_full", "allgather", "ring_kv_split"])
 def test_compiled_context_traffic_equals_the_formula(name, planned):
     """Every byte and op the compiled step sends over `context` for attention is the
     formula's: per layer 2 (n-1) blocks forward, again under remat, and back (ring), or
@@ -55,9 +58,9 @@ def test_compiled_context_traffic_equals_the_formula(name, planned):
     assert c["compiled_count"] == c["count"]
     assert c["compiled_bytes"] == pytest.approx(c["bytes"], rel=1e-9)
     cfg = exp.model.cfg
-    heads = cfg.num_heads // exp.layout.shards("heads", exp.mesh.shape)[0]
+    kv_heads = cfg.num_kv_heads // exp.layout.shards("kv_heads", exp.mesh.shape)[0]  # only they travel
     rows = 8 // exp.layout.shards("batch", exp.mesh.shape)[0]
-    block = rows * 512 // 4 * heads * cfg.head_dim * 4
+    block = rows * 512 // 4 * kv_heads * cfg.head_dim * 4
     passes = 3 if cfg.remat == "full" else 2
     assert c["bytes"] - c["terms"]["positions"] == passes * cfg.num_layers * 2 * 3 * block
     if c["kind"] == "ring":
@@ -65,11 +68,15 @@ def test_compiled_context_traffic_equals_the_formula(name, planned):
 
 
 def test_the_recompute_is_named_and_the_bound_met(planned):
-    """The bound counts forward and backward; remat's second forward is known excess."""
+    """The bound counts forward and backward; remat's second forward is known excess. The
+    bound is met over all axes together: the gradient reduction the bound splits into a
+    context part and a data part, XLA may run as one all-reduce over both (the chunked
+    loss's copies of w, meshtrain/loss.py), which sends the same bytes on a row of its own."""
     for name in ("ring", "ring_tp_full"):
         r = planned[name][2]
-        [row] = [x for x in r["collectives_by_axes"] if x["mesh_axes"] == ["context"]]
-        assert row["bytes"] >= row["lower_bound_bytes"]
+        rows = r["collectives_by_axes"]
+        assert sum(x["bytes"] for x in rows) >= sum(x["lower_bound_bytes"] for x in rows)
+        [row] = [x for x in rows if x["mesh_axes"] == ["context"]]
         recompute = r["context"]["terms"]["recompute"]
         assert (recompute > 0) == (name == "ring_tp_full")
         assert any("recomputes attention" in e for e in row["excess"]) == (recompute > 0)

@@ -40,6 +40,7 @@ from meshtrain.models import context_attention
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 BTHE = ("batch", "length", "heads", "head_dim")
+BTKE = ("batch", "length", "kv_heads", "head_dim")
 # Pallas's kernel tiles the sequence in blocks of 128 (forward) and 32 (backward).
 _PALLAS_BLOCKS = (128, 32)
 
@@ -215,8 +216,9 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
         split = _length_split(constrain)
         if split is not None:
             order = constrain.order(q_bthe.shape[1])
+            kv_spec = split if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
             return context_attention.attend(q_bthe, k_btke, v_btke, jnp.asarray(order), kind=context,
-                                            constrain=constrain, spec=split), None
+                                            constrain=constrain, spec=split, kv_spec=kv_spec), None
         if implementation == "pallas":
             return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
         if implementation == "xla":

@@ -81,22 +81,31 @@ def _merge(acc, new):
     return o1 * scale(a1) + o2 * scale(a2), m, l1 * a1 + l2 * a2
 
 
-def _allgather(q, k, v, pos_q, *, axes):
+def _query_heads(q, k, v, heads):
+    """k, v [B, s, K', E] (this device's kv heads) -> [B, s, H', E], each of its H' query
+    heads' kv head. `heads(h)` gives the kv head (local index) of local query head h."""
+    idx = heads(q.shape[2])
+    return (k, v) if idx is None else (jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2))
+
+
+def _allgather(q, k, v, pos_q, *, axes, heads):
     k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
     pos_k = jax.lax.all_gather(pos_q, axes, axis=0, tiled=True)
-    o, _, l = _block(q, k_all, v_all, pos_q[:, None] >= pos_k[None, :])
+    o, _, l = _block(q, *_query_heads(q, k_all, v_all, heads), pos_q[:, None] >= pos_k[None, :])
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
 
 
-def _ring(q, k, v, pos_q, *, axes, n):
+def _ring(q, k, v, pos_q, *, axes, n, heads):
     c = q.shape[1] // 2
     me = jax.lax.axis_index(axes)
     shift = [(i, (i + 1) % n) for i in range(n)]
-    acc = _block(q, k, v, pos_q[:, None] >= pos_q[None, :])
+    acc = _block(q, *_query_heads(q, k, v, heads), pos_q[:, None] >= pos_q[None, :])
 
     def early_keys(acc, q, k, v):  # s < i: all 2c queries, the first c keys
         return _merge(acc, _block(q, k[:, :c], v[:, :c]))
+    # the kv heads travel; each step repeats them to the query heads after receiving them
+    step = lambda branch: lambda acc, q, k, v: branch(acc, q, *_query_heads(q, k, v, heads))  # noqa: E731
 
     def late_queries(acc, q, k, v):  # s > i: the last c queries, all 2c keys
         o, m, l = acc
@@ -106,17 +115,40 @@ def _ring(q, k, v, pos_q, *, axes, n):
     for j in range(1, n):
         k, v = jax.lax.ppermute((k, v), axes, shift)
         source = (me - j) % n
-        acc = jax.lax.cond(source < me, early_keys, late_queries, acc, q, k, v)
+        acc = jax.lax.cond(source < me, step(early_keys), step(late_queries), acc, q, k, v)
     o, _, l = acc
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
 
 
-def attend(q_bthe, k_bthe, v_bthe, positions_t, *, kind: str, constrain, spec: P):
+def _kv_heads_of(spec: P, kv_spec: P, num_heads: int, num_kv: int, mesh):
+    """heads(h') -> the local kv head of each of a device's h' query heads ([h'] int32), or
+    None when k and v come repeated (K = H). Query head g reads kv head g // (H/K); the
+    device's query heads are a contiguous block, its kv heads either the matching block
+    (kv_heads split as heads are) or all K (kv_heads whole)."""
+    if num_kv == num_heads:
+        return None
+    group = num_heads // num_kv
+    axes = () if spec[2] is None else (spec[2],) if isinstance(spec[2], str) else tuple(spec[2])
+    kv_split = kv_spec[2] is not None
+    if kv_split and kv_spec[2] != spec[2]:
+        raise UserError(f"Context parallelism with grouped-query attention needs kv_heads split as heads "
+                        f"are, or not at all; this layout splits heads by {spec[2]} and kv_heads by "
+                        f"{kv_spec[2]}. Give kv_heads the same rule as heads, or none.")
+
+    def heads(local: int):
+        rank = jax.lax.axis_index(axes) if axes and math.prod(mesh.shape[a] for a in axes) > 1 else 0
+        first_kv = rank * (local // group) if kv_split else 0
+        return (rank * local + jnp.arange(local)) // group - first_kv
+    return heads
+
+
+def attend(q_bthe, k_btke, v_btke, positions_t, *, kind: str, constrain, spec: P, kv_spec: P):
     """Causal attention with `length` split over the mesh axes in spec[1]: -> [B, T, H, E].
 
-    q, k, v [B, T, H, E] (k and v already repeated to the H query heads), stored in the
-    zigzag order whose positions are `positions_t` [T]; `spec` is their activation spec
-    under the layout, `constrain.mesh` the mesh."""
+    q [B, T, H, E], k and v [B, T, K, E] (K divides H: grouped-query attention; only the K
+    kv heads travel, each device repeats them to its query heads), stored in the zigzag
+    order whose positions are `positions_t` [T]; `spec` and `kv_spec` are their activation
+    specs under the layout, `constrain.mesh` the mesh."""
     check_kind(kind)
     mesh = constrain.mesh
     axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
@@ -124,8 +156,9 @@ def attend(q_bthe, k_bthe, v_bthe, positions_t, *, kind: str, constrain, spec: P
     if spec[3] is not None:
         raise UserError(f"Context parallelism splits heads and positions, not the head width; "
                         f"this layout splits head_dim ({spec}). Remove head_dim's rule.")
+    heads = _kv_heads_of(spec, kv_spec, q_bthe.shape[2], k_btke.shape[2], mesh)
     axis = axes[0] if len(axes) == 1 else axes
-    body = (functools.partial(_allgather, axes=axis) if kind == "allgather"
-            else functools.partial(_ring, axes=axis, n=n))
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(spec[1])), out_specs=spec,
-                         check_vma=False)(q_bthe, k_bthe, v_bthe, positions_t)
+    body = (functools.partial(_allgather, axes=axis, heads=heads) if kind == "allgather"
+            else functools.partial(_ring, axes=axis, n=n, heads=heads))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P(spec[1])), out_specs=spec,
+                         check_vma=False)(q_bthe, k_btke, v_btke, positions_t)

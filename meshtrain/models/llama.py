@@ -163,7 +163,11 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt))
         q = constrain(rope(q, positions_t, inv_freq), BTHE)
         k = rope(k, positions_t, inv_freq)
-        if cache is None:
+        if cache is None and stack.sequence_order(constrain, x_btd.shape[1]) is not None:
+            # Positions split over devices: the K heads travel between them, and context
+            # attention repeats them to the query heads on arrival (H/K times fewer bytes).
+            k, v = constrain(k, BTKE), constrain(v, BTKE)
+        elif cache is None:
             # Query head h reads kv head h // (H/K); jnp.repeat keeps each group
             # contiguous, so a rank holding a block of query heads needs only its rows.
             # k and v are pinned only once repeated: pinned as [B, T, K, E] first, sequence

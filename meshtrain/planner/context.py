@@ -6,11 +6,12 @@ A layout that splits attention's `length` over mesh axes of total size n (the *_
 (models/context_attention.py). Per layer and microbatch, with one device's keys (or
 values) a block of
 
-    block = b x T/n x H/t x E x bytes
+    block = b x T/n x K' x E x bytes
 
-(b rows per microbatch on the device, H/t the query heads it holds: k and v travel
-repeated to the H query heads, E the head width, bytes the compute dtype's), each device
-sends:
+(b rows per microbatch on the device, K' the kv heads it holds: K/t where the layout
+splits kv_heads as heads, all K where it leaves them whole, H/t for multi-head attention;
+only the kv heads travel, each device repeats them to its query heads on arrival; E the
+head width, bytes the compute dtype's), each device sends:
 
     ring       forward   k and v round the ring: 2 (n-1) collective-permutes of a block
                backward  their gradients back the other way (ppermute's transpose):
@@ -64,11 +65,16 @@ def split(exp) -> tuple[int, tuple[str, ...]]:
 
 
 def _dims(exp) -> dict:
-    """b rows per microbatch on a device, H/t heads, E, T, compute bytes, microbatches."""
+    """b rows per microbatch on a device, H/t query heads and K' kv heads (the ones that
+    travel), E, T, compute bytes, microbatches."""
     cfg, layout, shape = exp.model.cfg, exp.layout, exp.mesh.shape
     k = exp.cfg.train.grad_accum_steps
+    kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
+    kv_local = (cfg.num_heads // layout.shards("heads", shape)[0] if kv == cfg.num_heads
+                else kv // layout.shards("kv_heads", shape)[0])
     return {"rows": exp.cfg.train.batch_size // k // layout.shards("batch", shape)[0],
-            "heads": cfg.num_heads // layout.shards("heads", shape)[0], "head_dim": cfg.head_dim,
+            "heads": cfg.num_heads // layout.shards("heads", shape)[0], "kv_heads": kv_local,
+            "head_dim": cfg.head_dim,
             "seq_len": cfg.seq_len, "bytes": jnp.dtype(cfg.dtype).itemsize, "micro": k}
 
 
@@ -88,7 +94,7 @@ def formula(exp) -> dict | None:
         return {**out, "bytes": None, "count": 0}
     d = _dims(exp)
     t, layers = d["seq_len"], m.cfg.num_layers * d["micro"]
-    block = d["rows"] * t / n * d["heads"] * d["head_dim"] * d["bytes"]
+    block = d["rows"] * t / n * d["kv_heads"] * d["head_dim"] * d["bytes"]
     again = m.cfg.remat in RECOMPUTES
     per_pass = 2 * (n - 1) * block * layers  # ring: 2 (n-1) blocks; allgather: 2 x (n-1) blocks
     ops = (2 * (n - 1) if kind == "ring" else 2) * layers
@@ -104,11 +110,6 @@ def formula(exp) -> dict | None:
     per_entry = 4 * d["rows"] * d["heads"] * d["head_dim"] * m.cfg.num_layers * d["micro"] * (3 + again)
     out["attention_flops"] = per_entry * entries
     out["ideal_attention_flops"] = per_entry * t * t / (2 * n)
-    kv_heads = getattr(m.cfg, "num_kv_heads", m.cfg.num_heads)
-    if kv_heads < m.cfg.num_heads:
-        out["not_counted"].append(
-            f"k and v travel repeated to the {m.cfg.num_heads} query heads: sending the {kv_heads} kv "
-            f"heads would send {kv_heads / m.cfg.num_heads:.3g} of these bytes")
     return out
 
 
