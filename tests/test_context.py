@@ -63,12 +63,17 @@ def test_gpt2_tiny_matches_one_device(layout, mesh, kind, gpt2_reference):
     assert_equal_training(f"gpt2 {layout} {mesh} {kind}", got, gpt2_reference)
 
 
+# Grouped-query attention (4 query heads, 2 kv heads): only the kv heads travel, and each
+# device repeats them to its query heads, whether it holds all kv heads (dp_tp_cp: kv_heads
+# whole) or its share of them (kv_heads split over tensor as heads are).
+KV_SPLIT = "batch:data;heads:tensor;kv_heads:tensor;mlp:tensor;vocab:tensor;length:context"
+
+
 @pytest.mark.parametrize("layout, mesh, kind", [
     ("dp_tp_sp", "data:2,tensor:4", "allgather"),   # sequence parallelism
     ("dp_cp", "data:2,context:4", "allgather"),
-    ("dp_cp", "data:2,context:4", "ring"),
-    ("dp_tp_cp", "context:4,tensor:2", "allgather"),
     ("dp_tp_cp", "context:4,tensor:2", "ring"),
+    (KV_SPLIT, "context:4,tensor:2", "ring"),
 ])
 def test_llama_tiny_seq512_matches_one_device(layout, mesh, kind, llama_reference):
     got = run("llama_tiny_dp8", {**LLAMA, "layout": layout, "model.context_attention": kind}, mesh)

@@ -11,7 +11,6 @@ a weight, so restoring onto another mesh is Orbax reading each leaf into new sha
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
 

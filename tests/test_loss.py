@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from meshtrain import step as step_lib
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo, hlo_flops
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 
@@ -80,7 +80,7 @@ def test_chunks_keep_the_bf16_data_reduction_and_the_flops(make_config):
         program = exp.compile()
         data[c] = next(r for r in hlo.collective_table(program, exp.mesh)
                        if r["kind"] == "all-reduce" and r["mesh_axes"] == ("data",))
-        flops[c] = hlo.dot_flops(program)
+        flops[c] = hlo_flops.dot_flops(program)
     assert (data[CHUNK]["count"], data[CHUNK]["result_bytes"]) == (data[0]["count"], data[0]["result_bytes"])
     assert flops[CHUNK] == flops[0]
 

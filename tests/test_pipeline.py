@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from meshtrain import pipeline, step as step_lib
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo, hlo_flops
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import Pipeline
 
@@ -191,7 +191,7 @@ def test_wasted_matmul_flops_equal_the_bubble_formula(make_config):
             "pipeline.microbatches": m, "pipeline.repeats": r,
             "pipeline.schedule": "circular" if r > 1 else "gpipe"})
         exp = Experiment.build(cfg, devices=jax.devices()[:devices])
-        return hlo.dot_flops(exp.compile()) * devices
+        return hlo_flops.dot_flops(exp.compile()) * devices
     full, half = matmuls("data:1", "dp", 4), matmuls("data:1", "dp", 2)
     head = full - 2 * (full - half)
     useful = matmuls("data:1", "dp_pp", 4, m=2, r=2)

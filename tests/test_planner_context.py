@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import config as config_lib
 from meshtrain.experiment import Experiment
 from meshtrain.models import family
-from meshtrain.planner import analytic, context, hardware, hlo, report as report_lib
+from meshtrain.planner import analytic, context, hardware, hlo, hlo_flops, report as report_lib
 
 H100 = hardware.get("h100")
 RUNS = {  # name: (mesh, layout, context_attention, remat)
@@ -104,9 +104,9 @@ def test_dot_flops_count_a_conditionals_costliest_branch_once():
         return jax.lax.cond(p, lambda a: (a @ a) @ a, lambda a: a @ a, a)
     compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((), jnp.bool_), x).compile()
     one = 2 * 64**3
-    [cond] = hlo.conditionals(compiled)
+    [cond] = hlo_flops.conditionals(compiled)
     assert sorted(cond["branch_flops"]) == [one, 2 * one]
-    assert hlo.dot_flops(compiled) == 2 * one
+    assert hlo_flops.dot_flops(compiled) == 2 * one
 
 
 def test_batched_dots_are_attentions(planned):
@@ -114,7 +114,7 @@ def test_batched_dots_are_attentions(planned):
     layout, XLA attention's QK and PV over the T x T square, 3 x 2 x 2 b H E T^2 a layer."""
     exp, compiled, _ = planned["whole"]
     c = exp.model.cfg
-    assert hlo.dot_flops(compiled, batched=True) == 3 * 2 * 2 * 4 * c.num_heads * c.head_dim * 512**2 * c.num_layers
+    assert hlo_flops.dot_flops(compiled, batched=True) == 3 * 2 * 2 * 4 * c.num_heads * c.head_dim * 512**2 * c.num_layers
 
 
 def test_a_16_bit_sum_sent_on_counts_at_16_bits():

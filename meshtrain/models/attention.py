@@ -156,7 +156,7 @@ def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) ->
     [T, S] mask is not materialised per batch row and head, and the backward pass keeps
     the probabilities alone."""
     b, t, h, e = q_bthe.shape
-    s, k = k_bske.shape[1], k_bske.shape[2]
+    k = k_bske.shape[2]
     q = q_bthe.reshape(b, t, k, h // k, e)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_bske, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(1.0 / np.sqrt(e))  # as jax.nn.dot_product_attention rounds it

@@ -75,22 +75,19 @@ def known_excess(exp) -> list[dict]:
                                f"projection gradients apart"})
         rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
         plain = [a for a in reduce_axes if a not in analytic._axes_of(opt[path])]
-        if rows_axes and plain:  # the bound's reduced share: collective_bounds
-            n, r = analytic._size(mesh, plain), analytic._size(mesh, rows_axes)
-            row = conv_rows.setdefault(tuple(plain), {
+        # the bound's reduced share (collective_bounds): convs under a row split, every leaf
+        # under a context split
+        for rows, first, what, split in ((conv_rows, rows_axes, "conv gradients", "the row split"),
+                                         (context_rows, [a for a in positions if a not in p_axes],
+                                          "gradients", "the context split")):
+            if not (first and plain):
+                continue
+            n, r = analytic._size(mesh, plain), analytic._size(mesh, first)
+            row = rows.setdefault(tuple(plain), {
                 "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
-                "why": f"conv gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over "
-                       f"the row split ({'+'.join(rows_axes)}), where a reduce-scatter there would leave 1/{r} "
+                "why": f"{what} all-reduced whole over {'+'.join(plain)} after their all-reduce over "
+                       f"{split} ({'+'.join(first)}), where a reduce-scatter there would leave 1/{r} "
                        f"of them to reduce"})
-            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
-        split_axes = [a for a in positions if a not in p_axes]
-        if split_axes and plain:  # as the convs', for every leaf under a context split
-            n, r = analytic._size(mesh, plain), analytic._size(mesh, split_axes)
-            row = context_rows.setdefault(tuple(plain), {
-                "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
-                "why": f"gradients all-reduced whole over {'+'.join(plain)} after their all-reduce over the "
-                       f"context split ({'+'.join(split_axes)}), where a reduce-scatter there would leave "
-                       f"1/{r} of them to reduce"})
             row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
         kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
         if "kv_heads" in axes and kv_whole:

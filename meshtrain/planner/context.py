@@ -37,7 +37,7 @@ step runs 3 forwards' worth (backward: 2 dots per forward dot) and one more unde
 remat that recomputes attention.
 
 The ring's load balance, from the HLO: each ring step is a `conditional` whose two
-branches (early keys, late queries) must run equal matmul FLOPs (planner/hlo.py
+branches (early keys, late queries) must run equal matmul FLOPs (planner/hlo_flops.py
 `conditionals`); then every device, whichever branch its position picks, runs the same.
 
 Activations: models/family.context_elements (the families' layer_activation_bytes),
@@ -51,7 +51,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain.layouts import sequence
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo_flops
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun attention in backward
 KINDS = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter")}
@@ -127,9 +127,9 @@ def report(exp, rows: list[dict], compiled=None) -> dict | None:
     f["compiled_count"] = sum(r["count"] for r in mine)
     f["ratio"] = f["compiled_bytes"] / f["bytes"] if f["bytes"] else None
     if compiled is not None and f["bytes"] is not None:
-        f["compiled_attention_flops"] = hlo.dot_flops(compiled, batched=True)
+        f["compiled_attention_flops"] = hlo_flops.dot_flops(compiled, batched=True)
         f["attention_flops_ratio"] = f["compiled_attention_flops"] / f["ideal_attention_flops"]
-        branches = [c["branch_flops"] for c in hlo.conditionals(compiled, batched=True) if any(c["branch_flops"])]
+        branches = [c["branch_flops"] for c in hlo_flops.conditionals(compiled, batched=True) if any(c["branch_flops"])]
         f["branch_flops"] = branches
         f["branches_equal"] = all(len(set(b)) == 1 for b in branches)
     return f

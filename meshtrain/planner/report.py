@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo, hlo_flops
 from meshtrain import metrics
 from meshtrain.planner import analytic, beyond_bounds, context, halo, roofline
 from meshtrain.planner.hardware import Hardware
@@ -67,7 +67,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     bounds = roofline.place(analytic.collective_bounds(exp), mesh, node_of)
     tokens = exp.units_per_step  # tokens, or images for a classifier
     model_flops = metrics.flops_per_unit(cfg) * tokens
-    flops_dev = hlo.dot_flops(compiled)
+    flops_dev = hlo_flops.dot_flops(compiled)
     # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values;
     # those the step writes, which under 1F1B are more than it keeps at once.
     traffic = {**memory, "activations": analytic.activation_traffic(exp, hw)}
