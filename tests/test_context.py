@@ -91,6 +91,14 @@ def test_context_inside_pipeline_stages(schedule, gpt2_reference):
     np.testing.assert_allclose(got[0], ref_losses[:5], rtol=1e-5)
 
 
+def test_context_beside_fsdp(gpt2_reference):
+    """fsdp_cp: weights stored over fsdp, gathered per layer, sequences split over context
+    (5 steps)."""
+    got = run("gpt2_tiny_dp8", {"layout": "fsdp_cp", "model.context_attention": "ring"}, "fsdp:2,context:4",
+              steps=5)
+    np.testing.assert_allclose(got[0], gpt2_reference[0][:5], rtol=1e-5)
+
+
 def test_zigzag_order_balances_the_causal_work():
     """Device i holds chunks i and 2n-1-i: every device's rows see the same number of keys."""
     order = sequence.balanced(16, 4)

@@ -116,10 +116,22 @@ def test_hybrid_grid_keeps_ici_inside_a_node_and_puts_dcn_outermost():
     hosts = ["a"] * 4 + ["b"] * 4
     shape = mesh.parse_shape("data:4,tensor:4")
     grid, how = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
-    assert how == "2 hosts" and grid.shape == (4, 1, 1, 4)
-    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, :]
+    assert how == "2 hosts" and grid.shape == (4, 1, 1, 1, 4)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, 0, :]
     assert (node[:2] == "a").all() and (node[2:] == "b").all()  # data = node x 2 rows per node
     assert len({d.id for d in grid.flat}) == 16
+
+
+def test_hybrid_grid_keeps_context_inside_a_node():
+    """data over 2 nodes, context:4 and tensor:2 inside each: every context ring (fixed
+    data and tensor) stays on one host; context across nodes is warned about."""
+    devices = [FakeDevice(i, i // 8) for i in range(16)]
+    hosts = ["a", "b"]
+    shape = mesh.parse_shape("data:2,context:4,tensor:2")
+    grid, _ = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0]  # [data, context, tensor]
+    assert (node[0] == "a").all() and (node[1] == "b").all()
+    assert "context axis across 2 nodes" in mesh.dcn_warnings(mesh.parse_dcn("context:2", shape))[0]
 
 
 def test_processes_stand_in_for_nodes_on_one_host_and_one_process_simulates_them():
