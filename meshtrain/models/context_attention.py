@@ -84,8 +84,10 @@ def _merge(acc, new):
 def _query_heads(q, k, v, heads):
     """k, v [B, s, K', E] (this device's kv heads) -> [B, s, H', E], each of its H' query
     heads' kv head. `heads(h)` gives the kv head (local index) of local query head h."""
+    if heads is None:  # multi-head attention: k and v have the query heads already
+        return k, v
     idx = heads(q.shape[2])
-    return (k, v) if idx is None else (jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2))
+    return jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2)
 
 
 def _allgather(q, k, v, pos_q, *, axes, heads):

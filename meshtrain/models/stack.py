@@ -74,6 +74,14 @@ def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax
 BTD = ("batch", "length", "embed")
 
 
+def as_attention_sees(x: jax.Array, constrain: Constrain, axes: Axes) -> jax.Array:
+    """x pinned to the layout's spec for `axes` with its positions split only as attention
+    splits them (`constrain(x, axes)` where the two agree, as without sequence parallelism)."""
+    if not hasattr(constrain, "for_attention"):
+        return constrain(x, axes)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(constrain.mesh, constrain.for_attention(axes)))
+
+
 def sequence_gather(x_btd: jax.Array, constrain: Constrain) -> jax.Array:
     """Megatron's `g` under sequence parallelism (Korthikanti et al. 2022, §4.2.2): the
     input of attention or the MLP, split by position over tensor in the residual stream, is
