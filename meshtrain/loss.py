@@ -28,7 +28,6 @@ gradient's data-parallel reduction sends what it sends without chunks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -38,7 +37,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain, sequence
-from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import stack
 from meshtrain.models.stack import Constrain, RunLayers
 
@@ -69,15 +67,13 @@ def check_config(t, seq_len: int) -> None:
     num_chunks(seq_len, t.loss_chunk)
 
 
-def length_pieces(layout: Layout, shape) -> int:
-    """How many devices share each sequence's positions in the residual stream
-    [batch, length, embed] (context or sequence parallelism)."""
-    return math.prod(shape[a] for a in mesh_axes_of(layout.spec(("batch", "length", "embed"), "activations")[1]))
+BTD = ("batch", "length", "embed")
 
 
 def check_split(loss_chunk: int, seq_len: int, layout: Layout, shape) -> None:
-    """A chunk of the loss takes an equal share of rows from every piece of a split sequence."""
-    q, chunks = length_pieces(layout, shape), num_chunks(seq_len, loss_chunk)
+    """A chunk of the loss takes an equal share of rows from every piece of a split sequence
+    (the residual stream's positions, split by context or sequence parallelism)."""
+    q, chunks = layout.split(BTD, "length", shape)[0], num_chunks(seq_len, loss_chunk)
     c = seq_len // chunks
     if chunks > 1 and c % q:
         raise UserError(
@@ -108,8 +104,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     pair has its copy. A chunk sees the layout without those axes; the vmap puts them back.
     """
     b, t, d = h_btd.shape
-    c = t // chunks
-    check_split(c, t, layout, mesh.shape)
+    c = t // chunks  # a multiple of the stream's pieces q: experiment.validate checks it (check_split)
     # A shard is a batch shard and, under context parallelism, a piece of the positions
     # (attention's length split): the positions stay split through the loss, so each piece
     # sums its own gradient of w too. Sequence parallelism's pieces (length:tensor in the
@@ -123,7 +118,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     # The stream's positions are in q pieces (nc context pieces of qt each): each chunk takes
     # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
     # over positions, so which rows make up a chunk does not change it.
-    q = length_pieces(layout, mesh.shape)
+    q = layout.split(BTD, "length", mesh.shape)[0]
     qt = q // nc
     # [B, T, D] -> [chunks, nb x nc, B/nb, c/nc, D]: shard (k, j) keeps batch shard k's rows
     # and context piece j's positions; chunk i holds rows i*c/q .. (i+1)*c/q - 1 of each of
@@ -131,7 +126,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     h = (h_btd.reshape(nb, b // nb, nc, qt, chunks, c // q, d).transpose(4, 0, 2, 1, 3, 5, 6)
          .reshape(chunks, n, b // nb, c // nc, d))
     h = jax.lax.with_sharding_constraint(h, NamedSharding(
-        mesh, P(None, shard, *inner.spec(("batch", "length", "embed"), "activations"))))
+        mesh, P(None, shard, *inner.spec(BTD, "activations"))))
     y = (targets_bt.reshape(nb, b // nb, nc, qt, chunks, c // q).transpose(4, 0, 2, 1, 3, 5)
          .reshape(chunks, n, b // nb, c // nc))
     y = jax.lax.with_sharding_constraint(y, NamedSharding(

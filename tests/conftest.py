@@ -17,12 +17,17 @@ import pytest  # noqa: E402
 from meshtrain import config as config_lib  # noqa: E402
 
 
+def configured(name: str, **overrides):
+    """configured("gpt2_tiny_dp8", **{"train.steps": 3}) -> locked ConfigDict, each override
+    applied as --config.KEY=VALUE would be. Module-scoped fixtures import it
+    (`from conftest import configured`); tests take the `make_config` fixture."""
+    cfg = config_lib.load(name)
+    for k, v in overrides.items():
+        config_lib.override(cfg, k, str(v))
+    return cfg
+
+
 @pytest.fixture
 def make_config():
     """make_config("gpt2_tiny_dp8", **{"train.steps": "3"}) -> locked ConfigDict."""
-    def make(name: str, **overrides):
-        cfg = config_lib.load(name)
-        for k, v in overrides.items():
-            config_lib.override(cfg, k, str(v))
-        return cfg
-    return make
+    return configured

@@ -7,21 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.experiment import check_config
 from meshtrain.layouts import get, sequence
+from conftest import configured
 from test_equivalence import losses_and_grads
 
 STEPS = 20
 LLAMA = {"model.seq_len": 512, "train.loss_chunk": 128}  # the issue's "Llama tiny, sequence 512"
-
-
-def configure(name, overrides):
-    cfg = config_lib.load(name)
-    for key, value in overrides.items():
-        config_lib.override(cfg, key, str(value))
-    return cfg
 
 
 def devices_for(mesh: str):
@@ -29,7 +22,7 @@ def devices_for(mesh: str):
 
 
 def run(name, overrides, mesh, steps=STEPS):
-    cfg = configure(name, {**overrides, "mesh.shape": mesh})
+    cfg = configured(name, **overrides, **{"mesh.shape": mesh})
     return losses_and_grads(cfg, devices=devices_for(mesh), steps=steps)
 
 
@@ -109,14 +102,38 @@ def test_zigzag_order_balances_the_causal_work():
 
 
 def test_an_indivisible_sequence_is_refused_with_the_fix():
-    cfg = configure("gpt2_tiny_dp8", {"layout": "dp_cp", "model.seq_len": 100})
+    cfg = configured("gpt2_tiny_dp8", **{"layout": "dp_cp", "model.seq_len": 100})
     mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1), ("data", "stage", "fsdp", "context", "tensor"))
     with pytest.raises(UserError, match=r"seq_len=100 cannot be split over context=4: .* 8 does not divide "
                                         r"100. Use a seq_len divisible by 8"):
         check_config(cfg, mesh)
-    cfg = configure("gpt2_tiny_dp8", {"layout": "dp_cp", "train.loss_chunk": 2})
+    cfg = configured("gpt2_tiny_dp8", **{"layout": "dp_cp", "train.loss_chunk": 2})
     with pytest.raises(UserError, match=r"loss_chunk must be a multiple of 4"):
         check_config(cfg, mesh)
+
+
+def test_an_unknown_context_attention_is_refused_with_the_choices():
+    cfg = configured("gpt2_tiny_dp8", **{"layout": "dp_cp", "model.context_attention": "rign"})
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1), ("data", "stage", "fsdp", "context", "tensor"))
+    with pytest.raises(UserError, match=r"model.context_attention='rign' is not a way to attend across a "
+                                        r"split sequence. Choose one of: allgather, ring"):
+        check_config(cfg, mesh)
+
+
+@pytest.mark.parametrize("layout, mesh, message", [
+    ("batch:data;length:context;head_dim:tensor", "context:2,tensor:2",
+     r"splits heads and positions, not the head width; this layout splits head_dim"),
+    ("batch:data;length:context;heads:tensor;kv_heads:fsdp", "fsdp:2,context:2,tensor:2",
+     r"needs kv_heads split as heads are, or not at all; this layout splits heads by tensor and "
+     r"kv_heads by fsdp"),
+])
+def test_context_attention_refuses_splits_it_cannot_run(layout, mesh, message):
+    """Refused when the step is traced, before anything runs (Llama tiny: 4 heads, 2 kv)."""
+    from meshtrain.experiment import Experiment
+    cfg = configured("llama_tiny_dp8", **{"layout": layout, "mesh.shape": mesh})
+    exp = Experiment.build(cfg, devices=devices_for(mesh))
+    with pytest.raises(UserError, match=message):
+        exp.compile()
 
 
 def test_sequence_parallelism_leaves_attention_whole():

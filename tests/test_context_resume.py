@@ -9,7 +9,6 @@ a weight, so restoring onto another mesh is Orbax reading each leaf into new sha
 """
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from meshtrain import eval as eval_cmd, sample
 from meshtrain.experiment import Experiment
 from meshtrain.train import main
-from test_checkpoint import RUN, assert_requested_shardings, assert_same_values, build, losses, restore_both
+from test_checkpoint import RUN, assert_requested_shardings, assert_same_values, build, copy, losses, restore_both
 
 NAME = "gpt2_tiny_dp8"
 CP = ["--config.mesh.shape=data:2,context:4", "--config.layout=dp_cp"]
@@ -42,13 +41,6 @@ def cp_half(tmp_path_factory):
     w = tmp_path_factory.mktemp("cp_half")
     assert train(w, *CP, "--config.train.stop_at=10") == 0
     return w
-
-
-def copy(src, tmp_path):
-    dst = tmp_path / "w"
-    shutil.copytree(src, dst)
-    (dst / "meshtrain.lock").unlink()
-    return dst
 
 
 def assert_steps_match(got, ref, steps):

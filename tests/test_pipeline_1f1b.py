@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import configured as config
 from gradients import loss_and_grads
 from meshtrain import config as config_lib, step as step_lib
 from meshtrain.experiment import Experiment
@@ -109,13 +110,6 @@ CASES = {  # name: (config, overrides, layers)
         "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
         "pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
 }
-
-
-def config(name, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ search's handling of the context axis. Each config is compiled once per module."
 import jax
 import pytest
 
+from conftest import configured
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, lint, search, sequence_parallel as sp
@@ -13,20 +14,13 @@ MODELS = ("gpt2_tiny_dp2_tp4", "llama_tiny_dp2_tp4")  # data:2, tensor:4
 LAYOUTS = ("dp_tp", "dp_tp_sp")
 
 
-def load(name, **overrides):
-    cfg = config_lib.load(name)
-    for key, value in overrides.items():
-        config_lib.override(cfg, key, str(value))
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """{(config, layout): (exp, compiled, one [b, T, D] stream's bytes on a device)}."""
     out = {}
     for name in MODELS:
         for layout in LAYOUTS:
-            exp = Experiment.build(load(name, layout=layout))
+            exp = Experiment.build(configured(name, layout=layout))
             m = exp.model.cfg
             stream = exp.cfg.train.batch_size // exp.mesh.shape["data"] * m.seq_len * m.embed_dim * 4
             out[name, layout] = exp, exp.compile(), stream
@@ -141,7 +135,7 @@ def test_activation_saving_against_the_formula():
     models/stack.sequence_gather) and kept so. Compile only."""
     saved = {}
     for layout in LAYOUTS:
-        exp = Experiment.build(load("gpt2_tiny_dp2_tp4", layout=layout, **WIDE))
+        exp = Experiment.build(configured("gpt2_tiny_dp2_tp4", layout=layout, **WIDE))
         saved[layout] = (exp.compile().memory_analysis().temp_size_in_bytes, analytic.memory(exp)["activations"])
         assert analytic.sequence_parallel(exp) == (4 if layout == "dp_tp_sp" else 1)
     m = exp.model.cfg
@@ -155,20 +149,20 @@ def test_activation_saving_against_the_formula():
 
 def test_sequence_indivisible():
     """dp_cp on context:4 cuts a sequence into 8 chunks: 8 does not divide 100."""
-    cfg = load("llama_tiny_dp8", **{"mesh.shape": "data:2,context:4", "layout": "dp_cp", "model.seq_len": 100})
+    cfg = configured("llama_tiny_dp8", **{"mesh.shape": "data:2,context:4", "layout": "dp_cp", "model.seq_len": 100})
     (f,) = [f for f in lint.lint(cfg) if f.code == "sequence-indivisible"]
     assert f.severity == "error" and "2 x 4 = 8 equal chunks" in f.what and "model.seq_len=100" in f.what
     assert lint.fix_overrides(f.fix) == [("model.seq_len", "104")]
     config_lib.override(cfg, "model.seq_len", "104")
     assert not [f for f in lint.lint(cfg) if f.code == "sequence-indivisible"]
-    sp_cfg = load("llama_tiny_dp8", **{"mesh.shape": "data:2,tensor:4", "layout": "dp_tp_sp", "model.seq_len": 100})
+    sp_cfg = configured("llama_tiny_dp8", **{"mesh.shape": "data:2,tensor:4", "layout": "dp_tp_sp", "model.seq_len": 100})
     assert not [f for f in lint.lint(sp_cfg) if f.code == "sequence-indivisible"]  # attention sees whole sequences
 
 
 def test_context_on_dcn():
     """context:4 over 2 nodes of a 16-device data:4,context:4 mesh: k and v of every layer
     cross the NICs. 2 x 2 layers x 2 (n-1)/n x [16 rows, 128, 64] float32 a device."""
-    cfg = load("llama_tiny_dp8", **{"mesh.shape": "data:4,context:4", "layout": "dp_cp",
+    cfg = configured("llama_tiny_dp8", **{"mesh.shape": "data:4,context:4", "layout": "dp_cp",
                                     "mesh.dcn": "context:2", "train.batch_size": 64})
     (f,) = [f for f in lint.lint(cfg) if f.code == "context-on-dcn"]
     wire = 2 * 2 * 2 * 3 / 4 * 16 * 128 * 64 * 4

@@ -75,8 +75,15 @@ class Layout:
     def shards(self, name: str, shape, target: str = "activations") -> tuple[int, tuple[str, ...]]:
         """How many pieces a lone logical dim `name` is split into under `target`, and over
         which mesh axes; `shape` maps mesh axes to sizes (a Mesh's `.shape`, or a dict)."""
-        axes = mesh_axes_of(self.spec((name,), target)[0])
-        return math.prod(shape[a] for a in axes), axes
+        return self.split((name,), name, shape, target)
+
+    def split(self, axes: Sequence[str | None], name: str, shape,
+              target: str = "activations") -> tuple[int, tuple[str, ...]]:
+        """As `shards`, for the dim `name` of an array with logical `axes` (the other dims
+        may claim mesh axes first: `length` in [batch, length, heads, head_dim] is what
+        attention splits, in [batch, length, embed] what the residual stream splits)."""
+        mesh_axes = mesh_axes_of(self.spec(axes, target)[list(axes).index(name)])
+        return math.prod(shape[a] for a in mesh_axes), mesh_axes
 
     def describe(self) -> str:
         """The layout in the string grammar (round-trips through `parse`); `grads` only

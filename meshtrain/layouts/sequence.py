@@ -27,7 +27,6 @@ device 1 holds 2 3 4 5; order = [0 1 6 7 2 3 4 5].
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -41,8 +40,7 @@ ATTENTION_AXES = ("batch", "length", "heads", "head_dim")
 
 def split(layout: Layout, shape: Mapping[str, int]) -> tuple[int, tuple[str, ...]]:
     """How many pieces attention's `length` is cut into, and over which mesh axes."""
-    axes = mesh_axes_of(layout.spec(ATTENTION_AXES, "activations")[1])
-    return math.prod(shape[a] for a in axes), axes
+    return layout.split(ATTENTION_AXES, "length", shape)
 
 
 def balanced(t: int, n: int) -> np.ndarray:

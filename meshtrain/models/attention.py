@@ -194,8 +194,16 @@ def _length_split(constrain):
     if mesh is None:
         return None
     spec = constrain.spec(BTHE)
-    axes = () if spec[1] is None else (spec[1],) if isinstance(spec[1], str) else spec[1]
-    return spec if any(mesh.shape[a] > 1 for a in axes) else None
+    return spec if any(mesh.shape[a] > 1 for a in context_attention.mesh_axes(spec[1])) else None
+
+
+def _query_heads(kv_btke: jax.Array, heads: int, constrain) -> jax.Array:
+    """[B, T, K, E] -> [B, T, H, E]: query head h reads kv head h // (H/K). jnp.repeat keeps
+    each group contiguous, so a tensor rank holding a block of query heads needs only its
+    rows of the K heads it was given whole."""
+    group = heads // kv_btke.shape[2]
+    out = jnp.repeat(kv_btke, group, axis=2)
+    return out if constrain is None else constrain(out, BTHE)
 
 
 def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
@@ -205,12 +213,14 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     """-> (out [B, T, H, E], cache).
 
     Without a cache, position i attends to positions <= i of this call, with the chosen
-    `implementation` (already resolved by `choose`: xla, cudnn or pallas; pallas needs
-    K = H). When the layout splits the positions over devices, the rows are in its zigzag
-    order (layouts/sequence.py) and `context` (model.context_attention: allgather or
-    ring) says how the pieces meet (models/context_attention.py; K = H there too). With one, k and v are written at cache positions pos..pos+T-1 and query i
-    (at position pos + i) attends to cache positions <= pos + i; the rest of the cache
-    is masked.
+    `implementation` (already resolved by `choose`: xla, cudnn or pallas), k and v repeated
+    to the H query heads first when K < H. When the layout splits the positions over
+    devices, the rows are in its zigzag order (layouts/sequence.py), `context`
+    (model.context_attention: allgather or ring) says how the pieces meet, and only the K
+    heads travel (models/context_attention.py). With a cache, k and v are written at cache
+    positions pos..pos+T-1 and query i (at position pos + i) attends to cache positions
+    <= pos + i; the rest of the cache is masked, and dot_product_attention groups the H
+    query heads over the K cached ones itself.
     """
     if cache is None:
         split = _length_split(constrain)
@@ -219,6 +229,8 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
             kv_spec = split if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
             return context_attention.attend(q_bthe, k_btke, v_btke, jnp.asarray(order), kind=context,
                                             constrain=constrain, spec=split, kv_spec=kv_spec), None
+        if k_btke.shape[2] < q_bthe.shape[2]:
+            k_btke, v_btke = (_query_heads(a, q_bthe.shape[2], constrain) for a in (k_btke, v_btke))
         if implementation == "pallas":
             return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
         if implementation == "xla":

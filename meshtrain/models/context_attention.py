@@ -54,6 +54,12 @@ def check_kind(kind: str) -> None:
                         f"'Long sequences').")
 
 
+def mesh_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry -> the mesh axes it names (as layouts.rules.mesh_axes_of; the
+    models do not import the layouts)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _scores(q_bqhe, k_bkhe):
     s = jnp.einsum("bqhe,bkhe->bhqk", q_bqhe, k_bkhe, preferred_element_type=jnp.float32)
     return s * jnp.float32(1.0 / np.sqrt(q_bqhe.shape[-1]))
@@ -104,12 +110,13 @@ def _ring(q, k, v, pos_q, *, axes, n, heads):
     shift = [(i, (i + 1) % n) for i in range(n)]
     acc = _block(q, *_query_heads(q, k, v, heads), pos_q[:, None] >= pos_q[None, :])
 
+    # The kv heads travel; each branch repeats them to the query heads once received.
     def early_keys(acc, q, k, v):  # s < i: all 2c queries, the first c keys
+        k, v = _query_heads(q, k, v, heads)
         return _merge(acc, _block(q, k[:, :c], v[:, :c]))
-    # the kv heads travel; each step repeats them to the query heads after receiving them
-    step = lambda branch: lambda acc, q, k, v: branch(acc, q, *_query_heads(q, k, v, heads))  # noqa: E731
 
     def late_queries(acc, q, k, v):  # s > i: the last c queries, all 2c keys
+        k, v = _query_heads(q, k, v, heads)
         o, m, l = acc
         o2, m2, l2 = _merge((o[:, c:], m[..., c:], l[..., c:]), _block(q[:, c:], k, v))
         return (o.at[:, c:].set(o2), m.at[..., c:].set(m2), l.at[..., c:].set(l2))
@@ -117,7 +124,7 @@ def _ring(q, k, v, pos_q, *, axes, n, heads):
     for j in range(1, n):
         k, v = jax.lax.ppermute((k, v), axes, shift)
         source = (me - j) % n
-        acc = jax.lax.cond(source < me, step(early_keys), step(late_queries), acc, q, k, v)
+        acc = jax.lax.cond(source < me, early_keys, late_queries, acc, q, k, v)
     o, _, l = acc
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
 
@@ -130,7 +137,7 @@ def _kv_heads_of(spec: P, kv_spec: P, num_heads: int, num_kv: int, mesh):
     if num_kv == num_heads:
         return None
     group = num_heads // num_kv
-    axes = () if spec[2] is None else (spec[2],) if isinstance(spec[2], str) else tuple(spec[2])
+    axes = mesh_axes(spec[2])
     kv_split = kv_spec[2] is not None
     if kv_split and kv_spec[2] != spec[2]:
         raise UserError(f"Context parallelism with grouped-query attention needs kv_heads split as heads "
@@ -153,7 +160,7 @@ def attend(q_bthe, k_btke, v_btke, positions_t, *, kind: str, constrain, spec: P
     specs under the layout, `constrain.mesh` the mesh."""
     check_kind(kind)
     mesh = constrain.mesh
-    axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
+    axes = mesh_axes(spec[1])
     n = math.prod(mesh.shape[a] for a in axes)
     if spec[3] is not None:
         raise UserError(f"Context parallelism splits heads and positions, not the head width; "

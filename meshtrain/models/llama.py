@@ -162,23 +162,17 @@ class Attention(nnx.Module):
         k = jnp.einsum("btd,dke->btke", x_btd, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt))
         q = constrain(rope(q, positions_t, inv_freq), BTHE)
+        k = rope(k, positions_t, inv_freq)
         if cache is None:
             # All K heads on every tensor rank (kv_heads unsplit; see the module docstring),
             # and their positions as attention sees them: under sequence parallelism
             # `length:tensor` would claim the tensor axis K heads leave free and split k
             # and v by position, only for them to be gathered again for the heads split.
-            k, v = (stack.as_attention_sees(a, constrain, BTKE) for a in (rope(k, positions_t, inv_freq), v))
-            if stack.sequence_order(constrain, x_btd.shape[1]) is None:
-                # Query head h reads kv head h // (H/K); jnp.repeat keeps each group
-                # contiguous, so a rank holding a block of query heads needs only its rows.
-                # (Positions split over devices: the K heads travel between them, and
-                # context attention repeats them on arrival, H/K times fewer bytes.)
-                group = cfg.num_heads // cfg.num_kv_heads
-                k, v = (constrain(jnp.repeat(a, group, axis=2), BTHE) for a in (k, v))
+            # attend repeats them to the query heads (or, positions split, sends the K heads).
+            k, v = (stack.as_attention_sees(a, constrain, BTKE) for a in (k, v))
         else:
-            k, v = constrain(rope(k, positions_t, inv_freq), BTKE), constrain(v, BTKE)
-        # With a cache, attend stores the K heads and dot_product_attention groups the
-        # H query heads over them itself (K < H), so the cache is H/K times smaller.
+            # The cache keeps the K heads: H/K times smaller than a multi-head cache.
+            k, v = constrain(k, BTKE), constrain(v, BTKE)
         o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
                                constrain=constrain, context=self.cfg.context_attention)
         o_bthe = constrain(o_bthe, BTHE)

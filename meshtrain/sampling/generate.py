@@ -27,7 +27,6 @@ L layers, S = P + N cache positions (rounded up: `cache_length`), K key/value he
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -48,9 +47,7 @@ def batch_shards(layout: Layout, mesh: Mesh) -> int:
 def cache_pieces(model: ModelDef, layout: Layout, mesh: Mesh) -> int:
     """How many pieces the layout splits the KV cache's `length` into (1: whole)."""
     axes = model.bind(model.shapes).cache_axes()[0]  # k's axes; v's are the same
-    split = layout.spec(axes, "activations", where="the KV cache")[axes.index("length")]
-    names = () if split is None else (split,) if isinstance(split, str) else split
-    return math.prod(mesh.shape[a] for a in names)
+    return layout.split(axes, "length", mesh.shape)[0]
 
 
 def cache_length(model: ModelDef, layout: Layout, mesh: Mesh, length: int) -> int:
