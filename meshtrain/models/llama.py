@@ -12,8 +12,9 @@ Like models/gpt2.py: parameters carry logical axes, activations are pinned throu
 
 Grouped-query attention under tensor parallelism (docs/layouts.md): K and V have K
 heads, which the presets never split (K may be smaller than the tensor axis). Each
-tensor rank projects all K heads, and they are repeated to the H query heads before
-attention, so attention splits over `heads` exactly like multi-head attention.
+tensor rank projects all K heads, and attention.attend repeats them to the H query heads,
+so attention splits over `heads` exactly like multi-head attention (with the positions
+split over devices, the K heads travel and are repeated on arrival).
 
 Shapes: B batch, T length, D embed, H heads, K kv_heads, E head_dim, F mlp,
 V vocab (padded), L layers, S cache length.
