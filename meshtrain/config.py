@@ -33,6 +33,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         vocab_size=None,     # None: from model.size (synthetic data) or the tokenizer (text)
         # Llama only (None: from model.size): grouped-query KV heads, RoPE base, tied output.
         num_kv_heads=None, rope_theta=None, tie_embeddings=None,
+        # Mixtral only (None: from model.size): experts per block, routed per token, always on.
+        num_experts=None, experts_per_token=None, num_shared_experts=None,
         # Image families only (None: from model.size): input height = width, BatchNorm on/off.
         image_size=None, batch_norm=None,
         vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
@@ -44,6 +46,11 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         # context axis (meshtrain/models/context_attention.py; docs/layouts.md)
         context_attention="allgather",
     )
+    # How a mixture of experts runs (models/moe.py; docs/models.md "Mixtures of experts"):
+    # dispatch dropless | capacity; capacity_factor: an expert's slots per sequence over its
+    # even share k T / X (capacity only; tokens past it are dropped and counted); the
+    # load-balance and router z-loss weights in the training loss.
+    c.moe = dict(dispatch="dropless", capacity_factor=1.25, aux_loss_coef=0.01, z_loss_coef=0.001)
     # dcn: the inter-node factor of each axis, e.g. "data:2" (docs/multihost.md).
     c.mesh = dict(shape=mesh, dcn="")
     c.layout = layout

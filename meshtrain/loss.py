@@ -174,16 +174,24 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
 
 def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: jax.Array | None,
                     run_layers: RunLayers | None, *, constrain: Constrain, layout: Layout, mesh: Mesh,
-                    loss_chunk: int) -> jax.Array:
-    """Mean loss of a bound model on inputs [B, T] against targets [B, T]: over whole
-    logits when the sequence is one chunk or the model has no hidden/project seam."""
+                    loss_chunk: int, train: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(mean loss, statistics {name: []}) of a bound model on inputs [B, T] against targets
+    [B, T]: over whole logits when the sequence is one chunk or the model has no
+    hidden/project seam. A model with auxiliary losses (`hidden_aux`, models/family.py)
+    adds them in training and reports their statistics."""
     chunks = num_chunks(inputs_bt.shape[1], loss_chunk)
     if not has_seam(module):
-        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt)
+        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt), {}
     # hidden's rows are in the layout's storage order (context parallelism reorders them,
     # layouts/sequence.py); the targets are put in the same order, so nothing is re-sorted.
-    h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
+    aux, stats = 0.0, {}
+    if hasattr(module, "hidden_aux"):
+        h_btd, w, aux, stats = module.hidden_aux(inputs_bt, constrain, key, run_layers)
+    else:
+        h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
     targets_bt = stack.stored(targets_bt, constrain)
     if chunks == 1:
-        return cross_entropy(module.project(h_btd, w, constrain), targets_bt)
-    return chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh)
+        ce = cross_entropy(module.project(h_btd, w, constrain), targets_bt)
+    else:
+        ce = chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh)
+    return (ce + aux if train else ce), stats

@@ -130,10 +130,11 @@ class RunLog:
     def __init__(self, workdir: str | None, total_steps: int, tokens_per_step: int,
                  flops_per_step: float, peak_per_device: float | None, num_devices: int,
                  resume_step: int | None = None, trackers: str = "tensorboard,jsonl", unit: str = "tokens",
-                 task_metrics: tuple[str, ...] = ()):
+                 task_metrics: tuple[str, ...] = (), model_metrics: tuple[str, ...] = ()):
         """`tokens_per_step`: throughput units per step, `unit` names them (the task's:
         tokens, images); rows carry `<unit>_per_s` and the step's `task_metrics` (the
-        task's eval_metrics, a classifier's top1 and top5). `resume_step`: the checkpoint this run continues from. Rows the earlier run
+        task's eval_metrics, a classifier's top1 and top5, shown as percentages) and
+        `model_metrics` (the family's statistics, a router's losses). `resume_step`: the checkpoint this run continues from. Rows the earlier run
         logged after it are dropped (this run logs those steps again), so metrics.jsonl
         reads as one run; TensorBoard purges them the same way. `trackers`: train.trackers,
         where the rows go besides the progress lines (meshtrain/trackers.py)."""
@@ -141,7 +142,7 @@ class RunLog:
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
-        self.unit, self.task_metrics = unit, task_metrics
+        self.unit, self.task_metrics, self.model_metrics = unit, task_metrics, model_metrics
         self.flops_per_step = flops_per_step
         self.peak = None if peak_per_device is None else peak_per_device * num_devices
         self.started = time.perf_counter()
@@ -217,7 +218,7 @@ class RunLog:
         log; `skipped` counts the steps skipped for non-finite values so far."""
         per_s = self.tokens_per_step / step_time
         mfu = None if self.peak is None else self.flops_per_step / step_time / self.peak
-        extra = {k: float(metrics[k]) for k in self.task_metrics}
+        extra = {k: float(metrics[k]) for k in self.task_metrics + self.model_metrics}
         row = {"step": step, "loss": float(metrics["loss"]), **extra, "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), f"{self.unit}_per_s": per_s,
                "step_time_s": step_time, "mfu": mfu, "skipped": skipped}
@@ -225,7 +226,8 @@ class RunLog:
         self.last_train = row
         remaining = (self.total - step) * step_time
         mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
-        extra_text = "".join(f" | {k} {100 * v:.1f}%" for k, v in extra.items())
+        extra_text = "".join(f" | {k} {100 * v:.1f}%" if k in self.task_metrics else f" | {k} {v:.4g}"
+                             for k, v in extra.items())
         short = {"tokens": "tok", "images": "img"}.get(self.unit, self.unit)
         self.say(f"step {step:>{len(str(self.total))}}/{self.total} ({100 * step / max(self.total, 1):3.0f}%)"
                  f" | loss {row['loss']:.4f}{extra_text} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f}"

@@ -115,6 +115,11 @@ def abstract_model(cfg: ModelConfig, pipeline: Pipeline | None = None) -> ModelD
 
 def check_pipelinable(fam: Family) -> None:
     """A pipeline cuts the family's stack of identical layers into stages; refuse one without."""
+    if fam.stacked is not None and not fam.pipelines:
+        raise UserError(
+            f"model.name={fam.name!r} cannot be pipelined yet: its layers pass router statistics "
+            f"along with the residual stream, which the pipeline schedules do not carry. Use a "
+            f"layout without a stage axis (e.g. dp_ep, fsdp_ep, dp_ep_tp) and pipeline.microbatches=0.")
     if fam.stacked is None:
         raise UserError(
             f"model.name={fam.name!r} cannot be pipelined: a pipeline stage is one program "

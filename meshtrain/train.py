@@ -167,7 +167,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(m) * units,
                              metrics.peak_flops(jax.devices()[0]), jax.device_count(),
                              resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
-                             task_metrics=exp.task.eval_metrics)
+                             task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
         clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
         clock.add("compile", compile_s)
         info = metrics.run_info(args.config_name, exp, memory, compile_s, source)

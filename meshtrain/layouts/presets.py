@@ -37,6 +37,13 @@ step; x4 bytes in fp32):
            over context                             keys and values over context (all-gather or a
                                                     ring, model.context_attention); the weights'
                                                     gradients are all-reduced over context too
+  *_ep     experts split     as the weights         expert parallelism (GShard): `experts:expert`
+           over expert                              puts each expert's weights on 1/e of the
+                                                    devices; `batch` takes expert after the data
+                                                    axes, so the rest of the model runs data
+                                                    parallel over it; each MoE layer's tokens go
+                                                    to their experts' devices by an all-to-all
+                                                    and back, forward and backward
 The rule order matters: a mesh axis goes to the first rule that claims it.
 
 Pipeline presets (`*_pp*`) add `stage:stage` in front of every table, so the
@@ -80,6 +87,8 @@ _SP = "length:tensor"
 # Context parallelism: every activation split by position over context (attention passes
 # keys and values between the pieces: models/context_attention.py).
 _CP = "length:context"
+# Expert parallelism: the experts over `expert`, whose devices split the batch elsewhere.
+_EP = "experts:expert"
 
 PRESETS = {
     "dp": "batch:data",
@@ -98,6 +107,10 @@ PRESETS = {
     "fsdp_cp": f"batch:data+fsdp;{_CP} | params={_FSDP_PARAMS}",
     "dp_tp_cp": f"batch:data;{_TP};{_CP}",
     "fsdp_tp_cp": f"batch:data+fsdp;{_TP};{_CP} | params={_TP};embed:fsdp;channels:fsdp",
+    "dp_ep": f"batch:data+expert;{_EP}",
+    "fsdp_ep": f"batch:data+fsdp+expert;{_EP} | params={_EP};{_FSDP_PARAMS}",
+    "dp_ep_tp": f"batch:data+expert;{_EP};{_TP}",
+    "fsdp_ep_tp": f"batch:data+fsdp+expert;{_EP};{_TP} | params={_EP};{_TP};embed:fsdp;channels:fsdp",
     "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
     "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
@@ -124,6 +137,10 @@ PRESET_AXES = {
     "fsdp_cp": ({"fsdp", "context"}, {"data", "fsdp", "context"}),
     "dp_tp_cp": ({"context", "tensor"}, {"data", "context", "tensor"}),
     "fsdp_tp_cp": ({"fsdp", "context", "tensor"}, {"data", "fsdp", "context", "tensor"}),
+    "dp_ep": ({"expert"}, {"data", "expert"}),
+    "fsdp_ep": ({"fsdp", "expert"}, {"data", "fsdp", "expert"}),
+    "dp_ep_tp": ({"expert", "tensor"}, {"data", "expert", "tensor"}),
+    "fsdp_ep_tp": ({"fsdp", "expert", "tensor"}, {"data", "fsdp", "expert", "tensor"}),
     "dp_pp": ({"stage"}, {"data", "stage"}), "zero1_pp": ({"stage", "data"}, {"data", "stage"}),
     "zero2_pp": ({"stage", "data"}, {"data", "stage"}),
     "fsdp_pp": ({"stage", "fsdp"}, {"data", "fsdp", "stage"}),

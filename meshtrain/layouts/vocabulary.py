@@ -16,6 +16,9 @@ VOCABULARY = {
     "vocab": "the outputs: token ids (rows of the embedding table, columns of the logits) or a classifier's classes",
     "layers": "the stacked (scanned) layer index",
     "stage": "the pipeline stage index of stacked layers",
+    # Mixtures of experts (models/moe.py; docs/layouts.md "Experts").
+    "experts": "the experts of a mixture-of-experts layer: the stacked dim of its expert weights, "
+               "the router's outputs and the capacity dispatch's per-expert buffers",
     # Image models (models/conv.py, vgg.py, resnet.py; docs/models.md "Image families").
     "height": "rows of an image activation (spatial layouts split it; convs exchange halos)",
     "width": "columns of an image activation",

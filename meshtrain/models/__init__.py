@@ -12,9 +12,11 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import attention, context_attention, family, gpt2, llama, remat, resnet, vgg  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, context_attention, family, gpt2, llama, mixtral, moe, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
 
+# Dimensions that may be 0 (none of them); every other integer dim must be positive.
+ZERO_OK = ("num_shared_experts",)
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.
 COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers",
@@ -40,21 +42,23 @@ def size_dims(m: ml_collections.ConfigDict) -> dict:
 
 
 def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards: int = 1,
-                 dims: dict | None = None, platform: attention.Platform | None = None) -> ModelConfig:
+                 dims: dict | None = None, platform: attention.Platform | None = None,
+                 moe_keys: ml_collections.ConfigDict | None = None) -> ModelConfig:
     """Config keys -> the family's config. `model.size` fills dims; explicit keys win;
     `dims` (a checkpoint's architecture, see init.from) replaces both.
 
     `vocab_size` is the data's vocabulary; the table is padded to a multiple of
     lcm(model.vocab_multiple, vocab_shards) so any layout can split it evenly.
     `model.attention` is resolved for `platform` (default: the running backend); the
-    reason for the choice is `attention_choice(m.attention, cfg)`.
+    reason for the choice is `attention_choice(m.attention, cfg)`. `moe_keys` (the `moe.*`
+    keys) set how a mixture of experts runs, for a family whose config has a `moe` field.
     """
     fam = family.get(m.name)
     dims = dict(size_dims(m) if dims is None else dims)
     dims["vocab_size"] = vocab_size
     for f, v in dims.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise UserError(f"model.{f}={v}: must be a positive integer.")
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f in ZERO_OK else 1):
+            raise UserError(f"model.{f}={v}: must be a {'non-negative' if f in ZERO_OK else 'positive'} integer.")
     for key in ("dtype", "param_dtype"):
         if m[key] not in DTYPES:
             raise UserError(f"model.{key}={m[key]!r}: choose one of {', '.join(DTYPES)}.")
@@ -69,6 +73,8 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
                      dropout=float(m.dropout), dtype=m.dtype, param_dtype=m.param_dtype,
                      remat=m.remat, scan_layers=bool(m.scan_layers),
                      context_attention=m.context_attention)
+    if moe_keys is not None and "moe" in known:
+        cfg = dataclasses.replace(cfg, moe=moe.MoERun(**moe_keys.to_dict()))
     impl, _ = attention_choice(m.attention, cfg, platform)
     cfg = dataclasses.replace(cfg, attention=impl)
     if fam.check is not None:
@@ -97,7 +103,7 @@ def architecture(cfg: ModelConfig) -> dict:
     """The fields that fix the parameters' shapes (what init.from and exports carry)."""
     # seq_len only for a family whose sizes have one: a classifier's is an unused 0.
     shaping = {"num_layers", "vocab_size"} | ({"seq_len"} & set(family_of(cfg).fields()))
-    run_only = {f.name for f in dataclasses.fields(ModelConfig)} - shaping
+    run_only = ({f.name for f in dataclasses.fields(ModelConfig)} - shaping) | set(getattr(cfg, "RUN_FIELDS", ()))
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in run_only}
 
 

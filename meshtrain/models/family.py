@@ -42,6 +42,9 @@ A family gives:
               each keyword is passed only when above 1: the planner's analytic activation
               memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
+  active_params  optional: the parameters one token passes through, where fewer than
+              num_params (a mixture of experts routes each token through k of X experts);
+              FLOPs and MFU count these
   flops_per_token  lm: training FLOPs per token (6 N + attention, llm.c's convention)
   flops_per_example  classify: training FLOPs per image (3 x the forward's 2 x multiply-adds)
   size_keys   logical axis -> the config key that sets its size, for error messages
@@ -50,6 +53,15 @@ A family gives:
               stride, channels, heights, logical names; its name is its params' path
               prefix): the planner's halo formula for spatial layouts (planner/halo.py)
   describe    cfg -> one line, for logs and checkpoint metadata
+  pipelines   False for a family the pipeline schedules cannot run (its layers carry more
+              than the residual stream from one to the next)
+  metrics     names of the scalar statistics its loss reports beside the loss (an lm
+              module with `hidden_aux`, below), logged with every train row
+
+Optional auxiliary losses (models/mixtral.py's routers): an lm module with
+    hidden_aux(tokens, constrain, key, run_layers) -> (h, w, aux_loss [] float32,
+        {name: [] float32} for each of the family's `metrics`)
+has the loss add aux_loss in training (never in evaluation) and report the statistics.
 
 Optional decoding (meshtrain/sample.py, meshtrain/sampling/generate.py): a module with
     init_cache(batch, max_len) -> cache (a pytree of arrays)
@@ -110,6 +122,9 @@ class Family:
     check: Callable[[Any], None] | None = None
     layer_activation_bytes: Callable[..., float] | None = None
     convs: Callable[[Any], list] | None = None
+    active_params: Callable[[Any], int] | None = None
+    pipelines: bool = True
+    metrics: tuple[str, ...] = ()
 
     def fields(self) -> tuple[str, ...]:
         """The dimension fields a size sets (the same for every size of the family)."""

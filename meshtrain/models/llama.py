@@ -222,12 +222,14 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
+    block = Block  # the stacked layer (models/mixtral.py swaps the MLP for experts)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         v, padded, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.embed_dim
         self.embed = stack.vocab_table(rngs, v, padded, d, dt, ("vocab", "embed"))
-        self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
+        self.blocks = self.block(cfg, rngs, stack=cfg.num_layers)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:  # padding columns zero, as the embedding's rows
             self.lm_head = stack.vocab_table(rngs, v, padded, d, dt, ("embed", "vocab"))

@@ -49,3 +49,24 @@ LLAMA_SIZES = {
     # Llama 3 8B (8,030,261,248 params); no RoPE scaling (that came with 3.1).
     "llama3_8b": _llama(32, 32, 8, 4096, 14336, 128_256, 8192, 500_000.0, False),
 }
+
+
+def _mixtral(layers, heads, kv_heads, embed, mlp, vocab, seq_len, experts, k, theta, max_positions,
+             shared=0):
+    """A Llama with `experts` SwiGLU experts of width mlp per block, k per token, and
+    `shared` always-on experts (models/mixtral.py)."""
+    return dict(_llama(layers, heads, kv_heads, embed, mlp, vocab, seq_len, theta, False,
+                       max_positions=max_positions),
+                num_experts=experts, experts_per_token=k, num_shared_experts=shared)
+
+
+MIXTRAL_SIZES = {
+    # Its dense twin of equal active parameters (but the router's D X) is Llama tiny with
+    # model.mlp_dim=256: k experts of width 128 per token.
+    "tiny": _mixtral(2, 4, 2, 64, 128, 256, 128, 4, 2, 10_000.0, None),
+    # Mixtral 8x7B (Jiang et al. 2024: 46.7B parameters, 12.9B active per token), at 4K of
+    # its 32K context.
+    "mixtral_8x7b": _mixtral(32, 32, 8, 4096, 14336, 32_000, 4096, 8, 2, 1_000_000.0, 32_768),
+    # Mixtral 8x22B (141B parameters, 39B active).
+    "mixtral_8x22b": _mixtral(56, 48, 8, 6144, 16384, 32_768, 4096, 8, 2, 1_000_000.0, 65_536),
+}

@@ -2,7 +2,9 @@
 
     batch   tokens [B, T+1] int32 (inputs tokens[:, :-1], targets tokens[:, 1:])
     loss    mean next-token cross entropy in float32 (meshtrain/loss.py: whole, or a chunk
-            of positions at a time with the model's hidden/project seam)
+            of positions at a time with the model's hidden/project seam), plus in training
+            a model's auxiliary losses (a mixture of experts' router losses), whose
+            statistics are the metrics
     unit    tokens: T per row
 """
 
@@ -42,4 +44,4 @@ class LanguageModelling:
     def loss(self, module, tokens, key, run_layers, *, constrain, layout, mesh, loss_chunk, train):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         return loss_lib.next_token_loss(module, inputs, targets, key, run_layers, constrain=constrain,
-                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk), {}
+                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk, train=train)
