@@ -244,7 +244,8 @@ class RunLog:
             self.last_eval["eval_examples"] = int(metrics["count"])
         self._write(dict(self.last_eval))
         self.say(f"eval  step {step} | eval_loss {eval_loss:.4f}"
-                 + "".join(f" | {k} {100 * v:.2f}%" for k, v in extra.items()))
+                 + "".join(f" | {k} {100 * v:.2f}%" if k[len("eval_"):] in self.task_metrics else f" | {k} {v:.4g}"
+                           for k, v in extra.items()))
 
     def _write(self, row: dict) -> None:
         """Adds `time_s`: seconds since this RunLog was made (after the train step's

@@ -1,0 +1,131 @@
+"""Mixtures of experts: the router, the capacity dispatch's slots and drops, the auxiliary
+losses, dropless and capacity dispatch agreeing, and the refusals (models/moe.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain import mesh as mesh_lib
+from meshtrain.errors import UserError
+from meshtrain.experiment import check_config
+from meshtrain.models import mixtral, moe, sizes
+from conftest import configured
+
+
+def tiny(**run) -> mixtral.MixtralConfig:
+    dims = sizes.MIXTRAL_SIZES["tiny"]
+    return mixtral.MixtralConfig(**dims, padded_vocab_size=dims["vocab_size"], moe=moe.MoERun(**run))
+
+
+def test_capacity_slots_fill_first_choices_first_and_count_drops():
+    """Expert 0 is every token's first choice: its 2 slots go to tokens 0 and 1 (first
+    choices beat second choices), the rest of its copies drop and are counted."""
+    top_i = jnp.array([[[0, 1], [0, 2], [0, 1], [1, 0]]])          # [B=1, T=4, k=2]
+    weights = jnp.array([[[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.1]]])
+    dispatch, combine, dropped = moe.capacity_masks(top_i, weights, num_experts=3, slots=2)
+    # Expert 0: tokens 0, 1 (first choices); token 2's first choice and token 3's second drop.
+    np.testing.assert_array_equal(dispatch[0, :, 0], [[1, 0], [0, 1], [0, 0], [0, 0]])
+    # Expert 1: token 3's first choice, then token 0's second; token 2's second drops.
+    np.testing.assert_array_equal(dispatch[0, :, 1], [[0, 1], [0, 0], [0, 0], [1, 0]])
+    np.testing.assert_array_equal(dispatch[0, :, 2], [[0, 0], [1, 0], [0, 0], [0, 0]])
+    assert float(dropped) == 3.0
+    np.testing.assert_allclose(combine[0, 0, 1, 1], 0.4)
+    np.testing.assert_allclose(combine[0, 3, 1, 0], 0.9)
+
+
+def test_capacity_formula():
+    assert moe.capacity(128, 4, 2, 1.25) == 80     # ceil(2 128 1.25 / 4)
+    assert moe.capacity(7, 8, 1, 1.0) == 1
+
+
+def test_load_balance_is_k_when_balanced_and_matches_its_formula():
+    x, k = 4, 2
+    logits = jnp.zeros((1, 8, x))
+    top_i = jnp.array([[[i % x, (i + 1) % x] for i in range(8)]])  # each expert 4 copies of 16
+    balance, z = moe.aux_stats(top_i, logits, jax.nn.softmax(logits, -1))
+    np.testing.assert_allclose(balance, k, rtol=1e-6)
+    np.testing.assert_allclose(z, np.log(x) ** 2, rtol=1e-6)
+    logits = jax.random.normal(jax.random.key(0), (2, 8, x))
+    probs = jax.nn.softmax(logits, -1)
+    top_i = jax.lax.top_k(probs, k)[1]
+    balance, z = moe.aux_stats(top_i, logits, probs)
+    f = np.array([(np.asarray(top_i) == e).sum() for e in range(x)]) / 16
+    np.testing.assert_allclose(balance, x * np.sum(f * np.asarray(probs).mean((0, 1))), rtol=1e-6)
+    lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+    np.testing.assert_allclose(z, (lse ** 2).mean(), rtol=1e-5)
+
+
+def test_router_renormalises_the_top_k():
+    x_btd = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    router = jax.random.normal(jax.random.key(2), (16, 6))
+    top_i, weights, logits, probs = moe.route(x_btd, router, 2)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+    best = np.sort(np.asarray(probs), -1)[..., -2:][..., ::-1]
+    np.testing.assert_allclose(weights, best / best.sum(-1, keepdims=True), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(3), (2, 128), 0, 256)
+
+
+def logits_and_stats(cfg, tokens):
+    model = mixtral.Mixtral(cfg, nnx.Rngs(0))
+    h, w, aux, stats = model.hidden_aux(tokens)
+    return model.project(h, w), aux, stats
+
+
+def test_dropless_equals_capacity_that_drops_nothing(tokens):
+    dropless, aux_d, stats_d = logits_and_stats(tiny(dispatch="dropless"), tokens)
+    capacity, aux_c, stats_c = logits_and_stats(tiny(dispatch="capacity", capacity_factor=2.0), tokens)
+    assert float(stats_c["moe_dropped"]) == 0.0
+    np.testing.assert_allclose(capacity, dropless, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aux_c, aux_d, rtol=1e-6)
+
+
+def test_a_small_capacity_drops_and_changes_the_output(tokens):
+    dropless, _, _ = logits_and_stats(tiny(dispatch="dropless"), tokens)
+    capacity, _, stats = logits_and_stats(tiny(dispatch="capacity", capacity_factor=0.5), tokens)
+    # Half the even share of slots: at least half the copies find no slot.
+    assert float(stats["moe_dropped"]) >= 0.5
+    assert np.abs(np.asarray(capacity) - np.asarray(dropless)).max() > 1e-3
+
+
+def test_aux_loss_is_weighted_by_its_coefficients(tokens):
+    _, aux, stats = logits_and_stats(tiny(aux_loss_coef=0.1, z_loss_coef=0.01), tokens)
+    np.testing.assert_allclose(aux, 0.1 * stats["moe_load_balance"] + 0.01 * stats["moe_z_loss"], rtol=1e-6)
+    assert 2.0 <= float(stats["moe_load_balance"]) < 2.2  # near k at initialisation
+
+
+def test_parameter_counts_match_the_module():
+    for shared in (0, 2):
+        cfg = tiny() if not shared else mixtral.MixtralConfig(
+            **{**sizes.MIXTRAL_SIZES["tiny"], "num_shared_experts": shared}, padded_vocab_size=256)
+        model = mixtral.Mixtral(cfg, nnx.Rngs(0))
+        total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert mixtral.num_params(cfg) == total
+        d, f, x, k, layers = 64, 128, 4, 2, 2
+        assert mixtral.num_params(cfg) - mixtral.active_params(cfg) == layers * (x - k) * 3 * d * f
+
+
+def test_flops_count_active_parameters():
+    cfg = tiny()
+    dense = 6.0 * (mixtral.active_params(cfg) - 256 * 64) + 6.0 * 2 * 64 * 128
+    assert mixtral.flops_per_token(cfg) == dense
+    assert mixtral.flops_per_token(cfg) < 6.0 * mixtral.num_params(cfg)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"moe.dispatch": "sparse"}, "moe.dispatch='sparse' is not a dispatch mode"),
+    ({"moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0: must be > 0"),
+    ({"model.experts_per_token": 5}, "model.experts_per_token=5 with model.num_experts=4"),
+    ({"layout": "dp_pp", "mesh.shape": "stage:2", "pipeline.microbatches": 2}, "cannot be pipelined yet"),
+])
+def test_refusals(overrides, needle):
+    cfg = configured("mixtral_tiny_dp8", **{"mesh.shape": "data:1", **overrides})
+    shape = mesh_lib.parse_shape(cfg.mesh.shape)
+    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+    with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        check_config(cfg, mesh)

@@ -1,0 +1,47 @@
+"""Expert parallelism changes where experts run, never what they compute: Mixtral tiny
+trains 20 float32 steps equal to one device under expert, expert x data x tensor and fsdp
+layouts, dropless and with capacity buffers (which drop per sequence, so a layout never
+changes which tokens drop)."""
+
+import jax
+import numpy as np
+import pytest
+
+from test_context import assert_equal_training, run
+
+CAPACITY = {"moe.dispatch": "capacity", "moe.capacity_factor": 2.0}  # drops nothing here
+DROPPING = {"moe.dispatch": "capacity", "moe.capacity_factor": 1.0}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"dropless": run("mixtral_tiny_dp8", {}, "data:1"),
+            "capacity": run("mixtral_tiny_dp8", CAPACITY, "data:1")}
+
+
+@pytest.mark.parametrize("layout, mesh", [
+    ("dp_ep", "expert:4"),
+    ("dp_ep_tp", "expert:2,data:2,tensor:2"),
+    ("fsdp_ep", "fsdp:2,expert:4"),
+    ("fsdp", "fsdp:8"),
+])
+def test_dropless_matches_one_device(layout, mesh, reference):
+    got = run("mixtral_tiny_dp8", {"layout": layout}, mesh)
+    assert_equal_training(f"dropless {layout} {mesh}", got, reference["dropless"])
+
+
+@pytest.mark.parametrize("layout, mesh", [("dp_ep", "expert:4"), ("dp_ep_tp", "expert:2,data:2,tensor:2")])
+def test_capacity_matches_one_device(layout, mesh, reference):
+    got = run("mixtral_tiny_dp8", {"layout": layout, **CAPACITY}, mesh)
+    assert_equal_training(f"capacity {layout} {mesh}", got, reference["capacity"])
+    # With room for every copy, capacity computes what dropless does.
+    np.testing.assert_allclose(got[0], reference["dropless"][0], rtol=1e-5)
+
+
+def test_dropping_capacity_matches_one_device_and_differs_from_dropless(reference):
+    one = run("mixtral_tiny_dp8", DROPPING, "data:1", steps=5)
+    split = run("mixtral_tiny_dp8", {"layout": "dp_ep", **DROPPING}, "expert:4,data:2", steps=5)
+    rel = np.abs(split[0] - one[0]) / one[0]
+    assert rel.max() < 1e-5, f"dropping capacity: loss differs across layouts, max rel {rel.max():.2e}"
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), split[1], one[1])
+    assert np.abs(one[0] - reference["dropless"][0][:5]).max() > 1e-5  # dropped copies change the loss
