@@ -248,7 +248,7 @@ def test_shipped_configs(name):
 def test_without_a_model_and_unreadable_input():
     cfg = load("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
     assert lint.lint(cfg) == []  # replicated-param needs the parameter shapes
-    assert lint.lint(cfg, {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}, None) == []
+    assert lint.lint(cfg, {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, None) == []
     with pytest.raises(UserError, match="-1"):
         lint.lint(load("gpt2_tiny_dp8", **{"mesh.shape": "data:-1"}))
     with pytest.raises(UserError, match="Unknown layout"):

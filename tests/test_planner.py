@@ -177,8 +177,8 @@ def test_nodes_follow_dcn_or_the_device_order():
     in_order = roofline.node_of_position(mesh, 4, None)
     assert not roofline.crosses_nodes(mesh, ("tensor",), in_order)
     assert roofline.crosses_nodes(mesh, ("data",), in_order)
-    dcn = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
-    hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
+    dcn = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
+    hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
     across = roofline.node_of_position(hybrid, 4, dcn)
     assert roofline.crosses_nodes(hybrid, ("tensor",), across)
     assert not roofline.crosses_nodes(hybrid, ("data",), across)

@@ -3,7 +3,7 @@ compile the few that can win, rank.
 
     python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 --search --devices=32 --hardware=h100
 
-1. Enumerate: every factorisation of N into (data, stage, fsdp, context, tensor), each
+1. Enumerate: every factorisation of N into (data, stage, fsdp, context, expert, tensor), each
    layout preset that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
    by its entry there, and no two candidates are the same program), each remat policy and
    each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
