@@ -234,6 +234,23 @@ def test_unused_axis(name, mesh, idle, fixed):
     assert "unused-axis" not in [g.code for g in run_lint(cfg)]
 
 
+def test_unused_expert_axis():
+    """expert > 1 under a layout that never names it is flagged as any idle axis is; the fix
+    names a preset that uses data and expert when one exists, else asks for rules."""
+    from meshtrain.layouts.presets import PRESET_AXES
+    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4"})
+    f = only(run_lint(cfg), "unused-axis")
+    assert f.severity == "warning" and "has expert=4, which layout 'dp' never names" in f.what
+    assert f.cost.startswith("4x the work per step for the same result: 3 of every 4")
+    fits = [name for name, (needs, may) in PRESET_AXES.items() if needs <= {"data", "expert"} <= may]
+    if fits:
+        assert apply(cfg, f.fix) == [("layout", fits[0])]
+    else:
+        assert f.fix.startswith("no preset uses data:2,expert:4") and "write rules for expert" in f.fix
+    named = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert"})
+    assert "unused-axis" not in [g.code for g in run_lint(named)]
+
+
 KNOWN = {"gpt2_tiny_pp4_dp2": ["pipeline-bubble"]}
 
 

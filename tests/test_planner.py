@@ -340,6 +340,22 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 
 
+def test_search_enumerates_expert_only_for_a_model_with_experts(monkeypatch):
+    """expert > 1 only when model.num_experts > 1; a preset on data+expert (set here as
+    layouts/presets.py's MoE presets would have it) is tried on every such mesh."""
+    from meshtrain.layouts import presets
+    from meshtrain.planner import search
+    monkeypatch.setitem(presets.PRESET_AXES, "dp_ep", ({"expert"}, {"data", "expert"}))
+    dense, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",))
+    moe, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",), num_experts=8)
+    one, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",), num_experts=1)
+    meshes = lambda cands, layout: {tuple((a, n) for a, n in c.mesh if n > 1) for c in cands  # noqa: E731
+                                    if c.layout == layout}
+    assert meshes(dense, "dp_ep") == meshes(one, "dp_ep") == set()
+    assert meshes(moe, "dp_ep") == {(("expert", 8),), (("data", 2), ("expert", 4)), (("data", 4), ("expert", 2))}
+    assert meshes(moe, "dp") == meshes(dense, "dp") == {(("data", 8),)}
+
+
 def test_search_enumerates_zero2_beside_zero1():
     """The search takes its presets from PRESET_AXES: zero2 wherever zero1 goes."""
     from meshtrain.planner import search

@@ -64,7 +64,7 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
          model=None, hw=None) -> list[Finding]:
     """Findings for `cfg` (a locked config), errors first.
 
-    mesh_shape: the resolved {data, stage, fsdp, tensor} sizes (default: cfg.mesh.shape, with no
+    mesh_shape: the resolved size of every axis of mesh.AXES (default: cfg.mesh.shape, with no
     -1); dcn: the inter-node factor of each axis (default: mesh.parse_dcn(cfg.mesh.dcn, shape));
     model: a state.ModelDef (Experiment.model, or validate(...).model) for the checks that need
     parameter shapes; without it the model's dims come from model.size and model.* overrides.
