@@ -9,7 +9,8 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import abstract_mesh, check_config
 
 NAMES = config_lib.available()
-PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "cp": "context", "tp": "tensor", "spatial": "tensor"}
+PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "cp": "context", "ep": "expert", "tp": "tensor",
+             "spatial": "tensor"}
 # The survey's recipe names (issue 25) name the data set and the optimizer; a recipe whose
 # name gives no mesh says its mesh here.
 DATA_WORDS = {"wikitext", "imagenet", "digits"}
