@@ -251,6 +251,22 @@ def test_unused_expert_axis():
     assert "unused-axis" not in [g.code for g in run_lint(named)]
 
 
+def test_expert_on_dcn():
+    """An expert axis across nodes is flagged, with the link ratio, and the fix moves the
+    nodes onto data."""
+    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert",
+                                   "mesh.dcn": "expert:2"})
+    f = only(run_lint(cfg), "expert-on-dcn")
+    assert f.severity == "warning" and "puts the expert axis (expert=4) across 2 nodes" in f.what
+    assert "all-to-alls" in f.what and f.cost.startswith("the all-to-alls go at ~")
+    # 8 devices on 2 nodes of 4; each expert group has 2 devices in a node, so 2 groups share
+    # a node's 8 NICs: 8 x 50 GB/s / 2 = 200 GB/s a group against NVLink's 450 GB/s.
+    assert "~200 GB/s a group" in f.cost and "shared by the 2 expert groups" in f.cost
+    assert "2.2x slower" in f.cost and "H100 SXM and DGX H100 data sheets" in f.cost
+    assert apply(cfg, f.fix) == [("mesh.dcn", "data:2")]
+    assert run_lint(cfg) == []
+
+
 KNOWN = {"gpt2_tiny_pp4_dp2": ["pipeline-bubble"]}
 
 
