@@ -29,9 +29,10 @@ from (a simulated count) is an error.
 Nodes. `mesh.dcn` gives each axis's inter-node (DCN) factor: `parse_dcn` reads and checks
 it, `dcn_warnings` flags tensor, context or expert parallelism across nodes (a run prints
 the linter's findings of the same, planner/lint.py). `granules` says which node each device
-is on (hosts, else processes standing in for nodes, else equal runs of one process's devices), and `nodes_of` maps every device id to its node. `hybrid_grid`
-arranges the devices so that each axis is DCN x ICI, node outermost, with every ICI
-factor inside one node.
+is on (hosts, else processes standing in for nodes, else equal runs of one process's
+devices), and `nodes_of` maps every device id to its node. `hybrid_grid` arranges the
+devices so that each axis is DCN x ICI, node outermost, with every ICI factor inside one
+node.
 
 `make_mesh(shape, devices, dcn, hosts)` builds the `jax.sharding.Mesh`, every axis
 `AxisType.Auto`, on the hybrid grid when there is a DCN factor.
