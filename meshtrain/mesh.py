@@ -1,14 +1,19 @@
-"""The device mesh: five named axes in a fixed order, sized by config, laid over nodes.
+"""The device mesh: six named axes in a fixed order, sized by config, laid over nodes.
 
-Every mesh has the axes `AXES = ("data", "stage", "fsdp", "context", "tensor")`,
-slowest link first, with size 1 where unused, so PartitionSpecs read the same on any
-mesh. `context` (a sequence's positions split over devices, docs/layouts.md "Long
-sequences") sits between fsdp and tensor: every layer's attention passes keys and
-values over it, forward and backward (a ring's permutes or an all-gather), more than
-fsdp's once-per-layer weight gathers at long sequence and less than tensor's blocking
-all-reduces, so it wants a fast link but yields the fastest to tensor.
+Every mesh has the axes
+`AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")`, slowest link first,
+with size 1 where unused, so PartitionSpecs read the same on any mesh. `context` (a
+sequence's positions split over devices, docs/layouts.md "Long sequences") sits after
+fsdp: every layer's attention passes keys and values over it, forward and backward (a
+ring's permutes or an all-gather), more than fsdp's once-per-layer weight gathers at
+long sequence. `expert` (a mixture of experts' experts split over devices) comes next:
+each MoE layer's dispatch and combine all-to-alls move k x tokens x embed elements
+each way (k experts per token), forward and backward, more than context's keys and
+values (grouped-query attention sends kv_heads x head_dim << embed per position). Both
+want a fast link, but neither blocks every matmul as tensor's all-reduces do, so both
+yield the fastest link to tensor.
 
-  parse_shape("data:8,tensor:4")  -> all four axes; one size may be -1
+  parse_shape("data:8,tensor:4")  -> all six axes; one size may be -1
   resolve_shape(shape, n, why=)   fills the -1 from n devices and checks the product;
                                   a mismatch is a UserError that shows the arithmetic
   format_shape, format_factors    the shape back as text (all axes / axes above 1)
@@ -22,11 +27,12 @@ jax.config) or when the backend has already started. A -1 axis with nothing to f
 from (a simulated count) is an error.
 
 Nodes. `mesh.dcn` gives each axis's inter-node (DCN) factor: `parse_dcn` reads and checks
-it, `dcn_warnings` flags tensor parallelism across nodes. `granules` says which node each
-device is on (hosts, else processes standing in for nodes, else equal runs of one
-process's devices), and `nodes_of` maps every device id to its node. `hybrid_grid`
-arranges the devices so that each axis is DCN x ICI, node outermost, with every ICI
-factor inside one node.
+it, `dcn_warnings` flags tensor, context or expert parallelism across nodes (a run prints
+the linter's findings of the same, planner/lint.py). `granules` says which node each device
+is on (hosts, else processes standing in for nodes, else equal runs of one process's
+devices), and `nodes_of` maps every device id to its node. `hybrid_grid` arranges the
+devices so that each axis is DCN x ICI, node outermost, with every ICI factor inside one
+node.
 
 `make_mesh(shape, devices, dcn, hosts)` builds the `jax.sharding.Mesh`, every axis
 `AxisType.Auto`, on the hybrid grid when there is a DCN factor.
@@ -46,11 +52,12 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import UserError
 
-AXES = ("data", "stage", "fsdp", "context", "tensor")
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 
 def parse_shape(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """`"data:8,tensor:4"` -> {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}.
+    """`"data:8,tensor:4"` -> {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1,
+    "tensor": 4}.
 
     At most one axis may be -1 (filled later by `resolve_shape`).
     """
@@ -88,7 +95,7 @@ def parse_shape(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def format_shape(shape: Mapping[str, int]) -> str:
-    """{"data": 8, "stage": 1, ...} -> "data:8,stage:1,fsdp:1,context:1,tensor:4"."""
+    """{"data": 8, "stage": 1, ...} -> "data:8,stage:1,fsdp:1,context:1,expert:1,tensor:4"."""
     return ",".join(f"{a}:{shape[a]}" for a in AXES)
 
 
@@ -220,6 +227,11 @@ def dcn_warnings(dcn: Mapping[str, int] | None) -> list[str]:
         out.append(f"mesh.dcn puts the context axis across {dcn['context']} nodes: context parallelism "
                    f"passes every layer's keys and values between the devices of a sequence, "
                    f"forward and backward. Keep context inside a node and put data (or fsdp) on DCN.")
+    if dcn and dcn["expert"] > 1:
+        out.append(f"mesh.dcn puts the expert axis across {dcn['expert']} nodes: every MoE layer's "
+                   f"dispatch and combine all-to-alls send each token's embedding to its experts and "
+                   f"back, forward and backward, so they would cross nodes. Keep expert inside a node "
+                   f"and put data (or fsdp) on DCN.")
     return out
 
 
@@ -258,9 +270,9 @@ def nodes_of(devices: Sequence[jax.Device], dcn: Mapping[str, int] | None,
 
 def hybrid_grid(shape: Mapping[str, int], dcn: Mapping[str, int], devices: Sequence[jax.Device],
                 hosts: Sequence[str]) -> tuple[np.ndarray, str]:
-    """Devices arranged [data, stage, fsdp, context, tensor] with each axis split DCN x ICI: position
-    k along an axis is node k // ici, device k % ici within the node. Returns (grid, how the
-    nodes were found)."""
+    """Devices arranged as AXES ([data, stage, fsdp, context, expert, tensor]) with each axis split
+    DCN x ICI: position k along an axis is node k // ici, device k % ici within the node. Returns
+    (grid, how the nodes were found)."""
     dcn_sizes = [dcn[a] for a in AXES]
     ici_sizes = [shape[a] // dcn[a] for a in AXES]
     count, per = math.prod(dcn_sizes), math.prod(ici_sizes)

@@ -23,7 +23,7 @@ def test_short_run_writes_run_json_and_metrics(tmp_path):
     assert "ETA" in r.stdout and "tok/s" in r.stdout
     run = json.loads((w / "run.json").read_text())
     assert run["device_count"] == 8 and run["process_count"] == 1
-    assert run["mesh"]["shape"] == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    assert run["mesh"]["shape"] == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
     assert run["num_params"] == 124_672 and run["config"]["layout"] == "dp_tp"
     assert run["data"]["entropy_rate"] > 0 and run["compiled_memory_per_device"]["argument"] > 0
     rows = [json.loads(line) for line in (w / "metrics.jsonl").read_text().splitlines()]
@@ -55,7 +55,7 @@ def test_compile_only_pipelined_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert "Involuntary" not in r.stderr  # no resharding by full replication
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["device_count"] == 32 and run["num_params"] == 354_823_168
-    assert run["mesh"]["shape"] == {"data": 2, "stage": 4, "fsdp": 1, "context": 1, "tensor": 4}
+    assert run["mesh"]["shape"] == {"data": 2, "stage": 4, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
     assert run["pipeline"] == {"stages": 4, "microbatches": 16, "repeats": 1, "ticks": 19,
                                "bubble": 3 / 19}
     # Blocks and wte split 16 ways (stage x tensor), wpe 4 (stage), LayerNorms whole: 22.4M
@@ -80,9 +80,9 @@ def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
 
 @pytest.mark.parametrize("args, env, message", [
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:4"], {"JAX_NUM_CPU_DEVICES": "8"},
-     "needs 4 x 1 x 1 x 1 x 1 = 4 devices, fewer than the 8 available (CPU device count pinned"),
+     "needs 4 x 1 x 1 x 1 x 1 x 1 = 4 devices, fewer than the 8 available (CPU device count pinned"),
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:16"], {"JAX_NUM_CPU_DEVICES": "8"},
-     "needs 16 x 1 x 1 x 1 x 1 = 16 devices, more than the 8 available"),
+     "needs 16 x 1 x 1 x 1 x 1 x 1 = 16 devices, more than the 8 available"),
     (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=tensor:8"], {},
      "model.num_heads = 4 is not divisible by 8"),
     (["--config=gpt2_tiny_dp8", "--config.train.stpes=3"], {}, "Unknown config key 'train.stpes'"),

@@ -103,7 +103,7 @@ def test_zigzag_order_balances_the_causal_work():
 
 def test_an_indivisible_sequence_is_refused_with_the_fix():
     cfg = configured("gpt2_tiny_dp8", **{"layout": "dp_cp", "model.seq_len": 100})
-    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1), ("data", "stage", "fsdp", "context", "tensor"))
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1, 1), ("data", "stage", "fsdp", "context", "expert", "tensor"))
     with pytest.raises(UserError, match=r"seq_len=100 cannot be split over context=4: .* 8 does not divide "
                                         r"100. Use a seq_len divisible by 8"):
         check_config(cfg, mesh)
@@ -114,7 +114,7 @@ def test_an_indivisible_sequence_is_refused_with_the_fix():
 
 def test_an_unknown_context_attention_is_refused_with_the_choices():
     cfg = configured("gpt2_tiny_dp8", **{"layout": "dp_cp", "model.context_attention": "rign"})
-    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1), ("data", "stage", "fsdp", "context", "tensor"))
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 4, 1, 1), ("data", "stage", "fsdp", "context", "expert", "tensor"))
     with pytest.raises(UserError, match=r"model.context_attention='rign' is not a way to attend across a "
                                         r"split sequence. Choose one of: allgather, ring"):
         check_config(cfg, mesh)
@@ -138,7 +138,7 @@ def test_context_attention_refuses_splits_it_cannot_run(layout, mesh, message):
 
 def test_sequence_parallelism_leaves_attention_whole():
     """dp_tp_sp's `length:tensor` splits the residual stream, never attention's positions."""
-    shape = {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    shape = {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
     sp = get("dp_tp_sp")
     assert sp.spec(("batch", "length", "embed"), "activations")[1] == "tensor"
     assert sequence.split(sp, shape) == (1, ())

@@ -56,7 +56,7 @@ def test_workdir_gives_the_runs_last_eval_loss_on_any_mesh(run_dir, capsys):
     assert got["perplexity"] == pytest.approx(math.exp(got["loss"]))
     assert {k: got[k] for k in ("batches", "tokens", "split", "step", "layout")} == {
         "batches": 4, "tokens": 4 * 32 * 128, "split": "validation", "step": 4, "layout": "dp_tp"}
-    assert got["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4} and got["seconds"] > 0
+    assert got["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4} and got["seconds"] > 0
     assert "eval validation [####" in err and "(train.eval_steps)" in err  # the progress bar
 
     # Another mesh and layout: the same params and batches, another program.

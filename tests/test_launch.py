@@ -116,8 +116,8 @@ def test_hybrid_grid_keeps_ici_inside_a_node_and_puts_dcn_outermost():
     hosts = ["a"] * 4 + ["b"] * 4
     shape = mesh.parse_shape("data:4,tensor:4")
     grid, how = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
-    assert how == "2 hosts" and grid.shape == (4, 1, 1, 1, 4)
-    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, 0, :]
+    assert how == "2 hosts" and grid.shape == (4, 1, 1, 1, 1, 4)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, 0, 0, :]
     assert (node[:2] == "a").all() and (node[2:] == "b").all()  # data = node x 2 rows per node
     assert len({d.id for d in grid.flat}) == 16
 
@@ -129,9 +129,36 @@ def test_hybrid_grid_keeps_context_inside_a_node():
     hosts = ["a", "b"]
     shape = mesh.parse_shape("data:2,context:4,tensor:2")
     grid, _ = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
-    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0]  # [data, context, tensor]
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0]  # [data, context, expert, tensor]
     assert (node[0] == "a").all() and (node[1] == "b").all()
     assert "context axis across 2 nodes" in mesh.dcn_warnings(mesh.parse_dcn("context:2", shape))[0]
+
+
+def test_hybrid_grid_keeps_expert_groups_inside_a_node_unless_dcn_splits_them():
+    """data over 2 nodes, expert:4 and tensor:2 inside each: every expert group (the devices
+    along expert at fixed data and tensor, one MoE all-to-all) stays on one host. With
+    mesh.dcn=expert:2 each group spans both hosts, half its experts on each, and that is
+    warned about."""
+    devices = [FakeDevice(i, i // 8) for i in range(16)]
+    hosts = ["a", "b"]
+    shape = mesh.parse_shape("data:2,expert:4,tensor:2")
+    grid, _ = mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, hosts)
+    assert grid.shape == (2, 1, 1, 1, 4, 2)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[:, 0, 0, 0]  # [data, expert, tensor]
+    assert (node[0] == "a").all() and (node[1] == "b").all()
+    assert mesh.dcn_warnings(mesh.parse_dcn("data:2", shape)) == []
+
+    shape = mesh.parse_shape("expert:8,tensor:2")
+    dcn = mesh.parse_dcn("expert:2", shape)
+    grid, _ = mesh.hybrid_grid(shape, dcn, devices, hosts)
+    node = np.vectorize(lambda d: hosts[d.process_index])(grid)[0, 0, 0, 0]  # [expert, tensor]
+    assert (node[:4] == "a").all() and (node[4:] == "b").all()  # expert = node x 4 per node
+    assert len({d.id for d in grid.flat}) == 16
+    (warning,) = mesh.dcn_warnings(dcn)
+    assert warning == (
+        "mesh.dcn puts the expert axis across 2 nodes: every MoE layer's dispatch and combine "
+        "all-to-alls send each token's embedding to its experts and back, forward and backward, "
+        "so they would cross nodes. Keep expert inside a node and put data (or fsdp) on DCN.")
 
 
 def test_processes_stand_in_for_nodes_on_one_host_and_one_process_simulates_them():
@@ -158,7 +185,7 @@ def test_dcn_that_does_not_fit_shows_the_arithmetic(shape, dcn, hosts, message):
 def test_uneven_nodes_are_refused_with_the_ici_arithmetic():
     shape = mesh.parse_shape("data:2,tensor:4")
     devices = [FakeDevice(i, 0 if i < 6 else 1) for i in range(8)]
-    with pytest.raises(UserError, match=r"mesh.dcn=data:2 needs 4 devices in each of 2 nodes \(ICI tensor:4: 1 x 1 x 1 x 1 x 4 = 4\), but the nodes \(2 hosts\) have 2 or 6"):
+    with pytest.raises(UserError, match=r"mesh.dcn=data:2 needs 4 devices in each of 2 nodes \(ICI tensor:4: 1 x 1 x 1 x 1 x 1 x 4 = 4\), but the nodes \(2 hosts\) have 2 or 6"):
         mesh.hybrid_grid(shape, mesh.parse_dcn("data:2", shape), devices, ["a", "b"])
 
 

@@ -52,7 +52,7 @@ def test_describe_round_trips():
 
 @pytest.mark.parametrize("text, words", [
     ("batch:data;embd:fsdp", ["'embd'", "vocabulary", "embed"]),
-    ("batch:dta", ["'dta'", "data, stage, fsdp, context, tensor"]),
+    ("batch:dta", ["'dta'", "data, stage, fsdp, context, expert, tensor"]),
     ("batch;heads:tensor", ["not 'logical:mesh_axis"]),
     ("weights=batch:data", ["'weights'", "params, opt_state, grads, activations"]),
     ("nonsense", ["Unknown layout 'nonsense'", "dp, fsdp, zero1, zero2, tp, dp_tp, fsdp_tp"]),

@@ -234,6 +234,39 @@ def test_unused_axis(name, mesh, idle, fixed):
     assert "unused-axis" not in [g.code for g in run_lint(cfg)]
 
 
+def test_unused_expert_axis():
+    """expert > 1 under a layout that never names it is flagged as any idle axis is; the fix
+    names a preset that uses data and expert when one exists, else asks for rules."""
+    from meshtrain.layouts.presets import PRESET_AXES
+    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4"})
+    f = only(run_lint(cfg), "unused-axis")
+    assert f.severity == "warning" and "has expert=4, which layout 'dp' never names" in f.what
+    assert f.cost.startswith("4x the work per step for the same result: 3 of every 4")
+    fits = [name for name, (needs, may) in PRESET_AXES.items() if needs <= {"data", "expert"} <= may]
+    if fits:
+        assert apply(cfg, f.fix) == [("layout", fits[0])]
+    else:
+        assert f.fix.startswith("no preset uses data:2,expert:4") and "write rules for expert" in f.fix
+    named = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert"})
+    assert "unused-axis" not in [g.code for g in run_lint(named)]
+
+
+def test_expert_on_dcn():
+    """An expert axis across nodes is flagged, with the link ratio, and the fix moves the
+    nodes onto data."""
+    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert",
+                                   "mesh.dcn": "expert:2"})
+    f = only(run_lint(cfg), "expert-on-dcn")
+    assert f.severity == "warning" and "puts the expert axis (expert=4) across 2 nodes" in f.what
+    assert "all-to-alls" in f.what and f.cost.startswith("the all-to-alls go at ~")
+    # 8 devices on 2 nodes of 4; each expert group has 2 devices in a node, so 2 groups share
+    # a node's 8 NICs: 8 x 50 GB/s / 2 = 200 GB/s a group against NVLink's 450 GB/s.
+    assert "~200 GB/s a group" in f.cost and "shared by the 2 expert groups" in f.cost
+    assert "2.2x slower" in f.cost and "H100 SXM and DGX H100 data sheets" in f.cost
+    assert apply(cfg, f.fix) == [("mesh.dcn", "data:2")]
+    assert run_lint(cfg) == []
+
+
 KNOWN = {"gpt2_tiny_pp4_dp2": ["pipeline-bubble"]}
 
 
@@ -248,7 +281,7 @@ def test_shipped_configs(name):
 def test_without_a_model_and_unreadable_input():
     cfg = load("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
     assert lint.lint(cfg) == []  # replicated-param needs the parameter shapes
-    assert lint.lint(cfg, {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}, None) == []
+    assert lint.lint(cfg, {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, None) == []
     with pytest.raises(UserError, match="-1"):
         lint.lint(load("gpt2_tiny_dp8", **{"mesh.shape": "data:-1"}))
     with pytest.raises(UserError, match="Unknown layout"):

@@ -128,8 +128,8 @@ def test_budgets_cpu_devices_share_the_host_and_accelerators_have_their_own():
 
 def test_candidates_move_data_to_fsdp_with_its_dcn_factor(make_config):
     cfg = make_config("gpt2_tiny_dp8")
-    shape = {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1}
-    flags = [f.flags() for f in memory_check.candidates(cfg, shape, {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1})]
+    shape = {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    flags = [f.flags() for f in memory_check.candidates(cfg, shape, {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})]
     assert flags[:3] == ["--config.model.remat=save_dots", "--config.train.grad_accum_steps=2", "--config.layout=zero1"]
     assert "--config.layout=fsdp --config.mesh.shape=fsdp:8 --config.mesh.dcn=fsdp:2" in flags
     assert flags[-2:] == ["--config.train.batch_size=16", "--config.train.batch_size=8"]  # the recipe changes last
@@ -167,7 +167,7 @@ def test_a_gpipe_run_that_does_not_fit_is_offered_1f1b_first(make_config, name, 
     """The 1F1B counterpart keeps 2S-1 microbatches per stage for the same compute: the
     cheapest fix, before any recompute; with stashed inputs alone it comes after save_dots."""
     cfg = make_config(name)
-    shape = {"data": 2, "stage": 4, "fsdp": 1, "context": 1, "tensor": 1}
+    shape = {"data": 2, "stage": 4, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
     flags = [f.flags() for f in memory_check.candidates(cfg, shape, None)]
     assert flags[0] == f"--config.pipeline.schedule={schedule} --config.pipeline.stash=residuals"
     assert flags[1] == "--config.model.remat=save_dots"

@@ -156,7 +156,7 @@ def test_hlo_collectives_count_loop_iterations():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from meshtrain import mesh as mesh_lib
-    mesh = mesh_lib.make_mesh({"data": 8, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1})
+    mesh = mesh_lib.make_mesh({"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
 
     def f(x):  # x [8, 4] sharded over data: each sum over rows is an all-reduce
         def body(c, _):

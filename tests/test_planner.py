@@ -177,8 +177,8 @@ def test_nodes_follow_dcn_or_the_device_order():
     in_order = roofline.node_of_position(mesh, 4, None)
     assert not roofline.crosses_nodes(mesh, ("tensor",), in_order)
     assert roofline.crosses_nodes(mesh, ("data",), in_order)
-    dcn = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
-    hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
+    dcn = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
+    hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
     across = roofline.node_of_position(hybrid, 4, dcn)
     assert roofline.crosses_nodes(hybrid, ("tensor",), across)
     assert not roofline.crosses_nodes(hybrid, ("data",), across)
@@ -338,6 +338,22 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+
+
+def test_search_enumerates_expert_only_for_a_model_with_experts(monkeypatch):
+    """expert > 1 only when model.num_experts > 1; a preset on data+expert (set here as
+    layouts/presets.py's MoE presets would have it) is tried on every such mesh."""
+    from meshtrain.layouts import presets
+    from meshtrain.planner import search
+    monkeypatch.setitem(presets.PRESET_AXES, "dp_ep", ({"expert"}, {"data", "expert"}))
+    dense, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",))
+    moe, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",), num_experts=8)
+    one, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",), num_experts=1)
+    meshes = lambda cands, layout: {tuple((a, n) for a, n in c.mesh if n > 1) for c in cands  # noqa: E731
+                                    if c.layout == layout}
+    assert meshes(dense, "dp_ep") == meshes(one, "dp_ep") == set()
+    assert meshes(moe, "dp_ep") == {(("expert", 8),), (("data", 2), ("expert", 4)), (("data", 4), ("expert", 2))}
+    assert meshes(moe, "dp") == meshes(dense, "dp") == {(("data", 8),)}
 
 
 def test_search_enumerates_zero2_beside_zero1():

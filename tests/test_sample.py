@@ -78,7 +78,7 @@ def test_greedy_with_cache_equals_recompute_on_one_device(tiny):
 
 def test_greedy_with_cache_equals_recompute_under_dp2_tp4(tiny):
     exp = Experiment.build(tiny["cfg"])
-    assert dict(exp.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    assert dict(exp.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
     fn = gen.make_generate(exp.model, exp.layout, exp.mesh, exp.shardings.params, max_new_tokens=N_NEW)
     params = jax.device_put(tiny["params"], exp.shardings.params)
     # 3 samples over data=2: padded to 4 rows, the extra dropped.
@@ -360,7 +360,7 @@ def test_max_len_past_the_positions_is_refused(hf_ckpt, capsys):
     (["--checkpoint={ckpt}", "--workdir={ckpt}"], "Both --workdir and --checkpoint were given"),
     (["--checkpoint={ckpt}/nowhere"], "nowhere' does not exist. Give the --out directory of"),
     (["--checkpoint={ckpt}", "--dtype=int8"], "Argument --dtype: invalid choice: 'int8' (choose from"),
-    (["--checkpoint={ckpt}", "--mesh=data:16"], "needs 16 x 1 x 1 x 1 x 1 = 16 devices, more than the 8"),
+    (["--checkpoint={ckpt}", "--mesh=data:16"], "needs 16 x 1 x 1 x 1 x 1 x 1 = 16 devices, more than the 8"),
     (["--checkpoint={ckpt}", "--layout=nope"], "Unknown layout 'nope'"),
     (["--checkpoint={ckpt}"], "holds no meshtrain checkpoint"),
 ])

@@ -21,6 +21,8 @@ back. The checks, by code:
   context-on-dcn      (warning) mesh.dcn puts the context axis across nodes: every layer passes
                       keys and values over it forward and their gradients backward; cost in
                       bytes per step and the link ratio, as tensor-on-dcn's
+  expert-on-dcn       (warning) mesh.dcn puts the expert axis across nodes: every MoE layer's
+                      all-to-alls (dispatch and combine) cross them; cost: the link ratio
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
   pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
                       activations, and the step does not fit `hw` by the formulas where 1f1b
@@ -64,7 +66,7 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
          model=None, hw=None) -> list[Finding]:
     """Findings for `cfg` (a locked config), errors first.
 
-    mesh_shape: the resolved {data, stage, fsdp, tensor} sizes (default: cfg.mesh.shape, with no
+    mesh_shape: the resolved size of every axis of mesh.AXES (default: cfg.mesh.shape, with no
     -1); dcn: the inter-node factor of each axis (default: mesh.parse_dcn(cfg.mesh.dcn, shape));
     model: a state.ModelDef (Experiment.model, or validate(...).model) for the checks that need
     parameter shapes; without it the model's dims come from model.size and model.* overrides.
@@ -80,7 +82,7 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
     found = [*_batch(run), *_heads(run), *_sequence(run), *unused(run), *replicated(run), *_tensor_on_dcn(run),
-             *_context_on_dcn(run), *_bubble(run), *zero(run), *_pipeline_activations(run)]
+             *_context_on_dcn(run), *_expert_on_dcn(run), *_bubble(run), *zero(run), *_pipeline_activations(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -148,15 +150,16 @@ def _sequence(run: Run) -> list[Finding]:
                     override("model.seq_len", new) + f" (or a smaller {'+'.join(axes)} axis)")]
 
 
-def _ring_share(run: Run, axis: str, f: int) -> tuple[str, float, float]:
+def _ring_share(run: Run, axis: str, f: int, group: str = "ring") -> tuple[str, float, float]:
     """(the ratio text, GB/s a ring gets across nodes, GB/s over the links in a node) for
-    rings along `axis` crossing f nodes: the node's NICs shared by the rings crossing it."""
+    rings along `axis` crossing f nodes: the node's NICs shared by the rings crossing it.
+    `group` names them in the text (an all-to-all's device groups share the NICs alike)."""
     shape, hw = run.shape, run.hw
     per_node = max(shape[axis] // f, 1)
     rings = max(product(shape, AXES) // math.prod(run.dcn.values()) // per_node, 1)
     net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
-    ratio = (f"~{net:,.0f} GB/s a ring ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
-             f"shared by the {rings} {axis} rings crossing it) instead of ~{link:,.0f} GB/s over the links in a "
+    ratio = (f"~{net:,.0f} GB/s a {group} ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
+             f"shared by the {rings} {axis} {group}s crossing it) instead of ~{link:,.0f} GB/s over the links in a "
              f"node: {link / net:.1f}x slower")
     return ratio, net, link
 
@@ -183,17 +186,35 @@ def _context_on_dcn(run: Run) -> list[Finding]:
                 f"heads x head_dim] in {dtype} per layer, (n-1)/n of them arriving on each device, forward "
                 f"and their gradients backward) go at {ratio}, at least {wire / net / 1e6:,.1f} ms instead "
                 f"of {wire / link / 1e6:,.1f} ms per step ({source})")
-    for to in ("data", "fsdp"):
-        if shape[to] % (dcn[to] * f) == 0:
-            fix = override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, "context": 1}))
-            break
-    else:
-        fix = (f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change "
-               f"mesh.shape so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
+    fix = _nodes_to_data(run, "context", f)
     return [Finding("context-on-dcn", "warning",
                     f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the context axis (context={shape['context']}) "
                     f"across {f} nodes: context parallelism passes every layer's keys and values between the "
                     f"devices of a sequence, forward and backward, and should stay inside a node", cost, fix)]
+
+
+def _expert_on_dcn(run: Run) -> list[Finding]:
+    dcn, shape = run.dcn, run.shape
+    if not dcn or dcn["expert"] <= 1 or "expert" not in named_axes(run.layout):
+        return []  # an expert axis no rule names is unused-axis's
+    f = dcn["expert"]
+    ratio, _, _ = _ring_share(run, "expert", f, group="group")
+    return [Finding("expert-on-dcn", "warning",
+                    f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the expert axis (expert={shape['expert']}) "
+                    f"across {f} nodes: every MoE layer's dispatch and combine all-to-alls send each token's "
+                    f"embedding to its experts and back, forward and backward, and should stay inside a node",
+                    f"the all-to-alls go at {ratio} ({run.hw.name}: {run.hw.source})",
+                    _nodes_to_data(run, "expert", f))]
+
+
+def _nodes_to_data(run: Run, axis: str, f: int) -> str:
+    """The fix for `axis` across f nodes: those nodes on data (else fsdp) in mesh.dcn."""
+    dcn, shape = run.dcn, run.shape
+    for to in ("data", "fsdp"):
+        if shape[to] % (dcn[to] * f) == 0:
+            return override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, axis: 1}))
+    return (f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change "
+            f"mesh.shape so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
 
 
 def _tensor_on_dcn(run: Run) -> list[Finding]:
@@ -219,13 +240,7 @@ def _tensor_on_dcn(run: Run) -> list[Finding]:
         cost = (f"about {mib(wire)} per device per step of tensor all-reduces (4 per layer of [rows, "
                 f"seq_len, embed] in {dtype}, 2(t-1)/t on the wire) go at {ratio}, at least "
                 f"{wire / net / 1e6:,.1f} ms instead of {wire / link / 1e6:,.1f} ms per step ({source})")
-    for to in ("data", "fsdp"):
-        if shape[to] % (dcn[to] * f) == 0:
-            fix = override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, "tensor": 1}))
-            break
-    else:
-        fix = (f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change "
-               f"mesh.shape so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
+    fix = _nodes_to_data(run, "tensor", f)
     return [Finding("tensor-on-dcn", "warning",
                     f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the tensor axis (tensor={t}) across {f} "
                     f"nodes: tensor parallelism all-reduces activations in every layer, forward and "

@@ -3,15 +3,16 @@ compile the few that can win, rank.
 
     python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 --search --devices=32 --hardware=h100
 
-1. Enumerate: every factorisation of N into (data, stage, fsdp, context, tensor), each
+1. Enumerate: every factorisation of N into (data, stage, fsdp, context, expert, tensor), each
    layout preset that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
    by its entry there, and no two candidates are the same program), each remat policy and
    each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
    microbatches S, 2S and 4S under each of PIPELINE_SCHEDULES (train.accum_gather="auto"
    resolved as train would on the hardware, planner/accumulation.py); with --nodes=K the
-   inter-node factor K goes on data (or fsdp), never on tensor, context or stage. A
+   inter-node factor K goes on data (or fsdp), never on tensor, expert, context or stage. A
    context axis only for sequences of CONTEXT_MIN_SEQ positions or more (the sequence
-   parallel *_sp presets, which add no axis, always).
+   parallel *_sp presets, which add no axis, always); an expert axis only for a model
+   with experts (model.num_experts > 1).
 2. Drop, counting why: the linter's errors and the config checks (what does not divide),
    then the formulas' memory against the hardware's usable memory (what does not fit).
 3. Predict every survivor's step by the roofline on the formulas alone (no compile), and
@@ -135,12 +136,12 @@ def pipeline_options(stages: int, num_layers: int) -> list[tuple[int, str, int, 
 
 
 def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layouts=None,
-                         remats=REMAT, options: dict | None = None,
-                         seq_len: int | None = None) -> tuple[list[Candidate], collections.Counter]:
+                         remats=REMAT, options: dict | None = None, seq_len: int | None = None,
+                         num_experts: int | None = None) -> tuple[list[Candidate], collections.Counter]:
     """Candidates for `devices`, restricted to the `layouts` presets (default all) and
     `remats` policies, each with every combination of `options` ({key: values}), a context
-    axis only when `seq_len` >= CONTEXT_MIN_SEQ; and the counts of those dropped on sight,
-    by reason."""
+    axis only when `seq_len` >= CONTEXT_MIN_SEQ, an expert axis only when `num_experts` > 1;
+    and the counts of those dropped on sight, by reason."""
     out, dropped = [], collections.Counter()
     extra = [tuple(zip(options, values)) for values in itertools.product(*options.values())] if options else [()]
     remats = [(r, o) for r in remats for o in extra]
@@ -149,6 +150,8 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
         used = {a for a, n in shape.items() if n > 1}
         if "context" in used and (seq_len or 0) < CONTEXT_MIN_SEQ:
             continue  # not counted as dropped: never a candidate (module docstring)
+        if "expert" in used and (num_experts or 0) <= 1:
+            continue  # a dense model has no experts to split: expert would only repeat the work
         for layout, (required, allowed) in presets.PRESET_AXES.items():
             if (layouts and layout not in layouts) or not (required <= used <= allowed):
                 continue
@@ -231,7 +234,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     dims = models.size_dims(resolve(cfg, inputs.init).model)
     options = {k: v for k, v in SEARCHED.items() if k in config_lib.keys(cfg)}
     candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats, options,
-                                               dims.get("seq_len"))
+                                               dims.get("seq_len"), dims.get("num_experts"))
     say(f"search: {len(candidates)} candidates for {devices} devices"
         + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); predicting each by the formulas")
     feasible = _check(name, overrides, candidates, inputs, hw, dropped)
