@@ -48,12 +48,14 @@ def main() -> None:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         results.append((label, *last_rows(workdir / "metrics.jsonl")))
     print(f"\n{args.steps} steps on the synthetic data (best possible loss: the data's entropy rate)\n")
-    print("| run | train loss | eval loss | load balance | z-loss | dropped | ms/step |")
+    print("A train row's loss includes the router's auxiliary loss; `train CE` leaves it out.\n")
+    print("| run | train CE | eval loss | load balance | z-loss | dropped | ms/step |")
     print("|---|---|---|---|---|---|---|")
     for label, train, ev in results:
         moe = [train.get(k) for k in ("moe_load_balance", "moe_z_loss", "moe_dropped")]
         cells = ["" if v is None else f"{v:.4g}" for v in moe]
-        print(f"| {label} | {train['loss']:.4f} | {ev.get('eval_loss', float('nan')):.4f} | "
+        ce = train["loss"] - train.get("moe_aux_loss", 0.0)
+        print(f"| {label} | {ce:.4f} | {ev.get('eval_loss', float('nan')):.4f} | "
               f"{' | '.join(cells)} | {1e3 * train['step_time_s']:.1f} |")
 
 

@@ -88,6 +88,8 @@ _SP = "length:tensor"
 # keys and values between the pieces: models/context_attention.py).
 _CP = "length:context"
 # Expert parallelism: the experts over `expert`, whose devices split the batch elsewhere.
+# `experts` comes first, so an array with both dims (capacity dispatch's buffers [X, B, C,
+# D]) puts expert on its experts; its batch then falls to the next rule without expert.
 _EP = "experts:expert"
 
 PRESETS = {
@@ -107,10 +109,10 @@ PRESETS = {
     "fsdp_cp": f"batch:data+fsdp;{_CP} | params={_FSDP_PARAMS}",
     "dp_tp_cp": f"batch:data;{_TP};{_CP}",
     "fsdp_tp_cp": f"batch:data+fsdp;{_TP};{_CP} | params={_TP};embed:fsdp;channels:fsdp",
-    "dp_ep": f"batch:data+expert;{_EP}",
-    "fsdp_ep": f"batch:data+fsdp+expert;{_EP} | params={_EP};{_FSDP_PARAMS}",
-    "dp_ep_tp": f"batch:data+expert;{_EP};{_TP}",
-    "fsdp_ep_tp": f"batch:data+fsdp+expert;{_EP};{_TP} | params={_EP};{_TP};embed:fsdp;channels:fsdp",
+    "dp_ep": f"{_EP};batch:data+expert;batch:data",
+    "fsdp_ep": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp | params={_EP};{_FSDP_PARAMS}",
+    "dp_ep_tp": f"{_EP};batch:data+expert;batch:data;{_TP}",
+    "fsdp_ep_tp": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp;{_TP} | params={_EP};{_TP};embed:fsdp;channels:fsdp",
     "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
     "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"

@@ -100,7 +100,8 @@ class Mixtral(llama.Llama):
     def hidden_aux(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
                    key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """As `hidden`, plus the router's auxiliary loss [] (weighted by moe.*_coef) and
-        its statistics {moe_load_balance, moe_z_loss, moe_dropped: []}, means over layers."""
+        its statistics {moe_load_balance, moe_z_loss, moe_dropped: [] means over layers,
+        moe_aux_loss: [] the loss added, which a train row's loss includes}."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         x_btd = self.embed_tokens(tokens_bt, constrain, keys[0])
@@ -109,7 +110,8 @@ class Mixtral(llama.Llama):
                                         num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
         stats = stats / cfg.num_layers
         aux = cfg.moe.aux_loss_coef * stats[0] + cfg.moe.z_loss_coef * stats[1]
-        return (*self.head(x_btd, constrain), aux, {f"moe_{n}": s for n, s in zip(moe.STATS, stats)})
+        metrics = {f"moe_{n}": s for n, s in zip(moe.STATS, stats)}
+        return (*self.head(x_btd, constrain), aux, {**metrics, "moe_aux_loss": aux})
 
     def hidden(self, tokens_bt, constrain=no_constraint, key=None, run_layers=None):
         h_btd, w, _, _ = self.hidden_aux(tokens_bt, constrain, key, run_layers)
@@ -161,5 +163,5 @@ FAMILY = family.register(family.Family(
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",
                "mlp": "model.mlp_dim", "experts": "model.num_experts"},
-    describe=_describe, check=_check, metrics=tuple(f"moe_{n}" for n in moe.STATS),
+    describe=_describe, check=_check, metrics=(*(f"moe_{n}" for n in moe.STATS), "moe_aux_loss"),
 ))

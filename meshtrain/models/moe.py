@@ -44,6 +44,9 @@ from meshtrain.models.stack import Constrain, param
 DISPATCH = ("dropless", "capacity")
 # The per-layer statistics a MoE layer adds to the scan's carry, in this order.
 STATS = ("load_balance", "z_loss", "dropped")
+# Capacity buffers [X, B, C, D] where the tokens are, and where their experts are.
+AT_TOKENS = (None, "batch", None, "embed")
+AT_EXPERTS = ("experts", "batch", None, "embed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,8 +163,11 @@ class MoE(nnx.Module):
         dt = x_btd.dtype
         slots = capacity(x_btd.shape[1], self.num_experts, self.k, self.run.capacity_factor)
         dispatch, combine, dropped = capacity_masks(top_i, weights, self.num_experts, slots)
-        buffers = jnp.einsum("btxc,btd->xbcd", dispatch.astype(dt), x_btd)
-        buffers = constrain(buffers, ("experts", "batch", None, "embed"))
+        # Each buffer is made where its tokens are (experts whole, rows split as the batch),
+        # then moved to its expert's devices: pinning both ends makes the move one
+        # all-to-all, where GSPMD left to itself all-gathers the tokens instead.
+        buffers = constrain(jnp.einsum("btxc,btd->xbcd", dispatch.astype(dt), x_btd), AT_TOKENS)
+        buffers = constrain(buffers, AT_EXPERTS)
         out = swiglu_experts(buffers, self.w_gate[...], self.w_up[...], self.w_down[...], constrain)
-        out = constrain(out, ("experts", "batch", None, "embed"))
+        out = constrain(constrain(out, AT_EXPERTS), AT_TOKENS)
         return jnp.einsum("btxc,xbcd->btd", combine.astype(dt), out), dropped
