@@ -16,7 +16,7 @@ from meshtrain import convert, sample  # noqa: E402
 from meshtrain.checkpoints import init_from  # noqa: E402
 from meshtrain.errors import UserError  # noqa: E402
 from meshtrain.models import mixtral, sizes  # noqa: E402
-from test_convert import (TOKENS, assert_bitwise_equal, assert_logits_match, finetune_config,  # noqa: E402
+from test_convert import (LAYOUTS, TOKENS, assert_bitwise_equal, assert_logits_match, finetune_config,  # noqa: E402
                           first_loss, meshtrain_logits, quiet, safetensors_of)
 from test_sample import _samples  # noqa: E402
 
@@ -86,11 +86,12 @@ def test_converts_with_transformers_logits_and_exports_bitwise(per_expert, tmp_p
     assert config_of(tmp_path / "out") == config_of(hf)
 
 
-def test_finetuning_starts_at_the_hf_loss(per_expert):
+@pytest.mark.parametrize("layout", ["dp8", "dp2_tp4"])
+def test_finetuning_starts_at_the_hf_loss(per_expert, layout):
     """init.from: the first training loss is transformers' cross entropy (router losses off,
     dropless, so that nothing but the language-model loss is compared)."""
     hf, ckpt = per_expert
-    src, cfg = finetune_config(ckpt, "data:8", "dp", seq_len=32)
+    src, cfg = finetune_config(ckpt, *LAYOUTS[layout], seq_len=32)
     cfg.moe.update(aux_loss_coef=0.0, z_loss_coef=0.0)
     loss, batch = first_loss(src, cfg)
     ref = hf_models.loss(hf, batch)
