@@ -4,9 +4,9 @@
     meshtrain convert to_hf --workdir=W [--step=N] --out=HF_DIR [--dtype=bfloat16]
 
 from_hf reads config.json and the safetensors weights (one file or shards) of a
-GPT2LMHeadModel or LlamaForCausalLM directory, one tensor at a time, and writes CKPT: a
-meshtrain checkpoint (init_from.py describes it) in the weights' own dtype, with the
-tokenizer files beside it. Train from it with `--config.init.from=CKPT`.
+GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM directory, one tensor at a time,
+and writes CKPT: a meshtrain checkpoint (init_from.py describes it) in the weights' own
+dtype, with the tokenizer files beside it. Train from it with `--config.init.from=CKPT`.
 
 to_hf reads a training workdir (or checkpoint directory, or a converted CKPT), one
 params leaf at a time, and writes safetensors shards, config.json and
@@ -41,10 +41,12 @@ def parser():
     p = cli.command_parser("meshtrain convert", __doc__)
     commands = p.add_subparsers(dest="command", metavar="{from_hf,to_hf}",
                                 title="commands (`meshtrain convert COMMAND --help` for its flags)")
-    hf_in = commands.add_parser("from_hf", help="a Hugging Face GPT-2 or Llama directory -> a meshtrain checkpoint",
-                                description="Read config.json and the safetensors weights of a GPT2LMHeadModel "
-                                            "or LlamaForCausalLM directory, one tensor at a time, and write a "
-                                            "checkpoint to fine-tune (--config.init.from=CKPT), evaluate or sample.")
+    hf_in = commands.add_parser("from_hf",
+                                help="a Hugging Face GPT-2, Llama or Mixtral directory -> a meshtrain checkpoint",
+                                description="Read config.json and the safetensors weights of a GPT2LMHeadModel, "
+                                            "LlamaForCausalLM or MixtralForCausalLM directory, one tensor at a "
+                                            "time, and write a checkpoint to fine-tune "
+                                            "(--config.init.from=CKPT), evaluate or sample.")
     hf_in.add_argument("--model", required=True, metavar="HF_DIR", help="the Hugging Face model directory")
     hf_in.add_argument("--out", required=True, metavar="CKPT", help="a new directory for the checkpoint")
     hf_out = commands.add_parser("to_hf", help="a run or a checkpoint -> a directory transformers loads",
@@ -83,7 +85,7 @@ def from_hf(model_dir: str, out: str, say=print) -> None:
 
 
 def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) -> None:
-    from meshtrain import state as state_lib, tree_paths
+    from meshtrain import hf, state as state_lib, tree_paths
     from meshtrain.checkpoints import init_from, reading
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
@@ -95,13 +97,13 @@ def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) ->
     try:
         names = reader.keys()
         layers = arch["num_layers"]
-        table = conv.table(arch, conv.prefix(names))
+        table = hf.import_table(conv, arch, names)
         tensors.check_names(table, layers, names, conv.ignored_for(arch), str(model_dir), conv.SUPPORTED)
         model_cfg = init_from.config_of(conv.FAMILY, arch)
         model = state_lib.abstract_model(model_cfg)
         shapes = {k: v.shape for k, v in tree_paths.flat(model.shapes).items()}
         assert set(shapes) == {t.ours for t in table}, (sorted(shapes), [t.ours for t in table])
-        total = sum(reader.nbytes(n) for t in table for n in t.names(layers))
+        total = sum(reader.nbytes(n) for n in {n for t in table for n in t.names(layers)})
         say(f"from_hf: {model_dir} ({conv.ARCHITECTURE}) -> {out}")
         say(f"  {model.family.describe(model_cfg)}; {total / 2**30:.2f} GiB of weights, all held "
             f"in memory until written")

@@ -11,11 +11,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _save(model, directory: Path, dtype, shard_size: str | None) -> Path:
+def _save(model, directory: Path, dtype, shard_size: str | None, **kwargs) -> Path:
     import torch
     directory.mkdir(parents=True, exist_ok=True)
     model = model.to(dtype) if dtype is not None else model
-    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    kwargs.update({"max_shard_size": shard_size} if shard_size else {})
     with torch.no_grad():
         model.save_pretrained(directory, **kwargs)
     return directory
@@ -47,6 +47,28 @@ def llama(directory: Path, *, seed: int = 0, dtype=None, shard_size: str | None 
     model = LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
     _randomize(model)
     return _save(model, directory, dtype, shard_size)
+
+
+def mixtral(directory: Path, *, seed: int = 0, dtype=None, shard_size: str | None = None,
+            fused: bool = False, router_scale: float = 20.0, **overrides) -> Path:
+    """MixtralForCausalLM: 2 layers, 4 heads over 2 kv heads, embed 64, 4 experts of mlp
+    128, top-2, vocab 300. Saved as save_pretrained does by default (Mistral's names, one
+    tensor per expert) or, `fused`, with transformers 5's in-memory names. The router's
+    weights are scaled by `router_scale`: far from uniform routing, top-k is decided by
+    the weights, and a router read wrongly changes the logits more."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+               max_position_embeddings=64, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2)
+    model = MixtralForCausalLM(MixtralConfig(**{**cfg, **overrides}))
+    _randomize(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(router_scale)
+    return _save(model, directory, dtype, shard_size, **({"save_original_format": False} if fused else {}))
 
 
 def _randomize(model) -> None:

@@ -3,7 +3,8 @@
 One module per family, each with the same parts: FAMILY, MODEL_TYPE, ARCHITECTURE,
 SUPPORTED (one sentence for error messages), `architecture(config.json, where)`,
 `table(arch, prefix)` (the tensors, see hf/tensors.py), `prefix(names)`,
-`ignored_for(arch)` and `hf_config(arch, base, dtype, special)`. `python -m
+`ignored_for(arch)` and `hf_config(arch, base, dtype, special)`; a family whose files
+come in more than one layout adds `import_table(arch, names)` (hf/mixtral.py). `python -m
 meshtrain.convert` drives them; docs/huggingface.md describes the formats.
 """
 
@@ -14,9 +15,9 @@ from pathlib import Path
 from types import ModuleType
 
 from meshtrain.errors import UserError
-from meshtrain.hf import gpt2, llama
+from meshtrain.hf import gpt2, llama, mixtral
 
-CONVERTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, llama)}
+CONVERTERS: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (gpt2, llama, mixtral)}
 
 
 def supported() -> str:
@@ -57,6 +58,13 @@ def converter_for(config: dict, where: str) -> ModuleType:
                         f"causal-LM head is converted (a base model or another head has other "
                         f"or missing weights). Supported: {supported()}.")
     return conv
+
+
+def import_table(conv: ModuleType, arch: dict, names) -> list:
+    """The tensors to read from a file holding `names`: the converter's choice among the
+    layouts it reads, else its table under the file's prefix."""
+    own = getattr(conv, "import_table", None)
+    return own(arch, names) if own else conv.table(arch, conv.prefix(names))
 
 
 def converter_of_family(family: str) -> ModuleType:

@@ -58,11 +58,12 @@ def rope_settings(config: dict, refuse) -> tuple[float, dict | None]:
     return float(theta if theta is not None else 10_000.0), out
 
 
-def architecture(config: dict, where: str) -> dict:
+def architecture(config: dict, where: str, family: str = FAMILY, supported: str = SUPPORTED) -> dict:
     """config.json -> the meshtrain llama fields that fix its shapes (and its RoPE); a
-    UserError for settings meshtrain's Llama does not implement."""
+    UserError for settings meshtrain's Llama does not implement. `family` and `supported`
+    name the model in messages (hf/mixtral.py reads its attention with this)."""
     def refuse(what: str):
-        raise UserError(f"{where}: {what}, which meshtrain's llama does not implement. {SUPPORTED}")
+        raise UserError(f"{where}: {what}, which meshtrain's {family} does not implement. {supported}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         refuse(f"hidden_act is {act!r}")
@@ -73,7 +74,7 @@ def architecture(config: dict, where: str) -> dict:
         d, h = int(config["hidden_size"]), int(config["num_attention_heads"])
         layers, mlp, vocab = int(config["num_hidden_layers"]), int(config["intermediate_size"]), int(config["vocab_size"])
     except KeyError as e:
-        raise UserError(f"{where} lacks {e.args[0]!r}, which every Llama config.json has. "
+        raise UserError(f"{where} lacks {e.args[0]!r}, which every {family} config.json has. "
                         f"Re-save the model with save_pretrained.") from None
     if d % h:
         refuse(f"hidden_size={d} is not divisible by num_attention_heads={h}")

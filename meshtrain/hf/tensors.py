@@ -1,14 +1,18 @@
 """Moving weights between Hugging Face's per-layer tensors and meshtrain's stacked leaves.
 
-A family's converter (hf/gpt2.py, hf/llama.py) lists its weights as `Tensor`s: the
-meshtrain leaf path, the Hugging Face name (with `{i}` for the layer of a stacked
-leaf) and the two reshapes/transposes between them. `import_params` and
+A family's converter (hf/gpt2.py, hf/llama.py, hf/mixtral.py) lists its weights as
+`Tensor`s: the meshtrain leaf path, the Hugging Face name (with `{i}` for the layer of
+a stacked leaf, and `{x}` for the expert of a leaf stacked [L, X, ...] from one tensor
+per expert) and the two reshapes/transposes between them. `import_params` and
 `export_params` walk that table one source tensor at a time:
 
   import: for each leaf, one [L, ...] output array; layer i's HF tensor is read,
-          transformed and copied into row i, then dropped.
+          transformed and copied into row i (row [i, x] for expert x), then dropped.
   export: for each leaf, the stacked array is read; row i is transformed and handed
           to the safetensors writer (which writes a shard once it is full).
+
+Two entries may read the same HF tensor (Mixtral's fused gate_up_proj holds two of our
+leaves); such a table is for import only.
 """
 
 from __future__ import annotations
@@ -32,16 +36,26 @@ def same(x: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     ours: str              # leaf path in the params dict, "blocks/attn/wq"
-    hf: str                # Hugging Face name; "{i}" is the layer of a stacked leaf
-    to_ours: Transform = same  # one HF tensor -> one layer (or the whole leaf) of ours
+    hf: str                # Hugging Face name; "{i}" is the layer of a stacked leaf, "{x}" the expert
+    to_ours: Transform = same  # one HF tensor -> one row (layer, or layer and expert) of ours
     to_hf: Transform = same    # the inverse
+    experts: int = 0           # how many values "{x}" takes
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
 
+    def rows(self, num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, the index of its row in our leaf) for each tensor of this entry:
+        () for an unstacked leaf, (i,) per layer, (i, x) per layer and expert."""
+        if not self.stacked:
+            return [(self.hf, ())]
+        if "{x}" in self.hf:
+            return [(self.hf.format(i=i, x=x), (i, x)) for i in range(num_layers) for x in range(self.experts)]
+        return [(self.hf.format(i=i), (i,)) for i in range(num_layers)]
+
     def names(self, num_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
+        return [name for name, _ in self.rows(num_layers)]
 
 
 class Progress:
@@ -94,14 +108,15 @@ def import_params(table: list[Tensor], num_layers: int, get: Callable[[str], np.
     progress = Progress(sum(nbytes(n) for t in table for n in t.names(num_layers)), say)
     out = {}
     for t in table:
-        names = t.names(num_layers)
+        rows = t.rows(num_layers)
+        names = [name for name, _ in rows]
         want = tuple(shapes[t.ours])
         leaf = None
-        for i, name in enumerate(names):
+        for name, index in rows:
             x = get(name)
             try:
                 y = t.to_ours(x)
-                got = (len(names), *y.shape) if t.stacked else y.shape
+                got = (*want[:len(index)], *y.shape)
             except ValueError:  # a reshape that does not fit
                 y, got = None, "something else"
             if got != want:
@@ -119,7 +134,7 @@ def import_params(table: list[Tensor], num_layers: int, get: Callable[[str], np.
                 raise UserError(f"Tensor {name} is {y.dtype.name} but layer 0's is "
                                 f"{leaf.dtype.name}; mixed dtypes within a layer stack are not "
                                 f"supported. Re-save the model in one dtype.")
-            leaf[i] = y
+            leaf[index] = y
         x = y = None  # before the next leaf's first read: one source tensor at a time
         out[t.ours] = leaf
         progress.leaf(t.ours, leaf, sum(nbytes(n) for n in names))
@@ -133,16 +148,15 @@ def export_params(table: list[Tensor], num_layers: int, read_leaf: Callable[[str
     progress = Progress(total_bytes, say)
     for t in table:
         leaf = read_leaf(t.ours)
-        rows = [leaf[i] for i in range(num_layers)] if t.stacked else [leaf]
         nbytes = 0
-        for name, row in zip(t.names(num_layers), rows):
-            y = t.to_hf(row)
+        for name, index in t.rows(num_layers):
+            y = t.to_hf(leaf[index])
             if dtype is not None:
                 y = y.astype(dtype)
             nbytes += y.nbytes
             add(name, y)
         progress.leaf(t.ours, leaf, nbytes)
-        del leaf, rows
+        del leaf
 
 
 def nbytes_of(shape, dtype) -> int:
