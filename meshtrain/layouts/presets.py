@@ -91,6 +91,10 @@ _CP = "length:context"
 # `experts` comes first, so an array with both dims (capacity dispatch's buffers [X, B, C,
 # D]) puts expert on its experts; its batch then falls to the next rule without expert.
 _EP = "experts:expert"
+# Under fsdp, the dense weights (attention, norms, tables) split by embed over fsdp and
+# expert, whose devices run them data parallel: ZeRO-3 over both. An expert weight, its
+# expert axis taken by `experts`, falls to the next rule, embed over fsdp alone.
+_EP_FSDP = "embed:fsdp+expert"
 
 PRESETS = {
     "dp": "batch:data",
@@ -110,9 +114,9 @@ PRESETS = {
     "dp_tp_cp": f"batch:data;{_TP};{_CP}",
     "fsdp_tp_cp": f"batch:data+fsdp;{_TP};{_CP} | params={_TP};embed:fsdp;channels:fsdp",
     "dp_ep": f"{_EP};batch:data+expert;batch:data",
-    "fsdp_ep": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp | params={_EP};{_FSDP_PARAMS}",
+    "fsdp_ep": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp | params={_EP};{_EP_FSDP};{_FSDP_PARAMS}",
     "dp_ep_tp": f"{_EP};batch:data+expert;batch:data;{_TP}",
-    "fsdp_ep_tp": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp;{_TP} | params={_EP};{_TP};embed:fsdp;channels:fsdp",
+    "fsdp_ep_tp": f"{_EP};batch:data+fsdp+expert;batch:data+fsdp;{_TP} | params={_EP};{_TP};{_EP_FSDP};embed:fsdp;channels:fsdp",
     "dp_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}",
     "fsdp_pp": f"stage:stage;batch:data+fsdp+stage | params=stage:stage;{_EMBED_PP};{_FSDP_PARAMS}",
     "zero1_pp": f"stage:stage;batch:data+stage | params=stage:stage;{_EMBED_PP}"
