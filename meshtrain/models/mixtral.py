@@ -120,9 +120,12 @@ class Mixtral(llama.Llama):
 
 def activations(cfg: MixtralConfig, b: int):
     """(what, shape, logical axes) of every activation the forward pass constrains: Llama's
-    (the dense MLP's hidden is the shared experts') and the capacity dispatch's buffers."""
+    but its MLP's hidden, the shared experts' hidden, and the capacity dispatch's buffers."""
     t, d, x, k = cfg.seq_len, cfg.embed_dim, cfg.num_experts, cfg.experts_per_token
-    dense = [a for a in llama.activations(cfg, b) if a[0] != "mlp hidden" or cfg.num_shared_experts]
+    dense = [a for a in llama.activations(cfg, b) if a[0] != "mlp hidden"]
+    if cfg.num_shared_experts:
+        dense.append(("shared experts' hidden", (b, t, cfg.num_shared_experts * cfg.mlp_dim),
+                      ("batch", "length", "mlp")))
     if cfg.moe.dispatch != "capacity":
         return dense
     c = moe.capacity(t, x, k, cfg.moe.capacity_factor)
@@ -160,8 +163,6 @@ FAMILY = family.register(family.Family(
     name="mixtral", config=MixtralConfig, module=Mixtral, sizes=sizes.MIXTRAL_SIZES,
     activations=activations, num_params=num_params, active_params=active_params,
     flops_per_token=flops_per_token, pipelines=False,
-    size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
-               "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",
-               "mlp": "model.mlp_dim", "experts": "model.num_experts"},
+    size_keys={**llama.FAMILY.size_keys, "experts": "model.num_experts"},
     describe=_describe, check=_check, metrics=(*(f"moe_{n}" for n in moe.STATS), "moe_aux_loss"),
 ))
