@@ -27,28 +27,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import family, sizes, stack
 from meshtrain.models.attention import Cache, attend
+from meshtrain.models.rope import RopeScaling, inverse_frequencies, rope
 from meshtrain.models.stack import Constrain, RunLayers, dropout as _dropout, no_constraint, param
 
 BTHE = ("batch", "length", "heads", "head_dim")
 BTKE = ("batch", "length", "kv_heads", "head_dim")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """Llama 3.1's frequency scaling ("rope_type": "llama3" in a Hugging Face config):
-    wavelengths above original / low_freq_factor are stretched by `factor`, those below
-    original / high_freq_factor are kept, and the band between is interpolated."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,33 +86,6 @@ def num_params(cfg: LlamaConfig, vocab_size: int | None = None) -> int:
     d, e, v = cfg.embed_dim, cfg.head_dim, cfg.vocab_size if vocab_size is None else vocab_size
     per_layer = 2 * d + 2 * d * cfg.num_heads * e + 2 * d * cfg.num_kv_heads * e + 3 * d * cfg.mlp_dim
     return cfg.num_layers * per_layer + v * d * (1 if cfg.tie_embeddings else 2) + d
-
-
-def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """[E/2] float32 rotation rates, as transformers' `_compute_llama3_parameters` (or the
-    default RoPE without scaling). Static: computed in float64 at trace time."""
-    e = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e)
-    s = cfg.rope_scaling
-    if s is not None:
-        old = s.original_max_position_embeddings
-        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def rope(x_bthe: jax.Array, positions_t: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates each head's pair (i, i + E/2) by position * inv_freq[i] (rotate_half)."""
-    angles_tf = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles_tf)[None, :, None], jnp.sin(angles_tf)[None, :, None]
-    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_bthe.dtype)
-
 
 
 class RMSNorm(nnx.Module):
