@@ -39,8 +39,9 @@ A family gives:
               on a device that splits heads and mlp `tensor` ways, the residual stream `sp`
               ways by position (sequence parallelism), and each sequence's positions
               `context` ways (then tokens = rows x length / context; `context_elements`);
-              each keyword is passed only when above 1: the planner's analytic activation
-              memory (meshtrain/planner/analytic.py)
+              each keyword is passed only when above 1 (and `expert`, the devices a mixture
+              of experts' `experts` is split over, only to a family with experts): the
+              planner's analytic activation memory (meshtrain/planner/analytic.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
   active_params  optional: the parameters one token passes through, where fewer than
               num_params (a mixture of experts routes each token through k of X experts);

@@ -133,6 +133,37 @@ def activations(cfg: MixtralConfig, b: int):
                     ("expert hidden", (x, b, c, cfg.mlp_dim), ("experts", "batch", None, "mlp"))]
 
 
+def layer_activation_bytes(cfg: MixtralConfig, tokens: int, tensor: int, remat: str, sp: int = 1,
+                           context: int = 1, expert: int = 1) -> float:
+    """Bytes one block keeps for its backward pass: Llama's (models/llama.py) with the
+    dense MLP's SwiGLU at the shared experts' width, plus the MoE layer's. Per token, with
+    k experts a token, X experts, C slots per sequence, F the expert mlp, e = `expert`
+    (the devices `experts` is split over, dropless's exchange) and remat none:
+      router     logits and probabilities, 2 X float32
+      dropless   the received copies sorted by expert ([e n k, D]: e k D), the SwiGLU's
+                 four [e n k, F/t] (4 e k F, split), the copies' outputs for the weighted
+                 sum (k D)
+      capacity   the dispatch and combine one-hots [B, T, X, C] (2 X C / 1), the per-choice
+                 slots [B, T, k, X, C] in float32 (the combine's weights' gradient), the
+                 buffers in and out [X, B, C, D] (2 X C D / T) and the SwiGLU's four
+                 [X, B, C, F/t] (4 X C F / T, split)
+    save_dots and full keep none of it: the policy saves no batched (capacity's expert
+    dim) or ragged (dropless's grouped) matmul, and the layer is rerun."""
+    dense = dataclasses.replace(cfg, mlp_dim=cfg.num_shared_experts * cfg.mlp_dim)
+    kept = llama.layer_activation_bytes(dense, tokens, tensor, remat, sp=sp, context=context)
+    if remat != "none":
+        return kept
+    c, t, x, k, d, f = (jnp.dtype(cfg.dtype).itemsize, cfg.seq_len, cfg.num_experts, cfg.experts_per_token,
+                        cfg.embed_dim, cfg.mlp_dim)
+    own = 2 * x * 4
+    if cfg.moe.dispatch == "capacity":
+        slots = moe.capacity(t, x, k, cfg.moe.capacity_factor)
+        own += c * (2 * x * slots + 2 * x * slots * d / t + 4 * x * slots * f / t / tensor) + 4 * k * x * slots
+    else:
+        own += c * (expert * k * d + 4 * expert * k * f / tensor + k * d)
+    return kept + tokens * own
+
+
 def flops_per_token(cfg: MixtralConfig) -> float:
     """Training FLOPs per token on the active parameters: 6 N_active + 6 L D T (Llama's
     accounting, the untied input table a lookup). Capacity dispatch's one-hot einsums and
@@ -162,7 +193,7 @@ def _describe(c: MixtralConfig) -> str:
 FAMILY = family.register(family.Family(
     name="mixtral", config=MixtralConfig, module=Mixtral, sizes=sizes.MIXTRAL_SIZES,
     activations=activations, num_params=num_params, active_params=active_params,
-    flops_per_token=flops_per_token, pipelines=False,
+    flops_per_token=flops_per_token, pipelines=False, layer_activation_bytes=layer_activation_bytes,
     size_keys={**llama.FAMILY.size_keys, "experts": "model.num_experts"},
     describe=_describe, check=_check, metrics=(*(f"moe_{n}" for n in moe.STATS), "moe_aux_loss"),
 ))

@@ -63,6 +63,8 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
   context      a layout that splits attention's positions: k and v round the ring
                forward and their gradients back, or all-gathered and reduce-scattered
                (planner/context.py; remat's recompute is known excess).
+  experts      a layout that splits `experts`: each MoE layer's dispatch and combine
+               all-to-alls, forward and backward (planner/experts.py; remat's rerun is known excess).
   halo         a layout that splits image rows: each conv's k//2 rows of its input forward
                and of its output gradient backward, each way at each split boundary
                (planner/halo.py; the weight gradient's second fetch of the input's rows is
@@ -82,7 +84,7 @@ import jax.numpy as jnp
 from meshtrain import grad_reduce, loss as loss_lib, optim, state as state_lib, step as step_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.planner import context, halo, pipeline_memory
+from meshtrain.planner import context, experts, halo, pipeline_memory
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -194,6 +196,8 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     sp, n = sequence_parallel(exp), context.split(exp)[0]  # n: each sequence's positions split n ways
     # each keyword only asked of a family under sequence or context parallelism
     split = {**({"sp": sp} if sp > 1 else {}), **({"context": n} if n > 1 else {})}
+    if experts.has_experts(exp) and experts.split(exp)[0] > 1:  # dropless's exchanged buffers
+        split["expert"] = experts.split(exp)[0]
     tokens = b["rows"] * cfg.seq_len / n
     kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **split)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time
@@ -325,7 +329,8 @@ def collective_bounds(exp) -> list[dict]:
                 times = exp.cfg.train.grad_accum_steps * ticks
             add("reduce-scatter", zero, 0, times * (n - 1) / n * local * g, f"{stage} gradient reduce-scatter")
             add("all-gather", zero, 0, (n - 1) / n * local * pbytes, f"{stage} updated-param all-gather")
-        gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1]
+        owned = experts.owned_axes(path, flat_axes[path], flat_params[path])  # tokens go to the experts
+        gather = [a for a in p_axes if a in splits and mesh.shape[a] > 1 and a not in owned]
         if gather and set(gather) <= set(once):  # train.accum_gather=once
             n = _size(mesh, gather)
             g = grad_bytes or g  # reduced by hand, in train.grad_dtype when set
@@ -352,7 +357,7 @@ def collective_bounds(exp) -> list[dict]:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, exp.cfg.train.grad_accum_steps * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
-    for kind, axes, count, nbytes, what in halo.bound_rows(exp) + context.bound_rows(exp):
+    for kind, axes, count, nbytes, what in halo.bound_rows(exp) + context.bound_rows(exp) + experts.bound_rows(exp):
         add(kind, axes, count, nbytes, what)
     if not has_stream(m):  # a classifier: no Megatron or pipeline formula (no_formula says so)
         return sorted(rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.planner import analytic, context, halo
+from meshtrain.planner import analytic, context, experts, halo
 
 
 def no_formula(exp) -> list[dict]:
@@ -47,6 +47,7 @@ def known_excess(exp) -> list[dict]:
       halo         the weight gradient's halo rows, fetched again (planner/halo.py)
       context      the same for every leaf under a context split; and remat's recompute of
                    context attention's k and v exchange (planner/context.py)
+      experts      remat's rerun of the MoE layer's all-to-alls (planner/experts.py)
       kv heads     K/V projections kept whole over tensor (grouped-query attention, see
                    docs/layouts.md) get gradient pieces from every head shard: their weight
                    gradients are summed over tensor (counted), and per layer their output
@@ -99,4 +100,4 @@ def known_excess(exp) -> list[dict]:
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})
     return (out + list(conv_rows.values()) + list(context_rows.values()) + halo.known_excess(exp)
-            + context.known_excess(exp))
+            + context.known_excess(exp) + experts.known_excess(exp))

@@ -22,7 +22,9 @@ back. The checks, by code:
                       keys and values over it forward and their gradients backward; cost in
                       bytes per step and the link ratio, as tensor-on-dcn's
   expert-on-dcn       (warning) mesh.dcn puts the expert axis across nodes: every MoE layer's
-                      all-to-alls (dispatch and combine) cross them; cost: the link ratio
+                      all-to-alls (dispatch and combine) cross them; cost in bytes per step
+                      (planner/experts.py) and the link ratio
+  experts-indivisible, capacity-drops: planner/lint_experts.py
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
   pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
                       activations, and the step does not fit `hw` by the formulas where 1f1b
@@ -51,7 +53,7 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import sequence
 from meshtrain.layouts.rules import TARGETS
 from meshtrain.mesh import AXES
-from meshtrain.planner import hardware as hardware_lib, roofline
+from meshtrain.planner import hardware as hardware_lib, lint_experts, roofline
 from meshtrain.planner.findings import (Finding, Run, axes_of, batch_multiple, batch_shards, fix_overrides,
                                         mesh_text, mib, named_axes, override, product)
 from meshtrain.planner.lint_sharding import replicated, unused, zero
@@ -81,7 +83,8 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape)
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
-    found = [*_batch(run), *_heads(run), *_sequence(run), *unused(run), *replicated(run), *_tensor_on_dcn(run),
+    found = [*_batch(run), *_heads(run), *_sequence(run), *lint_experts.indivisible(run),
+             *lint_experts.capacity_drops(run), *unused(run), *replicated(run), *_tensor_on_dcn(run),
              *_context_on_dcn(run), *_expert_on_dcn(run), *_bubble(run), *zero(run), *_pipeline_activations(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
@@ -198,13 +201,17 @@ def _expert_on_dcn(run: Run) -> list[Finding]:
     if not dcn or dcn["expert"] <= 1 or "expert" not in named_axes(run.layout):
         return []  # an expert axis no rule names is unused-axis's
     f = dcn["expert"]
-    ratio, _, _ = _ring_share(run, "expert", f, group="group")
+    ratio, net, link = _ring_share(run, "expert", f, group="group")
+    cost, wire = f"the all-to-alls go at {ratio} ({run.hw.name}: {run.hw.source})", lint_experts.wire_bytes(run)
+    if wire:
+        cost = (f"about {mib(wire)} per device per step of dispatch and combine all-to-alls, forward and "
+                f"backward (planner/experts.py), go at {ratio}, at least {wire / net / 1e6:,.1f} ms instead of "
+                f"{wire / link / 1e6:,.1f} ms per step ({run.hw.name}: {run.hw.source})")
     return [Finding("expert-on-dcn", "warning",
                     f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the expert axis (expert={shape['expert']}) "
                     f"across {f} nodes: every MoE layer's dispatch and combine all-to-alls send each token's "
                     f"embedding to its experts and back, forward and backward, and should stay inside a node",
-                    f"the all-to-alls go at {ratio} ({run.hw.name}: {run.hw.source})",
-                    _nodes_to_data(run, "expert", f))]
+                    cost, _nodes_to_data(run, "expert", f))]
 
 
 def _nodes_to_data(run: Run, axis: str, f: int) -> str:

@@ -19,7 +19,7 @@ import jax
 
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain import metrics
-from meshtrain.planner import analytic, beyond_bounds, context, halo, roofline
+from meshtrain.planner import analytic, beyond_bounds, context, experts, halo, roofline
 from meshtrain.planner.hardware import Hardware
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
@@ -91,6 +91,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "collectives_by_axes": by_axes(rows, bounds, beyond_bounds.known_excess(exp), beyond_bounds.no_formula(exp)),
         "halo": halo.report(exp, rows),
         "context": context.report(exp, rows, compiled),
+        "experts": experts.report(exp, rows, compiled),
         "flops_per_step": flops_dev * devices,
         "model_flops_per_step": model_flops,
         "flops_convention": (metrics.flops_convention(cfg) + "; flops_per_step: the compiled "

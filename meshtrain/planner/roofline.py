@@ -11,7 +11,8 @@
               `collective_seconds` (NICs per node, shared by the rings crossing a node)
     overlap   gradient reductions and FSDP gathers (data, fsdp axes) run beside compute
               (XLA's latency-hiding scheduler); tensor and stage collectives sit between
-              dependent matmuls and add to the step
+              dependent matmuls and add to the step, as do the expert all-to-alls (the
+              experts' matmuls wait for their tokens, the combine for their outputs)
     step      max(matmul + memory, overlapped collectives) + exposed collectives
 
 The pipeline bubble needs no term of its own: the compiled FLOPs count the bubble ticks'
@@ -26,7 +27,7 @@ from meshtrain import mesh as mesh_lib
 from meshtrain.cluster import distributed
 from meshtrain.planner.hardware import Hardware
 
-EXPOSED_AXES = ("tensor", "stage")
+EXPOSED_AXES = ("tensor", "stage", "expert")
 
 
 def node_of_position(mesh, devices_per_node: int, dcn: dict | None):

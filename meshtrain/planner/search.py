@@ -152,6 +152,9 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
             continue  # not counted as dropped: never a candidate (module docstring)
         if "expert" in used and (num_experts or 0) <= 1:
             continue  # a dense model has no experts to split: expert would only repeat the work
+        if num_experts and num_experts % shape["expert"]:
+            dropped["expert axis does not divide model.num_experts"] += 1
+            continue
         for layout, (required, allowed) in presets.PRESET_AXES.items():
             if (layouts and layout not in layouts) or not (required <= used <= allowed):
                 continue

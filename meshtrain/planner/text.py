@@ -84,6 +84,23 @@ def halo_lines(h: dict) -> list[str]:
     return lines + [f"    not counted: {why}" for why in h["not_counted"]]
 
 
+def expert_lines(x: dict) -> list[str]:
+    """Expert parallelism's all-to-alls, compiled beside the formula (planner/experts.py),
+    and the experts' weights per device."""
+    axes = "+".join(x["mesh_axes"])
+    if x["bytes"] is None:
+        return [f"  expert all-to-all over {axes}: compiled {_amount(x.get('compiled_bytes'))}; no formula"] + \
+            [f"    not counted: {why}" for why in x["not_counted"]]
+    terms = ", ".join(f"{k} {_amount(v)}" for k, v in x["terms"].items())
+    w = x["weights"]
+    return [f"  expert all-to-all over {axes} ({x['dispatch']}, experts split {x['split']} ways): compiled "
+            f"{_amount(x['compiled_bytes'])} in {x['compiled_count']:,} ops, formula {_amount(x['bytes'])} in "
+            f"{x['count']:,} ({_ratio(x['ratio'])}): {terms}",
+            f"  expert weights per device: {_amount(w['params'])} params + {_amount(w['optimizer'])} optimizer "
+            f"state by the formula (compiled params {_amount(w.get('compiled_params'))}); the rest of the "
+            f"model {_amount(w['rest_params'])} + {_amount(w['rest_optimizer'])}"]
+
+
 def render(r: dict) -> str:
     lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
              + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
@@ -122,6 +139,8 @@ def render(r: dict) -> str:
             lines.append(f"  why more over {'+'.join(a['mesh_axes'])}: {why}")
     if r.get("halo"):
         lines += halo_lines(r["halo"])
+    if r.get("experts"):
+        lines += expert_lines(r["experts"])
     total, bound = r["collective_bytes_per_step"], r["collective_lower_bound_bytes"]
     lines.append(f"  all axes: {_mib(total)} MiB against {_mib(bound)} MiB"
                  + (f" ({total / bound:.2f}x)" if bound else ""))
