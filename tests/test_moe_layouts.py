@@ -45,3 +45,15 @@ def test_dropping_capacity_matches_one_device_and_differs_from_dropless(referenc
     assert rel.max() < 1e-5, f"dropping capacity: loss differs across layouts, max rel {rel.max():.2e}"
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), split[1], one[1])
     assert np.abs(one[0] - reference["dropless"][0][:5]).max() > 1e-5  # dropped copies change the loss
+
+
+def test_dropless_under_gradient_accumulation():
+    """Accumulation vmaps the loss over the data replicas (grad_reduce.per_replica), where
+    ragged_dot has no batching rule of its own (moe_dropless.grouped_dot loops instead).
+    With the router losses off (theirs is a product of means over a microbatch) two
+    microbatches train as one batch."""
+    off = {"layout": "dp_ep", "moe.aux_loss_coef": 0.0, "moe.z_loss_coef": 0.0}
+    whole = run("mixtral_tiny_dp8", off, "data:2,expert:4", steps=5)
+    split = run("mixtral_tiny_dp8", {**off, "train.grad_accum_steps": 2}, "data:2,expert:4", steps=5)
+    rel = np.abs(split[0] - whole[0]) / whole[0]
+    assert rel.max() < 1e-5, f"accumulated dropless: max rel diff {rel.max():.2e}"

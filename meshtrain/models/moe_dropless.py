@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import sequential_vmap
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
@@ -39,13 +40,38 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+# jax.lax.ragged_dot has no batching rule for an unbatched weight, and the step vmaps the
+# loss over data-parallel replicas (grad_reduce.per_replica: grad_dtype, accumulation).
+# So the grouped matmul and its gradient each loop over a vmapped dim (one replica per
+# device: a loop of one), and its backward is JAX's own vjp of ragged_dot, run unbatched.
+@sequential_vmap
+def _ragged(x_md, w_gdf, sizes_g):
+    return jax.lax.ragged_dot(x_md, w_gdf, sizes_g)
+
+
+@sequential_vmap
+def _ragged_vjp(x_md, w_gdf, sizes_g, dy_mf):
+    return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes_g), x_md, w_gdf)[1](dy_mf)
+
+
+@jax.custom_vjp
+def grouped_dot(x_md: jax.Array, w_gdf: jax.Array, sizes_g: jax.Array) -> jax.Array:
+    """Rows x [m, D] in groups of sizes [g] times their group's w [g, D, F] -> [m, F]
+    (rows past the groups give zeros): `jax.lax.ragged_dot`, safe under vmap."""
+    return _ragged(x_md, w_gdf, sizes_g)
+
+
+grouped_dot.defvjp(lambda x, w, sizes: (_ragged(x, w, sizes), (x, w, sizes)),
+                   lambda res, dy: (*_ragged_vjp(*res, dy), None))
+
+
 def swiglu_grouped(xs_md: jax.Array, sizes_g: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """Rows xs [m, D] in groups of sizes [g] (rows past the groups give zeros) through
     their group's SwiGLU, weights [g, D, F], [g, D, F], [g, F, D] -> [m, D]."""
     dt = xs_md.dtype
-    g = jax.lax.ragged_dot(xs_md, w_gate.astype(dt), sizes_g)
-    u = jax.lax.ragged_dot(xs_md, w_up.astype(dt), sizes_g)
-    return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down.astype(dt), sizes_g)
+    g = grouped_dot(xs_md, w_gate.astype(dt), sizes_g)
+    u = grouped_dot(xs_md, w_up.astype(dt), sizes_g)
+    return grouped_dot(jax.nn.silu(g) * u, w_down.astype(dt), sizes_g)
 
 
 def _grouped(xs_md, ids_m, groups: int, ws) -> jax.Array:
