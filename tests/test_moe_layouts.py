@@ -57,3 +57,15 @@ def test_dropless_under_gradient_accumulation():
     split = run("mixtral_tiny_dp8", {**off, "train.grad_accum_steps": 2}, "data:2,expert:4", steps=5)
     rel = np.abs(split[0] - whole[0]) / whole[0]
     assert rel.max() < 1e-5, f"accumulated dropless: max rel diff {rel.max():.2e}"
+
+
+def test_shared_experts_match_one_device():
+    """An always-on shared expert (its mlp split over tensor like a dense MLP's) beside the
+    routed ones."""
+    shared = {"model.num_shared_experts": 1}
+    one = run("mixtral_tiny_dp8", shared, "data:1", steps=5)
+    split = run("mixtral_tiny_dp8", {"layout": "dp_ep_tp", **shared}, "expert:2,data:2,tensor:2", steps=5)
+    rel = np.abs(split[0] - one[0]) / one[0]
+    assert rel.max() < 1e-5, f"shared experts: max rel diff {rel.max():.2e}"
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), split[1], one[1])
+    assert "shared_gate" in split[1]["blocks"]["moe"]
