@@ -226,8 +226,12 @@ class RunLog:
         self.last_train = row
         remaining = (self.total - step) * step_time
         mfu_text = "" if mfu is None else f" | MFU {100 * mfu:.1f}%"
-        extra_text = "".join(f" | {k} {100 * v:.1f}%" if k in self.task_metrics else f" | {k} {v:.4g}"
-                             for k, v in extra.items())
+        extra_text = "".join(f" | {k} {100 * v:.1f}%" for k, v in extra.items() if k in self.task_metrics)
+        groups: dict[str, list[str]] = {}  # the model's statistics by prefix: "moe lb 2.001 z 1.95 ..."
+        for k in self.model_metrics:
+            head, _, tail = k.partition("_")
+            groups.setdefault(head, []).append(f"{tail} {extra[k]:.4g}")
+        extra_text += "".join(f" | {head} {' '.join(items)}" for head, items in groups.items())
         short = {"tokens": "tok", "images": "img"}.get(self.unit, self.unit)
         self.say(f"step {step:>{len(str(self.total))}}/{self.total} ({100 * step / max(self.total, 1):3.0f}%)"
                  f" | loss {row['loss']:.4f}{extra_text} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f}"
