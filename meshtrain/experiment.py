@@ -125,7 +125,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
              else _model_vocab(cfg.model, source, cfg.data.kind))
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
-                                    dims=dims, moe_keys=cfg.moe)
+                                    dims=dims, sections=cfg)
     if model_cfg.seq_len:  # a split sequence: 2 chunks per device, whole chunks per loss chunk
         sequence.check(layout, mesh.shape, model_cfg.seq_len)
         loss_lib.check_split(cfg.train.loss_chunk, model_cfg.seq_len, layout, mesh.shape)

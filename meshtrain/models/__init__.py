@@ -12,11 +12,9 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import attention, context_attention, family, gpt2, llama, mixtral, moe, remat, resnet, vgg  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, context_attention, family, gpt2, llama, mixtral, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
 
-# Dimensions that may be 0 (none of them); every other integer dim must be positive.
-ZERO_OK = ("num_shared_experts",)
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.
 COMMON_KEYS = ("name", "size", "vocab_multiple", "dropout", "dtype", "param_dtype", "remat", "scan_layers",
@@ -43,22 +41,25 @@ def size_dims(m: ml_collections.ConfigDict) -> dict:
 
 def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards: int = 1,
                  dims: dict | None = None, platform: attention.Platform | None = None,
-                 moe_keys: ml_collections.ConfigDict | None = None) -> ModelConfig:
+                 sections: ml_collections.ConfigDict | None = None) -> ModelConfig:
     """Config keys -> the family's config. `model.size` fills dims; explicit keys win;
     `dims` (a checkpoint's architecture, see init.from) replaces both.
 
     `vocab_size` is the data's vocabulary; the table is padded to a multiple of
     lcm(model.vocab_multiple, vocab_shards) so any layout can split it evenly.
     `model.attention` is resolved for `platform` (default: the running backend); the
-    reason for the choice is `attention_choice(m.attention, cfg)`. `moe_keys` (the `moe.*`
-    keys) set how a mixture of experts runs, for a family whose config has a `moe` field.
+    reason for the choice is `attention_choice(m.attention, cfg)`. `sections` (the whole
+    config) gives the sections the family's config names in RUN_FIELDS: how it runs, not
+    its weights (a mixture of experts' `moe.*` keys).
     """
     fam = family.get(m.name)
     dims = dict(size_dims(m) if dims is None else dims)
     dims["vocab_size"] = vocab_size
+    # A dim some size sets to 0 (a count of optional parts: shared experts) may be 0.
+    may_be_zero = {f for size in fam.sizes.values() for f, v in size.items() if v == 0}
     for f, v in dims.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f in ZERO_OK else 1):
-            raise UserError(f"model.{f}={v}: must be a {'non-negative' if f in ZERO_OK else 'positive'} integer.")
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f in may_be_zero else 1):
+            raise UserError(f"model.{f}={v}: must be a {'non-negative' if f in may_be_zero else 'positive'} integer.")
     for key in ("dtype", "param_dtype"):
         if m[key] not in DTYPES:
             raise UserError(f"model.{key}={m[key]!r}: choose one of {', '.join(DTYPES)}.")
@@ -73,8 +74,8 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
                      dropout=float(m.dropout), dtype=m.dtype, param_dtype=m.param_dtype,
                      remat=m.remat, scan_layers=bool(m.scan_layers),
                      context_attention=m.context_attention)
-    if moe_keys is not None and "moe" in known:
-        cfg = dataclasses.replace(cfg, moe=moe.MoERun(**moe_keys.to_dict()))
+    run = {f: sections[f].to_dict() for f in cfg.RUN_FIELDS if sections is not None and f in sections}
+    cfg = dataclasses.replace(cfg, **run)  # the config's __post_init__ reads each section's dict
     impl, _ = attention_choice(m.attention, cfg, platform)
     cfg = dataclasses.replace(cfg, attention=impl)
     if fam.check is not None:
@@ -103,7 +104,7 @@ def architecture(cfg: ModelConfig) -> dict:
     """The fields that fix the parameters' shapes (what init.from and exports carry)."""
     # seq_len only for a family whose sizes have one: a classifier's is an unused 0.
     shaping = {"num_layers", "vocab_size"} | ({"seq_len"} & set(family_of(cfg).fields()))
-    run_only = ({f.name for f in dataclasses.fields(ModelConfig)} - shaping) | set(getattr(cfg, "RUN_FIELDS", ()))
+    run_only = ({f.name for f in dataclasses.fields(ModelConfig)} - shaping) | set(cfg.RUN_FIELDS)
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in run_only}
 
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from flax import nnx
 
@@ -98,6 +98,10 @@ class ModelConfig:
     scan_layers: bool = True
     attention: str = "xla"        # xla | cudnn | pallas, resolved from model.attention (models/attention.py)
     context_attention: str = "allgather"  # allgather | ring: positions split over devices (models/context_attention.py)
+    # Fields set from config sections of their name (how the model runs, not its weights:
+    # models.model_config), never part of a checkpoint's architecture; each is a
+    # dataclass the config's __post_init__ builds from the section's dict.
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def max_context(self) -> tuple[int, str]:
         """(the most positions the model can decode over, why that many), for sampling's

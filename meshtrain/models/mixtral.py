@@ -40,7 +40,7 @@ class MixtralConfig(llama.LlamaConfig):
     num_shared_experts: int = 0
     moe: moe.MoERun = moe.MoERun()  # how it is run (moe.* keys), not its weights
 
-    RUN_FIELDS = ("moe",)
+    RUN_FIELDS = ("moe",)  # family.ModelConfig.RUN_FIELDS
 
     def __post_init__(self):
         super().__post_init__()

@@ -30,14 +30,11 @@ from jax.custom_batching import sequential_vmap
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.models.context_attention import mesh_axes as _axes
+from meshtrain.models.stack import BTD
 
-BTD = ("batch", "length", "embed")
 W_IN = ("experts", "embed", "mlp")
 W_OUT = ("experts", "mlp", "embed")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 # jax.lax.ragged_dot has no batching rule for an unbatched weight, and the step vmaps the

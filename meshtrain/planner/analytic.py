@@ -196,8 +196,8 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     sp, n = sequence_parallel(exp), context.split(exp)[0]  # n: each sequence's positions split n ways
     # each keyword only asked of a family under sequence or context parallelism
     split = {**({"sp": sp} if sp > 1 else {}), **({"context": n} if n > 1 else {})}
-    if experts.has_experts(exp) and experts.split(exp)[0] > 1:  # dropless's exchanged buffers
-        split["expert"] = experts.split(exp)[0]
+    if (e := experts.split(exp)[0]) > 1:  # dropless's exchanged buffers
+        split["expert"] = e
     tokens = b["rows"] * cfg.seq_len / n
     kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **split)
     if cfg.remat != "none":  # backward recomputes one layer's activations at a time

@@ -51,7 +51,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain.layouts import sequence
-from meshtrain.planner import hlo_flops
+from meshtrain.planner import hlo, hlo_flops
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun attention in backward
 KINDS = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter")}
@@ -122,10 +122,7 @@ def report(exp, rows: list[dict], compiled=None) -> dict | None:
     f = formula(exp)
     if f is None:
         return None
-    mine = [r for r in rows if r["kind"] in KINDS.get(f["kind"], ()) and list(r["mesh_axes"]) == f["mesh_axes"]]
-    f["compiled_bytes"] = sum(r["bytes"] for r in mine)
-    f["compiled_count"] = sum(r["count"] for r in mine)
-    f["ratio"] = f["compiled_bytes"] / f["bytes"] if f["bytes"] else None
+    hlo.with_compiled(f, rows, KINDS.get(f["kind"], ()))
     if compiled is not None and f["bytes"] is not None:
         f["compiled_attention_flops"] = hlo_flops.dot_flops(compiled, batched=True)
         f["attention_flops_ratio"] = f["compiled_attention_flops"] / f["ideal_attention_flops"]

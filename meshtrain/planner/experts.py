@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from meshtrain import optim, tree_paths
+from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.models import moe, moe_dropless
+from meshtrain.planner import hlo
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun the MoE layer in backward
-W_IN = ("experts", "embed", "mlp")   # models/moe_dropless.py's expert weights, as the step constrains them
-AT_TOKENS = (None, "batch", None, "embed")  # models/moe.py's capacity buffers where the tokens are
 WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
@@ -62,8 +62,11 @@ def has_experts(exp) -> bool:
 
 
 def split(exp) -> tuple[int, tuple[str, ...]]:
-    """(e, mesh axes of size > 1) the layout splits `experts` over in the experts' compute."""
-    _, axes = exp.layout.split(W_IN, "experts", exp.mesh.shape)
+    """(e, mesh axes of size > 1) the layout splits `experts` over in the experts' compute;
+    (1, ()) for a model without experts."""
+    if not has_experts(exp):
+        return 1, ()
+    _, axes = exp.layout.split(moe_dropless.W_IN, "experts", exp.mesh.shape)
     axes = tuple(a for a in axes if exp.mesh.shape[a] > 1)
     return math.prod(exp.mesh.shape[a] for a in axes), axes
 
@@ -76,7 +79,7 @@ def _local(exp) -> dict:
     length, _ = layout.split(("batch", "length", "heads", "head_dim"), "length", shape)  # attention's split
     b = exp.cfg.train.batch_size // micro // rows
     k = cfg.experts_per_token
-    slots = max(1, math.ceil(k * cfg.seq_len * cfg.moe.capacity_factor / cfg.num_experts))
+    slots = moe.capacity(cfg.seq_len, cfg.num_experts, k, cfg.moe.capacity_factor)
     return {"rows": b, "tokens": b * cfg.seq_len // length, "batch_axes": batch_axes, "micro": micro,
             "slots": slots, "bytes": jnp.dtype(cfg.dtype).itemsize}
 
@@ -105,7 +108,7 @@ def formula(exp) -> dict | None:
         back, back_ops = 2 * buffer, 2
     else:
         exchanged = set(axes) <= set(d["batch_axes"])
-        embed = exp.layout.split(AT_TOKENS, "embed", exp.mesh.shape)[0]
+        embed = exp.layout.split(moe.AT_TOKENS, "embed", exp.mesh.shape)[0]
         buffer = cfg.num_experts * d["rows"] * d["slots"] * cfg.embed_dim / embed * d["bytes"]
         per_pass, ops, back, back_ops = 2 * buffer, 2, 2 * buffer, 2
     if not exchanged:
@@ -139,7 +142,7 @@ def weights(exp) -> dict | None:
     size = cfg.num_layers * 3 * cfg.num_experts * cfg.embed_dim * cfg.mlp_dim
 
     def pieces(target):
-        return {n: layout.split(W_IN, n, shape, target)[0] for n in W_IN}
+        return {n: layout.split(moe_dropless.W_IN, n, shape, target)[0] for n in moe_dropless.W_IN}
     p, o = pieces("params"), pieces("opt_state")
     out = {"params": size / math.prod(p.values()) * pbytes, "optimizer": size / math.prod(o.values()) * moments,
            "split": p}
@@ -154,8 +157,8 @@ def owned_axes(path: str, axes: tuple, sharding) -> tuple[str, ...]:
     never gathered, unlike FSDP's weights); () for any other leaf."""
     if not _is_expert(path) or "experts" not in axes:
         return ()
-    entry = sharding.spec[list(axes).index("experts")] if len(sharding.spec) > list(axes).index("experts") else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    i = list(axes).index("experts")
+    return mesh_axes_of(sharding.spec[i] if len(sharding.spec) > i else None)
 
 
 def _is_expert(path: str) -> bool:
@@ -187,10 +190,7 @@ def report(exp, rows: list[dict], compiled=None) -> dict | None:
     f = formula(exp)
     if f is None:
         return None
-    mine = [r for r in rows if r["kind"] == "all-to-all" and list(r["mesh_axes"]) == f["mesh_axes"]]
-    f["compiled_bytes"] = sum(r["bytes"] for r in mine)
-    f["compiled_count"] = sum(r["count"] for r in mine)
-    f["ratio"] = f["compiled_bytes"] / f["bytes"] if f["bytes"] else None
+    hlo.with_compiled(f, rows, ("all-to-all",))
     f["weights"] = weights(exp)
     if compiled is not None:
         f["weights"]["compiled_params"] = compiled_weights(exp, compiled)
@@ -222,7 +222,7 @@ def drop_share(seq_len: int, num_experts: int, k: int, factor: float) -> float:
     """The expected share of routed copies a sequence drops at capacity_factor `factor`
     under uniform routing (module docstring), exactly: X E[max(0, N - C)] / (k T)."""
     t, x = seq_len, num_experts
-    c = max(1, math.ceil(k * t * factor / x))
+    c = moe.capacity(t, x, k, factor)
     p = k / x
     if p >= 1:
         return 0.0

@@ -54,6 +54,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from meshtrain.planner import hlo
+
 PASSES = ("forward", "input gradient", "weight gradient")
 # The passes a step needs at the least: the weight gradient could reuse the forward's rows.
 LEAST = ("forward", "input gradient")
@@ -171,10 +173,7 @@ def report(exp, rows: list[dict]) -> dict | None:
     f = formula(exp)
     if f is None:
         return None
-    mine = [r for r in rows if r["kind"] == "collective-permute" and list(r["mesh_axes"]) == f["mesh_axes"]]
-    f["compiled_bytes"] = sum(r["bytes"] for r in mine)
-    f["compiled_count"] = sum(r["count"] for r in mine)
-    f["ratio"] = f["compiled_bytes"] / f["bytes"] if f["bytes"] else None
+    hlo.with_compiled(f, rows, ("collective-permute",))
     f["least_ratio"] = f["compiled_bytes"] / f["least_bytes"] if f["least_bytes"] else None
     return f
 

@@ -343,3 +343,14 @@ def collective_table(compiled_or_text, mesh, node_of=None) -> list[dict]:
         row["result_bytes"] += times * nbytes
         row["nodes"] = max(row["nodes"], most)
     return sorted(rows.values(), key=lambda r: (r["mesh_axes"], KINDS.index(r["kind"])))
+
+
+def with_compiled(f: dict, rows: list[dict], kinds) -> dict:
+    """A formula's dict `f` ("mesh_axes", "bytes") with the compiled step's collectives of
+    `kinds` over exactly its mesh axes (`rows`: collective_table): "compiled_bytes",
+    "compiled_count" and "ratio" (compiled / formula; None without formula bytes)."""
+    mine = [r for r in rows if r["kind"] in kinds and list(r["mesh_axes"]) == list(f["mesh_axes"])]
+    f["compiled_bytes"] = sum(r["bytes"] for r in mine)
+    f["compiled_count"] = sum(r["count"] for r in mine)
+    f["ratio"] = f["compiled_bytes"] / f["bytes"] if f["bytes"] else None
+    return f

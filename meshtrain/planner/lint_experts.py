@@ -20,11 +20,10 @@
 
 from __future__ import annotations
 
-import math
-
 from meshtrain.errors import UserError
 from meshtrain.mesh import AXES
 from meshtrain.layouts.rules import TARGETS
+from meshtrain.models import moe
 from meshtrain.planner import experts
 from meshtrain.planner.findings import Finding, Run, axes_of, mesh_text, override, product
 
@@ -61,16 +60,16 @@ def indivisible(run: Run) -> list[Finding]:
 
 
 def capacity_drops(run: Run) -> list[Finding]:
-    d, moe = run.dims, run.cfg.get("moe")
+    d, keys = run.dims, run.cfg.get("moe")
     x, k, t = d.get("num_experts"), d.get("experts_per_token"), d.get("seq_len")
-    if moe is None or moe.dispatch != "capacity" or not all(isinstance(v, int) for v in (x, k, t)) or x <= 1:
+    if keys is None or keys.dispatch != "capacity" or not all(isinstance(v, int) for v in (x, k, t)) or x <= 1:
         return []
-    factor = moe.capacity_factor
+    factor = keys.capacity_factor
     share = experts.drop_share(t, x, k, factor)
     if share <= DROP_LIMIT:
         return []
     better = experts.factor_for(t, x, k, DROP_LIMIT / FIX_MARGIN)
-    slots = max(1, math.ceil(k * t * factor / x))  # models/moe.capacity
+    slots = moe.capacity(t, x, k, factor)
     return [Finding("capacity-drops", "warning",
                     f"moe.capacity_factor={factor:g} gives each expert C = ceil(k T factor / X) = {slots} slots "
                     f"per sequence (k={k}, T={t}, X={x}): with the near-uniform router of the first steps, "
