@@ -122,6 +122,8 @@ def test_flops_count_active_parameters():
     ({"moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0: must be > 0"),
     ({"model.experts_per_token": 5}, "model.experts_per_token=5 with model.num_experts=4"),
     ({"layout": "dp_pp", "mesh.shape": "stage:2", "pipeline.microbatches": 2}, "cannot be pipelined yet"),
+    ({"moe.aux_loss_coef": -0.1}, "moe.aux_loss_coef=-0.1: must be >= 0 (0 turns the loss off)"),
+    ({"model.num_shared_experts": -1}, "model.num_shared_experts=-1: must be a non-negative integer"),
 ])
 def test_refusals(overrides, needle):
     cfg = configured("mixtral_tiny_dp8", **{"mesh.shape": "data:1", **overrides})
@@ -129,3 +131,20 @@ def test_refusals(overrides, needle):
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         check_config(cfg, mesh)
+
+
+@pytest.mark.parametrize("layout, needle", [
+    ("batch:data;experts:expert;embed:tensor", "the layout splits `embed` in the experts' compute"),
+    ("batch:data+tensor;experts:expert;mlp:tensor", "the layout splits the experts' `mlp` over mesh axes ('tensor',)"),
+])
+def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
+    """Dropless runs per device under shard_map, with embed whole and the experts' mlp on
+    axes of its own: other splits are refused with the fix, before anything is traced."""
+    from meshtrain.layouts import get, make_constrain
+    from meshtrain.models import moe_dropless
+    mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    ws = (jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 128)), jnp.zeros((4, 128, 64)))
+    x, e, w = jnp.zeros((4, 8, 64)), jnp.zeros((4, 8, 2), jnp.int32), jnp.zeros((4, 8, 2))
+    with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        moe_dropless.experts(x, e, w, ws, make_constrain(get(layout), mesh))
