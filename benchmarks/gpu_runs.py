@@ -33,12 +33,23 @@ from meshtrain import config as config_lib, models
 from meshtrain import metrics
 from meshtrain.experiment import Experiment
 
-# name -> (model.name, model.size, seq_len); gpt2_tiny is for --allow-cpu (the tests).
+# A mixture of experts at GPT-2 small's width (12 layers, d=768, 12 query and 4 kv heads,
+# 32K vocabulary): 8 SwiGLU experts of width 1024, 2 per token, under both dispatches,
+# beside its dense twin of equal active parameters (mlp 2048, without the router's D X).
+_MOE_SMALL = {"model.num_layers": 12, "model.num_heads": 12, "model.num_kv_heads": 4,
+              "model.embed_dim": 768, "model.vocab_size": 32_000}
+_MOE_EXPERTS = dict(_MOE_SMALL, **{"model.mlp_dim": 1024, "model.num_experts": 8,
+                                   "model.experts_per_token": 2})
+
+# name -> (model.name, model.size, seq_len, overrides); gpt2_tiny is for --allow-cpu (the tests).
 MODELS = {
-    "gpt2_small": ("gpt2", "small", 1024),
-    "gpt2_medium": ("gpt2", "medium", 1024),
-    "llama3_1b": ("llama", "llama3_1b", 2048),
-    "gpt2_tiny": ("gpt2", "tiny", 128),
+    "gpt2_small": ("gpt2", "small", 1024, {}),
+    "gpt2_medium": ("gpt2", "medium", 1024, {}),
+    "llama3_1b": ("llama", "llama3_1b", 2048, {}),
+    "moe_small_dropless": ("mixtral", "tiny", 1024, dict(_MOE_EXPERTS, **{"moe.dispatch": "dropless"})),
+    "moe_small_capacity": ("mixtral", "tiny", 1024, dict(_MOE_EXPERTS, **{"moe.dispatch": "capacity"})),
+    "moe_small_dense_twin": ("llama", "tiny", 1024, dict(_MOE_SMALL, **{"model.mlp_dim": 2048})),
+    "gpt2_tiny": ("gpt2", "tiny", 128, {}),
 }
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
             "jax-cuda13-pjrt", "nvidia-cudnn-cu12", "nvidia-cublas-cu12", "nvidia-nccl-cu12",
@@ -83,14 +94,14 @@ def probe() -> dict:
 
 def make_config(model: str, remat: str, batch: int, overrides: list[tuple[str, str]] = ()):
     """One GPU, bf16 compute with float32 params and Adam (base()'s defaults), synthetic data."""
-    family, size, seq_len = MODELS[model]
+    family, size, seq_len, own = MODELS[model]
     c = config_lib.base(size=size, mesh="data:1", layout="dp")
     c.model.name = family
     c.model.seq_len = seq_len
     c.model.dtype = "bfloat16"
     c.model.remat = remat
     c.train.update(batch_size=batch, steps=10_000, eval_every=0)
-    for key, value in overrides:
+    for key, value in [*((k, str(v)) for k, v in own.items()), *overrides]:
         config_lib.override(c, key, value)
     return c
 

@@ -5,8 +5,10 @@ meshtrain's train step vs a bare-JAX step with the same math and shardings, time
 alternately in one process. The bare step is written here from scratch in plain
 jax.numpy over the params dict meshtrain stores (no flax, no meshtrain modules). It
 reuses only what is not framework: the model's numeric kernels (the LayerNorm and GELU
-whose backward recomputes them, and the causal attention: the same math in the same
-formulation, docs/benchmarks.md "CPU step"), the optax transformation and lr schedule
+whose backward recomputes them, the attention kernel model.attention resolves to (XLA's
+on a CPU, cuDNN's flash kernel on a GPU), and the chunked float32 loss where
+train.loss_chunk cuts the sequence: the same math in the same formulation,
+docs/benchmarks.md "CPU step"), the optax transformation and lr schedule
 (`exp.tx`, `exp.schedule`), the shardings (`exp.shardings`, `exp.grad_shardings`,
 `exp.batch_sharding`) and the layout's activation specs, so it pins activations at
 the places gpt2.py does and the two programs compile to the same collectives.
@@ -22,18 +24,23 @@ from __future__ import annotations
 
 import argparse
 import collections
+import pathlib
 import re
 import statistics
 import sys
 import time
 
-import jax
+# meshtrain from this checkout when it is not installed: Python puts the script's folder on
+# the path, not the working directory (benchmarks/gpu.py runs this as a child process).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from meshtrain.models import attention, gpt2
+from meshtrain import loss  # noqa: E402
+from meshtrain.models import attention, gpt2  # noqa: E402
 
 BTD = ("batch", "length", "embed")
 BTHE = ("batch", "length", "heads", "head_dim")
@@ -47,10 +54,21 @@ def make_bare_step(exp):
     except that the state is a tuple (step [], params, opt_state)."""
     cfg = exp.model.cfg
     dt = jnp.dtype(cfg.dtype)
+    chunks = loss.num_chunks(cfg.seq_len, exp.cfg.train.loss_chunk)
 
     def pin(x, axes):  # the same with_sharding_constraint as meshtrain's `constrain`
         spec = exp.layout.spec(axes, "activations")
         return jax.lax.with_sharding_constraint(x, NamedSharding(exp.mesh, spec))
+
+    def attend(q, k, v):  # [B, T, H, E] x3 -> [B, T, H, E]: the kernel model.attention resolved to
+        return attention.attend(q, k, v, implementation=cfg.attention)[0]
+
+    def project(h, wte, constrain):  # h [b, c, D], table [V, D] -> logits [b, c, V], padding masked
+        logits = jnp.einsum("btd,vd->btv", h, wte)
+        if cfg.padded_vocab_size > cfg.vocab_size:
+            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(dt).min)
+        return constrain(logits, BTV)
 
     def layer_norm(x, p):  # [B, T, D] -> [B, T, D], statistics in float32
         return gpt2.layer_norm(x, p["scale"], p["bias"])
@@ -60,7 +78,7 @@ def make_bare_step(exp):
         h = layer_norm(x, p["ln1"])
         qkv = jnp.einsum("btd,dkhe->btkhe", h, a["w_qkv"].astype(dt)) + a["b_qkv"].astype(dt)  # [B,T,3,H,E]
         q, k, v = (pin(qkv[:, :, i], BTHE) for i in range(3))                                # [B,T,H,E]
-        o = pin(attention.causal_attention(q, k, v), BTHE)                 # [B,T,H,E]
+        o = pin(attend(q, k, v), BTHE)                                       # [B,T,H,E]
         x = pin(x + (jnp.einsum("bthe,hed->btd", o, a["w_out"].astype(dt)) + a["b_out"].astype(dt)), BTD)
         h = layer_norm(x, p["ln2"])
         f = pin(gpt2.gelu(h @ m["w_fc"].astype(dt) + m["b_fc"].astype(dt)), BTF)  # [B,T,F]
@@ -84,11 +102,9 @@ def make_bare_step(exp):
         x = pin(x.astype(dt), BTD)
         x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
         x = layer_norm(x, params["ln_f"])
-        logits = jnp.einsum("btd,vd->btv", x, wte)                            # [B, T, V] tied
-        if cfg.padded_vocab_size > cfg.vocab_size:
-            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-            logits = jnp.where(real, logits, jnp.finfo(dt).min)
-        logits = pin(logits, BTV).astype(jnp.float32)
+        if chunks > 1:  # the loss's kernel: float32 logits one chunk of positions at a time
+            return loss.chunked_cross_entropy(project, x, wte, targets, chunks, exp.layout, exp.mesh)
+        logits = project(x, wte, pin).astype(jnp.float32)                      # [B, T, V] tied
         logz = jax.nn.logsumexp(logits, axis=-1)                               # [B, T]
         gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return (logz - gold).mean()

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in one call, most valuable first, each bounded in time, so
+# that a lease of a few minutes brings back what it could (the results land in $OUT as they
+# are made; without $OUT, in runs/gpu_session/):
+#
+#   1. benchmarks/gpu.py: GPT-2 small (remat none and full), the bare-JAX comparison
+#      (stage `overhead` runs that alone);
+#   2. a profiler trace of GPT-2 small's training step (steps 10-12 of `meshtrain train`),
+#      summed by kernel here by benchmarks/trace_summary.py;
+#   3. benchmarks/gpu.py: the mixture of experts at GPT-2 small's width, dropless and
+#      capacity, beside its dense twin (benchmarks/gpu_runs.py MODELS); `moe_fusion` runs
+#      dropless with XLA's cuDNN ragged-dot fusion;
+#   4. the MoE and GPU-benchmark tests under JAX_PLATFORMS=cpu (the device
+#      image's JAX, not CI's pin).
+#
+# Where a package the project needs is missing on the machine, wheels in .whl/ are installed
+# first (docs/benchmarks.md says which and how they are fetched).
+#
+#     bash benchmarks/gpu_session.sh [SECONDS_FOR_TESTS]
+#     STAGES="moe_fusion overhead tests" bash benchmarks/gpu_session.sh   # some stages, in order
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT"
+TEST_SECONDS=${1:-100}
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/smi.txt"
+
+step() {  # step NAME SECONDS CMD...: run CMD bounded, its log in $OUT/NAME.log
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${secs}s)"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  echo "=== $name: rc $? in $((SECONDS - t0))s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+RESULTS=$OUT/gpu.json
+MOE="moe_small_dropless,moe_small_capacity,moe_small_dense_twin"
+stage() {
+  case $1 in
+    gpt2_small) step gpt2_small 200 python3 benchmarks/gpu.py --models gpt2_small --remat none,full \
+        --steps 20 --repeats 3 --warmup 5 --overhead-pairs 10 --out "$RESULTS" ;;
+    overhead) step overhead 120 python3 benchmarks/overhead.py --config gpt2_small_dp8 \
+        --config.mesh.shape=data:1 --config.train.batch_size=64 --config.model.dtype=bfloat16 \
+        --devices 1 --pairs 10 --warmup 5 ;;
+    profile)
+      local prof=/tmp/meshtrain_profile
+      step profile 90 python3 -m meshtrain.train --config=gpt2_small_dp8 --config.mesh.shape=data:1 \
+        --config.train.steps=12 --config.train.profile=10:12 --config.train.eval_every=0 \
+        --config.train.log_every=1 --workdir=$prof
+      local trace; trace=$(find $prof/profile -name '*.trace.json.gz' | head -n 1)
+      [ -n "$trace" ] && cp "$trace" "$OUT/gpt2_small.trace.json.gz" ;;
+    moe) step moe 150 python3 benchmarks/gpu.py --models "$MOE" --remat none --max-batch 32 \
+        --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$RESULTS" ;;
+    # XLA lowers jax.lax.ragged_dot on NVIDIA GPUs to a dense dot over every group unless
+    # its cuDNN ragged-dot fusion is switched on (docs/benchmarks.md): dropless with it.
+    moe_fusion) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
+        step moe_fusion 120 python3 benchmarks/gpu.py --models moe_small_dropless --remat none \
+        --max-batch 32 --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_fusion.json" ;;
+    tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
+        tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;
+    *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_fusion tests)"; return 2 ;;
+  esac
+}
+for s in ${STAGES:-gpt2_small profile moe tests}; do stage "$s"; done
+ls -la "$OUT"
