@@ -148,3 +148,63 @@ def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
     x, e, w = jnp.zeros((4, 8, 64)), jnp.zeros((4, 8, 2), jnp.int32), jnp.zeros((4, 8, 2))
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         moe_dropless.experts(x, e, w, ws, make_constrain(get(layout), mesh))
+
+
+@pytest.mark.parametrize("rows,groups", [(256, 4), (37, 3), (5, 4)])
+def test_windowed_grouped_matmul_equals_each_row_through_its_expert(rows, groups):
+    """moe_dropless's windows against every row through its own expert's SwiGLU, one at a
+    time: random sizes, one expert taking every row, rows of no expert (id = groups, output
+    0); gradients against jax.lax.ragged_dot's; and the same under vmap, as accumulation
+    runs it."""
+    from meshtrain.models import moe_dropless
+    rng = np.random.default_rng(rows)
+    d, f = 8, 12
+    ws = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+               ((groups, d, f), (groups, d, f), (groups, f, d)))
+    xs = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+    for ids in (rng.integers(0, groups + 1, rows), np.full(rows, groups - 1)):
+        ids = jnp.asarray(ids, jnp.int32)
+        got = moe_dropless._grouped(xs, ids, groups, ws)
+        want = np.zeros((rows, d), np.float32)
+        for r in range(rows):
+            e = int(ids[r])
+            if e < groups:
+                want[r] = (jax.nn.silu(xs[r] @ ws[0][e]) * (xs[r] @ ws[1][e])) @ ws[2][e]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+        order = jnp.argsort(ids, stable=True)
+        sizes_g = (ids[:, None] == jnp.arange(groups)).sum(0).astype(jnp.int32)
+
+        def ragged(x, a, b, c):
+            x = x[order]
+            y = jax.lax.ragged_dot(jax.nn.silu(jax.lax.ragged_dot(x, a, sizes_g))
+                                   * jax.lax.ragged_dot(x, b, sizes_g), c, sizes_g)
+            return (y ** 2).sum()
+
+        def windowed(x, a, b, c):
+            return (moe_dropless._grouped(x, ids, groups, (a, b, c)) ** 2).sum()
+
+        for mine, theirs in zip(jax.grad(windowed, (0, 1, 2, 3))(xs, *ws), jax.grad(ragged, (0, 1, 2, 3))(xs, *ws)):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5 * float(jnp.abs(theirs).max()))
+    pair = jax.vmap(lambda x, i: moe_dropless._grouped(x, i, groups, ws))(
+        jnp.stack([xs, xs[::-1]]), jnp.stack([ids, ids[::-1]]))
+    np.testing.assert_array_equal(pair[0], moe_dropless._grouped(xs, ids, groups, ws))
+    np.testing.assert_array_equal(pair[1], moe_dropless._grouped(xs[::-1], ids[::-1], groups, ws))
+
+
+def test_windows_cover_any_sizes_with_a_static_count():
+    """Every row of every group lies in exactly one window of that group, whatever the
+    sizes; the count is static: rows // w + g rounded up to a multiple of g, with w =
+    rows / (4 g), so the windows hold 1.25 x the rows and g windows more at most."""
+    from meshtrain.models import moe_dropless
+    rows, g = 1000, 8
+    rng = np.random.default_rng(0)
+    for sizes_g in ([125] * 8, [1000] + [0] * 7, [0] * 7 + [999], list(np.diff(np.sort(rng.integers(0, 901, 9))))):
+        w, group, first, owned = moe_dropless.windows(jnp.asarray(sizes_g, jnp.int32), rows)
+        group, first, owned = (np.asarray(a) for a in (group, first, owned))
+        assert w == 32 and len(group) == 40  # 1000 // 32 + 8 = 39, up to a multiple of 8
+        starts = np.cumsum(sizes_g) - sizes_g
+        for e, (start, size) in enumerate(zip(starts, sizes_g)):
+            covered = [r for i in np.flatnonzero(group == e) for r in range(first[i], first[i] + owned[i])]
+            assert sorted(covered) == list(range(start, start + size)), (sizes_g, e)
+        assert owned.sum() == sum(sizes_g)

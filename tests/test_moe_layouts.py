@@ -48,8 +48,8 @@ def test_dropping_capacity_matches_one_device_and_differs_from_dropless(referenc
 
 
 def test_dropless_under_gradient_accumulation():
-    """Accumulation vmaps the loss over the data replicas (grad_reduce.per_replica), where
-    ragged_dot has no batching rule of its own (moe_dropless.grouped_dot loops instead).
+    """Accumulation vmaps the loss over the data replicas (grad_reduce.per_replica), so the
+    grouped matmul's windows run batched over them (moe_dropless.swiglu_grouped).
     With the router losses off (theirs is a product of means over a microbatch) two
     microbatches train as one batch."""
     off = {"layout": "dp_ep", "moe.aux_loss_coef": 0.0, "moe.z_loss_coef": 0.0}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.errors import UserError
-from meshtrain.models import family, llama, moe, sizes, stack
+from meshtrain.models import family, llama, moe, moe_dropless, sizes, stack
 from meshtrain.models.attention import Cache
 from meshtrain.models.stack import Constrain, RunLayers, no_constraint
 
@@ -140,15 +140,16 @@ def layer_activation_bytes(cfg: MixtralConfig, tokens: int, tensor: int, remat: 
     k experts a token, X experts, C slots per sequence, F the expert mlp, e = `expert`
     (the devices `experts` is split over, dropless's exchange) and remat none:
       router     logits and probabilities, 2 X float32
-      dropless   the received copies sorted by expert ([e n k, D]: e k D), the SwiGLU's
-                 four [e n k, F/t] (4 e k F, split), the copies' outputs for the weighted
-                 sum (k D)
+      dropless   the copies the windows read ([e n k, D]: e k D), the windows' matmul
+                 outputs, gate and up [W e n k, F/t] and down [W e n k, D] with W = 1 +
+                 1 / moe_dropless.WINDOWS_PER_GROUP (W e k (2 F/t + D); the rest of the
+                 SwiGLU is recomputed), the copies' outputs for the weighted sum (k D)
       capacity   the dispatch and combine one-hots [B, T, X, C] (2 X C / 1), the per-choice
                  slots [B, T, k, X, C] in float32 (the combine's weights' gradient), the
                  buffers in and out [X, B, C, D] (2 X C D / T) and the SwiGLU's four
                  [X, B, C, F/t] (4 X C F / T, split)
     save_dots and full keep none of it: the policy saves no batched (capacity's expert
-    dim) or ragged (dropless's grouped) matmul, and the layer is rerun."""
+    dim) or windowed (dropless's grouped) matmul, and the layer is rerun."""
     dense = dataclasses.replace(cfg, mlp_dim=cfg.num_shared_experts * cfg.mlp_dim)
     kept = llama.layer_activation_bytes(dense, tokens, tensor, remat, sp=sp, context=context)
     if remat != "none":
@@ -160,7 +161,8 @@ def layer_activation_bytes(cfg: MixtralConfig, tokens: int, tensor: int, remat: 
         slots = moe.capacity(t, x, k, cfg.moe.capacity_factor)
         own += c * (2 * x * slots + 2 * x * slots * d / t + 4 * x * slots * f / t / tensor) + 4 * k * x * slots
     else:
-        own += c * (expert * k * d + 4 * expert * k * f / tensor + k * d)
+        win = 1 + 1 / moe_dropless.WINDOWS_PER_GROUP
+        own += c * (expert * k * d + win * expert * k * (2 * f / tensor + d) + k * d)
     return kept + tokens * own
 
 

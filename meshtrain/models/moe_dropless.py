@@ -14,8 +14,9 @@ when there is no mesh), with n local tokens, k copies each and the X/ep experts 
        implementation in XLA; docs/models.md.)
        tokens not split over them: each device computes the copies routed to its own
        experts and the outputs are summed over the expert axes.
-  3. each expert's rows go through its SwiGLU as a grouped matmul (`jax.lax.ragged_dot`:
-     one [rows, D] x [X/ep, D, F] product with each row block against its group);
+  3. each expert's rows go through its SwiGLU as a grouped matmul (`swiglu_grouped`:
+     windows of one expert's rows, batched against their experts' weights, about 1.25
+     times the rows' FLOPs);
   4. the copies are put back in token order and summed with their routing weights; an
      expert mlp split over `tensor` gives partial sums, summed over tensor once, on [n, D].
 
@@ -24,9 +25,10 @@ Shapes: B batch, T length, D embed, X experts, k per token, F expert mlp, n = B 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import sequential_vmap
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
@@ -37,46 +39,66 @@ W_IN = ("experts", "embed", "mlp")
 W_OUT = ("experts", "mlp", "embed")
 
 
-# jax.lax.ragged_dot has no batching rule for an unbatched weight, and the step vmaps the
-# loss over data-parallel replicas (grad_reduce.per_replica: grad_dtype, accumulation).
-# So the grouped matmul and its gradient each loop over a vmapped dim (one replica per
-# device: a loop of one), and its backward is JAX's own vjp of ragged_dot, run unbatched.
-@sequential_vmap
-def _ragged(x_md, w_gdf, sizes_g):
-    return jax.lax.ragged_dot(x_md, w_gdf, sizes_g)
+# A window is rows / (WINDOWS_PER_GROUP g) rows of one group, so the windows compute at
+# most 1 + 1 / WINDOWS_PER_GROUP times the rows (each group's last window is partly empty:
+# at most g windows' worth).
+WINDOWS_PER_GROUP = 4
 
 
-@sequential_vmap
-def _ragged_vjp(x_md, w_gdf, sizes_g, dy_mf):
-    return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes_g), x_md, w_gdf)[1](dy_mf)
+def windows(sizes_g: jax.Array, rows: int) -> tuple[int, jax.Array, jax.Array, jax.Array]:
+    """Windows over rows sorted by group (sizes [g], summing to at most `rows`), each within
+    one group: -> (w, group [I], first row [I], rows it owns [I]) with w rows a window and
+    I >= rows // w + g windows, a multiple of g, enough for any sizes (a group of s rows
+    takes ceil(s / w)); the windows past those own no row."""
+    g = sizes_g.shape[0]
+    w = max(1, -(-rows // (WINDOWS_PER_GROUP * g)))
+    count = -(-(rows // w + g) // g) * g
+    per = -(-sizes_g // w)                                        # [g] windows of each group
+    end = jnp.cumsum(per)
+    i = jnp.arange(count)
+    group = jnp.minimum((end[None, :] <= i[:, None]).sum(1), g - 1)   # [I]
+    j = i - (end - per)[group]                                    # the window's place in its group
+    first = (jnp.cumsum(sizes_g) - sizes_g)[group] + j * w
+    owned = jnp.clip(sizes_g[group] - j * w, 0, w)
+    return w, group, first, owned
 
 
-@jax.custom_vjp
-def grouped_dot(x_md: jax.Array, w_gdf: jax.Array, sizes_g: jax.Array) -> jax.Array:
-    """Rows x [m, D] in groups of sizes [g] times their group's w [g, D, F] -> [m, F]
-    (rows past the groups give zeros): `jax.lax.ragged_dot`, safe under vmap."""
-    return _ragged(x_md, w_gdf, sizes_g)
+def swiglu_grouped(xs_md: jax.Array, order_m: jax.Array, sizes_g: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Rows xs [m, D] taken in `order` [m] fall in groups of sizes [g] (rows past the
+    groups give zeros); each goes through its group's SwiGLU, weights [g, D, F], [g, D, F],
+    [g, F, D], and its output lands in its own row -> [m, D].
 
-
-grouped_dot.defvjp(lambda x, w, sizes: (_ragged(x, w, sizes), (x, w, sizes)),
-                   lambda res, dy: (*_ragged_vjp(*res, dy), None))
-
-
-def swiglu_grouped(xs_md: jax.Array, sizes_g: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """Rows xs [m, D] in groups of sizes [g] (rows past the groups give zeros) through
-    their group's SwiGLU, weights [g, D, F], [g, D, F], [g, F, D] -> [m, D]."""
+    A grouped matmul from plain ones: the rows in group order are cut into windows of w rows
+    of one group (`windows`), and g windows at a time run as one batched matmul against
+    their groups' weights, so the compute is about (1 + 1 / WINDOWS_PER_GROUP) times the
+    rows' (`jax.lax.ragged_dot`, which XLA's CPU backend and, without a grouped-GEMM
+    kernel, its GPU backend lower as every row against every group, costs g times;
+    docs/models.md has the measurements). The backward pass keeps the matmuls' outputs and
+    gathers the rows and weights again, so no window keeps a copy of its group's weights."""
+    m, d = xs_md.shape
+    g = sizes_g.shape[0]
     dt = xs_md.dtype
-    g = grouped_dot(xs_md, w_gate.astype(dt), sizes_g)
-    u = grouped_dot(xs_md, w_up.astype(dt), sizes_g)
-    return grouped_dot(jax.nn.silu(g) * u, w_down.astype(dt), sizes_g)
+    w_gate, w_up, w_down = (jnp.asarray(a, dt) for a in (w_gate, w_up, w_down))
+    w, group, first, owned = windows(sizes_g, m)
+    rows_iw = order_m[jnp.minimum(first[:, None] + jnp.arange(w)[None, :], m - 1)]   # [I, w] rows of xs
+    mine = jnp.arange(w)[None, :] < owned[:, None]                 # [I, w] rows the window owns
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+    def window(args):  # one window's rows [w], which it owns [w], its group [] -> [w, D]
+        rows, own, e = args
+        x = jnp.where(own[:, None], xs_md[rows], 0)
+        h = jax.nn.silu(x @ w_gate[e]) * (x @ w_up[e])
+        return h @ w_down[e]
+
+    out_iwd = jax.lax.map(window, (rows_iw, mine, group), batch_size=g)
+    return jnp.zeros((m, d), dt).at[jnp.where(mine, rows_iw, m)].add(out_iwd, mode="drop")
 
 
 def _grouped(xs_md, ids_m, groups: int, ws) -> jax.Array:
     """Rows xs [m, D] with group ids [m] (ids >= groups: no group, output 0) -> [m, D]."""
     order = jnp.argsort(ids_m, stable=True)
     sizes = (ids_m[:, None] == jnp.arange(groups)[None, :]).sum(0).astype(jnp.int32)
-    out_sorted = swiglu_grouped(xs_md[order], sizes, *ws)
-    return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    return swiglu_grouped(xs_md, order, sizes, *ws)
 
 
 def _combine(out_nkd, w_nk):

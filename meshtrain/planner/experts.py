@@ -17,7 +17,7 @@ compute dtype's bytes, every all-to-all sends (e-1)/e of its buffer (the rest st
               forward   2;  backward   2
 
 A remat policy that reruns the MoE layer (full; save_dots too, whose policy saves no
-batched or ragged matmul: measured, the same count as full) runs the forward's
+batched or windowed matmul: measured, the same count as full) runs the forward's
 all-to-alls again in the backward pass ("recompute": dropless 2 float + 1 ids, capacity 2).
 The bound counts forward and backward; the recompute is remat's, named as known excess.
 Layers x microbatches (train.grad_accum_steps) times each. Tokens not split over the
