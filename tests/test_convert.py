@@ -44,7 +44,6 @@ def meshtrain_logits(ckpt, tokens) -> np.ndarray:
 
 def assert_logits_match(ours, theirs):
     err = np.abs(ours - theirs).max() / np.abs(theirs).max()
-    print(f"logits: max |ours - transformers'| / max |transformers'| = {err:.2e} (tolerance {LOGIT_TOL:g})")
     assert err <= LOGIT_TOL, f"logits differ by {err:.2e} of the largest"
 
 

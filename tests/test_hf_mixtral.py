@@ -79,7 +79,10 @@ def test_converts_with_transformers_logits_and_exports_bitwise(per_expert, tmp_p
         "tie_embeddings": False}
     assert router_margin(hf, TOKENS) > ROUTER_MARGIN
     theirs = hf_models.logits(hf, TOKENS)
-    assert_logits_match(meshtrain_logits(ckpt, TOKENS), theirs)
+    ours = meshtrain_logits(ckpt, TOKENS)
+    print(f"logits: max |ours - transformers'| / max |transformers'| = "
+          f"{np.abs(ours - theirs).max() / np.abs(theirs).max():.2e}")
+    assert_logits_match(ours, theirs)
     convert.to_hf(ckpt, tmp_path / "out", say=quiet, warn=quiet)
     assert_bitwise_equal(original, tmp_path / "out")
     np.testing.assert_array_equal(hf_models.logits(tmp_path / "out", TOKENS), theirs)
