@@ -1,9 +1,41 @@
-"""Every test process gets 8 fake CPU devices, set before JAX starts its backend, and
-W&B in its offline mode."""
+"""Every test process gets 8 fake CPU devices, set before JAX starts its backend, one
+persistent compilation cache for the whole run, and W&B in its offline mode."""
 
 import os
+import shutil
+import tempfile
 
-import jax
+# One persistent compilation cache for every process of a run: the xdist workers and every
+# process a test starts inherit this environment, so a program compiled once (say the tiny
+# GPT-2's step that a dozen files and subprocesses train) is read back everywhere else.
+# The directory belongs to the run: the first process (the xdist controller, or the only
+# one) makes it and removes it at the end, so no entry outlives the code that wrote it.
+# MESHTRAIN_TEST_JAX_CACHE=DIR keeps one across runs instead; JAX's key for an entry is
+# the program itself with the jax and jaxlib versions, the backend and the XLA flags, so
+# a kept entry is only ever read for the program that wrote it.
+# MESHTRAIN_TEST_JAX_CACHE=off runs without one (to measure what it saves).
+_OWNED_CACHE = None
+if "MESHTRAIN_TEST_JAX_CACHE" not in os.environ:
+    _OWNED_CACHE = os.environ["MESHTRAIN_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="meshtrain-jax-cache-")
+if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
+    os.environ.update({
+        "JAX_COMPILATION_CACHE_DIR": os.environ["MESHTRAIN_TEST_JAX_CACHE"],
+        # Every program, however quick to compile: the suite compiles thousands of small ones.
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        # A size limit turns on the cache's file lock, so no process reads an entry another
+        # is still writing (the limit itself is far above what the suite writes).
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
+    })
+
+# LLVM at -O1 for the suite's programs: XLA:CPU spends about half of each compile in LLVM,
+# and the suite compiles over a thousand distinct programs that then run a few tiny steps
+# each. -O1 leaves the HLO (every sharding, collective and buffer the tests check) and the
+# float semantics as they are and cuts the compile-bound tests by a fifth (docs/testing.md).
+# Processes the tests start inherit it; an XLA_FLAGS that sets the level itself wins.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -15,6 +47,13 @@ os.environ["WANDB_MODE"] = "offline"
 import pytest  # noqa: E402
 
 from meshtrain import config as config_lib  # noqa: E402
+
+pytest_plugins = ["support.suite_clock"]
+
+
+def pytest_unconfigure(config):
+    if _OWNED_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
 
 
 def configured(name: str, **overrides):
@@ -31,3 +70,11 @@ def configured(name: str, **overrides):
 def make_config():
     """make_config("gpt2_tiny_dp8", **{"train.steps": "3"}) -> locked ConfigDict."""
     return configured
+
+
+@pytest.fixture(scope="session")
+def gpt2_tiny_one_device():
+    """gpt2_tiny_dp8 trained 20 steps on one device: (losses [20], first-step gradients), the
+    reference of the GPT-2 layout tests in several files (built once per xdist worker)."""
+    from support.training import run
+    return run("gpt2_tiny_dp8", {}, "data:1")

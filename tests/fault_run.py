@@ -7,6 +7,8 @@ The fault (JSON in MESHTRAIN_TEST_FAULT) hits the train batches of one process
     block   waits forever (a stalled input pipeline), from "step" on;
     sleep   sleeps "seconds" once, before "step", staying alive;
     slow    sleeps "seconds" before every batch from "step" (default 1) on: a straggler.
+With "restart": N the fault hits only the Nth run of a Slurm job (SLURM_RESTART_COUNT, 0
+for the first run), so a requeued job runs again at full speed.
 Launchers that run `$PYTHON -m meshtrain.train` (launch/local.sh, launch/slurm.sbatch) run
 this file instead when PYTHON is tests/fault_python.
 """
@@ -31,7 +33,8 @@ class FaultyBatches:
         import jax
         self.step += 1
         f, me = self.fault, jax.process_index()
-        if f.get("process", me) == me:
+        run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        if f.get("process", me) == me and f.get("restart", run) == run:
             if f["kind"] in ("block", "sleep") and self.step == f["step"]:
                 # When the fault began, for the tests' detection times.
                 print(f"fault: process {me} {f['kind']}s before step {self.step} at {time.time():.3f}",

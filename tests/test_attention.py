@@ -13,7 +13,7 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 from meshtrain.models.attention import Platform, choose
 
-from gradients import loss_and_grads
+from support.training import loss_and_grads
 
 H100 = Platform("gpu", "9.0", cudnn=True)
 A100 = Platform("gpu", "8.0", cudnn=True)

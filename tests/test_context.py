@@ -11,36 +11,14 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import check_config
 from meshtrain.layouts import get, sequence
 from conftest import configured
-from test_equivalence import losses_and_grads
+from support.training import assert_equal_training, devices_for, run
 
-STEPS = 20
 LLAMA = {"model.seq_len": 512, "train.loss_chunk": 128}  # the issue's "Llama tiny, sequence 512"
 
 
-def devices_for(mesh: str):
-    return jax.devices()[:int(np.prod([int(p.split(":")[1]) for p in mesh.split(",")]))]
-
-
-def run(name, overrides, mesh, steps=STEPS):
-    cfg = configured(name, **overrides, **{"mesh.shape": mesh})
-    return losses_and_grads(cfg, devices=devices_for(mesh), steps=steps)
-
-
-def assert_equal_training(label, got, ref):
-    """Every step's loss within relative 1e-5 of one device's, the model learning, and the
-    first step's gradients within float32 rounding."""
-    (losses, grads), (ref_losses, ref_grads) = got, ref
-    rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
-    print(f"{label}: max relative loss difference {rel.max():.2e} over {len(losses)} steps, "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")  # the figures docs and notes quote (pytest -s)
-    assert rel.max() < 1e-5, f"{label}: loss sequence differs, max rel diff {rel.max():.2e}"
-    assert losses[-1] < losses[0] - 0.3, f"{label}: the model should be learning"
-    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
-
-
 @pytest.fixture(scope="module")
-def gpt2_reference():
-    return run("gpt2_tiny_dp8", {}, "data:1")
+def gpt2_reference(gpt2_tiny_one_device):
+    return gpt2_tiny_one_device
 
 
 @pytest.fixture(scope="module")

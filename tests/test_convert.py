@@ -1,4 +1,4 @@
-"""Hugging Face interop: tiny random transformers models (saved offline, tests/hf_models.py)
+"""Hugging Face interop: tiny random transformers models (saved offline, tests/support/hf_models.py)
 convert to meshtrain checkpoints whose logits match transformers', export back bit for
 bit, and start a fine-tuning run under any layout with the first loss of the HF model."""
 
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import hf_models  # noqa: E402
+from support import hf_models  # noqa: E402
 from meshtrain import config as config_lib, convert, state as state_lib, tree_paths  # noqa: E402
 from meshtrain.checkpoints import init_from, reading
 from meshtrain.errors import UserError  # noqa: E402

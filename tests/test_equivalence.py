@@ -7,50 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import pipeline, step as step_lib
-from meshtrain.experiment import Experiment
+from support.training import assert_same_training, losses_and_grads
 
 LAYOUTS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_dp2_fsdp2_tp2", "gpt2_tiny_dp2_pp2_tp2", "gpt2_tiny_pp2_dp4"]
-STEPS = 20
-
-
-def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
-    """Loss of each of `steps` steps, and the gradients at step 1 (gathered to host)."""
-    exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    state = exp.init_state()
-    batches = exp.train_batches()
-    first = exp.put_batch(next(batches))
-    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
-    grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None)),
-                      in_shardings=(exp.shardings.params, exp.batch_sharding))
-    grads = jax.device_get(grad_fn(state.params, first))
-    if exp.model.pipeline is not None:  # compare in model layer order
-        grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
-    losses = []
-    state, metrics = exp.train_step(state, first)
-    losses.append(float(metrics["loss"]))
-    for _ in range(steps - 1):
-        state, metrics = exp.train_step(state, exp.put_batch(next(batches)))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), grads
-
-
-def assert_same_training(name, result, reference):
-    """Losses of every step within 1e-4 (relative), the model learning, and the first
-    step's gradients within float tolerance, of a layout against one device."""
-    (losses, grads), (ref_losses, ref_grads) = result, reference
-    rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
-    assert rel.max() < 1e-4, f"{name}: loss sequence differs, max rel diff {rel.max():.2e}"
-    assert losses[-1] < losses[0] - 0.5, f"{name}: the model should be learning over 20 steps"
-    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
 
 
 @pytest.fixture(scope="module")
-def reference(request):
-    from meshtrain import config as config_lib
-    cfg = config_lib.load("gpt2_tiny_dp8")
-    return losses_and_grads(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
+def reference(gpt2_tiny_one_device):
+    return gpt2_tiny_one_device
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -5,7 +5,7 @@ same tokens; bad input is one paragraph with status 2."""
 import json
 import math
 
-import hf_models  # builds Hugging Face models; imports torch and transformers when called
+from support import hf_models  # builds Hugging Face models; imports torch and transformers when called
 import numpy as np
 import pytest
 

@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain import goodput
 from meshtrain.train import main
-from processes import ENV, ROOT, losses, steps_on_disk, trainer
+from support.processes import ENV, ROOT, losses, steps_on_disk, trainer
 
 pytestmark = pytest.mark.slow
 TINY = "gpt2_tiny_dp8"

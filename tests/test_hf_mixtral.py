@@ -1,5 +1,5 @@
 """Hugging Face interop for the mixtral family: a tiny random MixtralForCausalLM (saved
-offline, tests/hf_models.py) converts with transformers' logits from either layout of
+offline, tests/support/hf_models.py) converts with transformers' logits from either layout of
 its experts, exports back bit for bit, fine-tunes from its first loss, samples what
 transformers' generate does; the closed-form parameter counts equal transformers'."""
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import hf_models  # noqa: E402
+from support import hf_models  # noqa: E402
 from meshtrain import convert, sample  # noqa: E402
 from meshtrain.checkpoints import init_from  # noqa: E402
 from meshtrain.errors import UserError  # noqa: E402

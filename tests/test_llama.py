@@ -18,7 +18,7 @@ from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_
 from meshtrain.models.sizes import LLAMA_SIZES
 from meshtrain.state import abstract_model, param_shardings
 
-from test_equivalence import assert_same_training, losses_and_grads
+from support.training import assert_same_training, losses_and_grads
 
 
 def cfg_for(size, **kw):

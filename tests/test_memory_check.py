@@ -17,7 +17,7 @@ from meshtrain import train
 from meshtrain.errors import UserError
 from meshtrain.experiment import Experiment
 from meshtrain.planner import memory_check
-from processes import ENV, ROOT
+from support.processes import ENV, ROOT
 
 MIB = 2**20
 TINY = ["--config=gpt2_tiny_dp8", "--config.train.steps=2", "--config.train.eval_every=0"]

@@ -12,7 +12,7 @@ from flax import nnx
 
 from meshtrain import config as config_lib
 from meshtrain.models import family, stack
-from test_equivalence import assert_same_training, losses_and_grads
+from support.training import assert_same_training, losses_and_grads
 
 
 # --- a toy language model: embedding, a stack of residual MLP layers, untied head ---

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_context import assert_equal_training, run
+from support.training import assert_equal_training, run
 
 CAPACITY = {"moe.dispatch": "capacity", "moe.capacity_factor": 2.0}  # drops nothing here
 DROPPING = {"moe.dispatch": "capacity", "moe.capacity_factor": 1.0}

@@ -17,7 +17,7 @@ from meshtrain import mesh as mesh_lib
 from meshtrain.planner import hlo
 from meshtrain.experiment import Experiment
 from meshtrain.train import main
-from processes import ENV, ROOT, free_port, local_sh, logged, losses, processes, steps_on_disk, trainer, wait_for
+from support.processes import ENV, ROOT, free_port, local_sh, logged, losses, processes, steps_on_disk, trainer, wait_for
 
 pytestmark = pytest.mark.slow
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0"]

@@ -13,7 +13,7 @@ from meshtrain.planner import hlo, hlo_flops
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import Pipeline
 
-from gradients import loss_and_grads
+from support.training import loss_and_grads
 
 
 def items(pipe):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import configured as config
-from gradients import loss_and_grads
+from support.training import loss_and_grads
 from meshtrain import config as config_lib, step as step_lib
 from meshtrain.experiment import Experiment
 from meshtrain.pipeline import Pipeline

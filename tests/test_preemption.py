@@ -17,7 +17,7 @@ import pytest
 
 from meshtrain import goodput
 from meshtrain.train import main
-from processes import free_port, steps_on_disk, wait_for
+from support.processes import free_port, steps_on_disk, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0"]

@@ -16,7 +16,7 @@ from meshtrain.errors import RunFailed
 from meshtrain.cluster import handshake
 from meshtrain.cluster.channel import MAX_LINE, Channel
 from meshtrain.cluster.rendezvous import Rendezvous, first_difference
-from processes import free_port, local_sh, losses, trainer, wait_for
+from support.processes import free_port, local_sh, losses, trainer, wait_for
 
 RUN = ["gpt2_tiny_dp8", "--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=0"]
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_models  # noqa: E402
+from support import hf_models  # noqa: E402
 from test_subword import CORPUS, SAMPLES, _fake_gpt2_dir  # noqa: E402
 
 from meshtrain import convert, sample  # noqa: E402

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-import hf_models  # builds Hugging Face models; imports torch and transformers when called
+from support import hf_models  # builds Hugging Face models; imports torch and transformers when called
 import jax
 import numpy as np
 import pytest

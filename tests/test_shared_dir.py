@@ -15,7 +15,7 @@ import pytest
 
 from meshtrain.cluster import shared_dir
 from meshtrain.errors import UserError
-from processes import ENV, free_port
+from support.processes import ENV, free_port
 
 
 class Store:

@@ -5,7 +5,7 @@ so the helper is imported by its bare module name; importing the fixture registe
 """
 import pytest
 
-from slurm_cluster import SlurmCluster, skip_reason, slurm  # noqa: F401  (slurm: fixture)
+from support.slurm_cluster import SlurmCluster, skip_reason, slurm  # noqa: F401  (slurm: fixture)
 
 TASK = "echo $SLURM_PROCID $SLURM_NTASKS $SLURM_NODEID $SLURM_LOCALID $SLURM_STEP_ID > task-$SLURM_PROCID.txt"
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from processes import ROOT
-from slurm_cluster import slurm  # noqa: F401  (the fixture)
+from support.processes import ROOT
+from support.slurm_cluster import slurm  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
 SBATCH = str(ROOT / "launch" / "slurm.sbatch")

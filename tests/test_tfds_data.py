@@ -16,7 +16,7 @@ from meshtrain.data import make_source, tfds_source
 from meshtrain.data.prepare import main as prepare
 from meshtrain.data.tokenizers import load_tokenizer
 from meshtrain.errors import UserError
-from processes import free_port
+from support.processes import free_port
 
 SEQ = 16
 ROOT = Path(__file__).resolve().parents[1]

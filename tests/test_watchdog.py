@@ -11,7 +11,7 @@ from meshtrain.cluster import stragglers
 from meshtrain.cluster.rendezvous import Rendezvous
 from meshtrain.cluster.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, HANG_STATUS, Watchdog, check_config
 from meshtrain.errors import UserError
-from processes import free_port, wait_for
+from support.processes import free_port, wait_for
 
 
 class Exits:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from meshtrain.cluster import xla_flags
-from processes import ROOT
+from support.processes import ROOT
 
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 AR = "xla_gpu_all_reduce_combine_threshold_bytes"
