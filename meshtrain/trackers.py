@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import secrets
+import sys
 
 from meshtrain.errors import UserError, warn
 
@@ -92,6 +93,23 @@ class Jsonl(Tracker):
             self.file.close()
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX imports torch
+    wherever it is installed (only to accept its tensors, which meshtrain never logs): 1.7 s
+    of every start on a 2-core machine that has it. While tensorboardX loads, `import torch`
+    fails as if it were absent; afterwards it imports as usual, and a process that already
+    holds torch keeps it."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard(Tracker):
     """WORKDIR/tb/: every non-null field of a row but step and time_s is a scalar at its
     step (TensorBoard keeps its own wall time); a resumed run purges the steps after
@@ -99,9 +117,8 @@ class TensorBoard(Tracker):
     name = "tensorboard"
 
     def __init__(self, workdir: pathlib.Path, resume_step: int | None):
-        from tensorboardX import SummaryWriter  # imported lazily: slow to import
         purge = None if resume_step is None else resume_step + 1
-        self.writer = SummaryWriter(str(workdir / "tb"), purge_step=purge)
+        self.writer = _summary_writer()(str(workdir / "tb"), purge_step=purge)
 
     def log(self, row: dict) -> None:
         for k, v in row.items():
