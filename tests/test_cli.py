@@ -37,9 +37,15 @@ def test_short_run_writes_run_json_and_metrics(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (w / "tb").iterdir())
 
 
+# GPT-2 medium's step needs ~13 GiB a device, more than this host shares among 32 simulated
+# devices: the memory check would compile its fixes (three more programs) to name one.
+# test_memory_check.py::test_a_compile_only_run_warns_and_exits_0 tests that warning.
+SKIP_CHECK = ["--config.train.skip_memory_check=true"]
+
+
 @pytest.mark.slow
 def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
-    r = run_cli("--config=gpt2_medium_dp8_tp4", "--config.train.steps=0", f"--workdir={tmp_path}")
+    r = run_cli("--config=gpt2_medium_dp8_tp4", "--config.train.steps=0", f"--workdir={tmp_path}", *SKIP_CHECK)
     assert r.returncode == 0, r.stderr
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["device_count"] == 32 and run["num_params"] == 354_823_168
@@ -50,7 +56,7 @@ def test_compile_only_gpt2_medium_on_32_simulated_devices(tmp_path):
 
 @pytest.mark.slow
 def test_compile_only_pipelined_gpt2_medium_on_32_simulated_devices(tmp_path):
-    r = run_cli("--config=gpt2_medium_dp2_pp4_tp4", "--config.train.steps=0", f"--workdir={tmp_path}")
+    r = run_cli("--config=gpt2_medium_dp2_pp4_tp4", "--config.train.steps=0", f"--workdir={tmp_path}", *SKIP_CHECK)
     assert r.returncode == 0, r.stderr
     assert "Involuntary" not in r.stderr  # no resharding by full replication
     run = json.loads((tmp_path / "run.json").read_text())

@@ -24,6 +24,8 @@ import sysconfig
 
 import pytest
 
+from support import notebooks
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMANDS = ["configs", "train", "eval", "sample", "plan", "compare", "convert", "prepare"]
 
@@ -155,31 +157,20 @@ def test_plan_answers_in_json(installed):
 
 
 @pytest.mark.slow
-def test_a_notebook_runs_against_the_installed_package(installed, tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
-
+def test_a_notebook_runs_against_the_installed_package(installed, tmp_path, monkeypatch):
+    """layouts.ipynb from a directory outside the checkout, in a kernel of the fresh venv:
+    it imports meshtrain from site-packages, runs every cell and draws every figure
+    (test_notebooks.py runs the other notebook from the checkout)."""
     python, _, env, outside = installed
-    spec = tmp_path / "jupyter" / "kernels" / "installed-meshtrain"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "installed meshtrain", "language": "python"}))
+    notebooks.kernel_spec(tmp_path / "jupyter", python)
     work = outside / "notebook"
     work.mkdir(exist_ok=True)
-    nb = nbformat.read(ROOT / "notebooks" / "layouts.ipynb", as_version=4)
-    client = NotebookClient(nb, timeout=300, kernel_name="installed-meshtrain", allow_errors=False,
-                            resources={"metadata": {"path": str(work)}})
     kernel_env = {**env, "JUPYTER_PATH": str(tmp_path / "jupyter"), "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
-    import os
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = kernel_env["JUPYTER_PATH"]
-    try:
-        client.execute(env=kernel_env)
-    finally:
-        os.environ.pop("JUPYTER_PATH") if old is None else os.environ.__setitem__("JUPYTER_PATH", old)
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    nb, elapsed = notebooks.execute("layouts.ipynb", kernel_env, work, monkeypatch)
+    figures = notebooks.assert_runs_and_draws("layouts.ipynb", nb)
+    text = "".join(o.get("text", "") for c in notebooks.code_cells(nb) for o in c.outputs)
     assert "site-packages" in text and str(ROOT) not in text.split("meshtrain from:")[-1].splitlines()[0]
+    print(f"layouts.ipynb (installed): {elapsed:.1f} s, {figures} figures")
 
 
 def _top_level_imports(lazy: bool | None = None) -> set[str]:

@@ -6,11 +6,8 @@ Each notebook is executed by nbclient in an IPython kernel started from this int
 with notebooks/ as the working directory. The stored notebooks carry no outputs.
 """
 
-import json
 import os
-import pathlib
 import sys
-import time
 
 import jax
 import matplotlib
@@ -21,14 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.experiment import Experiment
 from meshtrain.planner import pictures, spatial_pictures
+from support import notebooks
+from support.notebooks import NOTEBOOKS, code_cells
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["layouts.ipynb", "scaling.ipynb"]
-CELL_TIMEOUT_S = 300
-KERNEL = "meshtrain-test-python3"
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +34,6 @@ def close_figures():
 
 
 # --- the stored notebooks ------------------------------------------------------------------
-
-def code_cells(nb) -> list:
-    return [c for c in nb.cells if c.cell_type == "code"]
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_stored_notebook_is_clear_and_starts_with_the_colab_cell(name):
@@ -84,43 +76,20 @@ def test_colab_cell_is_a_no_op_outside_colab(monkeypatch):
 def kernel_env(tmp_path):
     """A kernelspec that starts this interpreter, found through JUPYTER_PATH, and the
     environment the kernel gets (without MPLBACKEND, so the inline backend draws)."""
-    spec = tmp_path / "jupyter" / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "meshtrain tests", "language": "python"}))
+    notebooks.kernel_spec(tmp_path / "jupyter", sys.executable)
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     env["JUPYTER_PATH"] = os.pathsep.join([str(tmp_path / "jupyter"), env.get("JUPYTER_PATH", "")]).rstrip(os.pathsep)
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     return env
 
 
+# layouts.ipynb runs, with the same checks, against the installed wheel in
+# test_install.py::test_a_notebook_runs_against_the_installed_package: once is enough.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["scaling.ipynb"])
 def test_notebook_runs_and_draws(name, kernel_env, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
-    monkeypatch.setenv("JUPYTER_PATH", kernel_env["JUPYTER_PATH"])
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL, allow_errors=False,
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
-    t0 = time.perf_counter()
-    client.execute(env=kernel_env)
-    elapsed = time.perf_counter() - t0
-    errors = [o for c in code_cells(nb) for o in c.outputs if o.output_type == "error"]
-    assert not errors, [f"{o.ename}: {o.evalue}" for o in errors]
-    figures = 0
-    for i, c in enumerate(code_cells(nb)):
-        images = [o for o in c.outputs if "image/png" in o.get("data", {})]
-        if "plt.show()" in c.source:
-            assert images, f"{name}: code cell {i} should draw a figure:\n{c.source}"
-        figures += len(images)
-    assert figures >= (6 if name == "layouts.ipynb" else 1)
-    text = "".join(o.get("text", "") for c in code_cells(nb) for o in c.outputs)
-    if name == "layouts.ipynb":
-        assert text.count("max rel diff vs dp8") == 5
-        assert text.count("max rel diff vs one device") == 1  # the image model's spatial layout
+    nb, elapsed = notebooks.execute(name, kernel_env, NOTEBOOKS, monkeypatch)
+    figures = notebooks.assert_runs_and_draws(name, nb)
     print(f"{name}: {elapsed:.1f} s, {figures} figures")
 
 
