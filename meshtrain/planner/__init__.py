@@ -22,22 +22,20 @@ import os
 import subprocess
 import sys
 
-# The planner reads the partitioned HLO, its buffers and collectives, never runs the
-# machine code: LLVM's optimisations and XLA's CPU fusion emitters can go, which makes
-# compiles 2-4x faster and leaves every figure the planner reports the same (measured on
-# gpt2_medium_dp8_tp4; docs/planner.md).
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                      "--xla_cpu_use_fusion_emitters=false")
-
-
 def fast_compile() -> bool:
-    """Adds FAST_COMPILE_FLAGS to XLA_FLAGS (inherited by worker processes) if this jaxlib
-    knows them: an unknown flag aborts the process, so a child process tries them first.
-    Call before JAX starts its backend; returns whether they are on."""
-    if FAST_COMPILE_FLAGS in os.environ.get("XLA_FLAGS", ""):
+    """Puts the analysis compile options (experiment.ANALYSIS_OPTIONS: the planner reads the
+    partitioned HLO, its buffers and collectives, never runs the machine code) into XLA_FLAGS,
+    for every compile of this process and the processes it starts, if this jaxlib knows
+    them: an unknown flag aborts the process, so a child process tries them first. For a
+    process that only plans (`meshtrain plan`, the notebooks); call before JAX starts its
+    backend; returns whether they are on. Experiment.compile(analysis=True) uses the same
+    options for one compile."""
+    from meshtrain.experiment import ANALYSIS_OPTIONS
+    flags = " ".join(f"--{k}={str(v).lower()}" for k, v in ANALYSIS_OPTIONS.items())
+    if flags in os.environ.get("XLA_FLAGS", ""):
         return True
-    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
     if probe.returncode == 0:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_FLAGS).strip()
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
     return probe.returncode == 0

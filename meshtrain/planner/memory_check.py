@@ -256,7 +256,7 @@ def find_fix(exp, budget: Budget, time_budget_s: float = FIX_COMPILE_BUDGET_S) -
             continue  # does not divide, or the layout cannot hold it: not a fix for this config
         fix.formula = sum(v or 0.0 for v in analytic.memory(other).values())
         if fits(fix.formula, budget) and time.perf_counter() < deadline:
-            fix.compiled = metrics.memory_report(other.compile()).get("peak_estimate")
+            fix.compiled = metrics.memory_report(other.compile(analysis=True)).get("peak_estimate")
             if fix.compiled is not None and fits(fix.compiled, budget):
                 return fix, tried
         tried.append(fix)

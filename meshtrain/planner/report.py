@@ -55,7 +55,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     """The planner's report for a built Experiment (docs/planner.md lists the keys)."""
     if compiled is None:
         t0 = time.perf_counter()
-        compiled = exp.compile()
+        compiled = exp.compile(analysis=True)
         compile_s = time.perf_counter() - t0
     cfg, mesh = exp.model.cfg, exp.mesh
     devices = mesh.devices.size
