@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import json
-import pathlib
 import statistics
 import re
 import time
@@ -36,8 +35,9 @@ PHASES = {"/jax/core/compile/jaxpr_trace_duration": "jax_trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "jax_lower_s",
           "/jax/core/compile/backend_compile_duration": "jax_compile_s"}
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-SECONDS_BY_FILE = pathlib.Path(__file__).with_name("seconds_by_file.json")
+# Both under the run's root directory (the repository's, for the suite).
+README = "README.md"
+SECONDS_BY_FILE = "tests/support/seconds_by_file.json"
 # The README's figures: "**1,332 tests**" and "last whole run took **12 min 5 s**".
 COUNT = re.compile(r"(?<=\*\*)(\d[\d,]*)(?= tests\*\*)")
 MINUTES = re.compile(r"(?<=last whole run took \*\*)\d+ min \d+ s(?=\*\*)")
@@ -78,10 +78,11 @@ def pytest_runtest_makereport(item, call):
     _seconds.clear()
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Longest files first (a file not yet timed counts as the median file); within a file
     the order is the file's own."""
-    seconds = json.loads(SECONDS_BY_FILE.read_text()) if SECONDS_BY_FILE.exists() else {}
+    table = config.rootpath / SECONDS_BY_FILE
+    seconds = json.loads(table.read_text()) if table.exists() else {}
     default = statistics.median(seconds.values()) if seconds else 0.0
     first_seen = {}
     for item in items:
@@ -128,20 +129,21 @@ def _whole_suite(config) -> bool:
 def _figures(mode: str, tests: dict, wall: float, config) -> tuple[str, bool]:
     """(what to say, whether the run fails) for --suite-figures."""
     count = len(tests)
-    text = README.read_text()
+    readme, table = config.rootpath / README, config.rootpath / SECONDS_BY_FILE
+    text = readme.read_text() if readme.exists() else ""
     said = COUNT.search(text)
     if not said or not MINUTES.search(text):
         return "README.md has no '**N tests**' and 'last whole run took **M min S s**' to compare", True
     if not _whole_suite(config):
         return "not the whole suite: README.md not compared", False
     if mode == "write":
-        README.write_text(MINUTES.sub(minutes(wall), COUNT.sub(f"{count:,}", text, count=1), count=1))
+        readme.write_text(MINUTES.sub(minutes(wall), COUNT.sub(f"{count:,}", text, count=1), count=1))
         by_file = collections.Counter()
         for nodeid, t in tests.items():
             by_file[nodeid.split("::")[0]] += t["s"]
-        SECONDS_BY_FILE.write_text(json.dumps({f: round(s, 1) for f, s in by_file.most_common()}, indent=0) + "\n")
-        return (f"README.md now says {count:,} tests in {minutes(wall)}; "
-                f"{SECONDS_BY_FILE.name} has this run's seconds by file"), False
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(json.dumps({f: round(s, 1) for f, s in by_file.most_common()}, indent=0) + "\n")
+        return f"README.md now says {count:,} tests in {minutes(wall)}; {SECONDS_BY_FILE} has its seconds by file", False
     if int(said.group(1).replace(",", "")) != count:
         return (f"README.md says {said.group(1)} tests, this run ran {count:,}: run the README's test command "
                 f"with --suite-figures=write to put this run's figures there"), True
