@@ -1,7 +1,9 @@
 """train.accum_gather: with microbatches under fsdp, "once" gathers the parameters once per
 step and reduces the accumulated gradients once; "each" (XLA left to itself) gathers them
 in every microbatch. What each sends is read from the compiled HLO (hlo.collective_table,
-loop trip counts included); "once" changes no loss.
+loop trip counts included); "once" changes no loss. Steps are compiled with the planner's
+analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile), also
+those run: a few steps of a tiny model, where slower code costs nothing.
 """
 
 import math
@@ -15,7 +17,7 @@ import pytest
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment
+from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, hlo, memory_check
@@ -37,7 +39,7 @@ def run(name, **overrides):
     state = exp.init_state()
     batches = exp.train_batches()
     first = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, first).compile()
+    step = exp.train_step.lower(state, first).compile(ANALYSIS_OPTIONS)
     losses = []
     for batch in [first] + [exp.put_batch(next(batches)) for _ in range(STEPS - 1)]:
         state, metrics = step(state, batch)
@@ -140,7 +142,7 @@ def test_bf16_compute_gathers_matrices_in_bf16():
     """Cast before the gather: matrices travel in bfloat16, vectors in float32."""
     exp = Experiment.build(make("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "once",
                                                       "model.dtype": "bfloat16"}))
-    compiled = exp.compile()
+    compiled = exp.compile(analysis=True)
     rows = hlo.collective_table(compiled, exp.mesh, lambda d: 0)
     gathered = sum(r["result_bytes"] for r in rows if r["kind"] == "all-gather")
     flat = jax.tree.leaves(exp.model.axes, is_leaf=lambda x: isinstance(x, tuple))

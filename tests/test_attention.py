@@ -2,7 +2,9 @@
 
 cuDNN cannot run on CPU, so its selection is checked against simulated platforms; the
 Pallas flash kernel runs here in interpret mode and is compared with XLA's attention in
-loss and gradients, on one device and under shard_map on a data x tensor mesh.
+loss and gradients, on one device and under shard_map on a data x tensor mesh. Those
+programs run once, so they compile with the planner's analysis options
+(experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile, slower code).
 """
 
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment
+from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 from meshtrain.models.attention import Platform, choose
 
 from support.training import loss_and_grads
@@ -108,8 +110,9 @@ def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
         return lambda q, k, v: (attn(q, k, v).astype(np.float32) * w).sum()
     ours = loss(causal_attention)
     jax_s = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
-    (value, grads), (ref_value, ref_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
-                                              for f in (ours, jax_s))
+    (value, grads), (ref_value, ref_grads) = (
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile(ANALYSIS_OPTIONS)(q, k, v)
+        for f in (ours, jax_s))
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(value, ref_value, **tol)
     for g, ref in zip(grads, ref_grads):

@@ -2,6 +2,13 @@
 or mesh, shape and dtype mismatches, unfinished or foreign files, the workdir lock.
 
 The kill and signal tests, which need their own processes, are in test_preemption.py.
+
+Where a test reads a checkpoint back (restore onto 4 devices, a circular pipeline's
+restacking) rather than resumes it through the command, the run that writes it is the
+training loop itself (train_loop and the Checkpointer, as meshtrain train runs them) with
+its step compiled with the planner's analysis options (Experiment.compile(analysis=True):
+the same partitioned HLO, LLVM's optimisations and XLA:CPU's fusion emitters off, 3-4x
+faster to compile; a few tiny steps run no slower that matters).
 """
 
 import json
@@ -35,6 +42,17 @@ def losses(workdir) -> dict[int, float]:
 
 def committed(workdir) -> list[str]:
     return sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
+def loop_checkpoint(exp, ckpt_dir):
+    """exp trained from scratch by the training loop to its train.stop_at, its checkpoint
+    saved in ckpt_dir as meshtrain train saves it; the step compiled for analysis."""
+    ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
+    try:
+        train_loop(exp, exp.compile(analysis=True), metrics.RunLog(None, exp.cfg.train.steps, 1, 1.0, None, 8),
+                   checkpointer=ck, run_summary=checkpoint_lib.run_summary(exp))
+    finally:
+        ck.close()
 
 
 def build(name, **overrides):
@@ -122,8 +140,8 @@ def test_dp8_checkpoint_continues_under_dp2_tp4(straight, half, tmp_path, capsys
 
 def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
     w = tmp_path / "fsdp8"
-    assert train("gpt2_tiny_fsdp8", w, "--config.train.stop_at=10") == 0
-    fsdp8 = Experiment.build(build("gpt2_tiny_fsdp8"))
+    fsdp8 = Experiment.build(build("gpt2_tiny_fsdp8", **{"train.stop_at": 10}))
+    loop_checkpoint(fsdp8, w / "checkpoints")
     fsdp4 = Experiment.build(build("gpt2_tiny_fsdp8", **{"mesh.shape": "fsdp:4", "train.log_every": 1}),
                              devices=jax.devices()[:4])
     (a, _), (b, meta) = restore_both(w / "checkpoints", fsdp8, fsdp4)
@@ -135,7 +153,7 @@ def test_fsdp8_checkpoint_restores_onto_a_4_device_mesh(straight, tmp_path):
     fsdp4.cfg.unlock()
     fsdp4.cfg.train.stop_at = 13
     log = metrics.RunLog(None, 20, 1, 1.0, None, 4)
-    rows = train_loop(fsdp4, fsdp4.compile(), log, b, resume_meta=meta)
+    rows = train_loop(fsdp4, fsdp4.compile(analysis=True), log, b, resume_meta=meta)
     ref = losses(straight)
     np.testing.assert_allclose([r["loss"] for r in rows], [ref[s] for s in (11, 12, 13)], rtol=1e-5)
 
@@ -159,8 +177,8 @@ def test_dp8_checkpoint_continues_in_a_pipeline(straight, half, tmp_path):
 
 def test_circular_pipeline_checkpoint_restores_unpipelined(tmp_path):
     w = tmp_path / "circular"
-    assert train("gpt2_tiny_pp4_dp2_circular", w, "--config.train.stop_at=2") == 0
-    circ = Experiment.build(build("gpt2_tiny_pp4_dp2_circular"))
+    circ = Experiment.build(build("gpt2_tiny_pp4_dp2_circular", **{"train.stop_at": 2}))
+    loop_checkpoint(circ, w / "checkpoints")
     flat = Experiment.build(build("gpt2_tiny_pp4_dp2_circular", **{
         "mesh.shape": "data:8", "layout": "dp", "pipeline.microbatches": 0}))
     (a, _), (b, _) = restore_both(w / "checkpoints", circ, flat, step=2)
@@ -193,7 +211,8 @@ def test_unfinished_and_foreign_files_mean_a_fresh_start_with_a_warning(tmp_path
     (ckpt / "notes.txt").write_text("not ours")
     (ckpt / "step_3.orbax-checkpoint-tmp-1").mkdir()  # a stale tmp of the step we will save
     (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')  # an older run's rows
-    assert train("gpt2_tiny_dp8", tmp_path, "--config.train.steps=3") == 0
+    # stop_at (not steps=3): the 20-step run's program, which `straight` compiled
+    assert train("gpt2_tiny_dp8", tmp_path, "--config.train.stop_at=3") == 0
     err = capsys.readouterr().err
     assert "holds no committed checkpoint" in err and "step_7" in err
     assert sorted(losses(tmp_path)) == [1, 2, 3]  # started at step 1, in a metrics file of its own

@@ -185,7 +185,7 @@ def test_sample_eval_and_convert_refuse_a_damaged_step_naming_the_intact_one(dam
 
 @pytest.mark.slow
 def test_two_processes_fall_back_together_to_the_step_process_0_chose(straight, tmp_path):
-    from processes import local_sh
+    from support.processes import local_sh
     w = tmp_path / "w"
     first = local_sh(2, TINY, f"--workdir={w}", *RUN, "--config.train.stop_at=6")
     assert first.returncode == 0, first.stderr[-3000:]

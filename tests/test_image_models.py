@@ -4,6 +4,7 @@ from the vocabulary, and layouts (data, channel tensor parallelism, spatial) on 
 simulated devices against one device."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
+from meshtrain.experiment import ANALYSIS_OPTIONS
 from meshtrain.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
@@ -34,6 +36,17 @@ def cfg_for(name, size, *, vocab_size=None, vocab_multiple=1, **keys):
 
 def build(cfg, seed=0):
     return models.family_of(cfg).module(cfg, nnx.Rngs(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=ANALYSIS_OPTIONS)
+def _init_state(cfg, seed):
+    return nnx.state(build(cfg, seed))
+
+
+def init(cfg, seed=0):
+    """build(cfg, seed) with its params drawn in one compiled program: built eagerly, each
+    initialiser compiles on its own (dozens of small programs per model)."""
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: build(cfg, seed))), _init_state(cfg, seed))
 
 
 def count_params(cfg) -> int:
@@ -109,38 +122,57 @@ def test_flops_per_example_counts_the_traced_forward(name, size, published_gmacs
 # --- tiny models: shapes, masking, BatchNorm ---
 
 IMAGES = jax.random.normal(jax.random.key(1), (8, 16, 16, 3))
-LABELS = jnp.arange(8) % 10
+LABELS = np.arange(8) % 10
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3), compiler_options=ANALYSIS_OPTIONS)
+def _apply(graphdef, state, x, train):
+    module = nnx.merge(graphdef, state)
+    return module(x, train=train), nnx.state(module)
+
+
+def apply(module, x, train):
+    """module(x, train=train) as one compiled program: called eagerly, every primitive of a
+    forward pass compiles on its own (dozens of programs per model and dtype). The batch
+    statistics a train-mode call updates are written back to `module`, as the eager call
+    writes them."""
+    graphdef, state = nnx.split(module)
+    out, state = _apply(graphdef, state, x, train)
+    nnx.update(module, state)
+    return out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_shape_dtype_and_masked_padding(name):
     cfg = cfg_for(name, "tiny", vocab_multiple=16)  # 10 classes padded to 16
-    model = build(cfg)
+    model = init(cfg)
     for dtype in ("float32", "bfloat16"):
-        m = model if dtype == "float32" else build(dataclasses.replace(cfg, dtype=dtype))
-        logits = m(IMAGES, train=False)
+        m = model if dtype == "float32" else init(dataclasses.replace(cfg, dtype=dtype))
+        logits = apply(m, IMAGES, train=False)
         assert logits.shape == (8, 16) and logits.dtype == jnp.dtype(dtype)
-        assert bool(jnp.all(logits[:, 10:] == jnp.finfo(logits.dtype).min))
-        assert bool(jnp.all(jnp.isfinite(logits[:, :10])))
+        logits = np.asarray(logits)  # checked on the host: no eager op to compile
+        assert np.all(logits[:, 10:] == jnp.finfo(logits.dtype).min)
+        assert np.all(np.isfinite(logits[:, :10]))
     # no gradient reaches the padding columns of the classifier
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p, r):
         logits = nnx.merge(graphdef, p, r)(IMAGES, train=True)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), LABELS[:, None], 1).mean()
-    grads = nnx.to_pure_dict(jax.grad(loss)(params, nnx.to_pure_dict(rest)))
+    grad = jax.jit(jax.grad(loss), compiler_options=ANALYSIS_OPTIONS)
+    grads = jax.device_get(nnx.to_pure_dict(grad(params, nnx.to_pure_dict(rest))))
     head = grads["fc3"] if name == "vgg" else grads["fc"]
-    assert bool(jnp.all(head["w"][:, 10:] == 0)) and bool(jnp.all(head["b"][10:] == 0))
-    assert bool(jnp.any(head["w"][:, :10] != 0))
+    assert np.all(head["w"][:, 10:] == 0) and np.all(head["b"][10:] == 0)
+    assert np.any(head["w"][:, :10] != 0)
 
 
 def test_batch_norm_train_and_eval():
     bn = BatchNorm(4, "channels")
-    x = 3.0 + 2.0 * jax.random.normal(jax.random.key(2), (2, 5, 3, 4))
-    x = x * jnp.arange(1.0, 5.0)  # a different spread per channel
+    x = 3.0 + 2.0 * np.asarray(jax.random.normal(jax.random.key(2), (2, 5, 3, 4)))
+    x = x * np.arange(1.0, 5.0, dtype=np.float32)  # a different spread per channel
     xs = np.asarray(x, np.float64).reshape(-1, 4)
 
-    y = np.asarray(bn(x, train=True)).reshape(-1, 4)
+    y = np.asarray(apply(bn, x, train=True)).reshape(-1, 4)
     np.testing.assert_allclose(y.mean(0), 0, atol=1e-5)
     np.testing.assert_allclose(y.var(0), 1, rtol=1e-4)  # normalised with the biased variance
     mean1 = 0.1 * xs.mean(0)
@@ -148,28 +180,29 @@ def test_batch_norm_train_and_eval():
     np.testing.assert_allclose(bn.mean[...], mean1, rtol=1e-5)
     np.testing.assert_allclose(bn.var[...], var1, rtol=1e-5)
 
-    y = bn(x, train=False)  # the running statistics, and no update
+    y = apply(bn, x, train=False)  # the running statistics, and no update
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 4), (xs - mean1) / np.sqrt(var1 + BN_EPSILON),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(bn.mean[...], mean1, rtol=1e-5)
 
-    bn(x, train=True)  # a second step: 0.9 of the running value, 0.1 of the batch's
+    apply(bn, x, train=True)  # a second step: 0.9 of the running value, 0.1 of the batch's
     np.testing.assert_allclose(bn.mean[...], 0.9 * mean1 + 0.1 * xs.mean(0), rtol=1e-5)
     np.testing.assert_allclose(bn.var[...], 0.9 * var1 + 0.1 * xs.var(0, ddof=1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_train_mode_updates_the_running_statistics_and_eval_reads_them(name):
-    cfg = cfg_for(name, "tiny")
-    model = build(cfg)
+    # The forward test's config: its params and its eval-mode forward are compiled once.
+    cfg = cfg_for(name, "tiny", vocab_multiple=16)
+    model = init(cfg)
     stats0 = nnx.to_pure_dict(nnx.clone(nnx.state(model, nnx.BatchStat)))
-    eval0 = model(IMAGES, train=False)
-    assert jax.tree.all(jax.tree.map(jnp.array_equal, stats0, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))))
-    train = model(IMAGES, train=True)
+    eval0 = apply(model, IMAGES, train=False)
+    assert jax.tree.all(jax.tree.map(np.array_equal, stats0, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))))
+    train = apply(model, IMAGES, train=True)
     stats1 = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
-    assert all(not jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(stats0), jax.tree.leaves(stats1)))
-    assert not jnp.allclose(train, eval0)
-    assert not jnp.allclose(model(IMAGES, train=False), eval0)  # eval now reads the new statistics
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stats0), jax.tree.leaves(stats1)))
+    assert not np.allclose(train, eval0)
+    assert not np.allclose(apply(model, IMAGES, train=False), eval0)  # eval now reads the new statistics
 
 
 @pytest.mark.parametrize("name, size", [("vgg", "tiny"), ("vgg", "vgg16_bn"), ("resnet", "tiny"), ("resnet", "resnet50")])
@@ -242,7 +275,7 @@ def test_describe_and_the_seam():
 
 def split(cfg):
     """(graphdef, params, batch statistics, logical axes of both) as pure dicts."""
-    graphdef, params, stats = nnx.split(build(cfg), nnx.Param, nnx.BatchStat)
+    graphdef, params, stats = nnx.split(init(cfg), nnx.Param, nnx.BatchStat)
     axes = {kind: {path: var.get_metadata()["out_sharding"] for path, var in nnx.to_flat_state(state)}
             for kind, state in (("params", params), ("stats", stats))}
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(stats), axes
@@ -272,7 +305,7 @@ def train_forward(graphdef, constrain):
 def reference(request):
     cfg = cfg_for(request.param, "tiny", vocab_multiple=8)
     graphdef, params, stats, axes = split(cfg)
-    one = jax.jit(train_forward(graphdef, lambda x, a: x))(params, stats, IMAGES, LABELS)
+    one = jax.jit(train_forward(graphdef, lambda x, a: x), compiler_options=ANALYSIS_OPTIONS)(params, stats, IMAGES, LABELS)
     return cfg, graphdef, params, stats, axes, one
 
 
@@ -291,7 +324,7 @@ def test_layout_equals_one_device(reference, mesh_text, layout_text):
     s_sh = shardings(stats, axes["stats"], layout, mesh)
     batch = NamedSharding(mesh, layout.spec(("batch",), "activations"))
     run = jax.jit(train_forward(graphdef, layouts.make_constrain(layout, mesh)),
-                  in_shardings=(p_sh, s_sh, batch, batch)).lower(params, stats, IMAGES, LABELS).compile()
+                  in_shardings=(p_sh, s_sh, batch, batch)).lower(params, stats, IMAGES, LABELS).compile(ANALYSIS_OPTIONS)
     got = run(jax.device_put(params, p_sh), jax.device_put(stats, s_sh), IMAGES, LABELS)
     if "height:tensor" in layout_text:  # convs over split rows exchange halos, not whole images
         assert "collective-permute" in run.as_text()

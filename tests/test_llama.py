@@ -1,6 +1,11 @@
 """Llama: parameter counts, the params tree, forward invariants, KV-cache decoding,
 grouped-query attention (also under tensor parallelism), every tiny layout against one
-device, and Hugging Face's LlamaForCausalLM as the numerical reference."""
+device, and Hugging Face's LlamaForCausalLM as the numerical reference.
+
+The tests' own forward, backward and decoding programs run jitted, one program each rather
+than one per op, compiled with the planner's analysis options (experiment.ANALYSIS_OPTIONS:
+the same HLO, 3x faster to compile): they run a few times on the tiny model, where slower
+code costs nothing."""
 
 import dataclasses
 import math
@@ -13,12 +18,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
+from meshtrain.experiment import ANALYSIS_OPTIONS
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
 from meshtrain.state import abstract_model, param_shardings
 
-from support.training import assert_same_training, losses_and_grads
+from support.training import assert_same_training, losses_and_grads, trained
 
 
 def cfg_for(size, **kw):
@@ -76,8 +82,15 @@ def params_of(cfg, seed=0):
     return nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(seed))))
 
 
+def compiled(fn, *args):
+    """jax.jit(fn) compiled for args with the analysis options."""
+    return jax.jit(fn).lower(*args).compile(ANALYSIS_OPTIONS)
+
+
 def forward(cfg, params, tokens):
-    return nnx.merge(nnx.graphdef(Llama(cfg, nnx.Rngs(0))), params)(tokens)
+    """Logits [B, T, V] of the model `cfg` with `params`."""
+    graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
+    return compiled(lambda p, t: nnx.merge(graphdef, p)(t), params, tokens)(params, tokens)
 
 
 def loss_and_grads(cfg, tokens, params=None):
@@ -87,7 +100,7 @@ def loss_and_grads(cfg, tokens, params=None):
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return compiled(jax.value_and_grad(loss), params)(params)
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +150,18 @@ def decode_logits(cfg, params, tokens, prompt, constrain=None):
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
     kw = {} if constrain is None else dict(constrain=constrain)
 
-    @jax.jit
     def step(p, toks, cache, pos):
         return nnx.merge(graphdef, p).decode(toks, cache, pos, **kw)
     cache = nnx.merge(graphdef, params).init_cache(tokens.shape[0], tokens.shape[1])
-    out, cache = step(params, tokens[:, :prompt], cache, jnp.int32(0))
+    args = (params, tokens[:, :prompt], cache, jnp.int32(0))
+    out, cache = compiled(step, *args)(*args)
     outs = [out]
+    one_token = None
     for i in range(prompt, tokens.shape[1]):
-        out, cache = step(params, tokens[:, i:i + 1], cache, jnp.int32(i))
+        args = (params, tokens[:, i:i + 1], cache, jnp.int32(i))
+        if one_token is None:  # compiled once, for the cache as the prefill left it
+            one_token = compiled(step, *args)
+        out, cache = one_token(*args)
         outs.append(out)
     return jnp.concatenate(outs, axis=1), cache
 
@@ -178,7 +195,7 @@ def test_decode_and_forward_under_dp_tp_match_one_device():
     assert cache[0].sharding.spec[1] == "data"
     np.testing.assert_allclose(logits, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
-    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, constrain))(sharded, tokens)
+    full = compiled(lambda p, t: nnx.merge(graphdef, p)(t, constrain), sharded, tokens)(sharded, tokens)
     np.testing.assert_allclose(full, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     assert isinstance(full.sharding, NamedSharding) and full.sharding.spec[2] == "tensor"
 
@@ -193,7 +210,8 @@ def test_checks_refuse_bad_dims():
             _check(tiny(**bad))
 
 
-# Every tiny Llama layout on 8 fake devices against the same run on one device.
+# Every tiny Llama layout on 8 fake devices against the same run on one device (its plain
+# jax.grad), the layout's gradients read off its train step (support.training.trained).
 LAYOUTS = ["llama_tiny_dp8", "llama_tiny_fsdp8", "llama_tiny_dp2_tp4", "llama_tiny_dp2_fsdp2_tp2",
            "llama_tiny_pp2_dp4"]
 
@@ -206,7 +224,7 @@ def one_device():
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_one_device(name, make_config, one_device):
-    assert_same_training(name, losses_and_grads(make_config(name)), one_device)
+    assert_same_training(name, trained(make_config(name)), one_device)
 
 
 # Hugging Face's implementation as the reference: RoPE (rotate_half), Llama 3 scaling,

@@ -12,7 +12,7 @@ from flax import nnx
 
 from meshtrain import config as config_lib
 from meshtrain.models import family, stack
-from support.training import assert_same_training, losses_and_grads
+from support.training import assert_same_training, losses_and_grads, trained
 
 
 # --- a toy language model: embedding, a stack of residual MLP layers, untied head ---
@@ -103,7 +103,8 @@ def one_device():
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_model_outside_meshtrain_trains_under_every_layout(name, one_device):
-    assert_same_training(name, losses_and_grads(toy_config(*LAYOUTS[name])), one_device)
+    """Against one device's plain jax.grad; the layout's gradients read off its train step."""
+    assert_same_training(name, trained(toy_config(*LAYOUTS[name])), one_device)
 
 
 def test_the_toy_model_reports_through_the_seam():
@@ -124,7 +125,9 @@ def test_the_chunked_loss_takes_the_seam_and_equals_whole_logits():
     assert loss.num_chunks(chunked.model.cfg.seq_len, chunked.cfg.train.loss_chunk) == 4
     whole = toy_config("data:2,tensor:4", "dp_tp", 0)
     config_lib.override(whole, "train.loss_chunk", "0")
-    assert_same_training("whole logits", losses_and_grads(whole), losses_and_grads(toy_config("data:2,tensor:4", "dp_tp", 0)))
+    # The chunked run is test_a_model_outside_meshtrain_trains_under_every_layout[dp2_tp4]'s
+    # train step (compiled once per run).
+    assert_same_training("whole logits", losses_and_grads(whole), trained(toy_config("data:2,tensor:4", "dp_tp", 0)))
 
 
 def test_the_planner_reads_the_toy_through_the_seam():

@@ -153,25 +153,24 @@ def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
 @pytest.mark.parametrize("rows,groups", [(256, 4), (37, 3), (5, 4)])
 def test_windowed_grouped_matmul_equals_each_row_through_its_expert(rows, groups):
     """moe_dropless's windows against every row through its own expert's SwiGLU, one at a
-    time: random sizes, one expert taking every row, rows of no expert (id = groups, output
-    0); gradients against jax.lax.ragged_dot's; and the same under vmap, as accumulation
-    runs it."""
+    time (in numpy): random sizes, one expert taking every row, rows of no expert (id =
+    groups, output 0); gradients against jax.lax.ragged_dot's; and the same under vmap, as
+    accumulation runs it. xs [rows, 8], the experts' weights [groups, 8, 12] twice and
+    [groups, 12, 8].
+
+    Everything jax computes here is one jitted program per shape, called once per choice
+    of ids: compiled once, where op-by-op dispatch compiled every op on its own."""
     from meshtrain.models import moe_dropless
     rng = np.random.default_rng(rows)
     d, f = 8, 12
     ws = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
                ((groups, d, f), (groups, d, f), (groups, f, d)))
     xs = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
-    for ids in (rng.integers(0, groups + 1, rows), np.full(rows, groups - 1)):
-        ids = jnp.asarray(ids, jnp.int32)
-        got = moe_dropless._grouped(xs, ids, groups, ws)
-        want = np.zeros((rows, d), np.float32)
-        for r in range(rows):
-            e = int(ids[r])
-            if e < groups:
-                want[r] = (jax.nn.silu(xs[r] @ ws[0][e]) * (xs[r] @ ws[1][e])) @ ws[2][e]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
+    @jax.jit
+    def windowed_and_ragged(x, ids, ws):
+        """-> (windowed y [rows, D], y of the rows reversed, the gradients of sum(y^2) by x
+        and the 3 weights: windowed's and ragged_dot's, y of (x, reversed x) under vmap)."""
         order = jnp.argsort(ids, stable=True)
         sizes_g = (ids[:, None] == jnp.arange(groups)).sum(0).astype(jnp.int32)
 
@@ -184,12 +183,24 @@ def test_windowed_grouped_matmul_equals_each_row_through_its_expert(rows, groups
         def windowed(x, a, b, c):
             return (moe_dropless._grouped(x, ids, groups, (a, b, c)) ** 2).sum()
 
-        for mine, theirs in zip(jax.grad(windowed, (0, 1, 2, 3))(xs, *ws), jax.grad(ragged, (0, 1, 2, 3))(xs, *ws)):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5 * float(jnp.abs(theirs).max()))
-    pair = jax.vmap(lambda x, i: moe_dropless._grouped(x, i, groups, ws))(
-        jnp.stack([xs, xs[::-1]]), jnp.stack([ids, ids[::-1]]))
-    np.testing.assert_array_equal(pair[0], moe_dropless._grouped(xs, ids, groups, ws))
-    np.testing.assert_array_equal(pair[1], moe_dropless._grouped(xs[::-1], ids[::-1], groups, ws))
+        pair = jax.vmap(lambda x, i: moe_dropless._grouped(x, i, groups, ws))(
+            jnp.stack([x, x[::-1]]), jnp.stack([ids, ids[::-1]]))
+        return (moe_dropless._grouped(x, ids, groups, ws), moe_dropless._grouped(x[::-1], ids[::-1], groups, ws),
+                jax.grad(windowed, (0, 1, 2, 3))(x, *ws), jax.grad(ragged, (0, 1, 2, 3))(x, *ws), pair)
+
+    x_np, w_np = np.asarray(xs), [np.asarray(w) for w in ws]
+    for ids in (rng.integers(0, groups + 1, rows), np.full(rows, groups - 1)):
+        got, got_reversed, mine, theirs, pair = windowed_and_ragged(xs, jnp.asarray(ids, jnp.int32), ws)
+        want = np.zeros((rows, d), np.float32)
+        for r, e in enumerate(ids):
+            if e < groups:
+                gate = x_np[r] @ w_np[0][e]
+                want[r] = (gate / (1 + np.exp(-gate)) * (x_np[r] @ w_np[1][e])) @ w_np[2][e]  # silu(gate) * up
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for g_mine, g_theirs in zip(mine, theirs):
+            np.testing.assert_allclose(g_mine, g_theirs, rtol=1e-4, atol=1e-5 * float(jnp.abs(g_theirs).max()))
+        np.testing.assert_array_equal(pair[0], got)
+        np.testing.assert_array_equal(pair[1], got_reversed)
 
 
 def test_windows_cover_any_sizes_with_a_static_count():

@@ -1,16 +1,26 @@
 """Expert parallelism changes where experts run, never what they compute: Mixtral tiny
 trains 20 float32 steps equal to one device under expert, expert x data x tensor and fsdp
 layouts, dropless and with capacity buffers (which drop per sequence, so a layout never
-changes which tokens drop)."""
+changes which tokens drop).
+
+Every run here is 16 rows of 32 positions (the tiny config's 32 of 128): still two rows
+a device on 8 devices and 512 tokens routed over 4 experts a step, an eighth of the
+config's work, so the 20-step runs cost their compiles, not their steps."""
 
 import jax
 import numpy as np
 import pytest
 
-from support.training import assert_equal_training, run
+from support.training import assert_equal_training, run as run_any
 
+SMALL = {"model.seq_len": 32, "train.batch_size": 16}
 CAPACITY = {"moe.dispatch": "capacity", "moe.capacity_factor": 2.0}  # drops nothing here
 DROPPING = {"moe.dispatch": "capacity", "moe.capacity_factor": 1.0}
+
+
+def run(name, overrides, mesh, steps=20):
+    """support.training.run at SMALL's size: (losses [steps], first-step gradients)."""
+    return run_any(name, {**SMALL, **overrides}, mesh, steps=steps)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,10 @@
 """train.nonfinite: a NaN in a batch (an id past the vocabulary reads NaN from the
 embedding) either stops the run naming the step and the first bad gradient leaf, or is
 skipped with params and optimizer state unchanged bit for bit, up to train.max_skips in a row.
+
+The steps compile with the planner's analysis options (Experiment.compile(analysis=True):
+the same partitioned HLO, LLVM's optimisations and XLA:CPU's fusion emitters off, 3-4x
+faster to compile): the tests run eight tiny steps at most.
 """
 
 import jax
@@ -47,15 +51,15 @@ def poison_steps(exp, steps):
 
 def test_skip_leaves_params_and_optimizer_state_unchanged_bitwise(make_config):
     exp = experiment(make_config, **{"train.nonfinite": "skip"})
-    batches = exp.train_batches()
-    state, _ = exp.train_step(exp.init_state(), exp.put_batch(next(batches)))
+    batches, step = exp.train_batches(), exp.compile(analysis=True)
+    state, _ = step(exp.init_state(), exp.put_batch(next(batches)))
     before = jax.device_get((state.params, state.opt_state))
     bad = poison(next(batches), exp.model.cfg.padded_vocab_size)
-    state, metrics = exp.train_step(state, exp.put_batch(bad))
+    state, metrics = step(state, exp.put_batch(bad))
     assert np.isnan(metrics["loss"]) and int(metrics["nonfinite_grads"]) == len(jax.tree.leaves(before[0]))
     assert int(metrics["first_nonfinite"]) == 0 and int(state.step) == 2
     jax.tree.map(np.testing.assert_array_equal, before, jax.device_get((state.params, state.opt_state)))
-    state, metrics = exp.train_step(state, exp.put_batch(next(batches)))  # and training goes on
+    state, metrics = step(state, exp.put_batch(next(batches)))  # and training goes on
     assert np.isfinite(metrics["loss"]) and int(metrics["nonfinite_grads"]) == 0
     assert not np.array_equal(before[0]["wte"], jax.device_get(state.params["wte"]))
 
@@ -67,7 +71,7 @@ def test_crash_stops_with_the_step_and_first_bad_leaf_and_saves_nothing_past_it(
     log = metrics.RunLog(None, 8, 1, 1.0, None, 8)
     with pytest.raises(RunFailed, match=r"^step 3: loss nan, 16 of 16 gradient leaves non-finite "
                                         r"\(first: blocks/attn/b_out\)\. Stopped \(train.nonfinite=crash\)"):
-        train_loop(exp, exp.compile(), log, checkpointer=ck)
+        train_loop(exp, exp.compile(analysis=True), log, checkpointer=ck)
     ck.close()
     assert ck.manager.all_steps() == [1, 2]
 
@@ -75,7 +79,7 @@ def test_crash_stops_with_the_step_and_first_bad_leaf_and_saves_nothing_past_it(
 def test_skip_counts_in_metrics_and_stops_after_max_skips_in_a_row(make_config, capsys):
     exp = experiment(make_config, **{"train.nonfinite": "skip", "train.max_skips": 3})
     poison_steps(exp, {2, 4, 5})  # never 3 in a row
-    rows = train_loop(exp, exp.compile(), metrics.RunLog(None, 8, 1, 1.0, None, 8))
+    rows = train_loop(exp, exp.compile(analysis=True), metrics.RunLog(None, 8, 1, 1.0, None, 8))
     assert [r["skipped"] for r in rows] == [0, 1, 1, 2, 3, 3, 3, 3]
     assert np.isfinite(rows[-1]["loss"]) and rows[-1]["loss"] < rows[0]["loss"]
     assert "step 4: loss nan, 16 of 16 gradient leaves non-finite (first: blocks/attn/b_out); " \
@@ -85,4 +89,4 @@ def test_skip_counts_in_metrics_and_stops_after_max_skips_in_a_row(make_config, 
     poison_steps(exp, {4, 5, 6})
     with pytest.raises(RunFailed, match=r"3 steps in a row were non-finite, the last step 6: .* "
                                         r"\(train.max_skips=3\); params are those of step 3\."):
-        train_loop(exp, exp.compile(), metrics.RunLog(None, 8, 1, 1.0, None, 8))
+        train_loop(exp, exp.compile(analysis=True), metrics.RunLog(None, 8, 1, 1.0, None, 8))

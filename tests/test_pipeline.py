@@ -1,6 +1,10 @@
 """Pipeline parallelism: the schedule, the storage order, and equivalence with the
 unpipelined model (loss and gradients) for S in {1, 2, 4}, r in {1, 2}, with tensor
-and FSDP layouts and remat; FSDP weights gathered and gradients reduced once per step."""
+and FSDP layouts and remat; FSDP weights gathered and gradients reduced once per step.
+
+The programs the tests build are only read (their HLO) or run once on a tiny model, so they
+compile with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO,
+LLVM's optimisations and XLA:CPU's fusion emitters off, 3x faster to compile)."""
 
 import itertools
 
@@ -10,7 +14,7 @@ import pytest
 
 from meshtrain import pipeline, step as step_lib
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.experiment import Experiment
+from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 from meshtrain.pipeline import Pipeline
 
 from support.training import loss_and_grads
@@ -103,7 +107,7 @@ def test_pipelined_loss_and_grads_match_unpipelined(case, make_config, reference
 
 def collectives_for(make_config, microbatches, **overrides):
     cfg = make_config("gpt2_tiny_dp8", **{"pipeline.microbatches": microbatches, **overrides})
-    return hlo.collectives(Experiment.build(cfg).compile())
+    return hlo.collectives(Experiment.build(cfg).compile(analysis=True))
 
 
 @pytest.mark.parametrize("mesh, layout", [("stage:2,fsdp:4", "fsdp_pp"), ("data:4,stage:2", "dp_pp")])
@@ -176,7 +180,8 @@ def test_dropout_inside_the_pipeline_is_deterministic_per_key(make_config):
     batch = exp.put_batch(next(exp.train_batches()))
     loss_fn = jax.jit(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh))
     k1, k2 = jax.random.key(1), jax.random.key(2)
-    losses = [float(loss_fn(params, batch, k)) for k in (k1, k1, k2, None)]
+    with_key, without = (loss_fn.lower(params, batch, k).compile(ANALYSIS_OPTIONS) for k in (k1, None))
+    losses = [float(with_key(params, batch, k)) for k in (k1, k1, k2)] + [float(without(params, batch, None))]
     assert np.isfinite(losses).all()
     assert losses[0] == losses[1]           # same key, same masks
     assert len(set(losses[1:])) == 3        # another key, or none, changes the loss
@@ -191,7 +196,7 @@ def test_wasted_matmul_flops_equal_the_bubble_formula(make_config):
             "pipeline.microbatches": m, "pipeline.repeats": r,
             "pipeline.schedule": "circular" if r > 1 else "gpipe"})
         exp = Experiment.build(cfg, devices=jax.devices()[:devices])
-        return hlo_flops.dot_flops(exp.compile()) * devices
+        return hlo_flops.dot_flops(exp.compile(analysis=True)) * devices
     full, half = matmuls("data:1", "dp", 4), matmuls("data:1", "dp", 2)
     head = full - 2 * (full - half)
     useful = matmuls("data:1", "dp_pp", 4, m=2, r=2)

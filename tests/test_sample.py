@@ -24,6 +24,7 @@ N_NEW = 12
 PROMPT_LEN = 5
 
 
+@jax.jit  # one program, not one per leaf shape
 def _peaky(params):
     """x10 on every weight matrix: with GPT-2's 0.02 init the logits are nearly flat and
     attention nearly uniform, so a broken cache could leave the argmax unchanged."""
@@ -59,7 +60,8 @@ def tiny(request):
     greedy tokens and the compiled generation."""
     cfg = config_lib.load(request.param)
     one = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    params = jax.device_get(_peaky(one.model.init_params(0)))
+    # jitted: eagerly, each initialiser compiles on its own
+    params = jax.device_get(_peaky(jax.jit(one.model.init_params, static_argnums=0)(0)))
     prompts = _prompts(np.random.default_rng(0), 3, one.model.cfg.vocab_size)
     expected = greedy_by_recompute(one.model, params, prompts, N_NEW)
     assert len({tuple(r) for r in expected}) == 3  # the context decides: the test can fail
@@ -159,23 +161,30 @@ def test_pipelined_checkpoint_samples_in_layer_order(tmp_path, capsys):
 # --- the command line -------------------------------------------------------------------
 
 def run_cli(module, *args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    """`python -m MODULE ARGS` in a fresh interpreter that simulates its own devices. It
+    keeps the suite's other XLA flags (LLVM -O1, conftest.py): its programs compile as
+    fast as the suite's and share their persistent cache."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The README's tiny run (gpt2_tiny_dp2_tp4) on a small text file, a few steps."""
+    """The README's tiny run (gpt2_tiny_dp2_tp4) on a small text file, a few steps, trained
+    in this process (the sampling commands are the ones under test)."""
+    from meshtrain import train
     root = tmp_path_factory.mktemp("sample_cli")
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and ate its hat while a dog ran past".split()
     text = "\n".join(" ".join(rng.choice(words, 10)) for _ in range(150)) + "\n"
     (root / "corpus.txt").write_text(text)
-    r = run_cli("meshtrain.train", "--config=gpt2_tiny_dp2_tp4", f"--workdir={root / 'w'}",
-                "--config.data.kind=text", f"--config.data.path={root / 'corpus.txt'}",
-                "--config.train.steps=4", "--config.train.log_every=2", "--config.train.eval_every=0")
-    assert r.returncode == 0, r.stderr
+    assert train.main(["--config=gpt2_tiny_dp2_tp4", f"--workdir={root / 'w'}",
+                       "--config.data.kind=text", f"--config.data.path={root / 'corpus.txt'}",
+                       "--config.train.steps=4", "--config.train.log_every=2",
+                       "--config.train.eval_every=0"]) == 0
     return root / "w"
 
 

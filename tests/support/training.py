@@ -3,9 +3,10 @@ helpers of the equivalence tests (every layout equals one device)."""
 
 import jax
 import numpy as np
+import optax
 
 from meshtrain import pipeline, step as step_lib
-from meshtrain.experiment import Experiment
+from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 
 STEPS = 20
 
@@ -17,14 +18,16 @@ def devices_for(mesh: str) -> list:
 
 def loss_and_grads(cfg, devices=None, mesh_shape=None):
     """(loss, gradients) of the first training batch, on the host; a pipelined model's
-    gradients are put back in model layer order."""
+    gradients are put back in model layer order. The program runs once, so it compiles
+    with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x
+    faster to compile, slower code)."""
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    state = exp.init_state()
+    params = exp.init_state().params
     batch = exp.put_batch(next(exp.train_batches()))
     loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
                              in_shardings=(exp.shardings.params, exp.batch_sharding))
-    loss, grads = jax.device_get(value_and_grad(state.params, batch))
+    loss, grads = jax.device_get(value_and_grad.lower(params, batch).compile(ANALYSIS_OPTIONS)(params, batch))
     if exp.model.pipeline is not None:
         grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
     return float(loss), grads
@@ -51,6 +54,36 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     return np.array(losses), grads
 
 
+def step_1_gradients(exp, state, grad_norm: float) -> dict:
+    """The gradients step 1 handed the optimizer (after the layout's reductions), from
+    Adam's first moment after step 1: mu_1 = (1 - b1) g, with g scaled by clip / norm where
+    its norm was above optim.grad_clip (undone here, as meshtrain plan --verify does); a
+    pipelined model's blocks in model layer order."""
+    o = exp.cfg.optim
+    mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+    if exp.model.pipeline is not None:
+        mu[exp.model.stacked] = pipeline.from_stages(mu[exp.model.stacked], exp.model.pipeline)
+    unclip = grad_norm / o.grad_clip if o.grad_clip and grad_norm > o.grad_clip else 1.0
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) * unclip / (1 - o.b1), mu)
+
+
+def trained(cfg, steps=STEPS, devices=None):
+    """(loss of each of `steps` steps, step 1's gradients) of `cfg` on its own mesh (or
+    `devices`), as losses_and_grads gives them, read off the train step alone: one program
+    compiled, not a gradient program beside it."""
+    assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
+    exp = Experiment.build(cfg, devices=devices)
+    state = exp.init_state()
+    batches = exp.train_batches()
+    losses, grads = [], None
+    for _ in range(steps):
+        state, metrics = exp.train_step(state, exp.put_batch(next(batches)))
+        losses.append(float(metrics["loss"]))
+        if grads is None:
+            grads = step_1_gradients(exp, state, float(metrics["grad_norm"]))
+    return np.array(losses), grads
+
+
 def assert_same_training(name, result, reference):
     """Losses of every step within 1e-4 (relative), the model learning, and the first
     step's gradients within float tolerance, of a layout against one device."""
@@ -62,10 +95,11 @@ def assert_same_training(name, result, reference):
 
 
 def run(name, overrides, mesh, steps=STEPS):
-    """losses_and_grads of config NAME with OVERRIDES on MESH's devices."""
+    """trained(): config NAME with OVERRIDES on MESH's devices, step 1's gradients read
+    off its train step."""
     from conftest import configured
     cfg = configured(name, **overrides, **{"mesh.shape": mesh})
-    return losses_and_grads(cfg, devices=devices_for(mesh), steps=steps)
+    return trained(cfg, steps, devices=devices_for(mesh))
 
 
 def assert_equal_training(label, got, ref):
