@@ -158,6 +158,18 @@ class _SyncPointLines(logging.Filter):
         return "Reached preemption sync point" not in str(record.msg)
 
 
+def _register_array_handler() -> None:
+    """Orbax's jax.Array handler, with replica-parallel saves (each replica of a replicated
+    array writes a slice of it, so that hosts share the writing) on only where there are
+    hosts to share it. In one process they save nothing (that process writes every slice)
+    and cost an eager slice program per leaf and replica on the first save: 2.6 s of a
+    0.2 s save for GPT-2 tiny on 8 CPU devices, in every run. The files are the same."""
+    from orbax.checkpoint._src.metadata import array_metadata_store  # Orbax's default's own
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=jax.process_count() > 1, array_metadata_store=array_metadata_store.Store()),
+        override=True)
+
+
 class Checkpointer:
     """An Orbax CheckpointManager with meshtrain's rules: commit checks, errors that surface."""
 
@@ -190,6 +202,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None, step_prefix=STEP_PREFIX, cleanup_tmp_directories=True,
             enable_async_checkpointing=use_async, create=True)
+        _register_array_handler()
         # Handlers named up front, so a fresh process can read a checkpoint's metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers=handlers)
