@@ -29,9 +29,9 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
 
 # LLVM at -O1 for the suite's programs: XLA:CPU spends about half of each compile in LLVM,
 # and the suite compiles over a thousand distinct programs that then run a few tiny steps
-# each. -O1 leaves the HLO (every sharding, collective and buffer the tests check) and the
-# float semantics as they are and cuts the compile-bound tests by a fifth (docs/testing.md).
-# Processes the tests start inherit it; an XLA_FLAGS that sets the level itself wins.
+# each. -O1 leaves the HLO (every sharding, collective and buffer the tests check) as it
+# is and cuts the compile-bound tests by a fifth (docs/testing.md). Processes the tests
+# start inherit it; an XLA_FLAGS that sets the level itself wins.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
 
@@ -75,6 +75,7 @@ def make_config():
 @pytest.fixture(scope="session")
 def gpt2_tiny_one_device():
     """gpt2_tiny_dp8 trained 20 steps on one device: (losses [20], first-step gradients), the
-    reference of the GPT-2 layout tests in several files (built once per xdist worker)."""
-    from support.training import run
-    return run("gpt2_tiny_dp8", {}, "data:1")
+    reference of the GPT-2 layout tests in several files (built once per xdist worker); its
+    gradients from a plain jax.grad program, not read off the step as the layouts' are."""
+    from support.training import devices_for, losses_and_grads
+    return losses_and_grads(configured("gpt2_tiny_dp8", **{"mesh.shape": "data:1"}), devices=devices_for("data:1"))
