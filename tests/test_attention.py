@@ -15,6 +15,7 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 from meshtrain.models.attention import Platform, choose
 
+from support.residuals import saved
 from support.training import loss_and_grads
 
 H100 = Platform("gpu", "9.0", cudnn=True)
@@ -82,17 +83,6 @@ def test_pallas_flash_attention_equals_xla(name, mesh, make_config):
     jax.tree.map(lambda p, x: np.testing.assert_allclose(p, x, rtol=2e-4, atol=2e-6), grads_p, grads_x)
 
 
-def _saved(fn, *args):
-    """Shapes of the arrays the backward pass of fn keeps, as JAX prints them."""
-    import contextlib, io, re
-    from jax.ad_checkpoint import print_saved_residuals
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        print_saved_residuals(fn, *args)
-    return [tuple(int(d) for d in dims.split(",") if d)
-            for dims in re.findall(r"^\w+\[([\d,]*)\]", out.getvalue(), re.M)]
-
-
 @pytest.mark.parametrize("dtype, heads, kv_heads", [("float32", 4, 4), ("float32", 4, 2),
                                                     ("bfloat16", 4, 2)])
 def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
@@ -111,7 +101,7 @@ def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
     ours = loss(causal_attention)
     jax_s = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
     (value, grads), (ref_value, ref_grads) = (
-        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile(ANALYSIS_OPTIONS)(q, k, v)
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)), compiler_options=ANALYSIS_OPTIONS)(q, k, v)
         for f in (ours, jax_s))
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(value, ref_value, **tol)
@@ -119,6 +109,6 @@ def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
         assert g.dtype == ref.dtype
         np.testing.assert_allclose(np.float32(g), np.float32(ref), **tol)
     square = lambda shapes: sum(s[-2:] == (16, 16) for s in shapes)
-    kept = square(_saved(ours, q, k, v))
+    kept = square(saved(ours, q, k, v))
     assert kept == (1 if dtype == "float32" else 2)
-    assert square(_saved(jax_s, q, k, v)) >= kept + 2
+    assert square(saved(jax_s, q, k, v)) >= kept + 2

@@ -8,6 +8,7 @@ the same HLO, 3x faster to compile): they run a few times on the tiny model, whe
 code costs nothing."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -82,15 +83,10 @@ def params_of(cfg, seed=0):
     return nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(seed))))
 
 
-def compiled(fn, *args):
-    """jax.jit(fn) compiled for args with the analysis options."""
-    return jax.jit(fn).lower(*args).compile(ANALYSIS_OPTIONS)
-
-
 def forward(cfg, params, tokens):
     """Logits [B, T, V] of the model `cfg` with `params`."""
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
-    return compiled(lambda p, t: nnx.merge(graphdef, p)(t), params, tokens)(params, tokens)
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t), compiler_options=ANALYSIS_OPTIONS)(params, tokens)
 
 
 def loss_and_grads(cfg, tokens, params=None):
@@ -100,7 +96,7 @@ def loss_and_grads(cfg, tokens, params=None):
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
-    return compiled(jax.value_and_grad(loss), params)(params)
+    return jax.jit(jax.value_and_grad(loss), compiler_options=ANALYSIS_OPTIONS)(params)
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +146,14 @@ def decode_logits(cfg, params, tokens, prompt, constrain=None):
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
     kw = {} if constrain is None else dict(constrain=constrain)
 
+    @functools.partial(jax.jit, compiler_options=ANALYSIS_OPTIONS)  # prefill and one token: 2 programs
     def step(p, toks, cache, pos):
         return nnx.merge(graphdef, p).decode(toks, cache, pos, **kw)
     cache = nnx.merge(graphdef, params).init_cache(tokens.shape[0], tokens.shape[1])
-    args = (params, tokens[:, :prompt], cache, jnp.int32(0))
-    out, cache = compiled(step, *args)(*args)
+    out, cache = step(params, tokens[:, :prompt], cache, jnp.int32(0))
     outs = [out]
-    one_token = None
     for i in range(prompt, tokens.shape[1]):
-        args = (params, tokens[:, i:i + 1], cache, jnp.int32(i))
-        if one_token is None:  # compiled once, for the cache as the prefill left it
-            one_token = compiled(step, *args)
-        out, cache = one_token(*args)
+        out, cache = step(params, tokens[:, i:i + 1], cache, jnp.int32(i))
         outs.append(out)
     return jnp.concatenate(outs, axis=1), cache
 
@@ -195,7 +187,7 @@ def test_decode_and_forward_under_dp_tp_match_one_device():
     assert cache[0].sharding.spec[1] == "data"
     np.testing.assert_allclose(logits, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
-    full = compiled(lambda p, t: nnx.merge(graphdef, p)(t, constrain), sharded, tokens)(sharded, tokens)
+    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, constrain), compiler_options=ANALYSIS_OPTIONS)(sharded, tokens)
     np.testing.assert_allclose(full, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     assert isinstance(full.sharding, NamedSharding) and full.sharding.spec[2] == "tensor"
 

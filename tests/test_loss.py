@@ -32,8 +32,9 @@ def loss_and_grads(exp, chunk, params):
     rows = exp.cfg.train.batch_size
     tokens = np.random.default_rng(0).integers(0, exp.model.cfg.vocab_size, (rows, T + 1), dtype=np.int32)
     tokens = jax.device_put(tokens, exp.batch_sharding)
-    grad_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)))
-    return jax.device_get(grad_fn.lower(params, tokens, None).compile(ANALYSIS_OPTIONS)(params, tokens, None))
+    grad_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)),
+                      compiler_options=ANALYSIS_OPTIONS)
+    return jax.device_get(grad_fn(params, tokens, None))
 
 
 CASES = [  # name, compute dtype, rows (a pipeline needs microbatches x batch shards)

@@ -56,14 +56,14 @@ def loss_and_grads(cfg, tokens):
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
-    return jax.jit(jax.value_and_grad(loss)).lower(params).compile(ANALYSIS_OPTIONS)(params)
+    return jax.jit(jax.value_and_grad(loss), compiler_options=ANALYSIS_OPTIONS)(params)
 
 
 def forward(model, tokens, key=None):
     """model(tokens, key=key) [B, T, V], as one jitted program."""
     graphdef, state = nnx.split(model)
-    run = jax.jit(lambda s, t, k: nnx.merge(graphdef, s)(t, key=k))
-    return run.lower(state, tokens, key).compile(ANALYSIS_OPTIONS)(state, tokens, key)
+    return jax.jit(lambda s, t, k: nnx.merge(graphdef, s)(t, key=k), compiler_options=ANALYSIS_OPTIONS)(
+        state, tokens, key)
 
 
 TOKENS = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
@@ -89,7 +89,7 @@ def test_backward_keeps_the_inputs_of_gelu_and_layer_norm_only():
     GELU's input alone, of [B, T, D] ones a LayerNorm followed by a matmul keeps its input
     alone. Autodiff of the plain functions keeps more (five and two here)."""
     from meshtrain.models.gpt2 import LayerNorm, MLP, _gelu, _layer_norm
-    from test_attention import _saved as kept
+    from support.residuals import saved as kept
     cfg = tiny()
     x = jax.random.normal(jax.random.key(0), (2, 16, cfg.embed_dim))
     mlp, norm = MLP(cfg, nnx.Rngs(0)), LayerNorm(cfg)

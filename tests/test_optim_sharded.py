@@ -58,16 +58,15 @@ def run(tx, params, grads, shard=None, opt_shard=None):
     if shard is None:
         dev = jax.devices()[0]
         params = jax.device_put(params, dev)
-        init = jax.jit(tx.init)
-        step = jax.jit(lambda g, s, p: _apply(tx, g, s, p))
+        init = jax.jit(tx.init, compiler_options=ANALYSIS_OPTIONS)
+        step = jax.jit(lambda g, s, p: _apply(tx, g, s, p), compiler_options=ANALYSIS_OPTIONS)
     else:
         params = jax.device_put(params, shard["params"])
-        init = jax.jit(tx.init, out_shardings=opt_shard)
+        init = jax.jit(tx.init, out_shardings=opt_shard, compiler_options=ANALYSIS_OPTIONS)
         step = jax.jit(lambda g, s, p: _apply(tx, g, s, p),
                        in_shardings=(shard["opt_state"], opt_shard, shard["params"]),
-                       out_shardings=(shard["params"], opt_shard))
-    state = init.lower(params).compile(ANALYSIS_OPTIONS)(params)
-    step = step.lower(grads[0], state, params).compile(ANALYSIS_OPTIONS)
+                       out_shardings=(shard["params"], opt_shard), compiler_options=ANALYSIS_OPTIONS)
+    state = init(params)
     out = []
     for g in grads:
         params, state = step(g, state, params)

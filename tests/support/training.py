@@ -16,42 +16,43 @@ def devices_for(mesh: str) -> list:
     return jax.devices()[:int(np.prod([int(p.split(":")[1]) for p in mesh.split(",")]))]
 
 
-def loss_and_grads(cfg, devices=None, mesh_shape=None):
-    """(loss, gradients) of the first training batch, on the host; a pipelined model's
-    gradients are put back in model layer order. The program runs once, so it compiles
+def _gradients(exp, params, batch) -> tuple[float, dict]:
+    """(loss, gradients) of `batch` by a plain jax.grad program, on the host; a pipelined
+    model's gradients put back in model layer order. The program runs once, so it compiles
     with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x
     faster to compile, slower code)."""
-    exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    params = exp.init_state().params
-    batch = exp.put_batch(next(exp.train_batches()))
     loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
-                             in_shardings=(exp.shardings.params, exp.batch_sharding))
-    loss, grads = jax.device_get(value_and_grad.lower(params, batch).compile(ANALYSIS_OPTIONS)(params, batch))
+                             in_shardings=(exp.shardings.params, exp.batch_sharding),
+                             compiler_options=ANALYSIS_OPTIONS)
+    loss, grads = jax.device_get(value_and_grad(params, batch))
     if exp.model.pipeline is not None:
         grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
     return float(loss), grads
 
 
+def _train(exp, state, steps):
+    """Yields (state, metrics) after each of `steps` train steps from `state`, on the
+    config's batches from the first."""
+    batches = exp.train_batches()
+    for _ in range(steps):
+        state, metrics = exp.train_step(state, exp.put_batch(next(batches)))
+        yield state, metrics
+
+
+def loss_and_grads(cfg, devices=None, mesh_shape=None):
+    """(loss, gradients) of the first training batch (_gradients)."""
+    exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
+    return _gradients(exp, exp.init_state().params, exp.put_batch(next(exp.train_batches())))
+
+
 def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
-    """Loss of each of `steps` steps, and the gradients at step 1 (gathered to host)."""
+    """Loss of each of `steps` steps, and the gradients at step 1 from a plain jax.grad
+    program (_gradients)."""
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
     state = exp.init_state()
-    batches = exp.train_batches()
-    first = exp.put_batch(next(batches))
-    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
-    grad_fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None)),
-                      in_shardings=(exp.shardings.params, exp.batch_sharding))
-    grads = jax.device_get(grad_fn(state.params, first))
-    if exp.model.pipeline is not None:  # compare in model layer order
-        grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
-    losses = []
-    state, metrics = exp.train_step(state, first)
-    losses.append(float(metrics["loss"]))
-    for _ in range(steps - 1):
-        state, metrics = exp.train_step(state, exp.put_batch(next(batches)))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), grads
+    _, grads = _gradients(exp, state.params, exp.put_batch(next(exp.train_batches())))
+    return np.array([float(metrics["loss"]) for _, metrics in _train(exp, state, steps)]), grads
 
 
 def step_1_gradients(exp, state, grad_norm: float) -> dict:
@@ -73,11 +74,8 @@ def trained(cfg, steps=STEPS, devices=None):
     compiled, not a gradient program beside it."""
     assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
     exp = Experiment.build(cfg, devices=devices)
-    state = exp.init_state()
-    batches = exp.train_batches()
     losses, grads = [], None
-    for _ in range(steps):
-        state, metrics = exp.train_step(state, exp.put_batch(next(batches)))
+    for state, metrics in _train(exp, exp.init_state(), steps):
         losses.append(float(metrics["loss"]))
         if grads is None:
             grads = step_1_gradients(exp, state, float(metrics["grad_norm"]))
