@@ -82,7 +82,7 @@ class Rendezvous:
         self.table: list[dict] = []
         self.channels: dict[int, Channel] = {}  # process -> channel (process 0: all others; else {0: ...})
         self.heard: dict[int, float] = {}
-        self.done: set[int] = set()
+        self.done: set[int] = set()  # processes that said they go (done, or hung): their close is no loss
         self.leaving = False
         self.note: Callable[[], str] = lambda: ""  # what is safe on disk, for the loss message
         # watchdog.py's: our beats carry progress_of(); process 0 keeps every "progress" beat,
@@ -276,6 +276,9 @@ class Rendezvous:
         elif kind == "beat" and "table" in message and i == 0:
             self.progress_table = message["table"]
         elif kind == "hung":
+            # Whoever sent it exits next (with the hang's status): its close is no loss, even
+            # where our own watchdog is still writing its report of the same hang.
+            self.done.add(i)
             self._forward(i, message)
             if self.on_hung is not None:
                 self.on_hung(message)
