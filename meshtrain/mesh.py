@@ -46,11 +46,17 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
-from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import UserError
+
+# jax is imported where it is used: the commands parse their flags and answer --help
+# without starting it (a second saved on every `meshtrain COMMAND --help`).
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
@@ -135,6 +141,8 @@ def resolve_shape(shape: Mapping[str, int], num_devices: int, *, why: str = "") 
 
 def _pinned_cpu_count() -> int | None:
     """The CPU device count the user fixed before we could choose it, if any."""
+    import jax
+
     if jax.config.jax_num_cpu_devices not in (None, -1):
         return int(jax.config.jax_num_cpu_devices)
     if os.environ.get("JAX_NUM_CPU_DEVICES"):
@@ -163,6 +171,8 @@ def simulate_cpu_devices(shape: Mapping[str, int], processes: int = 1) -> tuple[
     accelerators, or when the CPU count was pinned, it changes nothing and returns
     the fixed count and why it is fixed.
     """
+    import jax
+
     want = math.prod(s for s in shape.values() if s != -1)
     if _backend_started():
         return jax.device_count(), "devices already initialised in this process"
@@ -303,6 +313,9 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     then DCN x ICI, with the slow DCN factor outermost, and every ICI factor inside
     one node. `hosts[p]` is the host of process p (default: this host for all).
     """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
     sizes = tuple(shape[a] for a in AXES)
     auto = (AxisType.Auto,) * len(AXES)
     if dcn and math.prod(dcn.values()) > 1:

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from meshtrain.train import main as train_main
+
 
 def run_cli(*args, env=None, timeout=600):
     full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
@@ -84,42 +86,61 @@ def test_minus_one_fills_a_pinned_cpu_count(tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["mesh"]["shape"]["data"] == 2
 
 
-@pytest.mark.parametrize("args, env, message", [
+# Bad input whose story depends on the process itself (its environment before JAX starts,
+# Slurm's variables): a process of its own, as users start it. The first row also stands
+# for the rest: `python -m meshtrain.train` turns a UserError into exit status 2 and one
+# paragraph, no traceback.
+IN_A_PROCESS = [
+    (["--config=gpt2_tiny_dp8", "--config.train.stpes=3"], {}, "Unknown config key 'train.stpes'"),
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:4"], {"JAX_NUM_CPU_DEVICES": "8"},
      "needs 4 x 1 x 1 x 1 x 1 x 1 = 4 devices, fewer than the 8 available (CPU device count pinned"),
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:16"], {"JAX_NUM_CPU_DEVICES": "8"},
      "needs 16 x 1 x 1 x 1 x 1 x 1 = 16 devices, more than the 8 available"),
-    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=tensor:8"], {},
-     "model.num_heads = 4 is not divisible by 8"),
-    (["--config=gpt2_tiny_dp8", "--config.train.stpes=3"], {}, "Unknown config key 'train.stpes'"),
-    (["--config=gpt2_tiny_dp8", "--config.layout=dpp"], {}, "Unknown layout 'dpp'"),
-    (["--config=gpt2_tiny_dp8", "--config.layout=batch:data;hidden:tensor"], {},
-     "Unknown logical axis name 'hidden'"),
-    (["--config=gpt2_tiny_dp9"], {}, "Unknown config 'gpt2_tiny_dp9'"),
     (["--config=gpt2_tiny_dp8", "--config.mesh.shape=data:-1"], {},
      "has an axis of size -1, but on a CPU-only host"),
-    (["--config=gpt2_tiny_dp8", "--config.data.kind=text", "--config.data.path=no/such.txt"], {},
-     "no/such.txt"),
-    (["--config=gpt2_tiny_dp8", "--config.data.kind=tfds", "--config.data.name=nosuch",
-      "--config.data.data_dir=no/such/dir"], {}, "'nosuch' was not found in no/such/dir"),
-    (["--config=gpt2_tiny_dp8", "--config.data.workers=-1"], {}, "data.workers=-1"),
-    (["--config=gpt2_tiny_dp8", "--config.train.nonfinite=ignore"], {},
-     "train.nonfinite='ignore', train.max_skips=10: nonfinite must be one of crash, skip"),
-    (["--config=gpt2_tiny_dp8", "--config.train.stop_at=400"], {},
-     "train.stop_at=400: must be between 0 (off) and train.steps=300"),
-    (["--config=gpt2_tiny_dp8", "--config.checkpoint.every=-5"], {}, "checkpoint.every=-5"),
-    (["--config=gpt2_tiny_dp8", "--config.distributed.heartbeat_timeout=0"], {},
-     "distributed.heartbeat_timeout=0 must be positive"),
-    (["--config=gpt2_tiny_dp8", "--num_processes=2"], {}, "the flags lack --coordinator, --process_id"),
     (["--config=gpt2_tiny_dp8"], {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"},
      "started outside srun"),
-    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.dcn=data:3"], {},
+]
+# The rest is the same `main` called in this process: the same paragraph and status.
+IN_THIS_PROCESS = [
+    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.shape=tensor:8"], "model.num_heads = 4 is not divisible by 8"),
+    (["--config=gpt2_tiny_dp8", "--config.layout=dpp"], "Unknown layout 'dpp'"),
+    (["--config=gpt2_tiny_dp8", "--config.layout=batch:data;hidden:tensor"], "Unknown logical axis name 'hidden'"),
+    (["--config=gpt2_tiny_dp9"], "Unknown config 'gpt2_tiny_dp9'"),
+    (["--config=gpt2_tiny_dp8", "--config.data.kind=text", "--config.data.path=no/such.txt"], "no/such.txt"),
+    (["--config=gpt2_tiny_dp8", "--config.data.kind=tfds", "--config.data.name=nosuch",
+      "--config.data.data_dir=no/such/dir"], "'nosuch' was not found in no/such/dir"),
+    (["--config=gpt2_tiny_dp8", "--config.data.workers=-1"], "data.workers=-1"),
+    (["--config=gpt2_tiny_dp8", "--config.train.nonfinite=ignore"],
+     "train.nonfinite='ignore', train.max_skips=10: nonfinite must be one of crash, skip"),
+    (["--config=gpt2_tiny_dp8", "--config.train.stop_at=400"],
+     "train.stop_at=400: must be between 0 (off) and train.steps=300"),
+    (["--config=gpt2_tiny_dp8", "--config.checkpoint.every=-5"], "checkpoint.every=-5"),
+    (["--config=gpt2_tiny_dp8", "--config.distributed.heartbeat_timeout=0"],
+     "distributed.heartbeat_timeout=0 must be positive"),
+    (["--config=gpt2_tiny_dp8", "--num_processes=2"], "the flags lack --coordinator, --process_id"),
+    (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.dcn=data:3"],
      "mesh.dcn='data:3' puts 3 nodes on axis 'data', but the mesh gives that axis 2 devices"),
-])
+]
+
+
+def assert_one_paragraph(status: int, err: str, message: str) -> None:
+    assert status == 2, err
+    assert "Traceback" not in err
+    assert message in err, err
+    paragraph = err.strip()
+    assert paragraph.startswith("meshtrain train: error:") and "\n\n" not in paragraph
+
+
+@pytest.mark.parametrize("args, env, message", IN_A_PROCESS)
 def test_bad_input_is_one_paragraph_without_traceback(args, env, message):
     r = run_cli(*args, env=env, timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    assert message in r.stderr, r.stderr
-    paragraph = r.stderr.strip()
-    assert paragraph.startswith("meshtrain train: error:") and "\n\n" not in paragraph
+    assert_one_paragraph(r.returncode, r.stderr, message)
+
+
+@pytest.mark.parametrize("args, message", IN_THIS_PROCESS)
+def test_bad_input_to_main_is_one_paragraph_without_traceback(args, message, capfd, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # nothing a run would write lands in the checkout
+    status = train_main(args)
+    out, err = capfd.readouterr()
+    assert_one_paragraph(status, err, message)
