@@ -8,8 +8,6 @@ those run: a few steps of a tiny model, where slower code costs nothing.
 
 import math
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.train import main as train_main
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, hlo, memory_check
@@ -183,11 +182,10 @@ def test_bad_value_names_the_choices(make_config):
         assert word in str(err.value)
 
 
-@pytest.mark.slow
-def test_train_says_which_it_chose():
-    r = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_fsdp8",
-                        f"--config.train.grad_accum_steps={K}", "--config.train.steps=0"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("gradient accumulation:")]
-    assert len(lines) == 1 and "once per step" in lines[0] and "fit" in lines[0], r.stdout
+def test_train_says_which_it_chose(capfd, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    status = train_main(["--config=gpt2_tiny_fsdp8", f"--config.train.grad_accum_steps={K}", "--config.train.steps=0"])
+    out, err = capfd.readouterr()
+    assert status == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("gradient accumulation:")]
+    assert len(lines) == 1 and "once per step" in lines[0] and "fit" in lines[0], out

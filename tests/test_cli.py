@@ -72,11 +72,16 @@ def test_compile_only_pipelined_gpt2_medium_on_32_simulated_devices(tmp_path):
     assert 250 < run["compiled_memory_per_device"]["argument"] / 2**20 < 262
 
 
-def test_pipeline_warns_when_microbatches_are_few(tmp_path):
+def test_pipeline_warns_when_microbatches_are_few_once_with_the_fix(tmp_path):
     r = run_cli("--config=gpt2_tiny_pp4_dp2", "--config.pipeline.microbatches=2", "--config.train.steps=0")
     assert r.returncode == 0, r.stderr
-    assert "meshtrain: warning: pipeline.microbatches=2 < stage=4" in r.stderr
     assert "pipeline: gpipe: 4 stages x 1 chunk(s), 2 microbatches, 5 ticks, bubble" in r.stdout
+    # The linter's bubble warning, once (train warns itself and runs the linter), with its fix.
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("meshtrain: warning:")]
+    assert len([w for w in warnings if "bubble" in w]) == 1, warnings
+    (w,) = warnings
+    assert w.startswith("meshtrain: warning: pipeline.microbatches=2 < stage=4")
+    assert w.endswith("Fix: --config.pipeline.microbatches=16")
 
 
 def test_minus_one_fills_a_pinned_cpu_count(tmp_path):

@@ -2,9 +2,6 @@
 against their formula, and each fix applied as the command line would apply it."""
 
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -295,14 +292,3 @@ def test_fix_overrides_reads_quoted_values_and_stops_at_prose():
     assert lint.fix_overrides("--config.train.batch_size=8 don't") == [("train.batch_size", "8")]
 
 
-def test_train_prints_the_bubble_warning_once():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    r = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_pp4_dp2",
-                        "--config.pipeline.microbatches=2", "--config.train.steps=0"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
-    warnings = [line for line in r.stderr.splitlines() if line.startswith("meshtrain: warning:")]
-    assert len([w for w in warnings if "bubble" in w]) == 1, warnings
-    (w,) = warnings
-    assert w.startswith("meshtrain: warning: pipeline.microbatches=2 < stage=4")  # as tests/test_cli.py
-    assert w.endswith("Fix: --config.pipeline.microbatches=16")
