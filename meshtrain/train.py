@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 
-from meshtrain import cli
+from meshtrain import cli, mesh as mesh_lib
 from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib, xla_flags
 from meshtrain.errors import UserError, warn
 
@@ -39,8 +39,6 @@ FLAGS = ("workdir", "coordinator", "num_processes", "process_id")
 def join(cfg, flags: dict, started: dict | None):
     """Who we are and how many, before JAX starts its backend (which fixes the device
     count): -> (launch, cluster, where the devices come from)."""
-    from meshtrain import mesh as mesh_lib  # here, not at the top: `--help` never imports jax
-
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     launch = launch_lib.detect(flags, os.environ)
     cluster = distributed.start(launch, cfg, flags)
@@ -56,7 +54,7 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     -> device id -> node, for the collectives report."""
     import jax
 
-    from meshtrain import mesh as mesh_lib, models, pipeline_ticks
+    from meshtrain import models, pipeline_ticks  # here: flax, which `--help` never needs
     from meshtrain.layouts import sequence
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
@@ -243,8 +241,6 @@ def save_tokenizer(exp, workdir: str | None) -> None:
 def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
     """How the mesh meets the nodes (`nodes`: how they were found), and a warning when several
     hosts have no mesh.dcn (tensor across nodes is the linter's tensor-on-dcn, see lint_warnings)."""
-    from meshtrain import mesh as mesh_lib
-
     if dcn:
         say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
             f"inside a node")

@@ -16,10 +16,10 @@ import pytest
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
-from meshtrain.train import main as train_main
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, hlo, memory_check
+from meshtrain.train import main as train_main
 
 STEPS = 3
 K = 4  # microbatches

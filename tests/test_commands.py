@@ -4,6 +4,8 @@ learning-rate line and its warnings, and the summary a run ends with. Nothing he
 compiles a step."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,16 @@ def test_help_lists_every_flag_with_its_default_and_exits_0(capsys):
     for flag in ("--config", "--print_config", "--workdir", "--coordinator", "--num_processes", "--process_id"):
         assert flag in out
     assert "--config.KEY=VALUE" in out  # the overrides are explained too
+
+
+@pytest.mark.parametrize("command", ["train", "sample", "eval"])
+def test_help_answers_without_importing_jax(command):
+    """A fresh process: --help parses flags only (jax, flax and the models load when a
+    command runs, a second on every --help otherwise)."""
+    code = (f"import sys; from meshtrain import {command} as c; status = c.main(['--help']); "
+            f"print(status, sorted(m for m in ('jax', 'flax') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines()[-1] == "0 []", r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_config_and_help_prints_the_resolved_config(capsys):
