@@ -27,13 +27,20 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
     })
 
-# LLVM at -O1 for the suite's programs: XLA:CPU spends about half of each compile in LLVM,
-# and the suite compiles over a thousand distinct programs that then run a few tiny steps
-# each. -O1 leaves the HLO (every sharding, collective and buffer the tests check) as it
-# is and cuts the compile-bound tests by a fifth (docs/testing.md). Processes the tests
-# start inherit it; an XLA_FLAGS that sets the level itself wins.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+# How XLA:CPU compiles the suite's programs (processes the tests start inherit it; an
+# XLA_FLAGS that sets one of these itself wins):
+# - LLVM at -O1: XLA:CPU spends about half of each compile in LLVM, and the suite compiles
+#   over a thousand distinct programs that then run a few tiny steps each;
+# - XLA's classic loop emitters instead of its MLIR fusion emitters, with LLVM's expensive
+#   passes off: the compile-bound files a fifth faster again (docs/testing.md).
+# Neither touches the partitioned HLO (every sharding and collective the tests check). The
+# emitters change how a few ops become loops (a scatter-add becomes a `while`), so the
+# tests that read a step's loops or buffers compile it with users' emitters
+# (support.training.USERS_EMITTERS).
+SUITE_XLA_FLAGS = {"--xla_backend_optimization_level": "1", "--xla_cpu_use_fusion_emitters": "false",
+                   "--xla_llvm_disable_expensive_passes": "true"}
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"{k}={v}" for k, v in SUITE_XLA_FLAGS.items() if k not in _flags]).strip()
 
 import jax  # noqa: E402
 

@@ -136,7 +136,7 @@ def test_one_process_simulates_the_nodes_of_a_dcn_mesh(make_config):
     exp = Experiment.build(cfg)
     node, how = mesh_lib.nodes_of(list(exp.mesh.devices.flat), exp.dcn, ["vm"])
     assert how.startswith("simulated") and [node[d.id] for d in exp.mesh.devices.flat] == [0] * 4 + [1] * 4
-    traffic = hlo.collectives_by_axes(exp.compile(), exp.mesh, lambda d: node[d.id])
+    traffic = hlo.collectives_by_axes(exp.compile(analysis=True), exp.mesh, lambda d: node[d.id])
     for axes, entry in traffic.items():  # only collectives over data cross nodes
         assert entry["nodes"] == (2 if "data" in axes else 1), (axes, entry)
     assert any("data" in axes for axes in traffic) and ("tensor",) in traffic

@@ -34,7 +34,7 @@ def planned():
     out = {}
     for name in CONFIGS:
         exp = Experiment.build(config_lib.load(name))
-        compiled = exp.compile()
+        compiled = exp.compile(analysis=True)  # as `meshtrain plan` compiles it
         out[name] = (exp, compiled, report_lib.plan(exp, H100, compiled, 0.0))
     return out
 

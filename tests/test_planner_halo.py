@@ -12,6 +12,7 @@ from meshtrain import config as config_lib
 from meshtrain.experiment import Experiment
 from meshtrain.models import conv as conv_lib
 from meshtrain.planner import halo, hardware, hlo, report as report_lib
+from support.training import compiled_as_users_compile
 
 H100 = hardware.get("h100")
 # name -> overrides: VGG tiny's own spatial config, and ResNet tiny (strided convs) under it
@@ -31,9 +32,9 @@ def planned():
     out = {}
     for name, overrides in {**SPATIAL, "vgg_tiny_dp8": {}, "resnet_tiny_dp8 dp": {}}.items():
         exp = _build(name.split()[0], **overrides)
-        # The spatial steps' HLO text is read below, with no loops in it: their full compile.
-        # The others' plans alone are read: compiled as `meshtrain plan` does, faster.
-        compiled = exp.compile(analysis=name not in SPATIAL)
+        # The spatial steps' HLO text is read below, with no loops in it: compiled as users
+        # compile it. The others' plans alone are read: compiled as `meshtrain plan` does, faster.
+        compiled = compiled_as_users_compile(exp) if name in SPATIAL else exp.compile(analysis=True)
         out[name] = (exp, compiled, report_lib.plan(exp, H100, compiled, 0.0))
     return out
 

@@ -10,6 +10,16 @@ from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 
 STEPS = 20
 
+# XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
+# (tests/conftest.py), which turn a few ops into loops (a scatter-add into a `while`) and
+# so move buffers: a test that reads a step's loops or its temporary bytes compiles it so.
+USERS_EMITTERS = {"xla_cpu_use_fusion_emitters": True, "xla_llvm_disable_expensive_passes": False}
+
+
+def compiled_as_users_compile(exp: Experiment):
+    """exp's train step compiled with USERS_EMITTERS (the rest of the suite's flags kept)."""
+    return exp.train_step.lower(exp.abstract_state(), exp.abstract_batch()).compile(USERS_EMITTERS)
+
 
 def devices_for(mesh: str) -> list:
     """The first devices, as many as MESH ("data:2,tensor:4") has."""
