@@ -32,13 +32,15 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
 # - LLVM at -O1: XLA:CPU spends about half of each compile in LLVM, and the suite compiles
 #   over a thousand distinct programs that then run a few tiny steps each;
 # - XLA's classic loop emitters instead of its MLIR fusion emitters, with LLVM's expensive
-#   passes off: the compile-bound files a fifth faster again (docs/testing.md).
-# Neither touches the partitioned HLO (every sharding and collective the tests check). The
+#   passes off: the compile-bound files a fifth faster again (docs/testing.md);
+# - LLVM's code generation in one piece, not split over a thread pool: with both cores
+#   busy with the two xdist workers, the split only adds work (a compile's CPU time -10%).
+# None touches the partitioned HLO (every sharding and collective the tests check). The
 # emitters change how a few ops become loops (a scatter-add becomes a `while`), so the
 # tests that read a step's loops or buffers compile it with users' emitters
 # (support.training.USERS_EMITTERS).
 SUITE_XLA_FLAGS = {"--xla_backend_optimization_level": "1", "--xla_cpu_use_fusion_emitters": "false",
-                   "--xla_llvm_disable_expensive_passes": "true"}
+                   "--xla_llvm_disable_expensive_passes": "true", "--xla_cpu_parallel_codegen_split_count": "1"}
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"{k}={v}" for k, v in SUITE_XLA_FLAGS.items() if k not in _flags]).strip()
 
