@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 
 import pytest
 
@@ -171,6 +172,20 @@ def test_a_notebook_runs_against_the_installed_package(installed, tmp_path, monk
     text = "".join(o.get("text", "") for c in notebooks.code_cells(nb) for o in c.outputs)
     assert "site-packages" in text and str(ROOT) not in text.split("meshtrain from:")[-1].splitlines()[0]
     print(f"layouts.ipynb (installed): {elapsed:.1f} s, {figures} figures")
+
+
+def test_the_declared_jax_is_the_one_the_suite_runs_on():
+    """pyproject declares the JAX versions the tests ran on, not an open floor, and the same
+    in the cuda12 extra: widening it takes a whole-suite run (docs/install.md)."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *project["optional-dependencies"]["cuda12"]]
+    specs = {str(r.specifier) for r in map(Requirement, declared) if r.name == "jax"}
+    assert len(specs) == 1, specs
+    spec = Requirement(f"jax{specs.pop()}").specifier
+    assert spec.contains(importlib.metadata.version("jax")), (spec, importlib.metadata.version("jax"))
+    assert any(s.operator in ("==", "<", "<=", "~=") for s in spec), f"jax{spec} has no upper bound"
 
 
 def _top_level_imports(lazy: bool | None = None) -> set[str]:
