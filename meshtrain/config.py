@@ -40,7 +40,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         vocab_multiple=128,  # embedding rows are padded to a multiple of this (and of its shards)
         dropout=0.0, dtype="float32", param_dtype="float32",
         remat="none", scan_layers=True,
-        # auto | xla | cudnn | pallas (meshtrain/models/attention.py; docs/performance.md)
+        # auto | xla | cudnn (meshtrain/models/attention.py; docs/performance.md)
         attention="auto",
         # allgather | ring: how attention meets the pieces of a sequence split over the
         # context axis (meshtrain/models/context_attention.py; docs/layouts.md)

@@ -14,7 +14,7 @@ from meshtrain.layouts.rules import Layout
 def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
     """constrain(x, axes) -> x pinned to the layout's activation spec for `axes`. It also
     carries `mesh` and `spec(axes)`, for kernels GSPMD cannot split, which models run per
-    device under shard_map (models/attention.py), `order(t)`, the order a sequence of
+    device under shard_map (models/context_attention.py), `order(t)`, the order a sequence of
     t positions is stored in (None: natural), and `for_attention(axes)`, the spec with
     positions split only as attention splits them (both layouts/sequence.py). The step, the
     pipeline's stages and the loss's chunks (each with the layout they see) all make

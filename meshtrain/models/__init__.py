@@ -88,7 +88,7 @@ def attention_choice(requested: str, cfg: ModelConfig,
     """(implementation, why) for `model.attention=requested` with this model (attention.choose)."""
     head_dim = getattr(cfg, "head_dim", None) or 0
     return attention.choose(requested, platform=platform or attention.Platform.current(),
-                            dtype=cfg.dtype, head_dim=head_dim, seq_len=cfg.seq_len)
+                            dtype=cfg.dtype, head_dim=head_dim)
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -13,11 +13,10 @@ Implementations, all computing softmax(q k^T / sqrt(E) + causal mask) v:
           "cudnn"): never materialises [T, T]; needs an NVIDIA GPU of compute capability
           >= 8.0, bf16 or fp16, and a head width that is a multiple of 8 up to 128
           (256 from compute capability 9.0). JAX partitions it over batch and heads.
-  pallas  JAX's Pallas/Triton flash-attention kernel (jax.experimental.pallas.ops.gpu):
-          for what cuDNN refuses (float32, other head widths). On CPU it runs in Pallas's
-          interpret mode, slowly: that is how the tests check it against the others.
-  auto    cudnn where it applies, else xla. It never picks pallas: that would need a
-          measurement showing it beats XLA where cuDNN cannot run.
+  auto    cudnn where it applies, else xla.
+
+`pallas` (JAX's Pallas/Triton flash-attention kernel) is refused with a UserError: JAX 0.11
+deprecates jax.experimental.pallas.ops.gpu.attention, and its tests failed on JAX 0.11.2.
 
 Decoding with a KV cache always uses xla: its mask is the cache's fill level, not the
 causal square these kernels are given. A layout that splits attention's positions over
@@ -28,7 +27,6 @@ kernels return no log-sum-exp to merge a device's blocks with.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +36,9 @@ from meshtrain.errors import UserError
 from meshtrain.models import context_attention
 
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 BTHE = ("batch", "length", "heads", "head_dim")
 BTKE = ("batch", "length", "kv_heads", "head_dim")
-# Pallas's kernel tiles the sequence in blocks of 128 (forward) and 32 (backward).
-_PALLAS_BLOCKS = (128, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +80,14 @@ def _cudnn_refusal(platform: Platform, dtype: str, head_dim: int) -> str | None:
     return None
 
 
-def _pallas_refusal(seq_len: int) -> str | None:
-    if any(seq_len % min(block, seq_len) for block in _PALLAS_BLOCKS):
-        return (f"model.seq_len={seq_len} does not tile into Pallas's blocks of "
-                f"{' and '.join(map(str, _PALLAS_BLOCKS))} positions")
-    return None
-
-
-def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int,
-           seq_len: int) -> tuple[str, str]:
+def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int) -> tuple[str, str]:
     """-> (implementation, why): what `model.attention=requested` runs as, and the reason
     in words for the start-up log. An explicit choice that cannot run is a UserError."""
+    if requested == "pallas":
+        raise UserError("model.attention=pallas: the Pallas (Triton) flash-attention kernel was "
+                        "removed, because JAX 0.11 deprecates jax.experimental.pallas.ops.gpu."
+                        "attention. Use model.attention=cudnn on GPUs (model.attention=auto "
+                        "already picks it where it applies) or model.attention=xla.")
     if requested not in IMPLEMENTATIONS:
         raise UserError(f"model.attention={requested!r} is not an attention implementation. "
                         f"Choose one of: {', '.join(IMPLEMENTATIONS)} (docs/performance.md).")
@@ -106,14 +99,6 @@ def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int,
     if requested == "cudnn" and cudnn_no is not None:
         raise UserError(f"model.attention=cudnn cannot run: {cudnn_no}. Use model.attention=auto "
                         f"(cuDNN where it applies, else XLA) or model.attention=xla.")
-    if requested == "pallas":
-        pallas_no = _pallas_refusal(seq_len)
-        if pallas_no is not None:
-            raise UserError(f"model.attention=pallas cannot run: {pallas_no}. Pick a seq_len "
-                            f"divisible by 128 (or below 128 and divisible by 32), or "
-                            f"model.attention=auto.")
-        if platform.name != "gpu":
-            return "pallas", f"as asked; on {platform.name} Pallas runs in interpret mode (slow)"
     return requested, "as asked"
 
 
@@ -164,29 +149,6 @@ def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) ->
     return jnp.einsum("bkgts,bske->btkge", probs, v_bske).reshape(b, t, h, e)
 
 
-def _pallas(q_bthe, k_bthe, v_bthe, interpret: bool):
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-    return pallas_attention.mha(q_bthe, k_bthe, v_bthe, None, sm_scale=q_bthe.shape[-1] ** -0.5,
-                                causal=True, interpret=interpret)
-
-
-def _pallas_sharded(q_bthe, k_bthe, v_bthe, constrain):
-    """The Pallas kernel on each device's own rows and heads. GSPMD cannot split a custom
-    kernel, so the split is written out with shard_map from the layout's activation spec
-    (the `mesh` and `spec` that step.make_constrain attaches to its `constrain`)."""
-    interpret = jax.devices()[0].platform != "gpu"
-    kernel = functools.partial(_pallas, interpret=interpret)
-    mesh = getattr(constrain, "mesh", None)
-    if mesh is None or mesh.size == 1:
-        return kernel(q_bthe, k_bthe, v_bthe)
-    spec = constrain.spec(BTHE)
-    if spec[1] is not None or spec[3] is not None:
-        raise UserError(f"model.attention=pallas runs whole sequences and heads on one device; "
-                        f"this layout splits length or head_dim ({spec}). Use model.attention=auto.")
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         check_vma=False)(q_bthe, k_bthe, v_bthe)
-
-
 def _length_split(constrain):
     """The activation spec of q, k and v when the layout splits their positions over
     devices (context parallelism), else None."""
@@ -213,7 +175,7 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     """-> (out [B, T, H, E], cache).
 
     Without a cache, position i attends to positions <= i of this call, with the chosen
-    `implementation` (already resolved by `choose`: xla, cudnn or pallas), k and v repeated
+    `implementation` (already resolved by `choose`: xla or cudnn), k and v repeated
     to the H query heads first when K < H. When the layout splits the positions over
     devices, the rows are in its zigzag order (layouts/sequence.py), `context`
     (model.context_attention: allgather or ring) says how the pieces meet, and only the K
@@ -231,8 +193,6 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
                                             constrain=constrain, spec=split, kv_spec=kv_spec), None
         if k_btke.shape[2] < q_bthe.shape[2]:
             k_btke, v_btke = (_query_heads(a, q_bthe.shape[2], constrain) for a in (k_btke, v_btke))
-        if implementation == "pallas":
-            return _pallas_sharded(q_bthe, k_btke, v_btke, constrain), None
         if implementation == "xla":
             return causal_attention(q_bthe, k_btke, v_btke), None
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True,

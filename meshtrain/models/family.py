@@ -96,7 +96,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
     remat: str = "none"           # see models/remat.py
     scan_layers: bool = True
-    attention: str = "xla"        # xla | cudnn | pallas, resolved from model.attention (models/attention.py)
+    attention: str = "xla"        # xla | cudnn, resolved from model.attention (models/attention.py)
     context_attention: str = "allgather"  # allgather | ring: positions split over devices (models/context_attention.py)
     # Fields set from config sections of their name (how the model runs, not its weights:
     # models.model_config), never part of a checkpoint's architecture; each is a

@@ -70,8 +70,8 @@ def shrink(cfg: ml_collections.ConfigDict, shape: dict) -> tuple[ml_collections.
     heads = math.lcm(sh["heads"], kv * (2 if grouped else 1), 2)
     head_dim = math.lcm(sh["head_dim"], MIN_HEAD_DIM, sh["embed"] // math.gcd(sh["embed"], heads))
     embed = heads * head_dim
-    # Two loss chunks that split like the sequence; Pallas' kernel wants 32 positions or more.
-    seq_len = math.lcm(sh["length"] * 2, 32 if cfg.model.attention == "pallas" else MIN_SEQ_LEN)
+    # Two loss chunks that split like the sequence.
+    seq_len = math.lcm(sh["length"] * 2, MIN_SEQ_LEN)
     chunked = 0 < cfg.train.loss_chunk < dims["seq_len"]
     small = {"num_layers": stages * repeats * math.lcm(2, sh["layers"]), "num_heads": heads,
              "embed_dim": embed, "mlp_dim": sh["mlp"] * -(-2 * embed // sh["mlp"]),
