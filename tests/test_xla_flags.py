@@ -1,10 +1,12 @@
 """meshtrain/cluster/xla_flags.py: when XLA_FLAGS gets meshtrain's GPU flags, how they merge
-with the user's, what launch/slurm.sbatch leaves of them, and that every flag is real.
+with the user's, what launch/slurm.sbatch leaves of them, that every flag is real, and
+that a renamed flag is spelled as the installed jaxlib reads it.
 
 Most tests pass a dict as the environment, so no JAX backend starts; the ones that probe
 run this jaxlib's XLA (on CPU: its flag table is the GPU backend's too) in a child process.
 """
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -23,6 +25,12 @@ AR = "xla_gpu_all_reduce_combine_threshold_bytes"
 def backend_not_started(monkeypatch):
     """Other tests in this process may have started JAX's backend; these behave as before it."""
     monkeypatch.setattr(xla_flags, "_backend_started", lambda: False)
+
+
+def as_dumped(value: str) -> str:
+    """How XLA's `.debug_options` dump writes one of our values: the pipelining enums by
+    their proto names (xla.proto's CollectivePipeliningMode), the rest as given."""
+    return f"COLLECTIVE_PIPELINING_MODE_{value.upper()}" if value in ("on", "off", "default") else value
 
 
 def effective(text: str) -> dict[str, str]:
@@ -117,7 +125,7 @@ def test_the_slurm_template_leaves_meshtrain_the_gpu_flags(user, tmp_path):
     (dumped,) = tmp_path.glob("*.debug_options")
     options = dict(line.split(": ", 1) for line in dumped.read_text().splitlines())
     assert LHS not in options  # the user's false, XLA's default
-    assert all(options.get(k) == v for k, v in xla_flags.FLAGS.items() if k != LHS)
+    assert all(options.get(k) == as_dumped(v) for k, v in xla_flags.FLAGS.items() if k != LHS)
 
 
 def test_nothing_is_set_or_said_off_the_gpu():
@@ -168,7 +176,8 @@ def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
     env = {"JAX_PLATFORMS": "cuda"}
     line = xla_flags.apply(env)
     assert "no_such_flag" not in env["XLA_FLAGS"]
-    assert env["XLA_FLAGS"] == xla_flags.flag_string({f.name: f.value for f in xla_flags.TABLE})
+    assert env["XLA_FLAGS"] == xla_flags.flag_string(
+        {k: v for k, v in xla_flags.FLAGS.items() if k != "xla_gpu_no_such_flag"})
     assert "left out, unknown to this jaxlib: xla_gpu_no_such_flag" in line
 
 
@@ -181,7 +190,8 @@ def test_every_flag_exists_in_this_jaxlib_and_changes_an_xla_default(tmp_path):
     (dumped,) = tmp_path.glob("*.debug_options")
     options = dict(line.split(": ", 1) for line in dumped.read_text().splitlines())
     for name, value in xla_flags.FLAGS.items():
-        assert options.get(name) == value, f"{name}: {options.get(name)} (not listed: XLA's default)"
+        got = options.get(name)
+        assert got == as_dumped(value), f"{name}: {got} (not listed: XLA's default)"
 
 
 @pytest.mark.parametrize("removed", ["xla_gpu_enable_async_all_gather", "xla_gpu_graph_level"])
@@ -191,3 +201,54 @@ def test_the_abort_the_check_guards_against_is_real(removed):
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                            capture_output=True, text=True)
     assert probe.returncode != 0 and f"Unknown flag in XLA_FLAGS: --{removed}" in probe.stderr
+
+
+AG_OLD, AG_NEW = "xla_gpu_enable_pipelined_all_gather", "xla_gpu_pipeline_all_gather"
+AR_OLD, AR_NEW = "xla_gpu_enable_pipelined_all_reduce", "xla_gpu_pipeline_all_reduce"
+
+
+@pytest.mark.parametrize("version, enums", [
+    ("0.10.2", False), ("0.11.0", False), ("0.11.1.dev20260720", False), (None, False), ("abc", False),
+    ("0.11.1", True), ("0.11.2", True), ("0.11.1.dev20260801", True), ("0.12.0.1", True)])
+def test_collective_pipelining_is_spelled_as_the_jaxlib_reads_it(version, enums):
+    """XLA's booleans --xla_gpu_enable_pipelined_*=true became --xla_gpu_pipeline_*=on in the
+    XLA of jaxlib 0.11.1 (meshtrain/cluster/xla_flags.py, RENAMED): older or unknown versions
+    get the booleans, which every jaxlib so far reads; newer ones the enums."""
+    flags = xla_flags.flags_for(version)
+    if enums:
+        assert flags[AG_NEW] == flags[AR_NEW] == "on" and AG_OLD not in flags and AR_OLD not in flags
+    else:
+        assert flags[AG_OLD] == flags[AR_OLD] == "true" and AG_NEW not in flags and AR_NEW not in flags
+    assert len(flags) == len(xla_flags.TABLE) and flags[LHS] == "true"  # the others as in the table
+
+
+def test_the_installed_jaxlib_decides_the_spelling_without_importing_jax():
+    assert xla_flags.FLAGS == xla_flags.flags_for(importlib.metadata.version("jaxlib"))
+    probe = subprocess.run([sys.executable, "-c",
+                            "import sys; from meshtrain.cluster import xla_flags; xla_flags.apply("
+                            "{'JAX_PLATFORMS': 'cuda'}, check=False); "
+                            "assert not {'jax', 'jaxlib'} & set(sys.modules), 'JAX imported'"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+
+
+@pytest.mark.parametrize("ours, users", [("0.11.2", f"--{AG_OLD}=false"), ("0.10.2", f"--{AG_NEW}=off")])
+def test_a_users_flag_in_the_other_spelling_still_overrides_ours(monkeypatch, ours, users):
+    """Both spellings set one XLA option, so the user's, in either, leaves ours out."""
+    monkeypatch.setattr(xla_flags, "FLAGS", xla_flags.flags_for(ours))
+    flags, line = merged(users)
+    assert AG_OLD not in flags.replace(users, "") and AG_NEW not in flags.replace(users, "")
+    assert flags.endswith(users) and (AR_NEW in flags) == (ours == "0.11.2")
+    assert f"yours override 1: {users} (ours: {'on' if ours == '0.11.2' else 'true'})" in line
+
+
+def test_an_enum_spelling_this_jaxlib_rejects_falls_back_to_the_boolean(monkeypatch):
+    """Should the 0.11.1 boundary be wrong, the probe finds the enum names unknown and the
+    table's booleans go in instead. Run against this jaxlib as if it were 0.11.2."""
+    if xla_flags.reads_pipeline_enums(importlib.metadata.version("jaxlib")):
+        pytest.skip("this jaxlib reads the enum spelling")
+    monkeypatch.setattr(xla_flags, "FLAGS", xla_flags.flags_for("0.11.2"))
+    env = {"JAX_PLATFORMS": "cuda"}
+    line = xla_flags.apply(env)
+    assert effective(env["XLA_FLAGS"]) == xla_flags.flags_for("0.10.2")
+    assert f"{len(xla_flags.TABLE)} of meshtrain's" in line and "left out" not in line

@@ -11,16 +11,19 @@ it does not know. So `apply()` runs before anything touches a device, and decide
 Precedence: MESHTRAIN_XLA_GPU=0 adds none of ours (XLA_FLAGS, if set, is used as given);
 otherwise, on a GPU, our flags are merged with the user's XLA_FLAGS: the user's string is
 kept as written, after ours, and a flag of ours that the user sets (`--name=value`, or a
-bare `--name`, which XLA reads as true) is left out, so the user's value wins. Each flag
-was checked against the XLA inside jaxlib 0.10.2, which shares its flag table between the
-CPU and GPU backends: it parses, and its value differs from XLA's default
-(tests/test_xla_flags.py checks both). A later jaxlib may drop a flag, so `apply` first
-parses the ones it adds in a CPU-only child process and leaves out any it rejects (the
-user's flags are the user's: XLA itself says if one is unknown).
+bare `--name`, which XLA reads as true, under either spelling of a renamed flag) is left
+out, so the user's value wins. Each flag was checked against the XLA inside jaxlib 0.10.2,
+which shares its flag table between the CPU and GPU backends: it parses, and its value
+differs from XLA's default (tests/test_xla_flags.py checks both). Flags XLA renamed since
+are given in the spelling the installed jaxlib reads, told from its version in the package
+metadata (`flags_for`, `RENAMED`). A later jaxlib may drop a flag, so `apply` first parses
+the ones it adds in a CPU-only child process and leaves out any it rejects (the user's
+flags are the user's: XLA itself says if one is unknown).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -71,7 +74,54 @@ TABLE: tuple[Flag, ...] = (
          "unrolls the layer loop by two, so the pipelined collectives of one layer have the "
          "next layer's compute to hide under; default off", "jax-tbx; maxtext"),
 )
-FLAGS: dict[str, str] = {f.name: f.value for f in TABLE}
+
+# Collective pipelining has two spellings. openxla/xla PR #45836 (XLA commit bdd11ba,
+# 2026-07-23) replaced the booleans --xla_gpu_enable_pipelined_{all_gather,all_reduce,
+# reduce_scatter} by enums --xla_gpu_pipeline_{...}=default|off|on|explicit, and kept the
+# booleans as deprecated aliases (true -> on, false -> default): a jaxlib with that XLA reads
+# both, an older one only the booleans. jax's main branch took it on 2026-07-24 (jax commit
+# 30a436d), after the 0.11.0 release (XLA 131bf41, 2026-07-15); JAX cuts each release from
+# main, so jaxlib 0.11.1 is the first release with the enums (and a 0.11.1 nightly built
+# after that day). That boundary is read off the two repositories' histories, not off a 0.11.1
+# wheel. Guessing low costs nothing (the booleans still parse); guessing high, `usable` finds
+# the enum names unknown and gives the booleans instead.
+RENAMED: dict[str, tuple[str, str]] = {  # table name -> (enum name, value) from PIPELINE_ENUMS
+    "xla_gpu_enable_pipelined_all_gather": ("xla_gpu_pipeline_all_gather", "on"),
+    "xla_gpu_enable_pipelined_all_reduce": ("xla_gpu_pipeline_all_reduce", "on"),
+}
+PIPELINE_ENUMS = ((0, 11, 1), 20260725)  # first jaxlib release, first nightly (.devYYYYMMDD)
+TABLE_NAME = {new: old for old, (new, _) in RENAMED.items()}  # either spelling -> the table's
+
+
+def jaxlib_version() -> str | None:
+    """The installed jaxlib's version, from its package metadata (None: not installed), so
+    that nothing of JAX is imported before XLA_FLAGS is set."""
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def reads_pipeline_enums(version: str | None) -> bool:
+    """Whether jaxlib `version` ("0.11.2", "0.11.1.dev20260801") knows --xla_gpu_pipeline_*.
+    An unknown version gets False: every jaxlib so far reads the boolean spelling."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)(?:\.dev(\d{8}))?", version or "")
+    if not m:
+        return False
+    release, first_nightly = PIPELINE_ENUMS
+    base = tuple(int(x) for x in m.groups()[:3])
+    if base != release:
+        return base > release
+    return m.group(4) is None or int(m.group(4)) >= first_nightly
+
+
+def flags_for(version: str | None) -> dict[str, str]:
+    """The table as {name: value}, each flag in the spelling jaxlib `version` reads."""
+    enums = reads_pipeline_enums(version)
+    return dict(RENAMED[f.name] if enums and f.name in RENAMED else (f.name, f.value) for f in TABLE)
+
+
+FLAGS: dict[str, str] = flags_for(jaxlib_version())
 
 
 def flag_string(flags: dict[str, str] | None = None) -> str:
@@ -134,15 +184,18 @@ def user_flags(text: str) -> list[tuple[str | None, str]]:
 
 def merge(user: str, flags: dict[str, str]) -> tuple[str, dict[str, str]]:
     """(XLA_FLAGS with `flags` and the user's string, the ones of `flags` the user's string
-    does not set). Ours come first and the user's string follows as written: XLA keeps the
-    last value of a flag given twice, and ours that the user sets are left out anyway."""
-    theirs = {name for name, _ in user_flags(user)}
-    added = {k: v for k, v in flags.items() if k not in theirs}
+    does not set, in either spelling). Ours come first and the user's string follows as
+    written: XLA keeps the last value of a flag given twice, and ours that the user sets are
+    left out anyway."""
+    theirs = {TABLE_NAME.get(name, name) for name, _ in user_flags(user)}
+    added = {k: v for k, v in flags.items() if TABLE_NAME.get(k, k) not in theirs}
     return " ".join(s for s in (flag_string(added), user.strip()) if s), added
 
 
 def usable(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[dict[str, str], list[str], str]:
-    """(`flags` less those this jaxlib rejects, the names rejected, a failed parse's last line or "")."""
+    """(`flags` less those this jaxlib rejects, the names rejected, a failed parse's last line or "").
+    A rejected enum spelling of a renamed flag is replaced by the table's boolean one, which
+    every jaxlib so far reads: the version rule in `reads_pipeline_enums` is inferred."""
     flags, dropped = dict(flags), []
     while flags:
         unknown, failure = rejected(flags, environ)
@@ -153,20 +206,25 @@ def usable(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[di
             break
         for name in unknown:
             del flags[name]
-        dropped += unknown
+            if name in TABLE_NAME:
+                old = TABLE_NAME[name]
+                flags[old] = next(f.value for f in TABLE if f.name == old)
+            else:
+                dropped.append(name)
     return flags, dropped, ""
 
 
 def describe(added: dict[str, str], user: str, dropped: list[str], why: str) -> str:
     """The start-up line: how many of ours went in, which the user's XLA_FLAGS overrode."""
-    tokens = user_flags(user)
-    last = {name: token for name, token in tokens if name in FLAGS}  # XLA reads the last one
+    tokens = [(TABLE_NAME.get(name, name), token) for name, token in user_flags(user)]
+    ours = {TABLE_NAME.get(k, k): v for k, v in FLAGS.items()}
+    last = {name: token for name, token in tokens if name in ours}  # XLA reads the last one
     parts = [f"XLA flags: {len(added)} of meshtrain's {len(FLAGS)} GPU flags added to XLA_FLAGS "
              f"({why}; {DOCS})"]
     if last:
         parts.append(f"yours override {len(last)}: "
-                     + ", ".join(f"{token} (ours: {FLAGS[name]})" for name, token in last.items()))
-    others = sum(name not in FLAGS for name, _ in tokens)
+                     + ", ".join(f"{token} (ours: {ours[name]})" for name, token in last.items()))
+    others = sum(name not in ours for name, _ in tokens)
     if others:
         parts.append(f"{others} other flag{'s' * (others != 1)} of yours kept")
     if dropped:
