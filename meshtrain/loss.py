@@ -1,25 +1,28 @@
-"""The training loss: mean next-token cross entropy in float32, a chunk of positions at a time.
+"""The training loss: mean next-token cross entropy, summed in float32, a chunk of positions at a time.
 
-Taken whole, the loss holds the float32 logits [B, T, V] and their gradient at once
-(GPT-2 small at 16 x 1024 tokens: 3.3 GB each). With train.loss_chunk = c < T the model
+Taken whole, the loss holds the logits [B, T, V] and their gradient at once
+(GPT-2 small at 16 x 1024 tokens: 1.6 GB each in bf16). With train.loss_chunk = c < T the model
 stops before its output projection (`hidden`, models/family.py) and the loss computes its
 value and its gradient together, one chunk of positions at a time:
 
     h [B, T, D] -> [n, B, c, D], targets [B, T] -> [n, B, c]       n = T / c
     total, dw = 0, zeros like w in float32
     for i in range(n):                                    # lax.scan
-        logits = float32(project(h[i], w))                # [B, c, V], this chunk's only
-        total += sum over [B, c] of logsumexp(logits) - logits[targets[i]]
-        dlogits = softmax(logits) - onehot(targets[i])    # d total / d logits
+        logits = project(h[i], w)                         # [B, c, V] in the compute dtype
+        total += sum over [B, c] of logsumexp(logits) - logits[targets[i]]   # float32 inside
+        dlogits = softmax(logits) - onehot(targets[i])    # by hand, in the compute dtype
         dh[i], dw += dlogits pulled back through project  # d total / d h[i], d total / d w
     loss = total / (B T)
 
 A custom VJP hands dh and dw, times the loss's cotangent, to autodiff. So at most one
-chunk of float32 logits and its gradient is alive, and nothing is recomputed: the matmuls
+chunk of logits and its gradient is alive, and nothing is recomputed: the matmuls
 are the whole loss's (2 B T V D for the logits, 4 B T V D for the two gradients), run in
 the forward pass. The primal alone (eval, no gradient) computes only the loss. This is
 the fused linear cross entropy of Liger Kernel (Hsu et al. 2024, arXiv 2410.10989, §3.2),
-in XLA ops.
+in XLA ops. The logits are never written in float32 (`summed_cross_entropy`): under bf16
+compute the matmul writes them in bf16, the max and the sum of exp read them, and one
+element-wise pass writes the bf16 gradient, as llm.c's fused classifier kernel does; the
+whole-logits loss (chunks = 1) takes the same function.
 
 dw is summed over the chunks in float32, and each batch shard sums its own: the shards'
 sums meet once, over the batch axes, in w's dtype (see `chunked_cross_entropy`), so the
@@ -32,7 +35,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
@@ -83,10 +85,39 @@ def check_split(loss_chunk: int, seq_len: int, layout: Layout, shape) -> None:
             f"or 0 for the whole sequence at once.")
 
 
+@jax.custom_vjp
+def summed_cross_entropy(logits_nv: jax.Array, targets_n: jax.Array) -> jax.Array:
+    """sum over n of logsumexp(logits[n]) - logits[n, targets[n]], in float32, for logits
+    [..., V] in their own dtype (bf16 under bf16 compute) and integer targets [...].
+
+    Float32 exists only inside the reductions and the gradient's element-wise pass, which
+    read the logits in their dtype: nothing [..., V] is written in float32. The gradient,
+    softmax(logits) - onehot(targets), is written by hand (as llm.c's fused classifier
+    does) and comes out in the logits' dtype, as autodiff of a float32 upcast gave it."""
+    return _summed_forward(logits_nv, targets_n)[0]
+
+
+def _summed_forward(logits_nv, targets_n):
+    z = logits_nv.astype(jnp.float32)
+    m_n = jax.lax.stop_gradient(z.max(axis=-1))
+    lse_n = m_n + jnp.log(jnp.exp(z - m_n[..., None]).sum(axis=-1))
+    picked_n = jnp.take_along_axis(logits_nv, targets_n[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return (lse_n - picked_n).sum(), (logits_nv, targets_n, lse_n)
+
+
+def _summed_backward(residuals, g):
+    logits_nv, targets_n, lse_n = residuals
+    p_nv = jnp.exp(logits_nv.astype(jnp.float32) - lse_n[..., None])
+    hit = jax.lax.broadcasted_iota(targets_n.dtype, logits_nv.shape, logits_nv.ndim - 1) == targets_n[..., None]
+    return (g * jnp.where(hit, p_nv - 1.0, p_nv)).astype(logits_nv.dtype), None
+
+
+summed_cross_entropy.defvjp(_summed_forward, _summed_backward)
+
+
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token loss in float32 over whole logits [B, T, V]."""
-    logits = logits_btv.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()
+    """Mean next-token loss in float32 over whole logits [B, T, V] (`summed_cross_entropy`)."""
+    return summed_cross_entropy(logits_btv, targets_bt) / targets_bt.size
 
 
 def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, targets_bt: jax.Array,
@@ -141,8 +172,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
         return jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), NamedSharding(mesh, P(shard)))
 
     def shard_loss(w, h_bcd, y_bc):  # one shard, one chunk: h [B/nb, c/nc, D] -> summed loss
-        logits_bcv = project(h_bcd, w, inner_constrain).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_bcv, y_bc).sum()
+        return summed_cross_entropy(project(h_bcd, w, inner_constrain), y_bc)
 
     def shard_grads(w, h_bcd, y_bc):  # -> (summed loss, its gradient for w in float32, for h)
         loss, (dw, dh) = jax.value_and_grad(shard_loss, argnums=(0, 1))(w, h_bcd, y_bc)

@@ -7,10 +7,12 @@ The programs the tests build are run once or only read, so they compile with the
 analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from meshtrain import step as step_lib
+from meshtrain import loss as loss_lib, step as step_lib
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain.errors import UserError
 from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
@@ -61,6 +63,63 @@ def test_chunks_give_the_whole_loss_and_gradients(name, dtype, rows, make_config
         loose = dtype == "bfloat16" and path[0].key in projection
         np.testing.assert_allclose(b, a, rtol=0, atol=(BF16_TABLE_ATOL if loose else 1e-5) * scale,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def float32_autodiff_loss(logits_nv, targets_n):
+    """The loss before the hand-written gradient: logits upcast to float32, autodiff."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_nv.astype(jnp.float32), targets_n).sum()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_logits_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
+    """On logits alone: the loss to float32 rounding, and each entry of the gradient, which
+    comes out in the logits' dtype, equal to the float32 autodiff gradient (softmax -
+    onehot, times the cotangent) rounded to that dtype: one bf16 step (2^-7 of the entry)
+    apart at most; in float32, exp of an argument near 10 in size moves by 10 of its
+    roundings, so 1e-5 of the entry."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    logits = (3 * jax.random.normal(k1, (4, 16, 1000))).astype(dtype)
+    targets = jax.random.randint(k2, (4, 16), 0, 1000)
+    new, g_new = jax.value_and_grad(lambda x: 0.5 * loss_lib.summed_cross_entropy(x, targets))(logits)
+    old, g_old = jax.value_and_grad(lambda x: 0.5 * float32_autodiff_loss(x, targets))(logits)
+    assert g_new.dtype == logits.dtype
+    assert float(new) == pytest.approx(float(old), rel=1e-6)
+    rtol = {"float32": 1e-5, "bfloat16": 2.0**-7}[dtype]
+    np.testing.assert_allclose(np.asarray(g_new, np.float64), np.asarray(g_old, np.float64), rtol=rtol, atol=1e-12)
+
+
+def relative_error(grads, reference) -> float:
+    """|grads - reference| / |reference| over all leaves together."""
+    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64))
+             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))]
+    return float(np.sqrt(sum(((a - b) ** 2).sum() for a, b in pairs) / sum((b ** 2).sum() for _, b in pairs)))
+
+
+@pytest.mark.parametrize("name, dtype", [("gpt2_tiny_dp2_tp4", "float32"), ("gpt2_tiny_dp2_tp4", "bfloat16"),
+                                         ("llama_tiny_fsdp8", "bfloat16")])
+@pytest.mark.parametrize("chunk", [0, CHUNK])
+def test_the_hand_written_gradient_equals_float32_autodiff(name, dtype, chunk, make_config, monkeypatch):
+    """summed_cross_entropy (logits in the compute dtype, float32 only inside the fusions,
+    the gradient by hand) against the loss it replaced, on whole logits and in chunks.
+    In float32 the two are one formula: every gradient equal to 1e-5 of its largest entry.
+    In bf16 both round the logits' gradient to bf16, from float32 softmaxes formed in
+    different orders, so an entry can land one bf16 step apart and the step's bf16
+    backward carries that on: the new gradient is held to be as close to the
+    float32-compute gradient of the same parameters as the old one was (within 5%)."""
+    exp = build(make_config, name, dtype)
+    params = exp.init_state().params
+    new_loss, new_grads = loss_and_grads(exp, chunk, params)
+    if dtype == "bfloat16":
+        _, reference = loss_and_grads(build(make_config, name, "float32"), chunk, params)
+    monkeypatch.setattr(loss_lib, "summed_cross_entropy", float32_autodiff_loss)
+    old_loss, old_grads = loss_and_grads(exp, chunk, params)
+    assert float(new_loss) == pytest.approx(float(old_loss), rel=1e-6)
+    if dtype == "bfloat16":
+        assert relative_error(new_grads, reference) <= 1.05 * relative_error(old_grads, reference)
+        return
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old_grads), jax.tree.leaves(new_grads)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max(), err_msg=jax.tree_util.keystr(path))
 
 
 def test_eval_step_takes_the_same_chunks(make_config):
