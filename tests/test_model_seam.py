@@ -138,7 +138,7 @@ def test_the_planner_reads_the_toy_through_the_seam():
     cfg, rows = exp.model.cfg, 16 // 2
     layers = cfg.num_layers * family.korthikanti_bytes(rows * cfg.seq_len, 4, whole=cfg.embed_dim,
                                                        split=cfg.mlp_dim, scores=0, tensor=4)
-    logits = rows * (cfg.seq_len // 4) * (cfg.padded_vocab_size / 4) * (4 + 8)
+    logits = rows * (cfg.seq_len // 4) * (cfg.padded_vocab_size / 4) * 2 * 4  # logits and gradient, float32
     projection = cfg.padded_vocab_size / 4 * cfg.embed_dim * 4
     assert analytic.activations(exp) == pytest.approx(layers + logits + projection)
     r = report.plan(exp, hardware.get("h100"))

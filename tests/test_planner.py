@@ -151,9 +151,31 @@ def test_compiled_matmul_flops_match_the_formula(planned):
 
 def test_roofline_terms_add_up(planned):
     p = planned["gpt2_tiny_dp2_tp4"][2]["prediction"]
+    busy = p["matmul_s"] + p["attention_s"] + p["memory_s"]
+    assert p["idle_s"] == pytest.approx(busy * hardware.get("h100").idle_share)
     assert p["step_time_s"] == pytest.approx(
-        max(p["matmul_s"] + p["memory_s"], p["overlapped_collectives_s"]) + p["exposed_collectives_s"])
+        max(busy, p["overlapped_collectives_s"]) + p["idle_s"] + p["exposed_collectives_s"])
     assert p["exposed_collectives_s"] > 0  # tensor all-reduces
+
+
+def test_predict_with_the_step_work_by_hand():
+    """The calibrated terms (planner/work.py): a flash kernel's attention leaves the matmul
+    term and runs its causal half at attention_efficiency; the memory term reads the
+    optimizer state, the loss's and the layers' bytes at elementwise_efficiency; idle is a
+    share of the busy time."""
+    hw = hardware.Hardware("toy", {"bfloat16": 100e12}, 10e9, 1e12, 4, 100e9, 10e9, matmul_efficiency=0.5,
+                           attention_efficiency={64: 0.25, 128: 0.5}, elementwise_efficiency=0.5, idle_share=0.1)
+    memory = {"params": 1e9, "optimizer": 2e9, "gradients": 1e9, "activations": 1e9}
+    work = {"attention_flops": 20e12, "attention_kernel": "cudnn", "head_dim": 96, "loss_bytes": 1e9,
+            "layer_bytes": 3e9}
+    p = roofline.predict(hw, "bfloat16", 100e12, memory, [], 200e12, 4, work)
+    assert p["matmul_s"] == pytest.approx(80e12 / 50e12)          # 100 - 20 TF at half the peak
+    assert p["attention_s"] == pytest.approx(10e12 / 25e12)       # half of 20 TF at width 64's 0.25
+    assert p["memory_s"] == pytest.approx((2 + 4 + 1 + 1 + 3) / 0.5e3)  # 11 GB at half of 1 TB/s
+    assert p["idle_s"] == pytest.approx(0.1 * (1.6 + 0.4 + 0.022))
+    assert p["step_time_s"] == pytest.approx(1.1 * (1.6 + 0.4 + 0.022))
+    xla = roofline.predict(hw, "bfloat16", 100e12, memory, [], 200e12, 4, {**work, "attention_kernel": "xla"})
+    assert (xla["matmul_s"], xla["attention_s"]) == (pytest.approx(2.0), 0.0)  # XLA's attention is matmuls
 
 
 def test_predict_by_hand():

@@ -107,4 +107,5 @@ def test_the_survey_point_against_the_formula():
                   for row in tensor)
     old_share = one_nic / (p["step_time_s"] - by_hand + one_nic)
     assert share < old_share
-    assert docs_figures.SURVEY_SHARE < share  # what docs/planner.md explains
+    # what docs/planner.md explains: within a few points of the survey's measured share
+    assert share == pytest.approx(docs_figures.SURVEY_SHARE, abs=0.06)

@@ -43,8 +43,8 @@ def by_hand(exp):
 
     chunks = t // exp.cfg.train.loss_chunk
 
-    def head(rows, vocab):  # logits + float32 log-softmax and gradient; projection gradient
-        return rows * t // chunks * vocab * (width + 8) + vocab * d * 4
+    def head(rows, vocab):  # logits and their gradient in the compute dtype; projection gradient
+        return rows * t // chunks * vocab * 2 * width + vocab * d * 4
 
     return dict(mb=mb, layer=layer, stream=mb * t * d * width, stages=stages,
                 head_after=head(exp.cfg.train.batch_size // data // stages, v / tensor),

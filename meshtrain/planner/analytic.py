@@ -246,12 +246,13 @@ def activation_traffic(exp, hw=None) -> float | None:
 
 
 def _head(exp, cfg, rows: int, vocab_shards: int) -> float:
-    """The loss head for `rows` rows: logits (compute dtype) with their float32 log-softmax
-    and gradient, of one chunk of positions when the loss runs in chunks, and then the
-    output projection's gradient summed over the chunks in float32."""
+    """The loss head for `rows` rows: logits and their gradient, both in the compute dtype
+    (meshtrain/loss.py writes nothing [.., V] in float32), of one chunk of positions when
+    the loss runs in chunks, and then the output projection's gradient summed over the
+    chunks in float32."""
     chunks = loss_chunks(exp)
     v_local = cfg.padded_vocab_size / vocab_shards
-    logits = rows * cfg.seq_len // chunks * v_local * (jnp.dtype(cfg.dtype).itemsize + 8)
+    logits = rows * cfg.seq_len // chunks * v_local * 2 * jnp.dtype(cfg.dtype).itemsize
     return logits + (v_local * _embed_dim(exp.model) * 4 if chunks > 1 else 0)
 
 

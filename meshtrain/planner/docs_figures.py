@@ -38,10 +38,13 @@ def hardware_table() -> str:
         rows.append([f"`{hw.name}`", f"{hw.peak('bfloat16') / 1e12:,.0f}", f"{hw.hbm_bytes / 1e9:,.0f}",
                      f"{hw.hbm_bandwidth / 1e12:.2f}", str(hw.devices_per_node), f"{hw.link_bandwidth / 1e9:,.0f}",
                      f"{hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s",
-                     f"{hw.node_network_bandwidth / 1e9:,.0f}", f"{hw.matmul_efficiency:.2f}",
-                     f"{hw.link_efficiency:.2f}"])
+                     f"{hw.node_network_bandwidth / 1e9:,.0f}", f"{hw.matmul_efficiency:.3f}",
+                     ", ".join(f"{k}: {v:.3g}" for k, v in sorted(hw.attention_efficiency.items())),
+                     f"{hw.elementwise_efficiency:.3f}", f"{hw.idle_share:.4f}", f"{hw.link_efficiency:.2f}",
+                     "measured" if hw.calibration.startswith("matmul") else "assumed"])
     return _table(["entry", "bf16 TFLOP/s", "HBM GB", "HBM TB/s", "GPUs a node", "NVLink GB/s one way",
-                   "compute NICs a node", "node network GB/s", "matmul_efficiency", "link_efficiency"], rows)
+                   "compute NICs a node", "node network GB/s", "matmul_efficiency", "attention_efficiency",
+                   "elementwise_efficiency", "idle_share", "link_efficiency", "compute figures"], rows)
 
 
 # (what, collective kind, nodes k, devices of a group in a node m, groups in a node c)
@@ -103,7 +106,7 @@ def one_nic_prediction(r: dict, hw) -> dict:
     memory = {**r["memory_per_device_bytes"], "activations": r["analytic_memory_per_device_bytes"]["activations"]}
     hw = dataclasses.replace(hw, nics_per_node=hw.devices_per_node)
     return roofline.predict(hw, r["config"]["model"]["dtype"], r["flops_per_step"] / r["devices"], memory, rows,
-                            r["model_flops_per_step"], r["devices"])
+                            r["model_flops_per_step"], r["devices"], r["prediction"]["work"])
 
 
 def survey_reports() -> list[tuple[int, dict]]:
@@ -122,7 +125,7 @@ def survey_table() -> str:
                                 r["flops_per_step"] / r["devices"],
                                 {**r["memory_per_device_bytes"],
                                  "activations": r["analytic_memory_per_device_bytes"]["activations"]},
-                                r["collectives"], r["model_flops_per_step"], r["devices"])
+                                r["collectives"], r["model_flops_per_step"], r["devices"], p["work"])
         rows.append([str(b), f"{1e3 * p['step_time_s']:,.1f}", f"{1e3 * p['matmul_s']:,.1f}",
                      f"{1e3 * p['memory_s']:,.1f}", f"{1e3 * p['exposed_collectives_s']:,.1f}",
                      f"**{100 * roofline.communication_share(p):.1f}%**",

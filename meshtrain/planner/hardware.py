@@ -4,10 +4,11 @@ by passing `--hardware=FILE.json` (a dict with the same fields; see docs/planner
 Peaks, memory, bandwidths and links are the vendors' data-sheet figures (dense, no 2:4
 sparsity; one direction of a link). A node's network is its compute NICs: `nics_per_node`
 of `network_bandwidth` each (storage NICs left out); planner/roofline.py shares them among
-the rings that cross the node. The efficiencies are assumptions, not measurements:
-the share of the peak large bf16 matmuls reach, and of a link's bandwidth NCCL's ring
-collectives reach. Calibrate them against a measured step (benchmarks/gpu.py) where one
-is at hand; docs/planner.md says which were.
+the rings that cross the node. The efficiencies say what share of a peak the step's
+kernels reach: on H100 and H200 the compute and memory ones are measured
+(`HOPPER_MEASURED`, from the runs in benchmarks/results/; docs/planner.md, "Step time",
+shows the arithmetic), the links' are assumed everywhere, and A100's are all assumed.
+`calibration` says which, and the planner's report quotes it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Hardware:
     link_latency_s: float = 10e-6     # per collective inside a node
     network_latency_s: float = 30e-6  # per collective across nodes
     matmul_efficiency: float = 0.75   # share of peak_flops large matmuls reach
+    # share of peak_flops a flash attention kernel (cuDNN) reaches on the causal half of the
+    # square, by head width; widths between entries take the lower entry's
+    attention_efficiency: dict = dataclasses.field(default_factory=lambda: {64: 0.2, 128: 0.3})
+    elementwise_efficiency: float = 0.75  # share of hbm_bandwidth the memory-bound kernels reach
+    idle_share: float = 0.03          # the device's idle time between kernels, per busy second
+    calibration: str = "assumed: no measured run on this hardware"  # which figures are measured
     link_efficiency: float = 0.8      # share of link/network bandwidth ring collectives reach
     usable_memory: float = 0.9        # share of hbm_bytes a run may plan on (runtime, fragmentation)
     compute_capability: str = "9.0"   # CUDA's, for which attention kernel model.attention=auto takes
@@ -45,6 +52,11 @@ class Hardware:
     def node_network_bandwidth(self) -> float:
         """bytes/s one way out of a node: all its compute NICs."""
         return self.nics * self.network_bandwidth
+
+    def attention_efficiency_at(self, head_dim: int) -> float:
+        """attention_efficiency at the widest entry <= head_dim (the narrowest, below all)."""
+        table = sorted((int(k), float(v)) for k, v in self.attention_efficiency.items())
+        return next((v for k, v in reversed(table) if k <= head_dim), table[0][1])
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
@@ -63,12 +75,24 @@ class Hardware:
 # NDR each (50 GB/s); DGX A100: 8 single-port ConnectX-6, 200 Gb/s HDR each (25 GB/s).
 _HOPPER = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
 _AMPERE = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
+# Measured on one H200 (GPT-2 small, remat none, 64 x 1024 tokens: the profile in
+# docs/benchmarks.md): the matmuls' 48.6 TFLOP in 63.2 ms (0.777 of the peak), cuDNN's
+# causal attention (3.71 TFLOP, head width 64) in 17.6 ms (0.213), the device idle 4.3 of
+# 155 ms (0.0285 of its busy time), and the loss's four fusions, 16 bytes a logit, at 3.56
+# TB/s (0.742 of 4.8). H100 has the same chip: its compute figures are taken as the
+# H200's, and its memory-bound kernels' share fitted to its own GPT-2 small step
+# (163.9 ms: 0.946 of 3.35 TB/s). Width 128 is not measured: 1.4x width 64's, assumed.
+HOPPER_MEASURED = dict(matmul_efficiency=0.777, attention_efficiency={64: 0.213, 128: 0.3}, idle_share=0.0285)
+_MEASURED_NOTE = ("matmul, attention at head width 64 and idle share measured on an H200 (GPT-2 small); "
+                  "memory-bound share measured on this card; head width 128 and links assumed")
 _H100_SOURCE = "H100 SXM and DGX H100 data sheets: NVLink 4, 8 x 400 Gb/s NDR NICs a node"
 _A100_SOURCE = "A100 SXM4 and DGX A100 data sheets: NVLink 3, 8 x 200 Gb/s HDR NICs a node"
 TABLE: dict[str, Hardware] = {
-    "h100": Hardware("h100", _HOPPER, 80e9, 3.35e12, 8, 450e9, 50e9, nics_per_node=8, source=_H100_SOURCE),
+    "h100": Hardware("h100", _HOPPER, 80e9, 3.35e12, 8, 450e9, 50e9, nics_per_node=8, source=_H100_SOURCE,
+                     elementwise_efficiency=0.946, calibration=_MEASURED_NOTE, **HOPPER_MEASURED),
     "h200": Hardware("h200", _HOPPER, 141e9, 4.8e12, 8, 450e9, 50e9, nics_per_node=8,
-                     source="H200 SXM and DGX H200 data sheets: NVLink 4, 8 x 400 Gb/s NDR NICs a node"),
+                     source="H200 SXM and DGX H200 data sheets: NVLink 4, 8 x 400 Gb/s NDR NICs a node",
+                     elementwise_efficiency=0.742, calibration=_MEASURED_NOTE, **HOPPER_MEASURED),
     "a100": Hardware("a100", _AMPERE, 80e9, 2.039e12, 8, 300e9, 25e9, matmul_efficiency=0.85,
                      compute_capability="8.0", nics_per_node=8, source=_A100_SOURCE),
     "a100_40gb": Hardware("a100_40gb", _AMPERE, 40e9, 1.555e12, 8, 300e9, 25e9, matmul_efficiency=0.85,

@@ -19,7 +19,7 @@ import jax
 
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain import metrics
-from meshtrain.planner import analytic, beyond_bounds, context, experts, halo, roofline
+from meshtrain.planner import analytic, beyond_bounds, context, experts, halo, roofline, work
 from meshtrain.planner.hardware import Hardware
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
@@ -71,7 +71,8 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     # The formulas' activations: the CPU compiler's temp keeps float32 copies of bf16 values;
     # those the step writes, which under 1F1B are more than it keeps at once.
     traffic = {**memory, "activations": analytic.activation_traffic(exp, hw)}
-    predicted = roofline.predict(hw, cfg.dtype, flops_dev, traffic, rows, model_flops, devices)
+    predicted = roofline.predict(hw, cfg.dtype, flops_dev, traffic, rows, model_flops, devices,
+                                 work.step_work(exp, hw))
     pipe = analytic.pipeline_activations(exp, hw)
     fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
     return {

@@ -1,10 +1,16 @@
-"""Predicted step time: a roofline over matmuls, memory traffic and collectives.
+"""Predicted step time: a roofline over matmuls, attention, memory traffic and collectives.
 
-    matmul    FLOPs one device runs / (peak for the compute dtype x matmul efficiency)
-    memory    HBM bytes / HBM bandwidth, with the bytes counted coarsely: the optimizer
-              update reads params, gradients and both moments and writes params and
-              moments; activations are written forward, read backward and passed over
-              once more by the element-wise kernels (3 x the activation bytes)
+    matmul    matmul FLOPs one device runs (less a flash kernel's attention) / (peak for
+              the compute dtype x matmul_efficiency)
+    attention with a flash kernel (cuDNN): the causal half of the attention FLOPs /
+              (peak x attention_efficiency at the head width); XLA's attention is matmuls
+    memory    HBM bytes / (HBM bandwidth x elementwise_efficiency): the optimizer update
+              (reads params, gradients and both moments, writes params and moments), the
+              loss's passes over its logits and the layers' element-wise passes
+              (planner/work.py). A model without an activation formula keeps the coarse
+              term: activations written, read and passed over once more (3 x their
+              bytes) at the full bandwidth
+    idle      idle_share x the busy time: the gaps between kernels a profile shows
     links     per collective group: bytes sent / (bandwidth x link efficiency) + a latency
               per op, over NVLink when the group stays inside a node (mesh.dcn, or the
               mesh's device order in nodes of `devices_per_node`); across nodes by
@@ -13,7 +19,11 @@
               (XLA's latency-hiding scheduler); tensor and stage collectives sit between
               dependent matmuls and add to the step, as do the expert all-to-alls (the
               experts' matmuls wait for their tokens, the combine for their outputs)
-    step      max(matmul + memory, overlapped collectives) + exposed collectives
+    step      max(matmul + attention + memory, overlapped collectives) + idle + exposed
+
+The efficiencies are the hardware table's (planner/hardware.py), measured on H100 and
+H200 where docs/benchmarks.md has a run, assumed elsewhere; `calibration` in the result
+says which.
 
 The pipeline bubble needs no term of its own: the compiled FLOPs count the bubble ticks'
 work, which the schedule runs whether or not it is useful.
@@ -28,6 +38,7 @@ from meshtrain.cluster import distributed
 from meshtrain.planner.hardware import Hardware
 
 EXPOSED_AXES = ("tensor", "stage", "expert")
+FUSED_ATTENTION = ("cudnn",)  # kernels that skip the masked half and keep no [T, T] probabilities
 
 
 def node_of_position(mesh, devices_per_node: int, dcn: dict | None):
@@ -113,14 +124,24 @@ def collective_seconds(hw: Hardware, row: dict, crosses: bool | None = None) -> 
 
 
 def predict(hw: Hardware, dtype: str, flops_per_device: float, memory: dict, collectives: list[dict],
-            model_flops_per_step: float, devices: int) -> dict:
+            model_flops_per_step: float, devices: int, work: dict | None = None) -> dict:
     """`memory`: per-device bytes {params, optimizer, gradients, activations}; `collectives`:
-    rows {kind, mesh_axes, count, bytes, crosses_nodes}. -> the terms in seconds, the step
-    time and the MFU it implies."""
-    matmul = flops_per_device / (hw.peak(dtype) * hw.matmul_efficiency)
+    rows {kind, mesh_axes, count, bytes, crosses_nodes}; `work`: planner/work.py's
+    step_work, or None (then the coarse memory term of the module docstring). -> the terms
+    in seconds, the step time and the MFU it implies, and which terms were measured."""
+    matmul_flops, attention = flops_per_device, 0.0
     state = 2 * memory["params"] + 2 * memory["optimizer"] + memory["gradients"]
-    traffic = state + 3 * (memory.get("activations") or 0.0)
-    hbm = traffic / hw.hbm_bandwidth
+    if work is None:
+        traffic = state + 3 * (memory.get("activations") or 0.0)
+        hbm = traffic / hw.hbm_bandwidth
+    else:
+        if work["attention_kernel"] in FUSED_ATTENTION:
+            # A flash kernel runs the causal half of the square the compiled program counts.
+            matmul_flops = max(flops_per_device - work["attention_flops"], 0.0)
+            attention = work["attention_flops"] / 2 / (hw.peak(dtype) * hw.attention_efficiency_at(work["head_dim"]))
+        traffic = state + work["loss_bytes"] + work["layer_bytes"]
+        hbm = traffic / (hw.hbm_bandwidth * hw.elementwise_efficiency)
+    matmul = matmul_flops / (hw.peak(dtype) * hw.matmul_efficiency)
     exposed = overlapped = 0.0
     by_axes: dict[str, float] = {}
     for row in collectives:
@@ -131,11 +152,15 @@ def predict(hw: Hardware, dtype: str, flops_per_device: float, memory: dict, col
             exposed += seconds
         else:
             overlapped += seconds
-    step = max(matmul + hbm, overlapped) + exposed
+    busy = matmul + attention + hbm
+    idle = (busy * hw.idle_share) if work is not None else 0.0
+    step = max(busy, overlapped) + idle + exposed
     return {"step_time_s": step, "mfu": model_flops_per_step / (devices * hw.peak(dtype) * step),
-            "matmul_s": matmul, "memory_s": hbm, "exposed_collectives_s": exposed,
-            "overlapped_collectives_s": overlapped, "collectives_s_by_axes": by_axes,
-            "bound_by": _bound_by(matmul, hbm, overlapped, exposed)}
+            "matmul_s": matmul, "attention_s": attention, "memory_s": hbm, "idle_s": idle,
+            "exposed_collectives_s": exposed, "overlapped_collectives_s": overlapped,
+            "collectives_s_by_axes": by_axes, "memory_bytes": traffic, "work": work,
+            "bound_by": _bound_by(matmul + attention, hbm, overlapped, exposed),
+            "calibration": hw.calibration if work is not None else "none: the coarse memory term, no attention or idle terms"}
 
 
 def _bound_by(matmul: float, hbm: float, overlapped: float, exposed: float) -> str:
@@ -148,5 +173,5 @@ def _bound_by(matmul: float, hbm: float, overlapped: float, exposed: float) -> s
 def communication_share(p: dict) -> float:
     """The share of a predicted step (`predict`'s dict) spent communicating: the exposed
     collectives, and the overlapped ones where they outlast the compute they hide behind."""
-    hidden_behind = p["matmul_s"] + p["memory_s"]
+    hidden_behind = p["matmul_s"] + p.get("attention_s", 0.0) + p["memory_s"]
     return (p["exposed_collectives_s"] + max(0.0, p["overlapped_collectives_s"] - hidden_behind)) / p["step_time_s"]

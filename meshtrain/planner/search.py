@@ -338,7 +338,7 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     program computes: 12 L D T a token against the model's 6 L D T), collectives at their
     lower bounds. -> (prediction, bounds)."""
     from meshtrain import metrics
-    from meshtrain.planner import analytic, roofline
+    from meshtrain.planner import analytic, roofline, work
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
     model_flops = metrics.flops_per_unit(cfg) * exp.units_per_step
@@ -353,7 +353,7 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     flops = (head + (model_flops + square - head) * again) / n * REMAT_FLOPS.get(cfg.remat, 1.0) * waste
     # The memory term reads the activations the step writes (1F1B keeps fewer at once).
     traffic = {**memory, "activations": analytic.activation_traffic(exp, hw)}
-    return roofline.predict(hw, cfg.dtype, flops, traffic, bounds, model_flops, n), bounds
+    return roofline.predict(hw, cfg.dtype, flops, traffic, bounds, model_flops, n, work.step_work(exp, hw)), bounds
 
 
 def _compile_all(name, overrides, entries, hw, devices, deadline, jobs, cache_dir, say) -> dict:

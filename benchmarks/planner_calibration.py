@@ -1,0 +1,83 @@
+"""python benchmarks/planner_calibration.py [--results 'benchmarks/results/gpu-*.json'] [--json]
+
+The planner's step time against every measured GPU run: each run of benchmarks/gpu.py in
+the results files is rebuilt with its own settings (benchmarks/gpu_runs.make_config:
+model, remat, batch, one device, bf16 compute), planned for the hardware entry of the
+card it ran on, exactly as `meshtrain plan --hardware=...` does, and set beside the
+measured median step. Which runs calibrated the table (planner/hardware.py) and which are
+held out is said per row.
+
+Run on CPU (one simulated device; the planner compiles for shapes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+# The runs hardware.py's measured figures came from; every other run is held out.
+CALIBRATED_ON = {("gpt2_small", "none", "h200"): "matmul, attention, idle, memory share (profile)",
+                 ("gpt2_small", "none", "h100"): "memory share",
+                 ("gpt2_small", "full", "h200"): "LAYER_PASSES[full]"}
+# Runs of code the repository no longer has: the planner plans today's code.
+SUPERSEDED = {"moe_small_dropless": "measured with ragged_dot, since replaced by windowed matmuls"}
+KINDS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
+
+
+def hardware_for(device_kind: str) -> str | None:
+    return KINDS.get(device_kind) or next((v for k, v in KINDS.items() if device_kind.startswith(k)), None)
+
+
+def rows(pattern: str):
+    import jax
+    import gpu_runs
+    from meshtrain.experiment import Experiment
+    from meshtrain.planner import hardware, report
+    for path in sorted(glob.glob(pattern)):
+        results = json.loads(pathlib.Path(path).read_text())
+        hw_name = hardware_for(results["device"]["device_kind"])
+        for r in results["runs"]:
+            if hw_name is None or "step_s_median" not in r:
+                continue
+            exp = Experiment.build(gpu_runs.make_config(r["model"], r["remat"], r["batch"]), devices=jax.devices()[:1])
+            p = report.plan(exp, hardware.get(hw_name))["prediction"]
+            measured = r["step_s_median"]
+            key = (r["model"], r["remat"], hw_name)
+            yield {"model": r["model"], "remat": r["remat"], "hardware": hw_name, "batch": r["batch"],
+                   "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * p["step_time_s"],
+                   "ratio": p["step_time_s"] / measured,
+                   "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
+                   "role": (f"calibration: {CALIBRATED_ON[key]}" if key in CALIBRATED_ON
+                            else SUPERSEDED.get(r["model"], "held out")),
+                   "results": pathlib.Path(path).name, "date": results.get("date")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="The planner's step time against the measured GPU runs.")
+    ap.add_argument("--results", default=str(HERE / "results" / "gpu-*.json"))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = list(rows(args.results))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print("| run | card | batch x T | measured ms | predicted ms | predicted / measured | "
+          "matmul + attention + memory + idle ms | role |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out:
+        t = r["terms_ms"]
+        print(f"| {r['model']}, remat {r['remat']} | {r['hardware']} | {r['batch']} x 1024 | {r['measured_ms']:.1f} | "
+              f"{r['predicted_ms']:.1f} | {r['ratio']:.2f} | {t['matmul_s']:.1f} + {t['attention_s']:.1f} + "
+              f"{t['memory_s']:.1f} + {t['idle_s']:.1f} | {r['role']} |")
+
+
+if __name__ == "__main__":
+    main()
