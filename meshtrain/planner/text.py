@@ -148,10 +148,14 @@ def render(r: dict) -> str:
                   f"model {r['model_flops_per_step']:.4g} ({r['flops_per_step'] / r['model_flops_per_step']:.3f}x); "
                   f"model FLOPs: {r['flops_convention'].split(';')[0]}"]
     p = r["prediction"]
+    attention = f", attention {p['attention_s'] * 1e3:,.1f} ms" if p.get("attention_s") else ""
+    idle = f", idle {p['idle_s'] * 1e3:,.1f} ms" if p.get("idle_s") else ""
     lines.append(f"predicted step: {p['step_time_s'] * 1e3:,.1f} ms -> MFU {100 * p['mfu']:.1f}% | matmuls "
-                 f"{p['matmul_s'] * 1e3:,.1f} ms, memory {p['memory_s'] * 1e3:,.1f} ms, tensor/stage "
-                 f"collectives {p['exposed_collectives_s'] * 1e3:,.1f} ms, overlapped data/fsdp "
+                 f"{p['matmul_s'] * 1e3:,.1f} ms{attention}, memory {p['memory_s'] * 1e3:,.1f} ms{idle}, "
+                 f"tensor/stage collectives {p['exposed_collectives_s'] * 1e3:,.1f} ms, overlapped data/fsdp "
                  f"collectives {p['overlapped_collectives_s'] * 1e3:,.1f} ms | bound by {p['bound_by']}")
+    if p.get("calibration"):
+        lines.append(f"  step-time figures: {p['calibration']}")
     if r.get("accum_gather"):
         lines += ["", r["accum_gather"]]
     if r.get("lint"):

@@ -1,0 +1,46 @@
+"""The planner's step time against the measured GPU runs in benchmarks/results/
+(benchmarks/planner_calibration.py): every measured GPT-2 step, planned with the run's own
+settings for the card it ran on, within 15%. One compile serves both cards."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_runs  # noqa: E402
+import planner_calibration  # noqa: E402
+from meshtrain.experiment import Experiment  # noqa: E402
+from meshtrain.planner import hardware, report  # noqa: E402
+
+
+def measured(model: str, remat: str) -> dict[str, tuple[int, float]]:
+    """{hardware entry: (batch, median step s)} of every results file's run of model/remat."""
+    out = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("gpu-*.json")):
+        results = json.loads(path.read_text())
+        hw = planner_calibration.hardware_for(results["device"]["device_kind"])
+        for r in results["runs"]:
+            if (r["model"], r["remat"]) == (model, remat) and hw:
+                out[hw] = (r["batch"], r["step_s_median"])
+    return out
+
+
+@pytest.mark.parametrize("model, remat, cards", [("gpt2_small", "none", {"h100", "h200"}),
+                                                 ("gpt2_small", "full", {"h100", "h200"}),
+                                                 ("gpt2_medium", "none", {"h100"})])
+def test_gpt2_is_predicted_within_15_percent_of_its_measured_steps(model, remat, cards):
+    runs = measured(model, remat)
+    assert set(runs) == cards
+    batches = {b for b, _ in runs.values()}
+    assert len(batches) == 1
+    exp = Experiment.build(gpu_runs.make_config(model, remat, batches.pop()), devices=jax.devices()[:1])
+    compiled = exp.compile(analysis=True)
+    for hw_name, (_, step_s) in runs.items():
+        r = report.plan(exp, hardware.get(hw_name), compiled, 0.0)
+        assert r["predicted_step_time_s"] == pytest.approx(step_s, rel=0.15), hw_name
+        assert r["prediction"]["calibration"].startswith("matmul, attention")
