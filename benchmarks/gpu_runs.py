@@ -35,7 +35,9 @@ from meshtrain.experiment import Experiment
 
 # A mixture of experts at GPT-2 small's width (12 layers, d=768, 12 query and 4 kv heads,
 # 32K vocabulary): 8 SwiGLU experts of width 1024, 2 per token, under both dispatches,
-# beside its dense twin of equal active parameters (mlp 2048, without the router's D X).
+# dropless's grouped matmuls as windows (moe.grouped_matmul's auto today) and as
+# jax.lax.ragged_dot, beside its dense twin of equal active parameters (mlp 2048, without
+# the router's D X).
 _MOE_SMALL = {"model.num_layers": 12, "model.num_heads": 12, "model.num_kv_heads": 4,
               "model.embed_dim": 768, "model.vocab_size": 32_000}
 _MOE_EXPERTS = dict(_MOE_SMALL, **{"model.mlp_dim": 1024, "model.num_experts": 8,
@@ -47,6 +49,8 @@ MODELS = {
     "gpt2_medium": ("gpt2", "medium", 1024, {}),
     "llama3_1b": ("llama", "llama3_1b", 2048, {}),
     "moe_small_dropless": ("mixtral", "tiny", 1024, dict(_MOE_EXPERTS, **{"moe.dispatch": "dropless"})),
+    "moe_small_ragged": ("mixtral", "tiny", 1024, dict(_MOE_EXPERTS, **{"moe.dispatch": "dropless",
+                                                                        "moe.grouped_matmul": "ragged_dot"})),
     "moe_small_capacity": ("mixtral", "tiny", 1024, dict(_MOE_EXPERTS, **{"moe.dispatch": "capacity"})),
     "moe_small_dense_twin": ("llama", "tiny", 1024, dict(_MOE_SMALL, **{"model.mlp_dim": 2048})),
     "gpt2_tiny": ("gpt2", "tiny", 128, {}),

@@ -7,9 +7,10 @@
 #      (stage `overhead` runs that alone);
 #   2. a profiler trace of GPT-2 small's training step (steps 10-12 of `meshtrain train`),
 #      summed by kernel here by benchmarks/trace_summary.py;
-#   3. benchmarks/gpu.py: the mixture of experts at GPT-2 small's width, dropless and
-#      capacity, beside its dense twin (benchmarks/gpu_runs.py MODELS); `moe_fusion` runs
-#      dropless with XLA's cuDNN ragged-dot fusion;
+#   3. benchmarks/gpu.py: the mixture of experts at GPT-2 small's width, dropless (its
+#      grouped matmuls as windows, and as jax.lax.ragged_dot) and capacity, beside its
+#      dense twin (benchmarks/gpu_runs.py MODELS); `moe_fusion` runs dropless's ragged_dot
+#      with XLA's cuDNN ragged-dot fusion;
 #   4. the MoE and GPU-benchmark tests under JAX_PLATFORMS=cpu (the device
 #      image's JAX, not CI's pin).
 #
@@ -42,7 +43,7 @@ step() {  # step NAME SECONDS CMD...: run CMD bounded, its log in $OUT/NAME.log
 }
 
 RESULTS=$OUT/gpu.json
-MOE="moe_small_dropless,moe_small_capacity,moe_small_dense_twin"
+MOE="moe_small_dropless,moe_small_ragged,moe_small_capacity,moe_small_dense_twin"
 stage() {
   case $1 in
     gpt2_small) step gpt2_small 200 python3 benchmarks/gpu.py --models gpt2_small --remat none,full \
@@ -57,12 +58,13 @@ stage() {
         --config.train.log_every=1 --workdir=$prof
       local trace; trace=$(find $prof/profile -name '*.trace.json.gz' | head -n 1)
       [ -n "$trace" ] && cp "$trace" "$OUT/gpt2_small.trace.json.gz" ;;
-    moe) step moe 150 python3 benchmarks/gpu.py --models "$MOE" --remat none --max-batch 32 \
+    moe) step moe 200 python3 benchmarks/gpu.py --models "$MOE" --remat none --max-batch 32 \
         --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$RESULTS" ;;
     # XLA lowers jax.lax.ragged_dot on NVIDIA GPUs to a dense dot over every group unless
-    # its cuDNN ragged-dot fusion is switched on (docs/benchmarks.md): dropless with it.
+    # its cuDNN ragged-dot fusion is switched on (docs/benchmarks.md): dropless's ragged_dot
+    # with it (the windows have no ragged_dot for the flag to change).
     moe_fusion) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
-        step moe_fusion 120 python3 benchmarks/gpu.py --models moe_small_dropless --remat none \
+        step moe_fusion 120 python3 benchmarks/gpu.py --models moe_small_ragged --remat none \
         --max-batch 32 --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_fusion.json" ;;
     tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
         tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;

@@ -119,6 +119,7 @@ def test_flops_count_active_parameters():
 
 @pytest.mark.parametrize("overrides, needle", [
     ({"moe.dispatch": "sparse"}, "moe.dispatch='sparse' is not a dispatch mode"),
+    ({"moe.grouped_matmul": "cutlass"}, "moe.grouped_matmul='cutlass' is not a way to compute dropless's grouped"),
     ({"moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0: must be > 0"),
     ({"model.experts_per_token": 5}, "model.experts_per_token=5 with model.num_experts=4"),
     ({"layout": "dp_pp", "mesh.shape": "stage:2", "pipeline.microbatches": 2}, "cannot be pipelined yet"),
@@ -201,6 +202,48 @@ def test_windowed_grouped_matmul_equals_each_row_through_its_expert(rows, groups
             np.testing.assert_allclose(g_mine, g_theirs, rtol=1e-4, atol=1e-5 * float(jnp.abs(g_theirs).max()))
         np.testing.assert_array_equal(pair[0], got)
         np.testing.assert_array_equal(pair[1], got_reversed)
+
+
+def test_ragged_dot_grouped_matmul_equals_the_windows_also_under_vmap():
+    """moe.grouped_matmul=ragged_dot (models/moe_ragged.py) against the windows: outputs
+    and the gradients of sum(y^2) by the rows and the 3 weights, rows of no expert
+    included; and under vmap with the weights unbatched, as gradient accumulation runs it
+    (JAX's own ragged_dot refuses that batching). Rows [2, 40, 8], 3 experts [3, 8, 12],
+    [3, 8, 12], [3, 12, 8]; one jitted program."""
+    from meshtrain.models import moe_dropless
+    rng = np.random.default_rng(7)
+    groups, rows, d, f = 3, 40, 8, 12
+    ws = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+               ((groups, d, f), (groups, d, f), (groups, f, d)))
+    xs = jnp.asarray(rng.standard_normal((2, rows, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, groups + 1, (2, rows)), jnp.int32)    # id = groups: no expert
+
+    @jax.jit
+    def both(xs, ids, ws):
+        def loss(mode):
+            return lambda x, i, ws: (moe_dropless._grouped(x, i, groups, ws, mode) ** 2).sum()
+        one = {m: jax.value_and_grad(loss(m), (0, 2))(xs[0], ids[0], ws) for m in ("windowed", "ragged_dot")}
+        batched = jax.vmap(jax.value_and_grad(loss("ragged_dot"), (0, 2)), (0, 0, None))(xs, ids, ws)
+        return one, batched, jax.vmap(lambda x, i: moe_dropless._grouped(x, i, groups, ws, "ragged_dot"))(xs, ids)
+
+    one, batched, y = both(xs, ids, ws)
+    (win_loss, win_grads), (rag_loss, rag_grads) = one["windowed"], one["ragged_dot"]
+    np.testing.assert_allclose(rag_loss, win_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(rag_grads), jax.tree.leaves(win_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+    np.testing.assert_array_equal(np.asarray(y)[np.asarray(ids) == groups], 0)
+    np.testing.assert_allclose(batched[0][0], rag_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((batched[1][0][0], jax.tree.map(lambda g: g[0], batched[1][1]))),
+                    jax.tree.leaves(rag_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_grouped_matmul_auto_is_the_windows_until_measured():
+    """auto resolves per backend (moe_dropless.AUTO): the windows everywhere today, the CPU
+    by measurement, the GPU and TPU until a measurement there says otherwise."""
+    from meshtrain.models import moe_dropless
+    assert [moe_dropless.grouped_matmul("auto", p) for p in ("cpu", "gpu", "tpu")] == ["windowed"] * 3
+    assert moe_dropless.grouped_matmul("ragged_dot", "cpu") == "ragged_dot"
 
 
 def test_windows_cover_any_sizes_with_a_static_count():

@@ -143,7 +143,9 @@ def layer_activation_bytes(cfg: MixtralConfig, tokens: int, tensor: int, remat: 
       dropless   the copies the windows read ([e n k, D]: e k D), the windows' matmul
                  outputs, gate and up [W e n k, F/t] and down [W e n k, D] with W = 1 +
                  1 / moe_dropless.WINDOWS_PER_GROUP (W e k (2 F/t + D); the rest of the
-                 SwiGLU is recomputed), the copies' outputs for the weighted sum (k D)
+                 SwiGLU is recomputed), the copies' outputs for the weighted sum (k D);
+                 W = 1 with moe.grouped_matmul=ragged_dot, which keeps its products' outputs
+                 over the rows alone (models/moe_ragged.py)
       capacity   the dispatch and combine one-hots [B, T, X, C] (2 X C / 1), the per-choice
                  slots [B, T, k, X, C] in float32 (the combine's weights' gradient), the
                  buffers in and out [X, B, C, D] (2 X C D / T) and the SwiGLU's four
@@ -161,7 +163,8 @@ def layer_activation_bytes(cfg: MixtralConfig, tokens: int, tensor: int, remat: 
         slots = moe.capacity(t, x, k, cfg.moe.capacity_factor)
         own += c * (2 * x * slots + 2 * x * slots * d / t + 4 * x * slots * f / t / tensor) + 4 * k * x * slots
     else:
-        win = 1 + 1 / moe_dropless.WINDOWS_PER_GROUP
+        windowed = moe_dropless.grouped_matmul(cfg.moe.grouped_matmul) == "windowed"
+        win = 1 + 1 / moe_dropless.WINDOWS_PER_GROUP if windowed else 1
         own += c * (expert * k * d + win * expert * k * (2 * f / tensor + d) + k * d)
     return kept + tokens * own
 
@@ -185,7 +188,8 @@ def _check(cfg: MixtralConfig) -> None:
 
 def _describe(c: MixtralConfig) -> str:
     shared = f" + {c.num_shared_experts} shared" if c.num_shared_experts else ""
-    run = c.moe.dispatch + (f" x{c.moe.capacity_factor:g}" if c.moe.dispatch == "capacity" else "")
+    run = c.moe.dispatch + (f" x{c.moe.capacity_factor:g}" if c.moe.dispatch == "capacity" else
+                            f", {moe_dropless.grouped_matmul(c.moe.grouped_matmul)}")
     return (f"mixtral: {c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv), embed {c.embed_dim}, "
             f"{c.num_experts} experts{shared} of mlp {c.mlp_dim}, top-{c.experts_per_token} ({run}), vocab "
             f"{c.padded_vocab_size}, seq_len {c.seq_len}, rope theta {c.rope_theta:g}, params {c.param_dtype}; "

@@ -15,7 +15,8 @@ sum_j w_j expert_{e_j}(x). Two ways to run the experts (`moe.dispatch`):
             tokens drop never depends on the layout: a sharded run equals one device
             whether or not it drops.
   dropless  every routed copy is computed (models/moe_dropless.py): tokens sorted by
-            expert, a grouped matmul (`jax.lax.ragged_dot`), written per device under
+            expert, a grouped matmul per weight (`moe.grouped_matmul`: windows of one
+            expert's rows, batched, or `jax.lax.ragged_dot`), written per device under
             shard_map with an all-to-all over the expert axes.
 
 Auxiliary losses, each averaged over layers by the model and added to the training loss:
@@ -42,6 +43,8 @@ from meshtrain.models import moe_dropless
 from meshtrain.models.stack import Constrain, param
 
 DISPATCH = ("dropless", "capacity")
+# How dropless computes its grouped matmuls (moe_dropless.grouped_matmul resolves auto).
+GROUPED_MATMUL = ("auto", "windowed", "ragged_dot")
 # The per-layer statistics a MoE layer adds to the scan's carry, in this order.
 STATS = ("load_balance", "z_loss", "dropped")
 # Capacity buffers [X, B, C, D] where the tokens are, and where their experts are.
@@ -54,6 +57,7 @@ class MoERun:
     """How a mixture of experts is run and trained (`moe.*` keys); not part of the weights."""
 
     dispatch: str = "dropless"
+    grouped_matmul: str = "auto"
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
@@ -62,6 +66,11 @@ class MoERun:
         if self.dispatch not in DISPATCH:
             raise UserError(f"moe.dispatch={self.dispatch!r} is not a dispatch mode; choose one of "
                             f"{', '.join(DISPATCH)} (docs/models.md, 'Mixtures of experts').")
+        if self.grouped_matmul not in GROUPED_MATMUL:
+            raise UserError(f"moe.grouped_matmul={self.grouped_matmul!r} is not a way to compute dropless's "
+                            f"grouped matmuls; choose one of {', '.join(GROUPED_MATMUL)} (auto: the windows "
+                            f"wherever they are measured to win or nothing is measured yet; docs/models.md, "
+                            f"'Dispatch').")
         if not self.capacity_factor > 0:
             raise UserError(f"moe.capacity_factor={self.capacity_factor}: must be > 0 (1.0 gives each "
                             f"expert exactly its even share of a sequence's routed tokens; 1.25 is common).")
@@ -149,7 +158,7 @@ class MoE(nnx.Module):
             y, dropped = self._capacity(x_btd, top_i, weights, constrain)
         else:
             y = moe_dropless.experts(x_btd, top_i, weights, (self.w_gate[...], self.w_up[...], self.w_down[...]),
-                                     constrain)
+                                     constrain, self.run.grouped_matmul)
             dropped = jnp.zeros((), jnp.float32)
         if self.shared:
             dt = x_btd.dtype

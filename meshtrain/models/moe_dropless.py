@@ -14,9 +14,10 @@ when there is no mesh), with n local tokens, k copies each and the X/ep experts 
        implementation in XLA; docs/models.md.)
        tokens not split over them: each device computes the copies routed to its own
        experts and the outputs are summed over the expert axes.
-  3. each expert's rows go through its SwiGLU as a grouped matmul (`swiglu_grouped`:
-     windows of one expert's rows, batched against their experts' weights, about 1.25
-     times the rows' FLOPs);
+  3. each expert's rows go through its SwiGLU as a grouped matmul, computed as
+     `moe.grouped_matmul` says (`grouped_matmul`): `swiglu_grouped`'s windows of one
+     expert's rows, batched against their experts' weights, about 1.25 times the rows'
+     FLOPs; or `jax.lax.ragged_dot` (models/moe_ragged.py), whatever its lowering costs;
   4. the copies are put back in token order and summed with their routing weights; an
      expert mlp split over `tensor` gives partial sums, summed over tensor once, on [n, D].
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.models import moe_ragged
 from meshtrain.models.context_attention import mesh_axes as _axes
 from meshtrain.models.stack import BTD
 
@@ -43,6 +45,20 @@ W_OUT = ("experts", "mlp", "embed")
 # most 1 + 1 / WINDOWS_PER_GROUP times the rows (each group's last window is partly empty:
 # at most g windows' worth).
 WINDOWS_PER_GROUP = 4
+
+# What `moe.grouped_matmul=auto` computes on each backend. CPU: the windows, measured
+# (Mixtral tiny on data:8: 1.26x the model's matmul FLOPs where ragged_dot compiled to
+# 2.99x; docs/models.md). GPU and TPU: the windows until a measurement says otherwise; on
+# the GPU `STAGES=moe bash benchmarks/gpu_session.sh` times both beside the dense twin.
+AUTO = {"cpu": "windowed", "gpu": "windowed", "tpu": "windowed"}
+
+
+def grouped_matmul(mode: str, platform: str | None = None) -> str:
+    """`moe.grouped_matmul` resolved to "windowed" or "ragged_dot": auto by AUTO for
+    `platform` ("cpu", "gpu", "tpu"; None: JAX's default backend), the others as given."""
+    if mode != "auto":
+        return mode
+    return AUTO.get(platform or jax.default_backend(), "windowed")
 
 
 def windows(sizes_g: jax.Array, rows: int) -> tuple[int, jax.Array, jax.Array, jax.Array]:
@@ -94,36 +110,38 @@ def swiglu_grouped(xs_md: jax.Array, order_m: jax.Array, sizes_g: jax.Array, w_g
     return jnp.zeros((m, d), dt).at[jnp.where(mine, rows_iw, m)].add(out_iwd, mode="drop")
 
 
-def _grouped(xs_md, ids_m, groups: int, ws) -> jax.Array:
-    """Rows xs [m, D] with group ids [m] (ids >= groups: no group, output 0) -> [m, D]."""
+def _grouped(xs_md, ids_m, groups: int, ws, mode: str = "windowed") -> jax.Array:
+    """Rows xs [m, D] with group ids [m] (ids >= groups: no group, output 0) -> [m, D],
+    by the windows or ragged_dot (`mode`, resolved)."""
     order = jnp.argsort(ids_m, stable=True)
     sizes = (ids_m[:, None] == jnp.arange(groups)[None, :]).sum(0).astype(jnp.int32)
-    return swiglu_grouped(xs_md, order, sizes, *ws)
+    swiglu = moe_ragged.swiglu_ragged if mode == "ragged_dot" else swiglu_grouped
+    return swiglu(xs_md, order, sizes, *ws)
 
 
 def _combine(out_nkd, w_nk):
     return jnp.einsum("nkd,nk->nd", out_nkd, w_nk.astype(out_nkd.dtype))
 
 
-def local_experts(x_nd, e_nk, w_nk, ws) -> jax.Array:
+def local_experts(x_nd, e_nk, w_nk, ws, mode: str = "windowed") -> jax.Array:
     """All X experts on this device: x [n, D], expert ids [n, k], weights [n, k] -> [n, D]."""
     n, k = e_nk.shape
-    out = _grouped(jnp.repeat(x_nd, k, axis=0), e_nk.reshape(-1), ws[0].shape[0], ws)
+    out = _grouped(jnp.repeat(x_nd, k, axis=0), e_nk.reshape(-1), ws[0].shape[0], ws, mode)
     return _combine(out.reshape(n, k, -1), w_nk)
 
 
-def owned_experts(x_nd, e_nk, w_nk, ws, ep_axes) -> jax.Array:
+def owned_experts(x_nd, e_nk, w_nk, ws, ep_axes, mode: str = "windowed") -> jax.Array:
     """This device's X/ep experts on tokens every expert device also holds: the copies
     routed elsewhere give 0, and the caller sums over `ep_axes`."""
     n, k = e_nk.shape
     held = ws[0].shape[0]
     local = e_nk.reshape(-1) - jax.lax.axis_index(ep_axes) * held
     ids = jnp.where((local >= 0) & (local < held), local, held)
-    out = _grouped(jnp.repeat(x_nd, k, axis=0), ids, held, ws)
+    out = _grouped(jnp.repeat(x_nd, k, axis=0), ids, held, ws, mode)
     return _combine(out.reshape(n, k, -1), w_nk)
 
 
-def exchanged_experts(x_nd, e_nk, w_nk, ws, ep_axes, ep: int) -> jax.Array:
+def exchanged_experts(x_nd, e_nk, w_nk, ws, ep_axes, ep: int, mode: str = "windowed") -> jax.Array:
     """Tokens split over the expert axes: an all-to-all there and back (module docstring)."""
     n, k = e_nk.shape
     copies, held = n * k, ws[0].shape[0]
@@ -140,7 +158,7 @@ def exchanged_experts(x_nd, e_nk, w_nk, ws, ep_axes, ep: int) -> jax.Array:
     send_id = jnp.where(valid, e_sorted[src] % held, held)            # local expert id, or none
     recv_x = jax.lax.all_to_all(send_x, ep_axes, 0, 0, tiled=True)
     recv_id = jax.lax.all_to_all(send_id, ep_axes, 0, 0, tiled=True)
-    out = _grouped(recv_x.reshape(ep * copies, -1), recv_id.reshape(-1), held, ws)
+    out = _grouped(recv_x.reshape(ep * copies, -1), recv_id.reshape(-1), held, ws, mode)
     back = jax.lax.all_to_all(out.reshape(ep, copies, -1), ep_axes, 0, 0, tiled=True)
     rows = jnp.where(valid, starts[:, None] + slot, copies)           # copies: dropped by scatter
     out_sorted = jnp.zeros((copies, back.shape[-1]), back.dtype).at[rows.reshape(-1)].add(
@@ -149,15 +167,18 @@ def exchanged_experts(x_nd, e_nk, w_nk, ws, ep_axes, ep: int) -> jax.Array:
     return _combine(out_flat.reshape(n, k, -1), w_nk)
 
 
-def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain) -> jax.Array:
+def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain,
+            grouped: str = "auto") -> jax.Array:
     """x [B, T, D], expert ids and routing weights [B, T, k], ws = (w_gate [X, D, F],
-    w_up [X, D, F], w_down [X, F, D]) -> sum_j w_j expert_{e_j}(x) [B, T, D]."""
+    w_up [X, D, F], w_down [X, F, D]) -> sum_j w_j expert_{e_j}(x) [B, T, D]; `grouped`
+    is `moe.grouped_matmul`."""
     b, t, d = x_btd.shape
     k = e_btk.shape[-1]
+    mode = grouped_matmul(grouped)
     mesh = getattr(constrain, "mesh", None)
     if mesh is None:
         return local_experts(x_btd.reshape(b * t, d), e_btk.reshape(-1, k), w_btk.reshape(-1, k),
-                             ws).reshape(b, t, d)
+                             ws, mode).reshape(b, t, d)
     # Tokens as attention and the MLP see them (sequence parallelism's stream split undone).
     x_spec = constrain.for_attention(BTD) if hasattr(constrain, "for_attention") else constrain.spec(BTD)
     w_in, w_out = constrain.spec(W_IN), constrain.spec(W_OUT)
@@ -185,11 +206,11 @@ def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain)
         bl, tl, _ = x.shape
         args = (x.reshape(bl * tl, d), e.reshape(-1, k), w.reshape(-1, k), ws_local)
         if ep == 1:
-            y = local_experts(*args)
+            y = local_experts(*args, mode)
         elif exchange:
-            y = exchanged_experts(*args, ep_axes, ep)
+            y = exchanged_experts(*args, ep_axes, ep, mode)
         else:
-            y = jax.lax.psum(owned_experts(*args, ep_axes), ep_axes)
+            y = jax.lax.psum(owned_experts(*args, ep_axes, mode), ep_axes)
         if mlp_axes:
             y = jax.lax.psum(y, mlp_axes)
         return y.reshape(bl, tl, d)
