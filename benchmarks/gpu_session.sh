@@ -12,13 +12,28 @@
 #      dense twin (benchmarks/gpu_runs.py MODELS); `moe_fusion` runs dropless's ragged_dot
 #      with XLA's cuDNN ragged-dot fusion;
 #   4. the MoE and GPU-benchmark tests under JAX_PLATFORMS=cpu (the device
-#      image's JAX, not CI's pin).
+#      image's JAX, not CI's pin);
+#   5. GPT-2 medium and Llama 3.2 1B (T=2048), remat none and full;
+#   6. `unrolled`: GPT-2 small with model.scan_layers=false beside the scanned step of
+#      stage 1 (which default each backend should take);
+#   7. `tests_jax`: the pipeline, 1F1B and planner-pipeline tests under JAX_PLATFORMS=cpu
+#      with the image's JAX, once as CI runs them and once with XLA:CPU's YNN fusions off
+#      (--xla_cpu_experimental_ynn_fusion_type=, the lead of jax-ml/jax#39257 for the
+#      pipelined CPU compiles that aborted on JAX 0.11.2).
+#
+# The planner's predictions for these runs are committed before the session, in
+# benchmarks/results/predictions.json (`python benchmarks/planner_calibration.py
+# --predict`); the session copies them beside its results.
 #
 # Where a package the project needs is missing on the machine, wheels in .whl/ are installed
 # first (docs/benchmarks.md says which and how they are fetched).
 #
 #     bash benchmarks/gpu_session.sh [SECONDS_FOR_TESTS]
 #     STAGES="moe_fusion overhead tests" bash benchmarks/gpu_session.sh   # some stages, in order
+#
+# The default stages take about 11 minutes, past one device call's 10: split them in two,
+#     STAGES="gpt2_small profile moe gpt2_medium llama3_1b" bash benchmarks/gpu_session.sh
+#     STAGES="overhead unrolled tests_jax" bash benchmarks/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_session}
@@ -66,10 +81,24 @@ stage() {
     moe_fusion) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
         step moe_fusion 120 python3 benchmarks/gpu.py --models moe_small_ragged --remat none \
         --max-batch 32 --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_fusion.json" ;;
+    gpt2_medium) step gpt2_medium 200 python3 benchmarks/gpu.py --models gpt2_medium --remat none,full \
+        --steps 10 --repeats 3 --warmup 3 --overhead-pairs 0 --out "$RESULTS" ;;
+    llama3_1b) step llama3_1b 240 python3 benchmarks/gpu.py --models llama3_1b --remat none,full \
+        --steps 10 --repeats 3 --warmup 3 --overhead-pairs 0 --out "$RESULTS" ;;
+    unrolled) step unrolled 150 python3 benchmarks/gpu.py --models gpt2_small --remat none \
+        --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_unrolled.json" \
+        --config.model.scan_layers=false ;;
+    tests_jax)
+      local files="tests/test_pipeline.py tests/test_pipeline_1f1b.py tests/test_planner_pipeline.py"
+      JAX_PLATFORMS=cpu step tests_jax "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_experimental_ynn_fusion_type=" JAX_PLATFORMS=cpu \
+        step tests_jax_no_ynn "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files ;;
     tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
         tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;
-    *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_fusion tests)"; return 2 ;;
+    *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_fusion tests gpt2_medium llama3_1b" \
+         "unrolled tests_jax)"; return 2 ;;
   esac
 }
-for s in ${STAGES:-gpt2_small profile moe tests}; do stage "$s"; done
+[ -f benchmarks/results/predictions.json ] && cp benchmarks/results/predictions.json "$OUT/"
+for s in ${STAGES:-gpt2_small profile moe gpt2_medium llama3_1b overhead unrolled tests_jax}; do stage "$s"; done
 ls -la "$OUT"

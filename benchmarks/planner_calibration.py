@@ -1,4 +1,5 @@
 """python benchmarks/planner_calibration.py [--results 'benchmarks/results/gpu-*.json'] [--json]
+python benchmarks/planner_calibration.py --predict [--models M,..] [--hardware h100,h200] [--out FILE]
 
 The planner's step time against every measured GPU run: each run of benchmarks/gpu.py in
 the results files is rebuilt with its own settings (benchmarks/gpu_runs.make_config:
@@ -6,6 +7,12 @@ model, remat, batch, one device, bf16 compute), planned for the hardware entry o
 card it ran on, exactly as `meshtrain plan --hardware=...` does, and set beside the
 measured median step. Which runs calibrated the table (planner/hardware.py) and which are
 held out is said per row.
+
+`--predict` plans the runs a GPU session will measure before it measures them (each model
+and remat at the largest batch from 64 down, halving, whose formulas fit the card, as
+benchmarks/gpu.py searches by the compiled estimate) and writes them, with the commit and
+the date, to benchmarks/results/predictions.json, to be committed before the session. The
+batch 64 start is 32 for the MoE models, as gpu_session.sh's moe stage runs them.
 
 Run on CPU (one simulated device; the planner compiles for shapes only).
 """
@@ -60,11 +67,65 @@ def rows(pattern: str):
                    "results": pathlib.Path(path).name, "date": results.get("date")}
 
 
+PREDICT = "gpt2_small:none,gpt2_small:full,gpt2_medium:none,llama3_1b:none,llama3_1b:full," \
+          "moe_small_dropless:none,moe_small_capacity:none,moe_small_dense_twin:none"
+
+
+def predictions(runs: list[tuple[str, str]], cards: list[str]) -> list[dict]:
+    """Each (model, remat) on each card at the largest batch from its cap down (64; 32 for
+    the MoE models, as gpu_session.sh's moe stage) whose formula total fits: the planner's
+    step, MFU and terms."""
+    import jax
+    import gpu_runs
+    from meshtrain.experiment import Experiment
+    from meshtrain.planner import hardware, report
+    out = []
+    for model, remat in runs:
+        for card in cards:
+            hw, batch = hardware.get(card), 32 if model.startswith("moe_") else 64
+            while True:
+                exp = Experiment.build(gpu_runs.make_config(model, remat, batch), devices=jax.devices()[:1])
+                r = report.plan(exp, hw)
+                if r["fits"]["fits"] or batch == 1:
+                    break
+                batch //= 2
+            p = r["prediction"]
+            tokens = exp.units_per_step
+            out.append({"model": model, "remat": remat, "hardware": card, "batch": batch,
+                        "seq_len": exp.model.cfg.seq_len, "fits": r["fits"]["fits"],
+                        "predicted_ms": 1e3 * p["step_time_s"], "predicted_tokens_per_s": tokens / p["step_time_s"],
+                        "predicted_mfu_llmc": p["mfu"],
+                        "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
+                        "memory_gib": r["fits"]["analytic_total_bytes"] / 2**30})
+            print(f"{model} remat {remat} on {card}: batch {batch} x {exp.model.cfg.seq_len}, "
+                  f"{out[-1]['predicted_ms']:.1f} ms, MFU {100 * p['mfu']:.1f}%", flush=True)
+    return out
+
+
+def commit() -> str:
+    import subprocess
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="The planner's step time against the measured GPU runs.")
     ap.add_argument("--results", default=str(HERE / "results" / "gpu-*.json"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--predict", action="store_true", help="plan the next GPU session's runs and write them")
+    ap.add_argument("--runs", default=PREDICT, help="MODEL:REMAT,... for --predict")
+    ap.add_argument("--hardware", default="h100,h200", help="cards for --predict")
+    ap.add_argument("--out", default=str(HERE / "results" / "predictions.json"))
     args = ap.parse_args()
+    if args.predict:
+        import datetime
+        runs = [tuple(item.split(":")) for item in args.runs.split(",") if item]
+        rows_ = predictions(runs, [c for c in args.hardware.split(",") if c])
+        pathlib.Path(args.out).write_text(json.dumps(
+            {"made_by": "python benchmarks/planner_calibration.py --predict", "commit": commit(),
+             "date": datetime.date.today().isoformat(), "predictions": rows_}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     out = list(rows(args.results))
     if args.json:
         print(json.dumps(out, indent=1))
