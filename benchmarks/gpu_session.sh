@@ -15,7 +15,8 @@
 #      image's JAX, not CI's pin);
 #   5. GPT-2 medium and Llama 3.2 1B (T=2048), remat none and full;
 #   6. `unrolled`: GPT-2 small with model.scan_layers=false beside the scanned step of
-#      stage 1 (which default each backend should take);
+#      stage 1 (which default each backend should take); `scan_fusion` (not in the
+#      defaults): the scanned step with --xla_gpu_enable_dynamic_slice_fusion=true;
 #   7. `tests_jax`: the pipeline, 1F1B and planner-pipeline tests under JAX_PLATFORMS=cpu
 #      with the image's JAX, once as CI runs them and once with XLA:CPU's YNN fusions off
 #      (--xla_cpu_experimental_ynn_fusion_type=, the lead of jax-ml/jax#39257 for the
@@ -88,6 +89,11 @@ stage() {
     unrolled) step unrolled 150 python3 benchmarks/gpu.py --models gpt2_small --remat none \
         --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_unrolled.json" \
         --config.model.scan_layers=false ;;
+    # The scanned stack with XLA's dynamic-slice fusion, which may write the layer scan's
+    # saved activations in place instead of copying them (the profile's 19.2 ms of copies).
+    scan_fusion) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" \
+        step scan_fusion 120 python3 benchmarks/gpu.py --models gpt2_small --remat none --steps 20 \
+        --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_scan_fusion.json" ;;
     tests_jax)
       local files="tests/test_pipeline.py tests/test_pipeline_1f1b.py tests/test_planner_pipeline.py"
       JAX_PLATFORMS=cpu step tests_jax "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files
@@ -96,7 +102,7 @@ stage() {
     tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
         tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;
     *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_fusion tests gpt2_medium llama3_1b" \
-         "unrolled tests_jax)"; return 2 ;;
+         "unrolled scan_fusion tests_jax)"; return 2 ;;
   esac
 }
 [ -f benchmarks/results/predictions.json ] && cp benchmarks/results/predictions.json "$OUT/"

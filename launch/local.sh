@@ -103,11 +103,14 @@ fi
 # What no one can act on (see the top). Gloo writes its line in pieces to std::cout from
 # several threads at once, so one line may hold pieces of several, and a count may end up
 # on a line of its own: lines made of those pieces go, and a bare number right after one.
+# A line of the process's own that landed between the pieces keeps its text: the pieces
+# before and after it are cut off.
 quiet() {
-  awk -v gloo='[[]Gloo] Rank | is connected to | peer ranks[.] |Expected number of connected peer ranks is : ' '
+  awk -v gloo='[[]Gloo] Rank | is connected to | peer ranks[.] ?|Expected number of connected peer ranks is : ' '
     $0 ~ "^(" gloo "|[0-9]+)*(" gloo ")(" gloo "|[0-9]+)*$" { gloo_line = 1; next }
     gloo_line && /^[0-9]+$/ { next }
     { gloo_line = 0 }
+    { sub("^(" gloo "|[0-9]+)*(" gloo ")", ""); sub("(" gloo ")(" gloo "|[0-9]+)*$", "") }
     /^W[0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ preemption_notifier[.]cc:[0-9]+] SIGTERM caught at / { next }
     { print; fflush() }'
 }
