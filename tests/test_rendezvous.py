@@ -114,6 +114,17 @@ def test_malformed_hellos_are_refused_saying_what_was_wrong():
         return str(e.value)
 
     assert refusal(b"\x00\xffGET / HTTP/1.1") == "sent a line that is not JSON: b'\\x00\\xffGET / HTTP/1.1'"
+    # These two killed process 0 with a traceback before (RecursionError, TypeError).
+    assert refusal(b"[" * 100_000).startswith("sent a line that is not JSON: b'[[[[")
+    body = json.dumps({"process": 1, "num_processes": 2, "host": "h", "pid": 7, "config": {}, "nonce": "n"})
+    assert refusal({"type": "hello", "body": body, "mac": "\u00e9"}).startswith(
+        "sent a hello without meshtrain's fields (a body text and a mac)")
+    deep = handshake.seal("hello", "n0", "[" * 100_000, None)
+    assert refusal(deep).startswith("sent a hello whose body is not JSON")
+    with pytest.raises(handshake.Refused, match="without meshtrain's fields"):
+        handshake.open_hello(json.dumps({"type": "hello", "body": body, "mac": "\u00e9"}).encode(), "n0", SECRET)
+    with pytest.raises(ValueError, match="not signed"):
+        handshake.open_reply({"type": "welcome", "body": "{}", "mac": "\u00e9"}, "n1", SECRET)
     assert refusal([1, 2]) == "sent JSON that is not a hello: b'[1, 2]'"
     assert refusal({"type": "hello", "id": 1}).startswith("sent a hello without meshtrain's fields")
     body = {"process": True, "host": "h", "pid": "7", "config": {}, "nonce": "n"}
@@ -267,9 +278,10 @@ def endless_line(sock: socket.socket) -> int:
 @pytest.mark.slow
 def test_intruders_while_two_processes_start_are_dropped_and_the_run_trains_undisturbed(tmp_path):
     """Process 0 starts alone; a stranger with another secret, a hello without meshtrain's
-    fields, a garbage sender and a line that never ends connect in turn, and each is dropped
-    with one line in its log. Then process 1 comes, and the two train with the losses of an
-    undisturbed launch/local.sh run (which makes its own secret, so it does not warn)."""
+    fields, a line of 100,000 '[', a garbage sender and a line that never ends connect in
+    turn, and each is dropped with one line in its log. Then process 1 comes, and the two
+    train with the losses of an undisturbed launch/local.sh run (which makes its own
+    secret, so it does not warn)."""
     ref = tmp_path / "ref"
     done = local_sh(2, *RUN, f"--workdir={ref}")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -301,6 +313,10 @@ def test_intruders_while_two_processes_start_are_dropped_and_the_run_trains_undi
         dropped(sock, "sent a hello without meshtrain's fields (a body text and a mac)")
 
         sock = connect(port + 1, "127.0.0.1")
+        sock.sendall(b"[" * 100_000 + b"\n")  # killed process 0 with a RecursionError before
+        dropped(sock, "sent a line that is not JSON: b'" + "[" * 60 + "' ... (100,000 bytes)")
+
+        sock = connect(port + 1, "127.0.0.1")
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         dropped(sock, "sent a line that is not JSON: b'GET / HTTP/1.1\\r'")
 
@@ -316,5 +332,5 @@ def test_intruders_while_two_processes_start_are_dropped_and_the_run_trains_undi
         assert p0.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
         p0.kill()
-    assert log.read_text().count("dropped a connection") == 4 and "Traceback" not in log.read_text()
+    assert log.read_text().count("dropped a connection") == 5 and "Traceback" not in log.read_text()
     assert losses(w) == losses(ref) and len(losses(w)) == 4

@@ -119,6 +119,6 @@ def _parse(line: bytes) -> dict | None:
     """A JSON object, or None for anything else (not ours: skipped)."""
     try:
         message = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting past Python's limit
         return None
     return message if isinstance(message, dict) else None

@@ -182,14 +182,13 @@ def seal(kind: str, nonce_: str, body: str, secret: bytes | None) -> dict:
 def open_hello(line: bytes, nonce_: str, secret: bytes | None) -> dict:
     """The fields of the hello on `line`, answering the challenge `nonce_`; raises Refused
     (drop it) or Disagree (a process of the job without our secret setting: stop the start)."""
-    try:
-        message = json.loads(line)
-    except ValueError:
-        raise Refused(f"sent a line that is not JSON: {_show(line)}") from None
+    message = _json(line)
+    if message is _NOT_JSON:
+        raise Refused(f"sent a line that is not JSON: {_show(line)}")
     if not isinstance(message, dict) or message.get("type") != "hello":
         raise Refused(f"sent JSON that is not a hello: {_show(line)}")
     body, sign = message.get("body"), message.get("mac")
-    if not isinstance(body, str) or not (sign is None or isinstance(sign, str)):
+    if not isinstance(body, str) or not (sign is None or (isinstance(sign, str) and sign.isascii())):
         raise Refused(f"sent a hello without meshtrain's fields (a body text and a mac): {_show(line)}")
     if secret is not None:
         if sign is None:
@@ -198,10 +197,9 @@ def open_hello(line: bytes, nonce_: str, secret: bytes | None) -> dict:
         if not hmac.compare_digest(sign, mac(secret, "hello", nonce_, body)):
             raise Refused(f"sent a hello whose MAC does not match{_claims(body)}: another "
                           f"{SECRET_VARIABLE}, or not a process of this job")
-    try:
-        hello = json.loads(body)
-    except ValueError:
-        raise Refused(f"sent a hello whose body is not JSON: {_show(body.encode())}") from None
+    hello = _json(body)
+    if hello is _NOT_JSON:
+        raise Refused(f"sent a hello whose body is not JSON: {_show(body.encode())}")
     wrong = fields_problem(hello)
     if wrong:
         raise Refused(f"sent a hello with missing or mistyped fields ({wrong})")
@@ -234,11 +232,11 @@ def open_reply(message: dict, nonce_: str, secret: bytes | None) -> dict:
     kind, body, sign = message.get("type"), message.get("body"), message.get("mac")
     if not isinstance(body, str):
         raise ValueError(f"its {kind} has no body")
-    if secret is not None and not (isinstance(sign, str) and
+    if secret is not None and not (isinstance(sign, str) and sign.isascii() and
                                    hmac.compare_digest(sign, mac(secret, kind, nonce_, body))):
         raise ValueError(f"its {kind} is not signed with this job's {SECRET_VARIABLE}: it is not "
                          f"this job's process 0, or has another secret")
-    opened = json.loads(body)
+    opened = _json(body)
     key, kind_of = ("table", list) if kind == "welcome" else ("reason", str)
     if not isinstance(opened, dict) or not isinstance(opened.get(key), kind_of):
         raise ValueError(f"its {kind} lacks its {key}")
@@ -269,14 +267,24 @@ def warn_if_weak(secret: bytes) -> None:
 
 def _claims(body: str) -> str:
     """', claiming process I (host H, pid P)' when the body says so."""
-    try:
-        hello = json.loads(body)
-    except ValueError:
-        return ""
+    hello = _json(body)
     if not isinstance(hello, dict):
         return ""
     return (f", claiming process {_short(hello.get('process'))} (host {_short(hello.get('host'))}, "
             f"pid {_short(hello.get('pid'))})")
+
+
+_NOT_JSON = object()
+
+
+def _json(text: str | bytes):
+    """The JSON value of text from the network, or _NOT_JSON: invalid text (ValueError,
+    which covers bad UTF-8), and nesting deeper than Python's recursion limit, which json
+    reports as RecursionError (a line of 100,000 '[' from a stranger)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
 
 
 def _short(value, limit: int = 40) -> str:
