@@ -30,11 +30,13 @@ set -uo pipefail
 
 usage() {
   echo "usage: launch/local.sh N CONFIG [--workdir=DIR] [--config.key=value ...]" >&2
+  echo "       (CONFIG or --config=CONFIG, as every meshtrain command takes it)" >&2
   echo "       runs N processes of 'python -m meshtrain.train --config=CONFIG ...' on this machine" >&2
   exit 2
 }
 [[ $# -ge 2 && $1 =~ ^[1-9][0-9]*$ ]] || usage
-N=$1 CONFIG=$2
+N=$1 CONFIG=${2#--config=}  # NAME or --config=NAME; `--config NAME` (two words) gets the usage
+[[ -n $CONFIG && $CONFIG != -* ]] || usage
 shift 2
 PYTHON=${PYTHON:-python}
 GRACE=${GRACE:-30}

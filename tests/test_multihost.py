@@ -266,7 +266,11 @@ def test_local_sh_ctrl_c_saves_one_step_on_every_process_and_exits_0(tmp_path):
 
 def test_local_sh_usage_and_the_worst_status(tmp_path):
     assert local_sh(0, TINY).returncode == 2
-    bad = local_sh(2, TINY, f"--workdir={tmp_path}", "--config.train.steps=-1")
+    for args in (["--config"], ["--config", TINY], ["--config="]):  # the name given as one word, or none
+        usage = local_sh(2, *args)
+        assert usage.returncode == 2 and usage.stderr.startswith("usage: launch/local.sh N CONFIG"), usage.stderr
+    # CONFIG as every command takes it, --config=NAME, reaches the processes' argument check
+    bad = local_sh(2, f"--config={TINY}", f"--workdir={tmp_path}", "--config.train.steps=-1")
     assert bad.returncode == 2, bad.stderr
     # Each process finds the error itself, or first hears that the other one did.
     statuses = bad.stderr.split("exit statuses by process: ")[1].split(";")[0].split()
