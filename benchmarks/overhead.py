@@ -6,8 +6,9 @@ alternately in one process. The bare step is written here from scratch in plain
 jax.numpy over the params dict meshtrain stores (no flax, no meshtrain modules). It
 reuses only what is not framework: the model's numeric kernels (the LayerNorm and GELU
 whose backward recomputes them, the attention kernel model.attention resolves to (XLA's
-on a CPU, cuDNN's flash kernel on a GPU), and the chunked float32 loss where
-train.loss_chunk cuts the sequence: the same math in the same formulation,
+on a CPU, cuDNN's flash kernel on a GPU), and the loss's kernel (meshtrain/loss.py: the
+logits in the compute dtype, float32 only inside its fusions, in chunks where
+train.loss_chunk cuts the sequence): the same math in the same formulation,
 docs/benchmarks.md "CPU step"), the optax transformation and lr schedule
 (`exp.tx`, `exp.schedule`), the shardings (`exp.shardings`, `exp.grad_shardings`,
 `exp.batch_sharding`) and the layout's activation specs, so it pins activations at
@@ -102,12 +103,9 @@ def make_bare_step(exp):
         x = pin(x.astype(dt), BTD)
         x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
         x = layer_norm(x, params["ln_f"])
-        if chunks > 1:  # the loss's kernel: float32 logits one chunk of positions at a time
+        if chunks > 1:  # the loss's kernel: one chunk of positions at a time
             return loss.chunked_cross_entropy(project, x, wte, targets, chunks, exp.layout, exp.mesh)
-        logits = project(x, wte, pin).astype(jnp.float32)                      # [B, T, V] tied
-        logz = jax.nn.logsumexp(logits, axis=-1)                               # [B, T]
-        gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return (logz - gold).mean()
+        return loss.cross_entropy(project(x, wte, pin), targets)  # [B, T, V] tied; the same kernel
 
     def step(state, tokens):
         n, params, opt_state = state
