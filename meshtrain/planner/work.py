@@ -64,7 +64,7 @@ def step_work(exp, hw) -> dict | None:
     attention = (12.0 * layers * heads_local * head_dim * cfg.seq_len * tokens * runs
                  * REMAT_ATTENTION.get(cfg.remat, 1.0))
     itemsize = jnp.dtype(cfg.dtype).itemsize
-    head_rows = b["rows"] * b["micro"] / n
+    head_rows = b["rows"] * exp.cfg.train.grad_accum_steps / n  # a step's rows on this device's batch shard
     logits = head_rows * cfg.seq_len * cfg.padded_vocab_size / b["vocab"]
     return {"attention_flops": attention, "attention_kernel": kernel, "head_dim": head_dim,
             "loss_bytes": LOSS_PASSES * logits * itemsize,
