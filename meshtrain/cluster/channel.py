@@ -115,10 +115,20 @@ class Channel:
             pass
 
 
+NOT_JSON = object()
+
+
+def loads(text: str | bytes):
+    """The JSON value of text from the network, or NOT_JSON: invalid text (ValueError,
+    which covers bad UTF-8), and nesting deeper than Python's recursion limit, which json
+    reports as RecursionError (a line of 100,000 '[' from a stranger)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
 def _parse(line: bytes) -> dict | None:
     """A JSON object, or None for anything else (not ours: skipped)."""
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError):  # RecursionError: nesting past Python's limit
-        return None
+    message = loads(line)
     return message if isinstance(message, dict) else None

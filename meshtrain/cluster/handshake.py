@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
 import selectors
 import socket
@@ -47,7 +46,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from meshtrain.cluster.channel import Channel
+from meshtrain.cluster.channel import NOT_JSON, Channel, loads
 
 SECRET_VARIABLE = "MESHTRAIN_SECRET"
 MAKE_SECRET = "export MESHTRAIN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')"
@@ -182,8 +181,8 @@ def seal(kind: str, nonce_: str, body: str, secret: bytes | None) -> dict:
 def open_hello(line: bytes, nonce_: str, secret: bytes | None) -> dict:
     """The fields of the hello on `line`, answering the challenge `nonce_`; raises Refused
     (drop it) or Disagree (a process of the job without our secret setting: stop the start)."""
-    message = _json(line)
-    if message is _NOT_JSON:
+    message = loads(line)
+    if message is NOT_JSON:
         raise Refused(f"sent a line that is not JSON: {_show(line)}")
     if not isinstance(message, dict) or message.get("type") != "hello":
         raise Refused(f"sent JSON that is not a hello: {_show(line)}")
@@ -197,8 +196,8 @@ def open_hello(line: bytes, nonce_: str, secret: bytes | None) -> dict:
         if not hmac.compare_digest(sign, mac(secret, "hello", nonce_, body)):
             raise Refused(f"sent a hello whose MAC does not match{_claims(body)}: another "
                           f"{SECRET_VARIABLE}, or not a process of this job")
-    hello = _json(body)
-    if hello is _NOT_JSON:
+    hello = loads(body)
+    if hello is NOT_JSON:
         raise Refused(f"sent a hello whose body is not JSON: {_show(body.encode())}")
     wrong = fields_problem(hello)
     if wrong:
@@ -236,7 +235,7 @@ def open_reply(message: dict, nonce_: str, secret: bytes | None) -> dict:
                                    hmac.compare_digest(sign, mac(secret, kind, nonce_, body))):
         raise ValueError(f"its {kind} is not signed with this job's {SECRET_VARIABLE}: it is not "
                          f"this job's process 0, or has another secret")
-    opened = _json(body)
+    opened = loads(body)
     key, kind_of = ("table", list) if kind == "welcome" else ("reason", str)
     if not isinstance(opened, dict) or not isinstance(opened.get(key), kind_of):
         raise ValueError(f"its {kind} lacks its {key}")
@@ -267,24 +266,11 @@ def warn_if_weak(secret: bytes) -> None:
 
 def _claims(body: str) -> str:
     """', claiming process I (host H, pid P)' when the body says so."""
-    hello = _json(body)
+    hello = loads(body)
     if not isinstance(hello, dict):
         return ""
     return (f", claiming process {_short(hello.get('process'))} (host {_short(hello.get('host'))}, "
             f"pid {_short(hello.get('pid'))})")
-
-
-_NOT_JSON = object()
-
-
-def _json(text: str | bytes):
-    """The JSON value of text from the network, or _NOT_JSON: invalid text (ValueError,
-    which covers bad UTF-8), and nesting deeper than Python's recursion limit, which json
-    reports as RecursionError (a line of 100,000 '[' from a stranger)."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return _NOT_JSON
 
 
 def _short(value, limit: int = 40) -> str:
