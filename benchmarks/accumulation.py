@@ -37,7 +37,7 @@ def main() -> None:
 
     from meshtrain import metrics
     from meshtrain.experiment import Experiment
-    from meshtrain.planner import analytic, hlo
+    from meshtrain.planner import bounds, hlo
 
     runs = {}
     for mode, k in (("each", args.grad_accum_steps), ("once", args.grad_accum_steps), ("k=1", 1)):
@@ -58,9 +58,9 @@ def main() -> None:
         for r in hlo.collective_table(step, exp.mesh, lambda d: 0):
             print(f"  {r['kind']:<15} over {'+'.join(r['mesh_axes']):<12} {r['count']:>4} ops "
                   f"{r['bytes']:>12,.0f} bytes sent per device per step")
-        bound = sum(r["bytes"] for r in analytic.collective_bounds(exp) if r["kind"] == "all-gather")
+        bound = sum(r["bytes"] for r in bounds.collective_bounds(exp) if r["kind"] == "all-gather")
         peak = metrics.memory_report(step)["peak_estimate"]
-        print(f"  all-gather bound (planner/analytic.py) {bound:,.0f}; XLA peak estimate {peak / 2**20:.2f} MiB")
+        print(f"  all-gather bound (planner/bounds.py) {bound:,.0f}; XLA peak estimate {peak / 2**20:.2f} MiB")
     ref = runs["k=1"][4]
     for mode in ("each", "once"):
         loss = runs[mode][4]

@@ -18,7 +18,7 @@ from meshtrain.errors import UserError
 from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
-from meshtrain.planner import accumulation, analytic, hlo, memory_check
+from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
 from meshtrain.train import main as train_main
 
 STEPS = 3
@@ -82,7 +82,7 @@ def test_once_gathers_the_params_once_per_step(fsdp8):
     _, once_bytes, once_result = sent(once, "all-gather")
     assert once_result == param_bytes(exp)
     assert once_bytes == pytest.approx((n - 1) / n * param_bytes(exp), rel=1e-9)
-    bound = [r for r in analytic.collective_bounds(exp) if r["kind"] == "all-gather"]
+    bound = [r for r in bounds.collective_bounds(exp) if r["kind"] == "all-gather"]
     assert [r["mesh_axes"] for r in bound] == [("fsdp",)] and bound[0]["bytes"] == pytest.approx(once_bytes, rel=1e-9)
     assert sent(each, "all-gather")[1] >= K * once_bytes
 
@@ -132,7 +132,7 @@ def test_once_across_layouts(name):
     gathered = param_bytes(exp, ("tensor",)) - param_bytes(exp, ("tensor", "fsdp"))
     assert sent(once, "all-gather")[1] == pytest.approx(gathered, rel=1e-9)
     assert sent(once, "all-gather")[0] == ops_in(once["text"], "all-gather")
-    bound = sum(r["bytes"] for r in analytic.collective_bounds(exp) if r["kind"] == "all-gather")
+    bound = sum(r["bytes"] for r in bounds.collective_bounds(exp) if r["kind"] == "all-gather")
     assert bound == pytest.approx(sent(once, "all-gather")[1], rel=1e-9)
     np.testing.assert_allclose(once["losses"], each["losses"], rtol=1e-5)
 

@@ -1,4 +1,4 @@
-"""Collective traffic the planner's bounds (analytic.collective_bounds) do not count, set
+"""Collective traffic the planner's bounds (bounds.collective_bounds) do not count, set
 beside the compiled program's in the report:
 
   known_excess  what the layout's program sends beyond the bound for reasons of the model's

@@ -19,7 +19,7 @@ import jax
 
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain import metrics
-from meshtrain.planner import analytic, beyond_bounds, context, experts, halo, roofline, work
+from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, context, experts, halo, roofline, work
 from meshtrain.planner.hardware import Hardware
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
@@ -64,7 +64,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
     memory = compiled_memory(exp, compiled, formula)
     formula["total"] = sum(v or 0.0 for k, v in formula.items() if k in MEMORY_KEYS)
     rows = roofline.place(hlo.collective_table(compiled, mesh, node_of), mesh, node_of)
-    bounds = roofline.place(analytic.collective_bounds(exp), mesh, node_of)
+    bounds = roofline.place(bounds_lib.collective_bounds(exp), mesh, node_of)
     tokens = exp.units_per_step  # tokens, or images for a classifier
     model_flops = metrics.flops_per_unit(cfg) * tokens
     flops_dev = hlo_flops.dot_flops(compiled)

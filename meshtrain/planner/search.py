@@ -338,13 +338,13 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     program computes: 12 L D T a token against the model's 6 L D T), collectives at their
     lower bounds. -> (prediction, bounds)."""
     from meshtrain import metrics
-    from meshtrain.planner import analytic, roofline, work
+    from meshtrain.planner import analytic, bounds as bounds_lib, roofline, work
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
     model_flops = metrics.flops_per_unit(cfg) * exp.units_per_step
     waste = pipe.ticks / (pipe.microbatches * pipe.repeats) if pipe else 1.0
     node_of = roofline.node_of_position(exp.mesh, hw.devices_per_node, exp.dcn)
-    bounds = roofline.place(analytic.collective_bounds(exp), exp.mesh, node_of)
+    bounds = roofline.place(bounds_lib.collective_bounds(exp), exp.mesh, node_of)
     tokens = exp.cfg.train.batch_size * cfg.seq_len
     square = 6.0 * getattr(cfg, "num_layers", 0) * getattr(cfg, "embed_dim", 0) * cfg.seq_len * tokens
     # 1F1B with stash=inputs runs each chunk's forward again: the layers', not the head's

@@ -28,7 +28,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshtrain.planner import analytic, context, experts
+from meshtrain.planner import analytic
 
 LOSS_PASSES = 4
 # Passes over a layer's no-remat activations by remat policy, from the H200 runs above (at
@@ -49,11 +49,7 @@ def step_work(exp, hw) -> dict | None:
     b, pipe = analytic.local_batch(exp), m.pipeline
     kernel = analytic.attention_on(exp, hw)
     cfg = dataclasses.replace(m.cfg, attention=kernel)
-    n = context.split(exp)[0]
-    split = {**({"sp": sp} if (sp := analytic.sequence_parallel(exp)) > 1 else {}),
-             **({"context": n} if n > 1 else {})}
-    if (e := experts.split(exp)[0]) > 1:
-        split["expert"] = e
+    n, split = analytic.layer_splits(exp)
     rows = b["pipeline_rows"] if pipe is not None else b["rows"]  # one microbatch on this device
     layers = cfg.num_layers // (pipe.stages if pipe is not None else 1)
     tokens = rows * cfg.seq_len / n
