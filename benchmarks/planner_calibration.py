@@ -43,28 +43,34 @@ def hardware_for(device_kind: str) -> str | None:
     return KINDS.get(device_kind) or next((v for k, v in KINDS.items() if device_kind.startswith(k)), None)
 
 
+def measured_runs(pattern: str = str(HERE / "results" / "gpu-*.json")):
+    """Yields (hardware entry, run, its results file's dict) for every run with a measured
+    step in the results files of a card the hardware table has."""
+    for path in sorted(glob.glob(pattern)):
+        results = json.loads(pathlib.Path(path).read_text())
+        hw_name = hardware_for(results["device"]["device_kind"])
+        for r in results["runs"]:
+            if hw_name is not None and "step_s_median" in r:
+                yield hw_name, r, {**results, "path": path}
+
+
 def rows(pattern: str):
     import jax
     import gpu_runs
     from meshtrain.experiment import Experiment
     from meshtrain.planner import hardware, report
-    for path in sorted(glob.glob(pattern)):
-        results = json.loads(pathlib.Path(path).read_text())
-        hw_name = hardware_for(results["device"]["device_kind"])
-        for r in results["runs"]:
-            if hw_name is None or "step_s_median" not in r:
-                continue
-            exp = Experiment.build(gpu_runs.make_config(r["model"], r["remat"], r["batch"]), devices=jax.devices()[:1])
-            p = report.plan(exp, hardware.get(hw_name))["prediction"]
-            measured = r["step_s_median"]
-            key = (r["model"], r["remat"], hw_name)
-            yield {"model": r["model"], "remat": r["remat"], "hardware": hw_name, "batch": r["batch"],
-                   "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * p["step_time_s"],
-                   "ratio": p["step_time_s"] / measured,
-                   "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
-                   "role": (f"calibration: {CALIBRATED_ON[key]}" if key in CALIBRATED_ON
-                            else SUPERSEDED.get(r["model"], "held out")),
-                   "results": pathlib.Path(path).name, "date": results.get("date")}
+    for hw_name, r, results in measured_runs(pattern):
+        exp = Experiment.build(gpu_runs.make_config(r["model"], r["remat"], r["batch"]), devices=jax.devices()[:1])
+        p = report.plan(exp, hardware.get(hw_name))["prediction"]
+        measured = r["step_s_median"]
+        key = (r["model"], r["remat"], hw_name)
+        yield {"model": r["model"], "remat": r["remat"], "hardware": hw_name, "batch": r["batch"],
+               "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * p["step_time_s"],
+               "ratio": p["step_time_s"] / measured,
+               "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
+               "role": (f"calibration: {CALIBRATED_ON[key]}" if key in CALIBRATED_ON
+                        else SUPERSEDED.get(r["model"], "held out")),
+               "results": pathlib.Path(results["path"]).name, "date": results.get("date")}
 
 
 PREDICT = "gpt2_small:none,gpt2_small:full,gpt2_medium:none,llama3_1b:none,llama3_1b:full," \

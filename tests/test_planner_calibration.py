@@ -2,7 +2,6 @@
 (benchmarks/planner_calibration.py): every measured GPT-2 step, planned with the run's own
 settings for the card it ran on, within 15%. One compile serves both cards."""
 
-import json
 import pathlib
 import sys
 
@@ -20,14 +19,8 @@ from meshtrain.planner import hardware, report  # noqa: E402
 
 def measured(model: str, remat: str) -> dict[str, tuple[int, float]]:
     """{hardware entry: (batch, median step s)} of every results file's run of model/remat."""
-    out = {}
-    for path in sorted((ROOT / "benchmarks" / "results").glob("gpu-*.json")):
-        results = json.loads(path.read_text())
-        hw = planner_calibration.hardware_for(results["device"]["device_kind"])
-        for r in results["runs"]:
-            if (r["model"], r["remat"]) == (model, remat) and hw:
-                out[hw] = (r["batch"], r["step_s_median"])
-    return out
+    return {hw: (r["batch"], r["step_s_median"]) for hw, r, _ in planner_calibration.measured_runs()
+            if (r["model"], r["remat"]) == (model, remat)}
 
 
 @pytest.mark.parametrize("model, remat, cards", [("gpt2_small", "none", {"h100", "h200"}),
