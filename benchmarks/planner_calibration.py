@@ -36,6 +36,7 @@ CALIBRATED_ON = {("gpt2_small", "none", "h200"): "matmul, attention, idle, memor
                  ("gpt2_small", "full", "h200"): "LAYER_PASSES[full]"}
 # Runs of code the repository no longer has: the planner plans today's code.
 SUPERSEDED = {"moe_small_dropless": "measured with ragged_dot, since replaced by windowed matmuls"}
+REMATS = ("none", "save_dots", "full")
 KINDS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
 
 
@@ -125,7 +126,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.predict:
         import datetime
+        from gpu_runs import MODELS
         runs = [tuple(item.split(":")) for item in args.runs.split(",") if item]
+        bad = [":".join(r) for r in runs if len(r) != 2 or r[0] not in MODELS or r[1] not in REMATS]
+        if bad or not runs:
+            ap.error(f"--runs takes MODEL:REMAT,... with MODEL from {', '.join(MODELS)} and REMAT from "
+                     f"{', '.join(REMATS)}; got {', '.join(bad) or 'none'}")
         rows_ = predictions(runs, [c for c in args.hardware.split(",") if c])
         pathlib.Path(args.out).write_text(json.dumps(
             {"made_by": "python benchmarks/planner_calibration.py --predict", "commit": commit(),

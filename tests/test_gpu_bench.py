@@ -130,3 +130,10 @@ def test_the_batch_search_steps_down_past_the_estimate_and_an_oom_at_run_time(mo
     assert row["memory"]["peak_includes_failed_attempt"] is True
     assert row["step_s_median"] == 0.015 and abs(row["spread"] - 0.01 / 0.015) < 1e-12
     assert row["tokens_per_s"] == 128 / 0.015
+
+
+def test_the_bare_jax_comparison_needs_a_pair():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--pairs", "0"],
+                          capture_output=True, text=True, env=cpu_env())
+    assert done.returncode == 2
+    assert "--pairs must be >= 1 and --warmup >= 0; got 0 and 5" in done.stderr

@@ -3,6 +3,7 @@
 settings for the card it ran on, within 15%. One compile serves both cards."""
 
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -37,3 +38,11 @@ def test_gpt2_is_predicted_within_15_percent_of_its_measured_steps(model, remat,
         r = report.plan(exp, hardware.get(hw_name), compiled, 0.0)
         assert r["predicted_step_time_s"] == pytest.approx(step_s, rel=0.15), hw_name
         assert r["prediction"]["calibration"].startswith("matmul, attention")
+
+
+def test_predict_refuses_a_run_it_cannot_build():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_calibration.py"), "--predict",
+                           "--runs=gpt2_small:none,gpt3:none,gpt2_small"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--runs takes MODEL:REMAT,... with MODEL from gpt2_small," in done.stderr
+    assert done.stderr.rstrip().endswith("got gpt3:none, gpt2_small")
