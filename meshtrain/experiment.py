@@ -12,6 +12,7 @@ The CLI, the tests, the notebooks and the benchmarks all build runs through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,6 +176,31 @@ ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
                     "xla_cpu_use_fusion_emitters": False}
 
 
+def known_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` less those this jaxlib's compiler does not have: XLA renames and retires
+    its debug options between releases (JAX 0.11 has no `xla_cpu_use_fusion_emitters`), and
+    one unknown option fails the whole compile. Each is tried once per process on a
+    one-op program."""
+    return {k: v for k, v in options.items() if _known(k, v)}
+
+
+@functools.cache
+def _known(name: str, value: Any) -> bool:
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jax.numpy.float32))
+    try:
+        probe.compile({name: value})
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" not in str(e):
+            raise
+        return False
+    return True
+
+
+def analysis_options() -> dict[str, Any]:
+    """ANALYSIS_OPTIONS as this jaxlib takes them (`known_options`)."""
+    return known_options(ANALYSIS_OPTIONS)
+
+
 def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
     return jax.sharding.AbstractMesh(tuple(shape[a] for a in mesh_lib.AXES), mesh_lib.AXES)
 
@@ -271,15 +297,10 @@ class Experiment:
     def compile(self, analysis: bool = False):
         """AOT-compiles the train step from shapes alone (nothing allocated). `analysis`:
         a step only read (its HLO, buffers, collectives, FLOPs), never run: on CPU it
-        compiles with ANALYSIS_OPTIONS, 2-4x faster."""
+        compiles with analysis_options(), 2-4x faster."""
         lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
-        if analysis and self.mesh.devices.flat[0].platform == "cpu" and ANALYSIS_OPTIONS:
-            try:
-                return lowered.compile(ANALYSIS_OPTIONS)
-            except jax.errors.JaxRuntimeError as e:  # a jaxlib without one of them
-                if "No such compile option" not in str(e):
-                    raise
-                ANALYSIS_OPTIONS.clear()
+        if analysis and self.mesh.devices.flat[0].platform == "cpu":
+            return lowered.compile(analysis_options())
         return lowered.compile()
 
     def abstract_batch(self):

@@ -39,10 +39,17 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
 # emitters change how a few ops become loops (a scatter-add becomes a `while`), so the
 # tests that read a step's loops or buffers compile it with users' emitters
 # (support.training.USERS_EMITTERS).
-SUITE_XLA_FLAGS = {"--xla_backend_optimization_level": "1", "--xla_cpu_use_fusion_emitters": "false",
-                   "--xla_llvm_disable_expensive_passes": "true", "--xla_cpu_parallel_codegen_split_count": "1"}
+# A flag this jaxlib does not know aborts every process at its backend's start (JAX 0.11
+# retired xla_cpu_use_fusion_emitters), so the ones not yet set are parsed first in one
+# child process (about a second, in the first process only: the others inherit them set).
+SUITE_XLA_FLAGS = {"xla_backend_optimization_level": "1", "xla_cpu_use_fusion_emitters": "false",
+                   "xla_llvm_disable_expensive_passes": "true", "xla_cpu_parallel_codegen_split_count": "1"}
 _flags = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"{k}={v}" for k, v in SUITE_XLA_FLAGS.items() if k not in _flags]).strip()
+_wanted = {k: v for k, v in SUITE_XLA_FLAGS.items() if f"--{k}" not in _flags}
+if _wanted:
+    from meshtrain.cluster.xla_flags import flag_string, usable
+    _wanted, _, _ = usable(_wanted, os.environ)
+    os.environ["XLA_FLAGS"] = f"{_flags} {flag_string(_wanted)}".strip()
 
 import jax  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
@@ -38,7 +38,7 @@ def run(name, **overrides):
     state = exp.init_state()
     batches = exp.train_batches()
     first = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, first).compile(ANALYSIS_OPTIONS)
+    step = exp.train_step.lower(state, first).compile(analysis_options())
     losses = []
     for batch in [first] + [exp.put_batch(next(batches)) for _ in range(STEPS - 1)]:
         state, metrics = step(state, batch)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.models.attention import Platform, choose
 
 from support.residuals import saved
@@ -85,7 +85,7 @@ def test_xla_attention_is_jax_dot_product_attention(dtype, heads, kv_heads):
     ours = loss(causal_attention)
     jax_s = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
     (value, grads), (ref_value, ref_grads) = (
-        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)), compiler_options=ANALYSIS_OPTIONS)(q, k, v)
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)), compiler_options=analysis_options())(q, k, v)
         for f in (ours, jax_s))
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(value, ref_value, **tol)

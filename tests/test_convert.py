@@ -16,7 +16,7 @@ from support import hf_models  # noqa: E402
 from meshtrain import config as config_lib, convert, state as state_lib, tree_paths  # noqa: E402
 from meshtrain.checkpoints import init_from, reading
 from meshtrain.errors import UserError  # noqa: E402
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment  # noqa: E402
+from meshtrain.experiment import analysis_options, Experiment  # noqa: E402
 
 # Logits agree to this fraction of the largest logit (float32 on both sides; we see <= 7e-7).
 LOGIT_TOL = 1e-5
@@ -40,7 +40,7 @@ def meshtrain_logits(ckpt, tokens) -> np.ndarray:
         x = reading.read_leaf(src, path, model.stacked).astype(np.float32)
         return x[tuple(slice(0, vocab) if a == "vocab" else slice(None) for a in axes[path])]
     params = reading.nest({p: leaf(p) for p in axes})
-    return np.asarray(jax.jit(lambda p, t: model.bind(p)(t), compiler_options=ANALYSIS_OPTIONS)(params, tokens))
+    return np.asarray(jax.jit(lambda p, t: model.bind(p)(t), compiler_options=analysis_options())(params, tokens))
 
 
 def assert_logits_match(ours, theirs):

@@ -13,7 +13,7 @@ import pytest
 
 from meshtrain.planner import hlo
 from meshtrain.errors import UserError
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 
 STEPS = 3
 
@@ -25,7 +25,7 @@ def train(make_config, name, **overrides):
     state = exp.init_state()
     batches = exp.train_batches()
     first = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, first).compile(ANALYSIS_OPTIONS)
+    step = exp.train_step.lower(state, first).compile(analysis_options())
     rows = [r for r in hlo.collective_table(step, exp.mesh, lambda d: 0)
             if r["kind"] == "all-reduce" and r["mesh_axes"] == ("data",)]
     history = []

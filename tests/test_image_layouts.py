@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 
 STEPS = 20
 # (config, overrides): each layout family on 8 simulated devices.
@@ -41,7 +41,7 @@ def run(cfg, devices=None, mesh_shape=None):
     state = exp.init_state()
     batches = exp.train_batches()
     batch = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, batch).compile(ANALYSIS_OPTIONS)
+    step = exp.train_step.lower(state, batch).compile(analysis_options())
     losses = []
     for _ in range(STEPS):
         state, metrics = step(state, batch)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
-from meshtrain.experiment import ANALYSIS_OPTIONS
+from meshtrain.experiment import analysis_options
 from meshtrain.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
@@ -38,7 +38,7 @@ def build(cfg, seed=0):
     return models.family_of(cfg).module(cfg, nnx.Rngs(seed))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=ANALYSIS_OPTIONS)
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=analysis_options())
 def _init_state(cfg, seed):
     return nnx.state(build(cfg, seed))
 
@@ -125,7 +125,7 @@ IMAGES = jax.random.normal(jax.random.key(1), (8, 16, 16, 3))
 LABELS = np.arange(8) % 10
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), compiler_options=ANALYSIS_OPTIONS)
+@functools.partial(jax.jit, static_argnums=(0, 3), compiler_options=analysis_options())
 def _apply(graphdef, state, x, train):
     module = nnx.merge(graphdef, state)
     return module(x, train=train), nnx.state(module)
@@ -159,7 +159,7 @@ def test_forward_shape_dtype_and_masked_padding(name):
     def loss(p, r):
         logits = nnx.merge(graphdef, p, r)(IMAGES, train=True)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), LABELS[:, None], 1).mean()
-    grad = jax.jit(jax.grad(loss), compiler_options=ANALYSIS_OPTIONS)
+    grad = jax.jit(jax.grad(loss), compiler_options=analysis_options())
     grads = jax.device_get(nnx.to_pure_dict(grad(params, nnx.to_pure_dict(rest))))
     head = grads["fc3"] if name == "vgg" else grads["fc"]
     assert np.all(head["w"][:, 10:] == 0) and np.all(head["b"][10:] == 0)
@@ -305,7 +305,7 @@ def train_forward(graphdef, constrain):
 def reference(request):
     cfg = cfg_for(request.param, "tiny", vocab_multiple=8)
     graphdef, params, stats, axes = split(cfg)
-    one = jax.jit(train_forward(graphdef, lambda x, a: x), compiler_options=ANALYSIS_OPTIONS)(params, stats, IMAGES, LABELS)
+    one = jax.jit(train_forward(graphdef, lambda x, a: x), compiler_options=analysis_options())(params, stats, IMAGES, LABELS)
     return cfg, graphdef, params, stats, axes, one
 
 
@@ -324,7 +324,7 @@ def test_layout_equals_one_device(reference, mesh_text, layout_text):
     s_sh = shardings(stats, axes["stats"], layout, mesh)
     batch = NamedSharding(mesh, layout.spec(("batch",), "activations"))
     run = jax.jit(train_forward(graphdef, layouts.make_constrain(layout, mesh)),
-                  in_shardings=(p_sh, s_sh, batch, batch)).lower(params, stats, IMAGES, LABELS).compile(ANALYSIS_OPTIONS)
+                  in_shardings=(p_sh, s_sh, batch, batch)).lower(params, stats, IMAGES, LABELS).compile(analysis_options())
     got = run(jax.device_put(params, p_sh), jax.device_put(stats, s_sh), IMAGES, LABELS)
     if "height:tensor" in layout_text:  # convs over split rows exchange halos, not whole images
         assert "collective-permute" in run.as_text()

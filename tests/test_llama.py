@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
-from meshtrain.experiment import ANALYSIS_OPTIONS
+from meshtrain.experiment import analysis_options
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
@@ -86,7 +86,7 @@ def params_of(cfg, seed=0):
 def forward(cfg, params, tokens):
     """Logits [B, T, V] of the model `cfg` with `params`."""
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
-    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t), compiler_options=ANALYSIS_OPTIONS)(params, tokens)
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t), compiler_options=analysis_options())(params, tokens)
 
 
 def loss_and_grads(cfg, tokens, params=None):
@@ -96,7 +96,7 @@ def loss_and_grads(cfg, tokens, params=None):
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
-    return jax.jit(jax.value_and_grad(loss), compiler_options=ANALYSIS_OPTIONS)(params)
+    return jax.jit(jax.value_and_grad(loss), compiler_options=analysis_options())(params)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def decode_logits(cfg, params, tokens, prompt, constrain=None):
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
     kw = {} if constrain is None else dict(constrain=constrain)
 
-    @functools.partial(jax.jit, compiler_options=ANALYSIS_OPTIONS)  # prefill and one token: 2 programs
+    @functools.partial(jax.jit, compiler_options=analysis_options())  # prefill and one token: 2 programs
     def step(p, toks, cache, pos):
         return nnx.merge(graphdef, p).decode(toks, cache, pos, **kw)
     cache = nnx.merge(graphdef, params).init_cache(tokens.shape[0], tokens.shape[1])
@@ -187,7 +187,7 @@ def test_decode_and_forward_under_dp_tp_match_one_device():
     assert cache[0].sharding.spec[1] == "data"
     np.testing.assert_allclose(logits, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     graphdef = nnx.graphdef(Llama(cfg, nnx.Rngs(0)))
-    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, constrain), compiler_options=ANALYSIS_OPTIONS)(sharded, tokens)
+    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, constrain), compiler_options=analysis_options())(sharded, tokens)
     np.testing.assert_allclose(full, forward(cfg, params, tokens), rtol=1e-4, atol=1e-5)
     assert isinstance(full.sharding, NamedSharding) and full.sharding.spec[2] == "tensor"
 

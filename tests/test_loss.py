@@ -15,7 +15,7 @@ import pytest
 from meshtrain import loss as loss_lib, step as step_lib
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain.errors import UserError
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 
 T, CHUNK = 64, 16
 # bf16 rounding: the table's gradient is rounded to bf16 once over whole logits, but each
@@ -35,7 +35,7 @@ def loss_and_grads(exp, chunk, params):
     tokens = np.random.default_rng(0).integers(0, exp.model.cfg.vocab_size, (rows, T + 1), dtype=np.int32)
     tokens = jax.device_put(tokens, exp.batch_sharding)
     grad_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)),
-                      compiler_options=ANALYSIS_OPTIONS)
+                      compiler_options=analysis_options())
     return jax.device_get(grad_fn(params, tokens, None))
 
 
@@ -128,7 +128,7 @@ def test_eval_step_takes_the_same_chunks(make_config):
     tokens = np.random.default_rng(0).integers(0, 256, (8, T + 1), dtype=np.int32)
     tokens = jax.device_put(tokens, exp.batch_sharding)
     whole = step_lib.make_eval_step(exp.model, exp.layout, exp.mesh, exp.shardings.params, loss_chunk=0)
-    chunked, whole = (step.lower(params, {}, tokens).compile(ANALYSIS_OPTIONS)(params, {}, tokens)["loss"]
+    chunked, whole = (step.lower(params, {}, tokens).compile(analysis_options())(params, {}, tokens)["loss"]
                       for step in (exp.eval_step, whole))
     assert float(chunked) == pytest.approx(float(whole), rel=1e-6)
 

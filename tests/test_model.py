@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.experiment import ANALYSIS_OPTIONS
+from meshtrain.experiment import analysis_options
 from meshtrain.models import model_config
 from meshtrain.models.gpt2 import GPT2, num_params
 from meshtrain.models.sizes import GPT2_SIZES
@@ -56,13 +56,13 @@ def loss_and_grads(cfg, tokens):
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
-    return jax.jit(jax.value_and_grad(loss), compiler_options=ANALYSIS_OPTIONS)(params)
+    return jax.jit(jax.value_and_grad(loss), compiler_options=analysis_options())(params)
 
 
 def forward(model, tokens, key=None):
     """model(tokens, key=key) [B, T, V], as one jitted program."""
     graphdef, state = nnx.split(model)
-    return jax.jit(lambda s, t, k: nnx.merge(graphdef, s)(t, key=k), compiler_options=ANALYSIS_OPTIONS)(
+    return jax.jit(lambda s, t, k: nnx.merge(graphdef, s)(t, key=k), compiler_options=analysis_options())(
         state, tokens, key)
 
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, optim, state as state_lib
-from meshtrain.experiment import ANALYSIS_OPTIONS
+from meshtrain.experiment import analysis_options
 
 # A params tree with logical axes: an embedding, a stacked block (matrix, bias, norm scale),
 # a 4-D kernel standing for a conv's [kh, kw, in, out] (spatial dims unnamed), and a norm
@@ -58,14 +58,14 @@ def run(tx, params, grads, shard=None, opt_shard=None):
     if shard is None:
         dev = jax.devices()[0]
         params = jax.device_put(params, dev)
-        init = jax.jit(tx.init, compiler_options=ANALYSIS_OPTIONS)
-        step = jax.jit(lambda g, s, p: _apply(tx, g, s, p), compiler_options=ANALYSIS_OPTIONS)
+        init = jax.jit(tx.init, compiler_options=analysis_options())
+        step = jax.jit(lambda g, s, p: _apply(tx, g, s, p), compiler_options=analysis_options())
     else:
         params = jax.device_put(params, shard["params"])
-        init = jax.jit(tx.init, out_shardings=opt_shard, compiler_options=ANALYSIS_OPTIONS)
+        init = jax.jit(tx.init, out_shardings=opt_shard, compiler_options=analysis_options())
         step = jax.jit(lambda g, s, p: _apply(tx, g, s, p),
                        in_shardings=(shard["opt_state"], opt_shard, shard["params"]),
-                       out_shardings=(shard["params"], opt_shard), compiler_options=ANALYSIS_OPTIONS)
+                       out_shardings=(shard["params"], opt_shard), compiler_options=analysis_options())
     state = init(params)
     out = []
     for g in grads:

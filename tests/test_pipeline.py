@@ -14,7 +14,7 @@ import pytest
 
 from meshtrain import pipeline, step as step_lib
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.pipeline import Pipeline
 
 from support.training import loss_and_grads
@@ -178,7 +178,7 @@ def test_dropout_inside_the_pipeline_is_deterministic_per_key(make_config):
     exp = Experiment.build(make_config("gpt2_tiny_pp2_dp4", **{"model.dropout": 0.2}))
     params = exp.init_state().params
     batch = exp.put_batch(next(exp.train_batches()))
-    loss_fn = jax.jit(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh), compiler_options=ANALYSIS_OPTIONS)
+    loss_fn = jax.jit(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh), compiler_options=analysis_options())
     k1, k2 = jax.random.key(1), jax.random.key(2)
     losses = [float(loss_fn(params, batch, k)) for k in (k1, k1, k2, None)]
     assert np.isfinite(losses).all()

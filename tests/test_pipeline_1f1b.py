@@ -19,7 +19,7 @@ import pytest
 from conftest import configured as config
 from support.training import loss_and_grads
 from meshtrain import config as config_lib, step as step_lib
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.pipeline import Pipeline
 from meshtrain import pipeline_ticks as ticks
 from meshtrain.train import main
@@ -149,7 +149,7 @@ def test_dropout_masks_are_gpipes():
         params = exp.init_state().params
         batch = exp.put_batch(next(exp.train_batches()))
         loss_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)),
-                          compiler_options=ANALYSIS_OPTIONS)
+                          compiler_options=analysis_options())
         return jax.device_get(loss_fn(params, batch, jax.random.key(3)))
     (a, ga), (b, gb) = with_key("gpipe"), with_key("1f1b")
     assert a == pytest.approx(b, rel=1e-6)

@@ -252,3 +252,17 @@ def test_an_enum_spelling_this_jaxlib_rejects_falls_back_to_the_boolean(monkeypa
     line = xla_flags.apply(env)
     assert effective(env["XLA_FLAGS"]) == xla_flags.flags_for("0.10.2")
     assert f"{len(xla_flags.TABLE)} of meshtrain's" in line and "left out" not in line
+
+
+def test_a_compile_option_this_jaxlib_lacks_is_left_out_of_the_analysis_compile():
+    """JAX 0.11 retired xla_cpu_use_fusion_emitters, and one unknown option fails a whole
+    compile ("No such compile option"): known_options keeps the rest, and the analysis
+    compile takes only what this jaxlib has."""
+    from meshtrain.experiment import ANALYSIS_OPTIONS, analysis_options, known_options
+    import jax
+    asked = {"xla_cpu_no_such_option": False, "xla_backend_optimization_level": 0}
+    assert known_options(asked) == {"xla_backend_optimization_level": 0}
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        jax.jit(lambda x: x * 2).lower(1.0).compile(asked)
+    assert set(analysis_options()) <= set(ANALYSIS_OPTIONS)
+    assert jax.jit(lambda x: x * 2, compiler_options=analysis_options())(3.0) == 6.0

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 from meshtrain import pipeline, step as step_lib
-from meshtrain.experiment import ANALYSIS_OPTIONS, Experiment
+from meshtrain.experiment import analysis_options, Experiment, known_options
 
 STEPS = 20
 
@@ -17,8 +17,9 @@ USERS_EMITTERS = {"xla_cpu_use_fusion_emitters": True, "xla_llvm_disable_expensi
 
 
 def compiled_as_users_compile(exp: Experiment):
-    """exp's train step compiled with USERS_EMITTERS (the rest of the suite's flags kept)."""
-    return exp.train_step.lower(exp.abstract_state(), exp.abstract_batch()).compile(USERS_EMITTERS)
+    """exp's train step compiled with USERS_EMITTERS, those this jaxlib has (the rest of the
+    suite's flags kept)."""
+    return exp.train_step.lower(exp.abstract_state(), exp.abstract_batch()).compile(known_options(USERS_EMITTERS))
 
 
 def devices_for(mesh: str) -> list:
@@ -34,7 +35,7 @@ def _gradients(exp, params, batch) -> tuple[float, dict]:
     loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
                              in_shardings=(exp.shardings.params, exp.batch_sharding),
-                             compiler_options=ANALYSIS_OPTIONS)
+                             compiler_options=analysis_options())
     loss, grads = jax.device_get(value_and_grad(params, batch))
     if exp.model.pipeline is not None:
         grads[exp.model.stacked] = pipeline.from_stages(grads[exp.model.stacked], exp.model.pipeline)
