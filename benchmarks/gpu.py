@@ -1,6 +1,7 @@
 """python benchmarks/gpu.py [--models gpt2_small,gpt2_medium,llama3_1b] [--remat none,save_dots,full]
                            [--steps 50] [--repeats 3] [--warmup 10] [--max-batch 64]
-                           [--overhead-pairs 50] [--out FILE.json] [--docs] [--config.key=value ...]
+                           [--overhead-pairs 50] [--out FILE.json] [--profile DIR] [--docs]
+                           [--config.key=value ...]
 
 Training throughput on one GPU (H100, H200): for each model and remat policy, the largest
 batch that fits (from --max-batch down, halving: first by the compiled memory estimate
@@ -63,6 +64,8 @@ def parse(argv: list[str]):
     ap.add_argument("--mem-fraction", default="0.90",
                     help="XLA_PYTHON_CLIENT_MEM_FRACTION for the runs, unless already set")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/gpu-<device>.json)")
+    ap.add_argument("--profile", metavar="DIR", help="after timing each run, trace 3 more steps into "
+                    "DIR/MODEL-REMAT (benchmarks/trace_summary.py sums a trace by kernel)")
     ap.add_argument("--docs", action="store_true", help="rewrite the GPU table in docs/benchmarks.md")
     ap.add_argument("--render", action="store_true", help="no runs: render --out's JSON")
     ap.add_argument("--allow-cpu", action="store_true", help="run on CPU too (the tests' smoke run)")
@@ -193,7 +196,8 @@ def main(argv: list[str]) -> int:
         for remat in (r for r in BY_MEMORY if r in remats):
             print(f"== {model}, remat {remat}, batch {cap} or less", flush=True)
             runs.append(spawn("run", env, passed, model=model, remat=remat, cap=cap,
-                              steps=args.steps, repeats=args.repeats, warmup=args.warmup))
+                              steps=args.steps, repeats=args.repeats, warmup=args.warmup,
+                              profile=args.profile and str(pathlib.Path(args.profile).resolve())))
             cap = runs[-1].get("batch", cap)
     runs.sort(key=lambda r: (list(MODELS).index(r["model"]), REMATS.index(r["remat"])))
     results = {

@@ -68,16 +68,18 @@ def describe(results: dict) -> list[str]:
     d = results["device"]
     v = d.get("versions", {})
     cuda = ", ".join(f"{k} {v[k]}" for k in ("cuda_runtime", "cudnn", "nvidia_driver") if k in v)
+    note, st = results["xla_flags"]["note"] or "", results["settings"]
+    # A session of several commands says its timing per command (settings["timing"]).
+    timing = st.get("timing") or f"{st['warmup']} warm-up steps, then {st['repeats']} x {st['steps']} timed steps"
     lines = [f"Measured on 1 x {d['device_kind']} ({d['platform']}) on {results['date']} by "
              f"`{results['command']}`.",
              "",
              f"- Versions: jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, flax {v.get('flax')}, "
              f"optax {v.get('optax')}{'; ' + cuda if cuda else ''}.",
-             f"- XLA flags: {results['xla_flags']['note'] or 'none (not on a GPU)'} "
+             f"- XLA flags: {note.removeprefix('XLA flags: ') or 'none (not on a GPU)'} "
              f"XLA_FLAGS was `{results['xla_flags']['XLA_FLAGS'] or ''}`.",
              f"- Each run: bf16 compute, float32 params and Adam, synthetic data (4 batches on the "
-             f"device, reused), {results['settings']['warmup']} warm-up steps, then "
-             f"{results['settings']['repeats']} x {results['settings']['steps']} timed steps; tokens/s from "
+             f"device, reused), {timing}; tokens/s from "
              f"the median repeat, spread = (max - min) / median over the repeats. Batch: the largest "
              f"from {results['settings']['max_batch']} down (halving) whose compiled estimate fits "
              f"the allocator's limit and that ran without RESOURCE_EXHAUSTED."]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import pathlib
 import shutil
 import statistics
 import subprocess
@@ -135,9 +136,14 @@ def is_oom(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
-def measure(exp: Experiment, compiled, steps: int, repeats: int, warmup: int):
+PROFILED_STEPS = 3
+
+
+def measure(exp: Experiment, compiled, steps: int, repeats: int, warmup: int, profile: str | None = None):
     """Warm-up, then `repeats` x `steps` steps, blocking once at the end of each repeat, on 4
-    batches already on the device: -> (seconds per step of each repeat, last loss)."""
+    batches already on the device: -> (seconds per step of each repeat, last loss). With
+    `profile` (a directory), PROFILED_STEPS more steps after the timed ones, traced there
+    by JAX's profiler (benchmarks/trace_summary.py sums the trace by kernel)."""
     state = exp.init_state()
     rows = exp.train_batches()
     batches = [exp.put_batch(next(rows)) for _ in range(4)]  # [B, T+1] int32 each
@@ -151,12 +157,18 @@ def measure(exp: Experiment, compiled, steps: int, repeats: int, warmup: int):
             state, metrics = compiled(state, batches[i % 4])
         jax.block_until_ready((state, metrics))
         per_step.append((time.perf_counter() - t0) / steps)
+    if profile:
+        with jax.profiler.trace(profile):
+            for i in range(PROFILED_STEPS):
+                state, metrics = compiled(state, batches[i % 4])
+            jax.block_until_ready((state, metrics))
     return per_step, float(metrics["loss"])
 
 
 def run(model: str, remat: str, cap: int, steps: int, repeats: int, warmup: int,
-        overrides: list[tuple[str, str]] = (), say=print) -> dict:
-    """The largest batch from `cap` down that fits, timed: one result row (see gpu.py)."""
+        overrides: list[tuple[str, str]] = (), say=print, profile: str | None = None) -> dict:
+    """The largest batch from `cap` down that fits, timed: one result row (see gpu.py); with
+    `profile`, that batch's trace in PROFILE/MODEL-REMAT."""
     device = jax.devices()[0]
     limit = memory_limit(device)
     tried = []
@@ -182,7 +194,8 @@ def run(model: str, remat: str, cap: int, steps: int, repeats: int, warmup: int,
         say(f"{model} remat={remat} batch {batch}: compiled in {compile_s:.1f}s, estimate "
             f"{(estimate or 0) / GIB:.2f} GiB; timing {repeats} x {steps} steps after {warmup} warm-up")
         try:
-            per_step, loss = measure(exp, compiled, steps, repeats, warmup)
+            per_step, loss = measure(exp, compiled, steps, repeats, warmup,
+                                     profile=profile and str(pathlib.Path(profile) / f"{model}-{remat}"))
         except Exception as e:
             if not is_oom(e):
                 raise

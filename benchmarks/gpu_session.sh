@@ -9,8 +9,9 @@
 #      summed by kernel here by benchmarks/trace_summary.py;
 #   3. benchmarks/gpu.py: the mixture of experts at GPT-2 small's width, dropless (its
 #      grouped matmuls as windows, and as jax.lax.ragged_dot) and capacity, beside its
-#      dense twin (benchmarks/gpu_runs.py MODELS); `moe_fusion` runs dropless's ragged_dot
-#      with XLA's cuDNN ragged-dot fusion;
+#      dense twin (benchmarks/gpu_runs.py MODELS); `moe_profile` traces dropless and the
+#      dense twin and sums each by kernel; `moe_fusion` runs dropless's ragged_dot with
+#      XLA's cuDNN ragged-dot fusion;
 #   4. the MoE and GPU-benchmark tests under JAX_PLATFORMS=cpu (the device
 #      image's JAX, not CI's pin);
 #   5. GPT-2 medium and Llama 3.2 1B (T=2048), remat none and full;
@@ -32,9 +33,14 @@
 #     bash benchmarks/gpu_session.sh [SECONDS_FOR_TESTS]
 #     STAGES="moe_fusion overhead tests" bash benchmarks/gpu_session.sh   # some stages, in order
 #
-# The default stages take about 11 minutes, past one device call's 10: split them in two,
-#     STAGES="gpt2_small profile moe gpt2_medium llama3_1b" bash benchmarks/gpu_session.sh
-#     STAGES="overhead unrolled tests_jax" bash benchmarks/gpu_session.sh
+# On the H200 (2026-11-28) the stages took: gpt2_small (with the bare-JAX comparison) 114 s,
+# profile 28 s, moe 138 s, gpt2_medium 77 s, llama3_1b 190 s, unrolled 40 s; moe_profile
+# is new (about 70 s expected). The default stages are past one device call's 10 minutes:
+# split them in two, and run tests_jax, which needs only the CPU, beside the GPU stages on
+# the other cores (each with its own OUT, as $OUT holds at most 8 files to bring back):
+#     OUT=/tmp/t STAGES=tests_jax taskset -c 8-15 bash benchmarks/gpu_session.sh 300 &
+#     OUT=/tmp/a STAGES="gpt2_small moe moe_profile gpt2_medium" taskset -c 0-7 bash benchmarks/gpu_session.sh
+#     STAGES="llama3_1b profile unrolled" bash benchmarks/gpu_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_session}
@@ -76,6 +82,18 @@ stage() {
       [ -n "$trace" ] && cp "$trace" "$OUT/gpt2_small.trace.json.gz" ;;
     moe) step moe 200 python3 benchmarks/gpu.py --models "$MOE" --remat none --max-batch 32 \
         --steps 20 --repeats 3 --warmup 5 --overhead-pairs 0 --out "$RESULTS" ;;
+    # Where the dropless step goes beside its dense twin's: each traced for 3 steps at the
+    # batch the moe stage found, summed by kernel (the planner has no MoE profile yet).
+    moe_profile)
+      local dir=/tmp/meshtrain_moe_profile
+      step moe_profile 150 python3 benchmarks/gpu.py --models moe_small_dropless,moe_small_dense_twin \
+        --remat none --max-batch 32 --steps 5 --repeats 1 --warmup 3 --overhead-pairs 0 \
+        --out /tmp/moe_profile.json --profile $dir
+      local m trace
+      for m in moe_small_dropless moe_small_dense_twin; do
+        trace=$(find "$dir/$m-none" -name '*.trace.json.gz' 2>/dev/null | head -n 1)
+        [ -n "$trace" ] && python3 benchmarks/trace_summary.py "$trace" >"$OUT/$m.kernels.md" 2>&1
+      done ;;
     # XLA lowers jax.lax.ragged_dot on NVIDIA GPUs to a dense dot over every group unless
     # its cuDNN ragged-dot fusion is switched on (docs/benchmarks.md): dropless's ragged_dot
     # with it (the windows have no ragged_dot for the flag to change).
@@ -101,10 +119,10 @@ stage() {
         step tests_jax_no_ynn "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files ;;
     tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
         tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;
-    *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_fusion tests gpt2_medium llama3_1b" \
-         "unrolled scan_fusion tests_jax)"; return 2 ;;
+    *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_profile moe_fusion tests gpt2_medium" \
+         "llama3_1b unrolled scan_fusion tests_jax)"; return 2 ;;
   esac
 }
 [ -f benchmarks/results/predictions.json ] && cp benchmarks/results/predictions.json "$OUT/"
-for s in ${STAGES:-gpt2_small profile moe gpt2_medium llama3_1b overhead unrolled tests_jax}; do stage "$s"; done
+for s in ${STAGES:-gpt2_small profile moe moe_profile gpt2_medium llama3_1b unrolled tests_jax}; do stage "$s"; done
 ls -la "$OUT"

@@ -35,7 +35,7 @@ CALIBRATED_ON = {("gpt2_small", "none", "h200"): "matmul, attention, idle, memor
                  ("gpt2_small", "none", "h100"): "memory share",
                  ("gpt2_small", "full", "h200"): "LAYER_PASSES[full]"}
 # Runs of code the repository no longer has: the planner plans today's code.
-SUPERSEDED = {"moe_small_dropless": "measured with ragged_dot, since replaced by windowed matmuls"}
+SUPERSEDED: dict[str, str] = {}
 REMATS = ("none", "save_dots", "full")
 KINDS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
 
@@ -66,7 +66,7 @@ def rows(pattern: str):
         measured = r["step_s_median"]
         key = (r["model"], r["remat"], hw_name)
         yield {"model": r["model"], "remat": r["remat"], "hardware": hw_name, "batch": r["batch"],
-               "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * p["step_time_s"],
+               "seq_len": r["seq_len"], "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * p["step_time_s"],
                "ratio": p["step_time_s"] / measured,
                "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
                "role": (f"calibration: {CALIBRATED_ON[key]}" if key in CALIBRATED_ON
@@ -147,7 +147,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in out:
         t = r["terms_ms"]
-        print(f"| {r['model']}, remat {r['remat']} | {r['hardware']} | {r['batch']} x 1024 | {r['measured_ms']:.1f} | "
+        print(f"| {r['model']}, remat {r['remat']} | {r['hardware']} | {r['batch']} x {r['seq_len']} | {r['measured_ms']:.1f} | "
               f"{r['predicted_ms']:.1f} | {r['ratio']:.2f} | {t['matmul_s']:.1f} + {t['attention_s']:.1f} + "
               f"{t['memory_s']:.1f} + {t['idle_s']:.1f} | {r['role']} |")
 

@@ -48,8 +48,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     )
     # How a mixture of experts runs (models/moe.py; docs/models.md "Mixtures of experts"):
     # dispatch dropless | capacity; grouped_matmul auto | windowed | ragged_dot: how dropless
-    # computes each expert's rows (models/moe_dropless.py; auto is windowed until a GPU
-    # measurement says otherwise); capacity_factor: an expert's slots per sequence over its
+    # computes each expert's rows (models/moe_dropless.py; auto is windowed, measured the
+    # faster on CPU and GPU); capacity_factor: an expert's slots per sequence over its
     # even share k T / X (capacity only; tokens past it are dropped and counted); the
     # load-balance and router z-loss weights in the training loss.
     c.moe = dict(dispatch="dropless", grouped_matmul="auto", capacity_factor=1.25, aux_loss_coef=0.01,

@@ -44,9 +44,16 @@ def smoke(tmp_path_factory):
     out_file = tmp_path_factory.mktemp("gpu") / "cpu.json"
     out = bench("--allow-cpu", "--models=gpt2_tiny", "--remat=none", "--steps=2", "--repeats=2",
                 "--warmup=1", "--max-batch=3", "--overhead-pairs=0", f"--out={out_file}",
+                f"--profile={tmp_path_factory.mktemp('traces', numbered=False)}",
                 *(f"--config.{k}={v}" for k, v in TINY))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out_file.read_text()), out.stdout
+
+
+def test_profile_traces_each_run_in_its_own_directory(smoke, tmp_path_factory):
+    """--profile DIR: the profiler's trace of the run's extra steps, in DIR/MODEL-REMAT."""
+    found = list((tmp_path_factory.getbasetemp() / "traces" / "gpt2_tiny-none").rglob("*.trace.json.gz"))
+    assert len(found) == 1 and found[0].stat().st_size > 0
 
 
 def test_the_cpu_run_writes_every_field_with_sane_values(smoke):
@@ -115,7 +122,7 @@ def test_the_batch_search_steps_down_past_the_estimate_and_an_oom_at_run_time(mo
     monkeypatch.setattr(gpu_runs.metrics, "memory_report", lambda compiled: {"peak_estimate": next(estimates)})
     calls = []
 
-    def measure(exp, compiled, steps, repeats, warmup):
+    def measure(exp, compiled, steps, repeats, warmup, profile=None):
         calls.append(exp.cfg.train.batch_size)
         if len(calls) == 1:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB.")

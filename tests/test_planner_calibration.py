@@ -26,7 +26,7 @@ def measured(model: str, remat: str) -> dict[str, tuple[int, float]]:
 
 @pytest.mark.parametrize("model, remat, cards", [("gpt2_small", "none", {"h100", "h200"}),
                                                  ("gpt2_small", "full", {"h100", "h200"}),
-                                                 ("gpt2_medium", "none", {"h100"})])
+                                                 ("gpt2_medium", "none", {"h100", "h200"})])
 def test_gpt2_is_predicted_within_15_percent_of_its_measured_steps(model, remat, cards):
     runs = measured(model, remat)
     assert set(runs) == cards
