@@ -2,6 +2,9 @@
 table, stragglers named or not. Real processes that hang are tests/test_hangs.py."""
 
 import io
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -11,7 +14,7 @@ from meshtrain.cluster import stragglers
 from meshtrain.cluster.rendezvous import Rendezvous
 from meshtrain.cluster.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, HANG_STATUS, Watchdog, check_config
 from meshtrain.errors import UserError
-from support.processes import free_port, wait_for
+from support.processes import ENV, ROOT, free_port, wait_for
 
 
 class Exits:
@@ -191,3 +194,36 @@ def test_two_processes_hear_of_a_hang_and_the_report_names_who_never_dispatched(
     assert "found a hang (no progress for" in zero
     assert "step 6: dispatched (not finished) by process 0; not dispatched by process 1." in zero
     assert "wait in step 6's collectives for process 1 (host" in zero
+
+
+GIL_HOLDER = textwrap.dedent("""
+    import sys, time
+    from meshtrain.cluster.watchdog import Watchdog
+    w = Watchdog(2.0, 30).start()
+    for step in (1, 2, 3):
+        w.dispatched(step)
+        w.finished(step)
+    time.sleep(0.8)  # a tick of the watchdog arms the backstop at the step bound, 2 s
+
+    def holds_the_gil():  # the name the dump must show
+        sys.setswitchinterval(1e6)  # no other Python thread runs again: the watchdog's cannot
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            pass
+
+    holds_the_gil()
+    print("not stopped")
+""")
+
+
+def test_a_thread_holding_the_gil_is_stopped_by_faulthandlers_backstop():
+    """The watchdog's thread cannot run while another holds the GIL; faulthandler's C thread,
+    re-armed at every tick of it, dumps the stacks and exits 1 after one bound."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", GIL_HOLDER], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert time.monotonic() - t0 < 30 and "not stopped" not in done.stdout
+    assert "Timeout (0:00:02)!" in done.stderr
+    assert "in holds_the_gil" in done.stderr
+    assert done.stderr.count("Thread 0x") >= 2  # every thread's stack: the watchdog's too

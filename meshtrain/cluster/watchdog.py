@@ -18,6 +18,12 @@ evaluation. The thread checks twice a second that a step finished within the bou
             which do the same; and exits HANG_STATUS, so `srun --kill-on-bad-exit` ends
             the job and a requeue resumes from the last committed checkpoint.
 
+    backstop  the thread above needs the GIL; a thread that holds it (a C extension that
+            never releases it) would silence the watchdog. So each tick re-arms
+            faulthandler.dump_traceback_later at the current bound: if no tick came for
+            that long, faulthandler's own C thread writes "Timeout (h:mm:ss)!" and every
+            thread's stack to stderr and exits the process with status 1.
+
 Where every process was comes from the rendezvous (rendezvous.py): each process's beats
 carry its progress to process 0, whose beats carry the table back, so the report reads a
 table this process already holds and never waits for a hung peer. One process alone
@@ -126,6 +132,7 @@ class Watchdog:
             self.rendezvous.progress_of = self.news
             self.rendezvous.on_hung = self.told
         if self.watching or self.judge is not None:
+            self._backstop(self.bound())
             self.thread = threading.Thread(target=self._run, name="meshtrain-watchdog", daemon=True)
             self.thread.start()
         return self
@@ -135,6 +142,8 @@ class Watchdog:
         self._stopped.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=2)
+        if self.thread is not None:
+            faulthandler.cancel_dump_traceback_later()
         if self.rendezvous is not None:
             self.rendezvous.on_hung = None
 
@@ -254,10 +263,24 @@ class Watchdog:
         while not self._stopped.wait(TICK_S):
             self._judge()
             bound = self.bound()
+            self._backstop(bound)
             since = self.phase_since if self.phase == "busy" else self.progress_at
             if bound is not None and time.monotonic() - since > bound[0]:
                 self.fire(f"no progress for {time.monotonic() - since:.1f} s, longer than the bound "
                           f"on {bound[1]}")
+
+    def _backstop(self, bound: tuple[float, str] | None) -> None:
+        """Re-arms (or with no bound, cancels) faulthandler's timer: it fires only if this
+        thread could not run for a whole bound."""
+        if bound is None or self._stopped.is_set():
+            faulthandler.cancel_dump_traceback_later()
+            return
+        try:
+            out = self.out or sys.stderr
+            out.fileno()
+        except (AttributeError, OSError, ValueError):
+            return  # faulthandler writes to a real file only (tests pass StringIO)
+        faulthandler.dump_traceback_later(bound[0], exit=True, file=out)
 
     def told(self, message: dict) -> None:
         """Another process found a hang (a "hung" message, in the rendezvous thread)."""
@@ -272,6 +295,7 @@ class Watchdog:
         """Reports the hang, tells the others and exits HANG_STATUS (once per process)."""
         if not self._fired.acquire(blocking=False):
             return
+        faulthandler.cancel_dump_traceback_later()  # the report below is the one to write
         out = self.out or sys.stderr
         out.write(self.report(why) + "\n")
         out.write(f"Stacks of process {self.rank}'s threads, most recent call first:\n")
