@@ -334,3 +334,29 @@ def test_intruders_while_two_processes_start_are_dropped_and_the_run_trains_undi
         p0.kill()
     assert log.read_text().count("dropped a connection") == 5 and "Traceback" not in log.read_text()
     assert losses(w) == losses(ref) and len(losses(w)) == 4
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) of sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+@pytest.mark.parametrize("bind_host, addresses", [("127.0.0.1", {"0100007F"}), (None, {"0" * 32})])
+def test_process_0_listens_on_loopback_alone_when_the_coordinator_is_loopback(bind_host, addresses):
+    """launch/local.sh's coordinator is 127.0.0.1: no other machine can reach the start
+    (launch.Launch.bind_host); a coordinator named by host listens on every interface."""
+    port, out = free_port(), {}
+    r = Rendezvous(0, 2, ("127.0.0.1", port), init_timeout=2, heartbeat_timeout=5, config={}, bind_host=bind_host)
+    t = threading.Thread(target=lambda: out.setdefault("error", pytest.raises(RunFailed, r.start)))
+    t.start()
+    wait_for(lambda: listening(port), timeout=10, what="process 0 listening")
+    assert listening(port) == addresses
+    t.join()
+    assert "only 1 of 2 processes arrived" in str(out["error"].value)

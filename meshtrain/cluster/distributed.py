@@ -93,7 +93,7 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
     if not launch.multiprocess:
         _current = Cluster(launch, [{"process": 0, "host": socket.gethostname(), "pid": os.getpid()}], None)
         return _current
-    rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous,
+    rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous, bind_host=launch.bind_host,
                             init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
                             config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")},
                             secret=handshake.secret_from(os.environ))
@@ -110,7 +110,8 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
         launch.coordinator, launch.num_processes, launch.process_id,
         local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
         cluster_detection_method="deactivate", initialization_timeout=int(d.init_timeout),
-        heartbeat_timeout_seconds=max(100, int(2 * d.heartbeat_timeout) + 10))
+        heartbeat_timeout_seconds=max(100, int(2 * d.heartbeat_timeout) + 10),
+        coordinator_bind_address=launch.coordinator if launch.bind_host else None)
     _current = Cluster(launch, table, rendezvous,
                        {"rendezvous": t1 - t0, "jax runtime": time.perf_counter() - t1})
     return _current

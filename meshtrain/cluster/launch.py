@@ -29,6 +29,7 @@ which is wrong for one process per node (jax-ml/jax#16788, maxtext#865).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -53,6 +54,14 @@ class Launch:
         return self.num_processes > 1
 
     @property
+    def bind_host(self) -> str | None:
+        """Where process 0's ports listen: the coordinator's host when it is this machine's
+        loopback (launch/local.sh's 127.0.0.1), so nothing off the machine reaches them;
+        else None, every interface, as the job's other nodes must reach it."""
+        host, _ = split_address(self.coordinator)
+        return host if is_loopback(host) else None
+
+    @property
     def rendezvous(self) -> tuple[str, int]:
         """(host, port) of meshtrain's rendezvous on process 0: JAX's port + 1."""
         host, port = split_address(self.coordinator)
@@ -65,6 +74,18 @@ def split_address(address: str) -> tuple[str, int]:
         raise UserError(f"Coordinator address {address!r} is not HOST:PORT, e.g. "
                         f"--coordinator=node001:61440.")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is written as a loopback address (127.x, ::1, localhost). A name is not
+    resolved: on Debian-style hosts a node's own name maps to 127.0.1.1 locally while the
+    other nodes reach it by its real address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def expand_hostlist(text: str) -> list[str]:

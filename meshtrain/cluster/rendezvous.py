@@ -73,8 +73,10 @@ class Rendezvous:
     """The channel of one process. `start()` returns the process table; `watch()` guards the run."""
 
     def __init__(self, process_id: int, num_processes: int, address: tuple[str, int], *,
-                 init_timeout: float, heartbeat_timeout: float, config: dict, secret: bytes | None = None):
-        self.id, self.n, self.address = process_id, num_processes, address
+                 init_timeout: float, heartbeat_timeout: float, config: dict, secret: bytes | None = None,
+                 bind_host: str | None = None):
+        """`bind_host`: where process 0 listens (None: every interface)."""
+        self.id, self.n, self.address, self.bind_host = process_id, num_processes, address, bind_host
         self.init_timeout, self.heartbeat_timeout = init_timeout, heartbeat_timeout
         self.me = {"process": process_id, "host": socket.gethostname(), "pid": os.getpid()}
         self.config = config
@@ -101,8 +103,10 @@ class Rendezvous:
 
     def _listen(self) -> socket.socket:
         port = self.address[1]
-        dual = socket.has_dualstack_ipv6()  # peers may reach this host over IPv4 or IPv6
         try:
+            if self.bind_host is not None:  # this machine's processes only (launch.bind_host)
+                return socket.create_server((self.bind_host, port), backlog=max(self.n, 16))
+            dual = socket.has_dualstack_ipv6()  # peers may reach this host over IPv4 or IPv6
             return socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
                                         dualstack_ipv6=dual, backlog=max(self.n, 16))
         except OSError as e:
