@@ -266,3 +266,14 @@ def test_a_compile_option_this_jaxlib_lacks_is_left_out_of_the_analysis_compile(
         jax.jit(lambda x: x * 2).lower(1.0).compile(asked)
     assert set(analysis_options()) <= set(ANALYSIS_OPTIONS)
     assert jax.jit(lambda x: x * 2, compiler_options=analysis_options())(3.0) == 6.0
+
+
+def test_the_planners_fast_compile_flags_leave_out_what_this_jaxlib_lacks(monkeypatch):
+    """`meshtrain plan` puts the analysis options into XLA_FLAGS before JAX starts; an option
+    this jaxlib lacks would abort the process there, so it is parsed first and left out."""
+    from meshtrain import experiment, planner
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setitem(experiment.ANALYSIS_OPTIONS, "xla_cpu_no_such_option", False)
+    assert planner.fast_compile()
+    flags = os.environ["XLA_FLAGS"]
+    assert "--xla_backend_optimization_level=0" in flags and "no_such_option" not in flags

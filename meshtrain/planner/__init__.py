@@ -19,23 +19,24 @@
 """
 
 import os
-import subprocess
-import sys
+
 
 def fast_compile() -> bool:
     """Puts the analysis compile options (experiment.ANALYSIS_OPTIONS: the planner reads the
     partitioned HLO, its buffers and collectives, never runs the machine code) into XLA_FLAGS,
-    for every compile of this process and the processes it starts, if this jaxlib knows
-    them: an unknown flag aborts the process, so a child process tries them first. For a
-    process that only plans (`meshtrain plan`, the notebooks); call before JAX starts its
-    backend; returns whether they are on. Experiment.compile(analysis=True) uses the same
+    for every compile of this process and the processes it starts, those this jaxlib knows:
+    an unknown flag aborts the process, so a child process parses them first and the unknown
+    ones are left out (cluster.xla_flags.usable; JAX 0.11 has no xla_cpu_use_fusion_emitters).
+    For a process that only plans (`meshtrain plan`, the notebooks); call before JAX starts
+    its backend; returns whether any are on. Experiment.compile(analysis=True) uses the same
     options for one compile."""
+    from meshtrain.cluster.xla_flags import flag_string, usable
     from meshtrain.experiment import ANALYSIS_OPTIONS
-    flags = " ".join(f"--{k}={str(v).lower()}" for k, v in ANALYSIS_OPTIONS.items())
+    wanted = {k: str(v).lower() for k, v in ANALYSIS_OPTIONS.items()}
+    flags = flag_string(wanted)
     if flags in os.environ.get("XLA_FLAGS", ""):
         return True
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
-    if probe.returncode == 0:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
-    return probe.returncode == 0
+    known, _, failure = usable(wanted, os.environ)
+    if known and not failure:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag_string(known)).strip()
+    return bool(known) and not failure
