@@ -34,8 +34,6 @@ sys.path.insert(0, str(HERE))
 CALIBRATED_ON = {("gpt2_small", "none", "h200"): "matmul, attention, idle, memory share (profile)",
                  ("gpt2_small", "none", "h100"): "memory share",
                  ("gpt2_small", "full", "h200"): "LAYER_PASSES[full]"}
-# Runs of code the repository no longer has: the planner plans today's code.
-SUPERSEDED: dict[str, str] = {}
 REMATS = ("none", "save_dots", "full")
 KINDS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
 
@@ -70,7 +68,7 @@ def rows(pattern: str):
                "ratio": p["step_time_s"] / measured,
                "terms_ms": {k: 1e3 * p[k] for k in ("matmul_s", "attention_s", "memory_s", "idle_s")},
                "role": (f"calibration: {CALIBRATED_ON[key]}" if key in CALIBRATED_ON
-                        else SUPERSEDED.get(r["model"], "held out")),
+                        else "held out"),
                "results": pathlib.Path(results["path"]).name, "date": results.get("date")}
 
 

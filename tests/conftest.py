@@ -44,12 +44,9 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
 # child process (about a second, in the first process only: the others inherit them set).
 SUITE_XLA_FLAGS = {"xla_backend_optimization_level": "1", "xla_cpu_use_fusion_emitters": "false",
                    "xla_llvm_disable_expensive_passes": "true", "xla_cpu_parallel_codegen_split_count": "1"}
-_flags = os.environ.get("XLA_FLAGS", "")
-_wanted = {k: v for k, v in SUITE_XLA_FLAGS.items() if f"--{k}" not in _flags}
-if _wanted:
-    from meshtrain.cluster.xla_flags import flag_string, usable
-    _wanted, _, _ = usable(_wanted, os.environ)
-    os.environ["XLA_FLAGS"] = f"{_flags} {flag_string(_wanted)}".strip()
+from meshtrain.cluster.xla_flags import add_known  # noqa: E402 - imports no JAX
+
+add_known(SUITE_XLA_FLAGS)
 
 import jax  # noqa: E402
 

@@ -274,6 +274,8 @@ def test_the_planners_fast_compile_flags_leave_out_what_this_jaxlib_lacks(monkey
     from meshtrain import experiment, planner
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setitem(experiment.ANALYSIS_OPTIONS, "xla_cpu_no_such_option", False)
-    assert planner.fast_compile()
+    added = planner.fast_compile()
+    assert added == {k: str(v).lower() for k, v in experiment.ANALYSIS_OPTIONS.items() if k != "xla_cpu_no_such_option"}
     flags = os.environ["XLA_FLAGS"]
     assert "--xla_backend_optimization_level=0" in flags and "no_such_option" not in flags
+    assert planner.fast_compile() == {}  # set already: nothing parsed or added again

@@ -214,6 +214,22 @@ def usable(flags: dict[str, str], environ: MutableMapping[str, str]) -> tuple[di
     return flags, dropped, ""
 
 
+def add_known(flags: dict[str, str], environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Adds to XLA_FLAGS in `environ` the flags of `flags` it does not set already and this
+    jaxlib knows (one child-process parse, `usable`; none when that parse fails otherwise):
+    for flags of the caller's own, such as the suite's or the planner's, before the backend
+    starts. -> the flags added."""
+    user = environ.get("XLA_FLAGS", "").strip()
+    _, wanted = merge(user, flags)
+    if not wanted:
+        return {}
+    known, _, failure = usable(wanted, environ)
+    if failure or not known:
+        return {}
+    environ["XLA_FLAGS"], added = merge(user, known)
+    return added
+
+
 def describe(added: dict[str, str], user: str, dropped: list[str], why: str) -> str:
     """The start-up line: how many of ours went in, which the user's XLA_FLAGS overrode."""
     tokens = [(TABLE_NAME.get(name, name), token) for name, token in user_flags(user)]

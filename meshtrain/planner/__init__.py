@@ -18,25 +18,15 @@
   docs_tables, docs_figures, zero_table, pipeline_table  the tables of docs/planner.md, written from the code
 """
 
-import os
 
-
-def fast_compile() -> bool:
+def fast_compile() -> dict[str, str]:
     """Puts the analysis compile options (experiment.ANALYSIS_OPTIONS: the planner reads the
     partitioned HLO, its buffers and collectives, never runs the machine code) into XLA_FLAGS,
-    for every compile of this process and the processes it starts, those this jaxlib knows:
-    an unknown flag aborts the process, so a child process parses them first and the unknown
-    ones are left out (cluster.xla_flags.usable; JAX 0.11 has no xla_cpu_use_fusion_emitters).
-    For a process that only plans (`meshtrain plan`, the notebooks); call before JAX starts
-    its backend; returns whether any are on. Experiment.compile(analysis=True) uses the same
-    options for one compile."""
-    from meshtrain.cluster.xla_flags import flag_string, usable
+    for every compile of this process and the processes it starts, those this jaxlib knows
+    and XLA_FLAGS does not set already (cluster.xla_flags.add_known: an unknown flag would
+    abort the process; JAX 0.11 has no xla_cpu_use_fusion_emitters). For a process that only
+    plans (`meshtrain plan`, the notebooks); call before JAX starts its backend; returns the
+    flags added. Experiment.compile(analysis=True) uses the same options for one compile."""
+    from meshtrain.cluster.xla_flags import add_known
     from meshtrain.experiment import ANALYSIS_OPTIONS
-    wanted = {k: str(v).lower() for k, v in ANALYSIS_OPTIONS.items()}
-    flags = flag_string(wanted)
-    if flags in os.environ.get("XLA_FLAGS", ""):
-        return True
-    known, _, failure = usable(wanted, os.environ)
-    if known and not failure:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag_string(known)).strip()
-    return bool(known) and not failure
+    return add_known({k: str(v).lower() for k, v in ANALYSIS_OPTIONS.items()})
