@@ -5,7 +5,7 @@
 #   launch/local.sh 2 gpt2_tiny_dp2_tp4 --workdir=runs/two --config.mesh.dcn=data:2
 #
 # Rehearses a multi-node run before it costs cluster hours: the same trainer, the same
-# rendezvous, collectives between processes (gloo on CPU, NCCL on GPUs), checkpoints
+# start through JAX's coordination service (on 127.0.0.1 only), collectives between processes (gloo on CPU, NCCL on GPUs), checkpoints
 # written by every process.
 #   - Devices: on a CPU-only machine each process simulates its share of the mesh
 #     (mesh size / N). With GPUs, each process gets GPUs/N of them via CUDA_VISIBLE_DEVICES.
@@ -15,17 +15,16 @@
 #   - Logs: one file per process, DIR/logs/process_I.log (./meshtrain-logs/ without
 #     --workdir), appended, each launch headed by a line; process 0's is also shown here.
 #     Lines no one can act on are left out: gloo's "[Gloo] Rank R is connected to K peer
-#     ranks" (a connection gloo cannot make fails the run with an error of its own), and
-#     XLA's "SIGTERM caught" after a Ctrl-C.
+#     ranks" (a connection gloo cannot make fails the run with an error of its own), XLA's
+#     "SIGTERM caught" after a Ctrl-C, and JAX's warning that its recoverable-task feature
+#     (which lets meshtrain name a lost process) is experimental.
 #   - Failure: when a process exits non-zero the others stop on their own (they are told
 #     which one was lost); any still running after $GRACE s (default 30) are killed.
 #   - Ctrl-C: SIGTERM to every process, which saves a checkpoint at the next step and
 #     exits 0 (rerun the same command to resume). A second Ctrl-C kills them.
 #   - Exit status: the worst of the processes' (0 only if all exited 0).
-#   - Rendezvous: every process gets a new MESHTRAIN_SECRET, made here for this launch, so
-#     only they can join the start (one you exported is replaced).
-# Environment: PYTHON (default: python), PORT (first of two free ports; default: found
-# here), GRACE.
+# Environment: PYTHON (default: python), PORT (JAX's coordination service; default: a free
+# port found here), GRACE.
 set -uo pipefail
 
 usage() {
@@ -67,30 +66,9 @@ logs=${workdir:+$workdir/logs}
 logs=${logs:-meshtrain-logs}
 mkdir -p "$logs" || exit 2
 
-# Two consecutive free ports: JAX's coordination service, and meshtrain's rendezvous.
-PORT=${PORT:-$("$PYTHON" - <<'EOF'
-import socket
-for _ in range(200):
-    with socket.socket() as a:
-        a.bind(("127.0.0.1", 0))
-        port = a.getsockname()[1]
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-    print(port)
-    break
-EOF
-)}
-[[ -n $PORT ]] || { say "found no two free ports; set PORT"; exit 2; }
-
-# The job's secret: only processes that know it may join the rendezvous on PORT + 1
-# (docs/multihost.md, "What is protected"). New for every launch, from the OS's randomness,
-# passed in the environment only (never on a command line, never printed).
-MESHTRAIN_SECRET=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
-[[ -n $MESHTRAIN_SECRET ]] || { say "could not make the job's secret with $PYTHON"; exit 2; }
-export MESHTRAIN_SECRET
+# One free port, JAX's coordination service: the only one the job opens for itself.
+PORT=${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+[[ -n $PORT ]] || { say "found no free port; set PORT"; exit 2; }
 
 # GPUs, if any: an equal share for each process.
 gpus=0
@@ -114,6 +92,7 @@ quiet() {
     { gloo_line = 0 }
     { sub("^(" gloo "|[0-9]+)*(" gloo ")", ""); sub("(" gloo ")(" gloo "|[0-9]+)*$", "") }
     /^W[0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ preemption_notifier[.]cc:[0-9]+] SIGTERM caught at / { next }
+    /^W[0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ coordination_service[.]cc:[0-9]+] .*Using experimental recoverable task feature/ { next }
     { print; fflush() }'
 }
 

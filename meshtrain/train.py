@@ -118,6 +118,10 @@ def execute(args, started: dict | None = None) -> int:
     preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
     try:
         return _train(args, flags, launch, cluster, source, xla_line, started_at, preemption)
+    except Exception as e:
+        if not isinstance(e, UserError):
+            cluster.settle()  # a collective's error may be a lost peer's: that is named instead
+        raise
     finally:
         preemption.close()
 
@@ -191,7 +195,7 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
         state, meta = None, None
         if resume_step is not None:
             state, meta = checkpointer.restore(resume_step, exp)
-        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, cluster.rendezvous, cluster.table)
+        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, cluster.liveness, cluster.table)
         if checkpointer is not None:  # for a hang report: what a rerun resumes from
             watchdog.note = lambda: checkpoint_lib.safe_on_disk(checkpointer.dir)
         watchdog.on_fire = clock.hung

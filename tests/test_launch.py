@@ -13,20 +13,15 @@ from meshtrain.cluster import launch
 from meshtrain.errors import UserError
 
 
-def slurm_env(tasks, nodes, per_node, rank, local, node, **extra):
+def slurm_env(tasks, nodes, per_node, rank, local, node_id, **extra):
     return {"SLURM_JOB_ID": "4099", "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(tasks),
-            "SLURM_JOB_NUM_NODES": str(len(expand(nodes))), "SLURM_STEP_NODELIST": nodes,
-            "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(local), "SLURMD_NODENAME": node, **extra}
+            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_STEP_NODELIST": f"gpu[01-{nodes:02d}]", "SLURM_STEP_TASKS_PER_NODE": per_node,
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node_id),
+            "SLURMD_NODENAME": f"gpu{node_id + 1:02d}", **extra}
 
 
-expand = launch.expand_hostlist
-
-
-def test_hostlists_and_tasks_per_node_expand():
-    assert expand("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
-    assert expand("n[8-10]") == ["n8", "n9", "n10"]
-    assert expand("rack[1-2]-n[0-1]") == ["rack1-n0", "rack1-n1", "rack2-n0", "rack2-n1"]
+def test_tasks_per_node_expand():
     assert launch.expand_tasks_per_node("4(x2),3") == [4, 4, 3]
 
 
@@ -35,11 +30,10 @@ def test_one_process_without_any_launcher():
     assert got.method == "single" and not got.multiprocess
 
 
-def test_flags_win_over_variables_and_give_the_rendezvous_port():
+def test_flags_win_over_variables():
     env = {"JAX_COORDINATOR_ADDRESS": "x:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
     got = launch.detect({"coordinator": "node7:6000", "num_processes": "2", "process_id": "1"}, env)
     assert (got.method, got.num_processes, got.process_id, got.coordinator) == ("flags", 2, 1, "node7:6000")
-    assert got.rendezvous == ("node7", 6001)
     got = launch.detect({}, env)
     assert (got.method, got.num_processes, got.process_id) == ("environment", 4, 3)
 
@@ -66,42 +60,44 @@ def test_python_in_the_batch_shell_of_a_multi_task_job_is_told_to_use_srun():
 
 
 def test_slurm_one_process_per_node_drives_every_gpu():
-    env = slurm_env(2, "gpu[01-02]", "1(x2)", 1, 0, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    env = slurm_env(2, 2, "1(x2)", 1, 0, 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
     got = launch.detect({}, env)
     assert (got.method, got.num_processes, got.process_id) == ("slurm", 2, 1)
-    assert got.local_device_ids is None  # all it sees (JAX's own detection would give [0])
-    assert got.coordinator == f"gpu01:{launch.SLURM_PORT_BASE + 2 * (4099 % 2048)}"
+    assert got.local_device_ids == tuple(range(8))  # all it sees (JAX's own detection would give [0])
+    assert got.coordinator is None  # JAX's Slurm detection finds it: gpu01, port 61440 + 4099 % 4096
+    assert "task 1 of 2 on 2 node(s), 1 on this node (gpu02)" in got.where
 
 
 def test_slurm_one_process_per_gpu_takes_its_own_gpu():
-    env = slurm_env(16, "gpu[01-02]", "8(x2)", 13, 5, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    env = slurm_env(16, 2, "8(x2)", 13, 5, 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
     assert launch.detect({}, env).local_device_ids == (5,)
 
 
 def test_slurm_two_tasks_split_a_nodes_gpus_in_halves():
-    env = slurm_env(4, "gpu[01-02]", "2(x2)", 3, 1, "gpu02", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    env = slurm_env(4, 2, "2(x2)", 3, 1, 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
     assert launch.detect({}, env).local_device_ids == (4, 5, 6, 7)
 
 
 def test_slurm_gpus_bound_per_task_are_used_as_they_are():
-    bound = slurm_env(16, "gpu[01-02]", "8(x2)", 3, 3, "gpu01", CUDA_VISIBLE_DEVICES="0")
-    assert launch.detect({}, bound).local_device_ids is None
-    per_task = slurm_env(4, "gpu[01-02]", "2(x2)", 1, 1, "gpu01", CUDA_VISIBLE_DEVICES="0,1,2,3",
+    bound = slurm_env(16, 2, "8(x2)", 3, 3, 0, CUDA_VISIBLE_DEVICES="0")
+    assert launch.detect({}, bound).local_device_ids == (0,)
+    per_task = slurm_env(4, 2, "2(x2)", 1, 1, 0, CUDA_VISIBLE_DEVICES="0,1,2,3",
                          SLURM_GPUS_PER_TASK="4")
-    assert launch.detect({}, per_task).local_device_ids is None
+    assert launch.detect({}, per_task).local_device_ids == (0, 1, 2, 3)
 
 
 def test_slurm_gpus_that_do_not_split_are_an_error_with_the_fix():
-    env = slurm_env(6, "gpu[01-02]", "3(x2)", 0, 0, "gpu01", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    env = slurm_env(6, 2, "3(x2)", 0, 0, 0, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
     with pytest.raises(UserError, match=r"3 SLURM tasks on this node share 8 visible GPUs.*--ntasks-per-node=1"):
         launch.detect({}, env)
 
 
-def test_slurm_on_cpu_nodes_and_the_port_override():
-    env = slurm_env(2, "localhost", "2", 1, 1, "localhost", JAX_COORDINATOR_PORT="7000")
+def test_slurm_on_cpu_nodes_and_a_bad_port_override():
+    env = slurm_env(2, 1, "2", 1, 1, 0, JAX_COORDINATOR_PORT="7000")
     got = launch.detect({}, env)
-    assert got.local_device_ids is None and got.coordinator == "localhost:7000"
-    assert got.rendezvous == ("localhost", 7001)
+    assert got.local_device_ids is None and got.coordinator is None
+    with pytest.raises(UserError, match=r"JAX_COORDINATOR_PORT='70x0' is not a port number \(1-65535\)"):
+        launch.detect({}, {**env, "JAX_COORDINATOR_PORT": "70x0"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ at start with a count of who arrived. Each process simulates its share of 8 devi
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ TINY = "gpt2_tiny_dp8"
 # Lines no one can act on, which must not reach the output: gloo's "Rank R is connected to K
 # peer ranks", Orbax's absl "Reached preemption sync point", XLA's "SIGTERM caught at", and
 # bash's reports of its jobs ("local.sh: line 140: 4242 Killed ...", "[1]+  Done ...").
-NOISE = ("[Gloo]", "Reached preemption sync point", "SIGTERM caught at")
+NOISE = ("[Gloo]", "Reached preemption sync point", "SIGTERM caught at", "recoverable task feature")
 JOB_LINE = re.compile(r"line \d+: +\d+ |^\[\d+\][+-]? ", re.M)
 
 
@@ -64,7 +65,8 @@ def test_two_local_processes_train_like_one(tmp_path, reference):
     assert "step 20/20" in done.stdout  # process 0's log is shown as it runs
     logs = [(w / "logs" / f"process_{i}.log").read_text() for i in range(2)]
     assert "step 20/20" in logs[0]  # only process 0 prints progress
-    assert logs[1].startswith("--- local.sh ") and "error" not in logs[1]
+    assert logs[1].startswith("--- local.sh ") and "meshtrain: error" not in logs[1] and "Traceback" not in logs[1]
+    assert "process 1 of 2 joined; process 0 (host" in logs[1]  # what JAX's abort would mean, said first
     run = json.loads((w / "run.json").read_text())["distributed"]
     assert run["num_processes"] == 2 and [len(p["devices"]) for p in run["processes"]] == [4, 4]
     assert "processes: 2 (flags: process 0 of 2" in done.stdout
@@ -145,18 +147,19 @@ def test_one_process_simulates_the_nodes_of_a_dcn_mesh(make_config):
 def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_resumes(tmp_path, reference):
     w = tmp_path / "w"
     args = [f"--config={TINY}", f"--workdir={w}", *RUN, "--config.checkpoint.every=5",
-            "--config.distributed.heartbeat_timeout=10"]
+            "--config.distributed.heartbeat_timeout=4"]
     procs = processes(2, args, tmp_path)
     wait_for(lambda: logged(tmp_path / "p0.txt", 12), what="step 12")
     procs[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     assert procs[0].wait(timeout=60) == 1
     took = time.monotonic() - killed
-    assert took < 10, f"process 0 took {took:.1f} s to stop"  # within heartbeat_timeout
+    assert took < 4 + 5, f"process 0 took {took:.1f} s to stop"  # heartbeat_timeout + 5 s
     log = (tmp_path / "p0.txt").read_text()
     last = steps_on_disk(w)[-1]
-    assert f"pid {procs[1].pid}) was lost: its connection closed" in log, log[-2000:]
-    assert f"the latest is step {last} in {w / 'checkpoints'}" in log
+    assert re.search(rf"meshtrain: error: process 1 \(host \S+, pid {procs[1].pid}\) was lost \(last heard at "
+                     rf"step \d+\): silent for [345] s \(distributed.heartbeat_timeout=4\)", log), log[-2000:]
+    assert f"the latest is step {last} in {w / 'checkpoints'}" in log and "Traceback" not in log
     done = local_sh(2, TINY, f"--workdir={w}", *RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from step {last}" in done.stdout
@@ -164,7 +167,7 @@ def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_re
 
 
 def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
-    """SIGSTOP stands in for a host that vanished: its socket stays open but goes silent."""
+    """SIGSTOP stands in for a host that vanished: alive to the kernel, silent to the job."""
     args = [f"--config={TINY}", "--config.train.steps=300", "--config.train.log_every=1",
             "--config.distributed.heartbeat_timeout=4"]
     procs = processes(2, args, tmp_path)
@@ -176,13 +179,15 @@ def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
         took = time.monotonic() - frozen
     finally:
         procs[1].kill()
-    assert 2.5 <= took < 6, f"process 0 took {took:.1f} s to stop"
+    assert 2.5 <= took < 4 + 5, f"process 0 took {took:.1f} s to stop"
     log = (tmp_path / "p0.txt").read_text()
-    assert re.search(rf"pid {procs[1].pid}\) was lost: silent for [45] s \(distributed.heartbeat_timeout=4\)",
-                     log), log[-2000:]
+    assert re.search(rf"pid {procs[1].pid}\) was lost \(last heard at step \d+\): silent for [345] s "
+                     rf"\(distributed.heartbeat_timeout=4\)", log), log[-2000:]
 
 
 def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
+    """Process 0 hosts JAX's service: its loss makes JAX abort process 1 at once, which the
+    start-up line in process 1's log said beforehand."""
     w = tmp_path / "w"
     script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, f"--workdir={w}",
                                "--config.train.steps=300", "--config.train.log_every=1"],
@@ -196,10 +201,12 @@ def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
     assert time.monotonic() - killed < 10
     rest = script.stderr.read()
     assert ("process 0 exited with status 137 (killed by SIGKILL" in rest
-            or "process 1 exited with status 1" in rest), rest
+            or "process 1 exited with status" in rest), rest
     assert_quiet(rest)  # bash's own "line N: PID Killed ..." report of process 0
     log1 = (w / "logs" / "process_1.log").read_text()
-    assert "process 0 (host" in log1 and f"pid {pids[0]}) was lost" in log1, log1[-2000:]
+    assert f"process 0 (host {socket.gethostname()}, pid {pids[0]}) hosts JAX's coordination service" in log1
+    assert "should process 0 be lost, JAX ends this process at once" in log1
+    assert "Terminating process because the JAX distributed service detected fatal errors" in log1, log1[-2000:]
 
 
 def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, reference):
@@ -214,17 +221,20 @@ def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, reference):
     assert_same_losses(losses(b), reference)
 
 
-def test_start_failures_say_who_arrived_and_what_differs(tmp_path):
+def test_start_failures_say_what_happened_and_what_differs(tmp_path):
     fast = [f"--config={TINY}", "--config.train.steps=2", "--config.distributed.init_timeout=3"]
     port = free_port()
     alone = trainer([*fast, f"--coordinator=localhost:{port}", "--num_processes=2", "--process_id=0"],
                     tmp_path / "alone.txt")
     lone = trainer([*fast, "--coordinator=localhost:1", "--num_processes=2", "--process_id=1"],
                    tmp_path / "lone.txt")
-    assert [alone.wait(timeout=60), lone.wait(timeout=60)] == [1, 1]
-    assert ("only 1 of 2 processes arrived within 3 s (distributed.init_timeout); missing: process 1"
-            in (tmp_path / "alone.txt").read_text())
-    assert "could not reach process 0 at localhost:2 within 3 s" in (tmp_path / "lone.txt").read_text()
+    assert alone.wait(timeout=60) != 0 and lone.wait(timeout=60) != 0
+    for name, address in [("alone", f"localhost:{port}"), ("lone", "localhost:1")]:
+        log = (tmp_path / f"{name}.txt").read_text()
+        said = log.index(f"meshtrain: error: not all 2 processes joined JAX's coordination service at "
+                         f"{address} (process 0's host) within 3 s (distributed.init_timeout)")
+        assert "Check that every process was started with --num_processes=2" in log
+        assert said < log.find("Terminating process"), log[-3000:]  # ours first, then JAX's abort
 
     port = free_port()
     odd = [trainer([*fast, *extra, f"--coordinator=localhost:{port}", "--num_processes=2",
@@ -232,8 +242,10 @@ def test_start_failures_say_who_arrived_and_what_differs(tmp_path):
            for i, extra in enumerate([[], ["--config.train.seed=3"]])]
     assert [p.wait(timeout=60) for p in odd] == [1, 1]
     for i in range(2):
-        assert "runs another config than process 0 (first difference, process 0 vs process 1: " \
-               "config.train.seed: 0 vs 3)" in (tmp_path / f"odd{i}.txt").read_text()
+        log = (tmp_path / f"odd{i}.txt").read_text()
+        assert re.search(r"Start of 2 processes failed: process 1 \(host \S+, pid \d+\) runs another config than "
+                         r"process 0 \(first difference, process 0 vs process 1: config.train.seed: 0 vs 3\)", log), log
+        assert "Terminating process" not in log and "Traceback" not in log
 
 
 def as_from_a_terminal() -> None:

@@ -38,7 +38,7 @@ class Store:
 
 @pytest.fixture(autouse=True)
 def _no_wait(monkeypatch):
-    monkeypatch.setattr(shared_dir, "OTHERS_WAIT_S", 0.0)  # no rendezvous here to end them
+    monkeypatch.setattr(shared_dir, "OTHERS_WAIT_S", 0.0)  # no liveness thread here to end them
 
 
 def run_check(dirs: list, patience_s=0.5) -> list:

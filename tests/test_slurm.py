@@ -42,7 +42,7 @@ def test_outside_slurm_it_says_how_to_submit_and_creates_nothing(tmp_path):
 # Fake srun, scancel and scontrol: srun runs one "task" that saves and exits on SIGTERM, as
 # the trainer does, and kills it at once on a SIGTERM of its own, as the real srun does.
 FAKES = {
-    "srun": """echo "$*" > "$FAKE/srun.args"; echo "$SRUN_CPUS_PER_TASK ${#MESHTRAIN_SECRET}" > "$FAKE/srun.env"
+    "srun": """echo "$*" > "$FAKE/srun.args"; echo "$SRUN_CPUS_PER_TASK" > "$FAKE/srun.env"
 bash "$FAKE/task" & task=$!
 echo $task > "$FAKE/task.pid"
 trap 'echo "srun got SIGTERM: killed its task" >> "$FAKE/events"; kill -KILL $task; exit 137' TERM
@@ -94,9 +94,8 @@ def test_the_time_limit_warning_saves_then_requeues(tmp_path):
     status, out = finish(job)
     assert events(fake) == ["task started", "scancel --signal=TERM 42", "task saved", "scontrol requeue 42"], out
     assert status == 0 and "time limit: requeueing" in out
-    # The task's environment: CPUs = 16 on the node / 2 tasks, and a 64-hex-digit secret never printed.
-    cpus, secret_len = (fake / "srun.env").read_text().split()
-    assert (cpus, secret_len) == ("8", "64") and "MESHTRAIN_SECRET" not in out
+    # The task's environment: CPUs = 16 on the node / 2 tasks.
+    assert (fake / "srun.env").read_text().split() == ["8"]
     assert "-m meshtrain.train --config=gpt2_tiny_dp8 --workdir=" in (fake / "srun.args").read_text()
 
 

@@ -1,5 +1,5 @@
-"""The hang watchdog and the straggler judge in one process: bounds, reports, the rendezvous
-table, stragglers named or not. Real processes that hang are tests/test_hangs.py."""
+"""The hang watchdog and the straggler judge in one process: bounds, reports, stragglers
+named or not (two processes' watchdogs talking through JAX's store: tests/test_coordination.py). Real processes that hang are tests/test_hangs.py."""
 
 import io
 import subprocess
@@ -11,10 +11,9 @@ import time
 import pytest
 
 from meshtrain.cluster import stragglers
-from meshtrain.cluster.rendezvous import Rendezvous
 from meshtrain.cluster.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, HANG_STATUS, Watchdog, check_config
 from meshtrain.errors import UserError
-from support.processes import ENV, ROOT, free_port, wait_for
+from support.processes import ENV, ROOT, wait_for
 
 
 class Exits:
@@ -149,51 +148,6 @@ def test_an_even_job_and_small_differences_are_not_named():
     for w in range(10):  # 15 ms apart on a 200 ms step: under 10% of it
         assert judge.add({0: [[w, 0.010, 0.2]], 1: [[w, 0.025, 0.2]]}) == []
     assert judge.summary()["named"] == []
-
-
-def test_two_processes_hear_of_a_hang_and_the_report_names_who_never_dispatched(monkeypatch):
-    """Peers as threads: process 1 stalls before step 6; process 0 waits on the devices for it.
-    Process 1's watchdog fires first (bound 1 s, process 0's 30 s): process 0 is told, and
-    reports from the table the beats brought, naming process 1 and step 6."""
-    lost = []
-    monkeypatch.setattr(Rendezvous, "_stop", lambda self, what, gone=None: lost.append(what))
-    port, n = free_port(), 2
-    peers = [Rendezvous(i, n, ("localhost", port), init_timeout=10, heartbeat_timeout=5, config={})
-             for i in range(n)]
-    joined = threading.Thread(target=peers[1].start)
-    joined.start()
-    table = peers[0].start()
-    joined.join()
-    outs, exits = [io.StringIO(), io.StringIO()], [Exits(), Exits()]
-    dogs = [Watchdog(bound, 60, rendezvous=r, table=table, out=o, exit=e)
-            for bound, r, o, e in zip((30, 1), peers, outs, exits)]
-    try:
-        for r, w in zip(peers, dogs):
-            r.watch()
-            w.start()
-        for step in range(1, 6):
-            for w in dogs:
-                w.dispatched(step)
-                w.finished(step)
-        dogs[0].dispatched(6)
-        dogs[0]._enter("device")  # process 0 waits for step 6, which process 1 never dispatches
-        wait_for(lambda: exits[0].status is not None and exits[1].status is not None, timeout=30,
-                 what="both watchdogs")
-    finally:
-        for w in dogs:
-            w.stop()
-        for r in peers:
-            r.leaving = True
-            for channel in r.channels.values():
-                channel.close()
-    assert exits[0].status == exits[1].status == HANG_STATUS and not lost
-    zero, one = outs[0].getvalue(), outs[1].getvalue()
-    assert one.startswith("meshtrain: error: hang in step 6: process 1 ")
-    assert zero.startswith("meshtrain: error: hang in step 6: process 0 ")
-    assert "is waiting for the devices to finish step 6" in zero and "process 1 (host" in zero
-    assert "found a hang (no progress for" in zero
-    assert "step 6: dispatched (not finished) by process 0; not dispatched by process 1." in zero
-    assert "wait in step 6's collectives for process 1 (host" in zero
 
 
 GIL_HOLDER = textwrap.dedent("""

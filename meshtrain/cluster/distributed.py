@@ -1,16 +1,16 @@
-"""Joining the processes of a run: rendezvous, JAX's runtime, the process table.
+"""Joining the processes of a run: JAX's runtime, the start agreement, liveness.
 
     launch = launch_lib.detect(flags, os.environ)   # one process, srun, or flags
     cluster = distributed.start(launch, cfg, flags)  # before the JAX backend starts
     ...                                              # devices, mesh, training
     cluster.leave(status, message)                   # tell the others how this one ended
 
-One process needs none of this: `start` records the host and returns. Several
-processes first meet through meshtrain's rendezvous (which admits only processes
-that know the job's MESHTRAIN_SECRET, says who is missing when some never arrive,
-and stops them all when one is lost), then start JAX's
-runtime with the same addresses and timeouts, so every collective between them,
-gloo on CPU or NCCL on GPU, can run.
+One process needs none of this: `start` records the host and returns. Several processes
+start JAX's runtime (jax.distributed.initialize: process 0 hosts its coordination
+service, on the one port the job opens for itself), agree that they are one job
+(agreement.py) and watch each other (liveness.py), all through that service. JAX's
+recoverability is on, so a lost process does not abort the others from inside JAX:
+they name it, and stop.
 """
 
 from __future__ import annotations
@@ -18,33 +18,41 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
+import threading
 import time
 
-from meshtrain.errors import UserError
-from meshtrain.cluster import handshake
+from meshtrain.errors import RunFailed, UserError
+from meshtrain.cluster import agreement, kv
 from meshtrain.cluster.launch import Launch
-from meshtrain.cluster.rendezvous import Rendezvous
+from meshtrain.cluster.liveness import Liveness
 
 
 @dataclasses.dataclass
 class Cluster:
     launch: Launch
     table: list[dict]              # per process: {"process", "host", "pid"}
-    rendezvous: Rendezvous | None  # None for one process
-    seconds: dict = dataclasses.field(default_factory=dict)  # {"rendezvous": s, "jax": s} of the start
+    liveness: Liveness | None      # None for one process
+    seconds: dict = dataclasses.field(default_factory=dict)  # {"jax runtime": s, "agreement": s} of the start
+    end_timeout: float = 300.0     # s the first process done waits for the last (distributed.init_timeout)
 
     @property
     def hosts(self) -> list[str]:
         return [entry["host"] for entry in self.table]
 
     def leave(self, status: int, message: str = "") -> None:
-        if self.rendezvous is not None:
-            self.rendezvous.leave(status, message)
+        if self.liveness is not None:
+            self.liveness.leave(status, message, self.end_timeout)
+
+    def settle(self) -> None:
+        """Before reporting an error: a peer lost meanwhile is named instead (Liveness.settle)."""
+        if self.liveness is not None:
+            self.liveness.settle()
 
     def set_note(self, note) -> None:
         """`note()` is added to the message when another process is lost (what is safe on disk)."""
-        if self.rendezvous is not None:
-            self.rendezvous.note = note
+        if self.liveness is not None:
+            self.liveness.note = note
 
     def describe(self) -> list[str]:
         """Start-up lines: how the processes were launched and which devices each drives."""
@@ -87,38 +95,73 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
     """Joins the other processes (if any) and starts JAX's runtime; call before any device use."""
     global _current
     d = cfg.distributed
-    if d.init_timeout <= 0 or d.heartbeat_timeout <= 0:
+    if d.init_timeout <= 0 or d.heartbeat_timeout < 1:
         raise UserError(f"distributed.init_timeout={d.init_timeout} and distributed.heartbeat_timeout="
-                        f"{d.heartbeat_timeout} must be positive (seconds).")
+                        f"{d.heartbeat_timeout}: give seconds, init_timeout > 0 and heartbeat_timeout >= 1.")
+    me = {"process": launch.process_id, "host": socket.gethostname(), "pid": os.getpid()}
     if not launch.multiprocess:
-        _current = Cluster(launch, [{"process": 0, "host": socket.gethostname(), "pid": os.getpid()}], None)
+        _current = Cluster(launch, [me], None)
         return _current
-    rendezvous = Rendezvous(launch.process_id, launch.num_processes, launch.rendezvous, bind_host=launch.bind_host,
-                            init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
-                            config={"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")},
-                            secret=handshake.secret_from(os.environ))
-    t0 = time.perf_counter()
-    table = rendezvous.start()
-    rendezvous.watch()
-    t1 = time.perf_counter()
     import jax
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the default; said for clarity
-    # Everyone is here, so JAX's own start is quick. Its heartbeat stays a backstop,
-    # well behind ours, which names the lost process.
+    jax.config.update("jax_enable_recoverability", True)  # a lost process is ours to name (liveness.py)
+    t0 = time.perf_counter()
+    late = _say_if_late(launch, d.init_timeout)
+    slurm = launch.method == "slurm"  # JAX's own Slurm detection finds process 0's host and port
     jax.distributed.initialize(
         launch.coordinator, launch.num_processes, launch.process_id,
         local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
-        cluster_detection_method="deactivate", initialization_timeout=int(d.init_timeout),
-        heartbeat_timeout_seconds=max(100, int(2 * d.heartbeat_timeout) + 10),
+        cluster_detection_method="slurm" if slurm else "deactivate", initialization_timeout=int(d.init_timeout),
+        heartbeat_timeout_seconds=max(1, round(d.heartbeat_timeout)),
         coordinator_bind_address=launch.coordinator if launch.bind_host else None)
-    _current = Cluster(launch, table, rendezvous,
-                       {"rendezvous": t1 - t0, "jax runtime": time.perf_counter() - t1})
+    late.cancel()
+    if slurm:
+        from jax._src import distributed as jax_distributed
+        launch = dataclasses.replace(launch, coordinator=jax_distributed.global_state.coordinator_address)
+    t1 = time.perf_counter()
+    store = kv.Store()
+    config = {"config": cfg.to_dict(), "workdir": (flags or {}).get("workdir")}
+    try:
+        table = agreement.agree(store, me, launch.num_processes, config, d.init_timeout)
+    except RunFailed:
+        store.part(launch.process_id, launch.num_processes, timeout_s=10)  # all read the verdict
+        raise
+    liveness = Liveness(store, table, launch.process_id, d.heartbeat_timeout).watch()
+    if launch.process_id != 0:  # said now: JAX's abort, should it come, leaves no room for it
+        print(f"meshtrain: process {launch.process_id} of {launch.num_processes} joined; process 0 "
+              f"(host {table[0]['host']}, pid {table[0]['pid']}) hosts JAX's coordination service at "
+              f"{launch.coordinator}: should process 0 be lost, JAX ends this process at once with "
+              f"'Terminating process because the JAX distributed service detected fatal errors'.",
+              file=sys.stderr, flush=True)
+    _current = Cluster(launch, table, liveness, {"jax runtime": t1 - t0, "agreement": time.perf_counter() - t1},
+                       end_timeout=d.init_timeout)
     return _current
 
 
+def _say_if_late(launch: Launch, timeout_s: float) -> threading.Timer:
+    """JAX aborts the start with a C++ trace and no names when not every process joins in
+    time: this says first what happened, and what to check."""
+    n = launch.num_processes
+    address = launch.coordinator or "the first node of the step, JAX's Slurm port"
+
+    def say():
+        print(f"meshtrain: error: not all {n} processes joined JAX's coordination service at {address} "
+              f"(process 0's host) within {timeout_s:g} s (distributed.init_timeout); JAX stops this "
+              f"process next, with its own 'Terminating process' message. The log of a missing "
+              f"process says why it did not come. Check that every process was started with "
+              f"--num_processes={n} and its own id, that {address} is process 0's host and port and "
+              f"reachable from every node (and not held by another job), or raise "
+              f"distributed.init_timeout if they start slowly.", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(timeout_s, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def hosts() -> list[str]:
-    """The host of each process: from the rendezvous, else this host for every process."""
+    """The host of each process: from the start agreement, else this host for every process."""
     if _current is not None:
         return _current.hosts
     import jax

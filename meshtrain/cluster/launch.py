@@ -8,16 +8,10 @@ batch shell without srun) is tested with a dict of variables:
     JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID   (the same, as variables)
     SLURM_* under srun                                           (detected)
 
-Ports. `HOST:PORT` is JAX's coordination service; meshtrain's own rendezvous and
-liveness channel (meshtrain/cluster/rendezvous.py) listens on PORT + 1 on the same host.
-Under SLURM both come from the job id: PORT = 57344 + 2 x (job id mod 2048), so
-two jobs whose first node is the same never share a port (JAX's own default,
-61440 + job id mod 4096, would make job j's PORT + 1 job j+1's PORT).
-`JAX_COORDINATOR_PORT` overrides it.
-
-Secret. MESHTRAIN_SECRET, the same in every process's environment (never a flag: command
-lines are public), admits only the job's processes to the rendezvous (handshake.py);
-launch/local.sh and launch/slurm.sbatch make one per launch.
+Port. `HOST:PORT` is JAX's coordination service on process 0, the one port a job opens
+for itself (beside its collectives' own: gloo on CPU, NCCL on GPUs). Under SLURM JAX's own
+detection picks it (jax.distributed.initialize with cluster_detection_method="slurm"):
+the first node of the step, port 61440 + job id mod 4096, or JAX_COORDINATOR_PORT.
 
 GPUs per process under SLURM: a task alone on its node drives every visible GPU;
 k tasks on a node that all see the same G GPUs split them, task l taking ordinals
@@ -37,15 +31,12 @@ from collections.abc import Mapping
 
 from meshtrain.errors import UserError
 
-SLURM_PORT_BASE = 57344
-
-
 @dataclasses.dataclass(frozen=True)
 class Launch:
     method: str                    # "single", "slurm", "flags" or "environment"
     num_processes: int = 1
     process_id: int = 0
-    coordinator: str | None = None  # HOST:PORT of JAX's coordination service
+    coordinator: str | None = None  # HOST:PORT of JAX's coordination service (SLURM: JAX's, after the start)
     local_device_ids: tuple[int, ...] | None = None  # GPU ordinals this process drives
     where: str = ""                # how it was detected, for the start-up log
 
@@ -58,14 +49,10 @@ class Launch:
         """Where process 0's ports listen: the coordinator's host when it is this machine's
         loopback (launch/local.sh's 127.0.0.1), so nothing off the machine reaches them;
         else None, every interface, as the job's other nodes must reach it."""
+        if self.coordinator is None:
+            return None
         host, _ = split_address(self.coordinator)
         return host if is_loopback(host) else None
-
-    @property
-    def rendezvous(self) -> tuple[str, int]:
-        """(host, port) of meshtrain's rendezvous on process 0: JAX's port + 1."""
-        host, port = split_address(self.coordinator)
-        return host, port + 1
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -86,24 +73,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """SLURM's compressed host list: "gpu[01-03,07],login" -> [gpu01, gpu02, gpu03, gpu07, login]."""
-    return [host for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text) for host in _expand_item(item)]
-
-
-def _expand_item(item: str) -> list[str]:
-    m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
-    if not m:
-        return [item]
-    prefix, ranges, rest = m.groups()
-    out = []
-    for part in ranges.split(","):
-        lo, _, hi = part.partition("-")
-        for n in range(int(lo), int(hi or lo) + 1):
-            out += [f"{prefix}{n:0{len(lo)}d}{tail}" for tail in _expand_item(rest)]
-    return out
 
 
 def expand_tasks_per_node(text: str) -> list[int]:
@@ -175,17 +144,18 @@ def _slurm(env: Mapping[str, str]) -> Launch:
     where = f"SLURM job {job} step {env.get('SLURM_STEP_ID', '?')}"
     if tasks == 1:
         return Launch("single", where=f"one process, {where}")
-    hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
-    port = env.get("JAX_COORDINATOR_PORT") or SLURM_PORT_BASE + 2 * (int(job) % 2048)
+    nodes = _int(env.get("SLURM_STEP_NUM_NODES", nodes), "SLURM_STEP_NUM_NODES")
+    port = env.get("JAX_COORDINATOR_PORT", "")
+    if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"JAX_COORDINATOR_PORT={port!r} is not a port number (1-65535).")
     per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(tasks)))
-    node = env.get("SLURMD_NODENAME")
-    node_index = hosts.index(node) if node in hosts else _int(env.get("SLURM_NODEID", "0"), "SLURM_NODEID")
+    node_index = _int(env.get("SLURM_NODEID", "0"), "SLURM_NODEID")
     local_tasks = per_node[node_index] if node_index < len(per_node) else 1
     local_rank = _int(env.get("SLURM_LOCALID", "0"), "SLURM_LOCALID")
     ids = slurm_local_device_ids(env, local_tasks, local_rank)
-    return Launch("slurm", tasks, rank, f"{hosts[0]}:{port}", ids,
-                  where=f"{where}: task {rank} of {tasks} on {len(hosts)} node(s), "
-                        f"{local_tasks} on this node ({node or hosts[node_index]})")
+    return Launch("slurm", tasks, rank, None, ids,
+                  where=f"{where}: task {rank} of {tasks} on {nodes} node(s), {local_tasks} on this "
+                        f"node ({env.get('SLURMD_NODENAME', f'node {node_index}')})")
 
 
 def visible_gpus(env: Mapping[str, str]) -> int | None:
@@ -203,16 +173,17 @@ def visible_gpus(env: Mapping[str, str]) -> int | None:
 
 def slurm_local_device_ids(env: Mapping[str, str], local_tasks: int,
                            local_rank: int) -> tuple[int, ...] | None:
-    """GPU ordinals for task `local_rank` of `local_tasks` on its node; None means all it sees."""
+    """GPU ordinals for task `local_rank` of `local_tasks` on its node: every GPU it sees
+    (0..G-1: JAX's Slurm detection would otherwise give each task one), its share, or None
+    on a node without GPUs."""
     if env.get("JAX_LOCAL_DEVICE_IDS"):
-        return tuple(int(x) for x in env["JAX_LOCAL_DEVICE_IDS"].split(","))
-    if local_tasks == 1 or env.get("SLURM_GPUS_PER_TASK") or "per_task" in env.get("SLURM_GPU_BIND", ""):
-        return None
+        return tuple(_int(x, "JAX_LOCAL_DEVICE_IDS") for x in env["JAX_LOCAL_DEVICE_IDS"].split(","))
     gpus = visible_gpus(env)
     if not gpus:
         return None  # a CPU node: simulated devices, nothing to split
-    if gpus < local_tasks:
-        return None  # fewer GPUs visible than tasks here: Slurm bound each task to its own
+    bound = env.get("SLURM_GPUS_PER_TASK") or "per_task" in env.get("SLURM_GPU_BIND", "")
+    if local_tasks == 1 or bound or gpus < local_tasks:
+        return tuple(range(gpus))  # all it sees: alone on the node, or Slurm bound each task its own
     if gpus % local_tasks:
         raise UserError(
             f"{local_tasks} SLURM tasks on this node share {gpus} visible GPUs, which do not split "

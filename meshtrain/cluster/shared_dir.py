@@ -30,26 +30,14 @@ import os
 import secrets
 import time
 
+from meshtrain.cluster import kv
 from meshtrain.errors import UserError
 
 PREFIX = "meshtrain/shared_dir"
 # A failed check: the other processes let process 0 speak first (its failure reaches them
-# through the rendezvous, which ends them, naming it), and raise themselves only after this.
+# as a notice through the key-value store, which ends them, naming it), and raise
+# themselves only after this.
 OTHERS_WAIT_S = 10.0
-
-
-class JaxStore:
-    """JAX's distributed key-value store (process 0 hosts it): set once, get blocks."""
-
-    def __init__(self):
-        from jax._src import distributed  # no public handle on the client yet; Orbax uses it too
-        self.client = distributed.global_state.client
-
-    def set(self, key: str, value: str) -> None:
-        self.client.key_value_set(key, value)
-
-    def get(self, key: str, timeout_s: float) -> str:
-        return self.client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 
 def check(directory: str | None, cluster, timeout_s: float, store=None, patience_s: float = 15.0) -> None:
@@ -60,7 +48,7 @@ def check(directory: str | None, cluster, timeout_s: float, store=None, patience
     n = cluster.launch.num_processes
     if n == 1 or not directory or "://" in directory:
         return
-    verify(directory, cluster.launch.process_id, cluster.hosts, store or JaxStore(), timeout_s, patience_s)
+    verify(directory, cluster.launch.process_id, cluster.hosts, store or kv.Store(), timeout_s, patience_s)
 
 
 def verify(directory: str, process_id: int, hosts: list[str], store, timeout_s: float,

@@ -1,6 +1,6 @@
 """Hang watchdog: every process watches its own step progress, in a daemon thread.
 
-    watchdog = Watchdog.for_run(cfg.train, cluster.rendezvous, cluster.table).start()
+    watchdog = Watchdog.for_run(cfg.train, cluster.liveness, cluster.table).start()
     train_loop(..., watchdog=watchdog)     # the loop calls the hooks below
     watchdog.stop()
 
@@ -24,9 +24,10 @@ evaluation. The thread checks twice a second that a step finished within the bou
             that long, faulthandler's own C thread writes "Timeout (h:mm:ss)!" and every
             thread's stack to stderr and exits the process with status 1.
 
-Where every process was comes from the rendezvous (rendezvous.py): each process's beats
-carry its progress to process 0, whose beats carry the table back, so the report reads a
-table this process already holds and never waits for a hung peer. One process alone
+Where every process was comes from the beats (liveness.py, through JAX's key-value
+store): each process's beat carries its progress to process 0, whose beat carries the
+table back, so the report reads a table this process already holds and never waits for a
+hung peer. One process alone
 reports only itself. The straggler report (stragglers.py) rides on the same beats.
 """
 
@@ -81,15 +82,15 @@ class _Span:
 
 
 class Watchdog:
-    def __init__(self, timeout: float | None, busy_timeout: float, *, rendezvous=None, table=None,
+    def __init__(self, timeout: float | None, busy_timeout: float, *, liveness=None, table=None,
                  straggler_every: int = 0, straggler_fraction: float = 0.1, out=None, exit=os._exit):
-        """`timeout`: as train.hang_timeout; `rendezvous`: this process's (None for one process);
+        """`timeout`: as train.hang_timeout; `liveness`: this process's Liveness (liveness.py), None for one process;
         `table`: the process table [{"process", "host", "pid"}]; `out`: where reports go
         (sys.stderr); `exit(status)` ends the process (os._exit; tests pass their own)."""
         self.timeout, self.busy_timeout = timeout, busy_timeout
-        self.rendezvous = rendezvous
-        self.rank = rendezvous.id if rendezvous else 0
-        self.n = rendezvous.n if rendezvous else 1
+        self.liveness = liveness
+        self.rank = liveness.id if liveness else 0
+        self.n = liveness.n if liveness else 1
         self.table = table or [{"process": 0, "host": os.uname().nodename, "pid": os.getpid()}]
         self.every, self.out, self.exit = straggler_every, out, exit
         self.note = lambda: ""                  # what is safe on disk, for the report
@@ -112,9 +113,9 @@ class Watchdog:
         self.thread: threading.Thread | None = None
 
     @classmethod
-    def for_run(cls, t, rendezvous=None, table=None) -> "Watchdog":
+    def for_run(cls, t, liveness=None, table=None) -> "Watchdog":
         """The watchdog train.* asks for (possibly one that only keeps the straggler medians)."""
-        return cls(t.hang_timeout, t.hang_timeout_busy, rendezvous=rendezvous, table=table,
+        return cls(t.hang_timeout, t.hang_timeout_busy, liveness=liveness, table=table,
                    straggler_every=t.straggler_every, straggler_fraction=t.straggler_fraction)
 
     @classmethod
@@ -128,9 +129,9 @@ class Watchdog:
     def start(self, first_step: int = 0) -> "Watchdog":
         self.step = self.dispatched_step = self.first_step = first_step
         self.progress_at = time.monotonic()
-        if self.rendezvous is not None:
-            self.rendezvous.progress_of = self.news
-            self.rendezvous.on_hung = self.told
+        if self.liveness is not None:
+            self.liveness.progress_of = self.news
+            self.liveness.on_hung = self.told
         if self.watching or self.judge is not None:
             self._backstop(self.bound())
             self.thread = threading.Thread(target=self._run, name="meshtrain-watchdog", daemon=True)
@@ -144,8 +145,8 @@ class Watchdog:
             self.thread.join(timeout=2)
         if self.thread is not None:
             faulthandler.cancel_dump_traceback_later()
-        if self.rendezvous is not None:
-            self.rendezvous.on_hung = None
+        if self.liveness is not None:
+            self.liveness.on_hung = None
 
     # -- hooks (the training loop's thread) ----------------------------------------------
 
@@ -231,8 +232,8 @@ class Watchdog:
         if self.judge is None or self.rank != 0:
             return
         windows = {0: list(self.windows)}
-        if self.rendezvous is not None:
-            for i, p in list(self.rendezvous.progress.items()):
+        if self.liveness is not None:
+            for i, p in list(self.liveness.progress.items()):
                 if i != 0 and isinstance(p, dict) and "windows" in p:
                     windows[i] = p["windows"]
         try:
@@ -283,7 +284,7 @@ class Watchdog:
         faulthandler.dump_traceback_later(bound[0], exit=True, file=out)
 
     def told(self, message: dict) -> None:
-        """Another process found a hang (a "hung" message, in the rendezvous thread)."""
+        """Another process found a hang (a "hung" notice, in the liveness thread)."""
         p = message.get("process")
         known = isinstance(p, int) and 0 <= p < len(self.table)
         if known and isinstance(message.get("at"), list):
@@ -305,8 +306,8 @@ class Watchdog:
                   + (f" {note}" if note else "") + "\n")
         out.flush()
         sys.stdout.flush()
-        if self.rendezvous is not None:
-            self.rendezvous.announce_hang(why=why, at=self.progress()["at"])
+        if self.liveness is not None:
+            self.liveness.announce_hang(why=why, at=self.progress()["at"])
         try:
             self.on_fire(time.monotonic() - (self.phase_since if self.phase == "busy" else self.progress_at))
         except Exception as e:  # noqa: BLE001 - the exit must happen whatever the hook does
@@ -362,8 +363,8 @@ class Watchdog:
         return "\n".join(lines)
 
     def _table(self) -> dict[int, list]:
-        """{process: [finished, dispatched, phase]}: the rendezvous' table, with this process's own."""
-        table, r = {}, self.rendezvous
+        """{process: [finished, dispatched, phase]}: the beats' table, with this process's own."""
+        table, r = {}, self.liveness
         try:
             if r is not None and self.rank == 0:
                 table = {i: p["at"] for i, p in list(r.progress.items()) if len(p["at"]) == 3}

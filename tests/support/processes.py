@@ -14,17 +14,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
 
 
 def free_port() -> int:
-    """A free port whose successor is free too (JAX's service, then meshtrain's rendezvous)."""
-    for _ in range(100):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("localhost", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("localhost", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
+    """A free port (for JAX's coordination service, the one port a job opens for itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def trainer(args, log: pathlib.Path, env=None) -> subprocess.Popen:
