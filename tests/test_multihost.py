@@ -3,7 +3,10 @@ them): they train like one process, keep tensor parallelism inside a node under 
 stop within bounded time naming a lost process, resume across process counts, and fail
 at start with a count of who arrived. Each process simulates its share of 8 devices."""
 
+import contextlib
 import json
+import os
+import pathlib
 import re
 import signal
 import socket
@@ -289,3 +292,66 @@ def test_local_sh_usage_and_the_worst_status(tmp_path):
     assert sorted(statuses) in (["2", "2"], ["1", "2"])
     logs = [(tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2)]
     assert all("train.steps=-1: must be >= 0" in log for log in logs), logs
+
+
+PAYLOADS = {  # what a stranger on the job's network might send, by name
+    "deep nesting": b"[" * 100_000 + b"\n",
+    "huge line": b"x" * (8 << 20),
+    "non-UTF-8": bytes(range(128, 256)) * 64,
+    "random bytes": np.random.default_rng(0).bytes(1 << 16),
+    "HTTP/1.1 request": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "HTTP/2 preface, truncated frame": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12\x04\x00\x00\x00\x00",
+    "gRPC message, bogus length": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                                  b"\x00\x7f\xff\xff\xff\x0a\x05hello",
+}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(local address as /proc/net/tcp* writes it, port) of every socket `pid` listens on."""
+    inodes = set()
+    for fd in (pathlib.Path("/proc") / str(pid) / "fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            address, port = fields[1].split(":")
+            if fields[3] == "0A" and fields[9] in inodes:
+                found.add((address, int(port, 16)))
+    return found
+
+
+def throw(port: int) -> None:
+    for data in PAYLOADS.values():
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.settimeout(0.3)
+            s.sendall(data)
+            s.recv(4096)
+
+
+def test_hostile_bytes_at_every_port_of_process_0_leave_the_run_undisturbed(tmp_path):
+    """Process 0 listens on JAX's port, bound to loopback as the coordinator is, and on the
+    port of gloo's own transport (the CPU collectives'): nothing of meshtrain's. Every payload
+    is thrown at each while the two start and train, and they train like one process."""
+    run = [f"--config={TINY}", "--config.train.steps=50", "--config.train.log_every=1", "--config.train.eval_every=0"]
+    assert main([*run, f"--workdir={tmp_path / 'one'}"]) == 0
+    port, w = free_port(), tmp_path / "w"
+    procs = processes(2, [*run, f"--workdir={w}"], tmp_path, port=port)
+    wait_for(lambda: any(p == port for _, p in listening(procs[0].pid)), what="JAX's port")
+    throw(port)  # during the start
+    wait_for(lambda: logged(tmp_path / "p0.txt", 2), what="step 2")
+    ports = listening(procs[0].pid)
+    for _, p in ports:  # during the run
+        throw(p)
+    assert procs[0].poll() is None, "the run ended before the payloads were all thrown"
+    assert [p.wait(timeout=120) for p in procs] == [0, 0], (tmp_path / "p1.txt").read_text()[-3000:]
+    jax_port = {(a, p) for a, p in ports if p == port}
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    assert len(jax_port) == 1 and jax_port <= {(a, port) for a in loopback}, ports
+    assert len(ports) == 2, ports  # JAX's, and gloo's (an ephemeral port)
+    assert_same_losses(losses(w), losses(tmp_path / "one"))
