@@ -18,7 +18,7 @@ on the same device kind are kept, so models can be measured one command at a tim
 the table, and with --docs rewrites the GPU table in docs/benchmarks.md. `--render` only
 re-renders FILE.json. Each run is a child process, so the peak memory is its own.
 
-Every GPU run uses meshtrain's XLA GPU flags (meshtrain/cluster/xla_flags.py, docs/xla_flags.md),
+Every GPU run uses meshtrain's XLA GPU flags (meshtrain/xla_flags.py, docs/xla_flags.md),
 as training does. `--allow-cpu` runs the same path on CPU (for the tests, with gpt2_tiny);
 without it a machine with no GPU gets a one-line error and exit status 2.
 """
@@ -39,7 +39,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # meshtrain from this checkout, when not installed
 
-from meshtrain.cluster import xla_flags  # noqa: E402  (imports no JAX: XLA_FLAGS is set before it starts)
+from meshtrain import xla_flags  # noqa: E402  (imports no JAX: XLA_FLAGS is set before it starts)
 
 import gpu_report  # noqa: E402
 from gpu_runs import MODELS  # noqa: E402  (imports JAX, which starts no backend until used)

@@ -5,11 +5,11 @@
 1. Step time of one process with 8 simulated devices against 2 processes x 4 (the
    collectives between processes go through gloo over loopback), medians of the logged
    steps after the first 10, side by side in one run.
-2. Start-up of the 2 processes: meshtrain's rendezvous, then JAX's runtime (run.json).
+2. Start-up of the 2 processes: JAX's runtime, then the start agreement (run.json).
 3. Time from `kill -9` of process 1 to the exit of process 0, and from SIGSTOP of
    process 1 (a host gone silent) to the exit of process 0 with heartbeat_timeout=4.
-Goal (docs/benchmarks.md): a lost process stops the others in < 1 s when killed, and
-within heartbeat_timeout + 1 s when silent.
+Goal (docs/benchmarks.md): a lost process, killed or silent, stops the others within
+heartbeat_timeout + 1 s (issue 38 asks + 5 s).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from processes import logged, processes, trainer, wait_for  # noqa: E402
+from support.processes import logged, processes, trainer, wait_for  # noqa: E402
 
 
 def step_ms(workdir: pathlib.Path) -> float:

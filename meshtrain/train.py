@@ -16,8 +16,8 @@ import shlex
 import sys
 import time
 
-from meshtrain import cli, mesh as mesh_lib
-from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib, xla_flags
+from meshtrain import cli, mesh as mesh_lib, xla_flags
+from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib
 from meshtrain.errors import UserError, warn
 
 

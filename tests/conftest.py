@@ -44,7 +44,7 @@ if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
 # child process (about a second, in the first process only: the others inherit them set).
 SUITE_XLA_FLAGS = {"xla_backend_optimization_level": "1", "xla_cpu_use_fusion_emitters": "false",
                    "xla_llvm_disable_expensive_passes": "true", "xla_cpu_parallel_codegen_split_count": "1"}
-from meshtrain.cluster.xla_flags import add_known  # noqa: E402 - imports no JAX
+from meshtrain.xla_flags import add_known  # noqa: E402 - imports no JAX
 
 add_known(SUITE_XLA_FLAGS)
 

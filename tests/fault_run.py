@@ -6,7 +6,8 @@ The fault (JSON in MESHTRAIN_TEST_FAULT) hits the train batches of one process
 ("process", default every process) before the batch of "step":
     block   waits forever (a stalled input pipeline), from "step" on;
     sleep   sleeps "seconds" once, before "step", staying alive;
-    slow    sleeps "seconds" before every batch from "step" (default 1) on: a straggler.
+    slow    sleeps "seconds" before every batch from "step" (default 1) on: a straggler;
+    kill    kills its own process with SIGKILL before "step" (kill -9: no last word).
 With "restart": N the fault hits only the Nth run of a Slurm job (SLURM_RESTART_COUNT, 0
 for the first run), so a requeued job runs again at full speed.
 Launchers that run `$PYTHON -m meshtrain.train` (launch/local.sh, launch/slurm.sbatch) run
@@ -35,7 +36,7 @@ class FaultyBatches:
         f, me = self.fault, jax.process_index()
         run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         if f.get("process", me) == me and f.get("restart", run) == run:
-            if f["kind"] in ("block", "sleep") and self.step == f["step"]:
+            if f["kind"] in ("block", "sleep", "kill") and self.step == f["step"]:
                 # When the fault began, for the tests' detection times.
                 print(f"fault: process {me} {f['kind']}s before step {self.step} at {time.time():.3f}",
                       file=sys.stderr, flush=True)
@@ -43,6 +44,8 @@ class FaultyBatches:
                 threading.Event().wait()  # forever
             elif f["kind"] == "sleep" and self.step == f["step"]:
                 time.sleep(f["seconds"])
+            elif f["kind"] == "kill" and self.step == f["step"]:
+                os.kill(os.getpid(), 9)
             elif f["kind"] == "slow" and self.step >= f.get("step", 1):
                 time.sleep(f["seconds"])
         return next(self.batches)

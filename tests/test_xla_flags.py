@@ -1,4 +1,4 @@
-"""meshtrain/cluster/xla_flags.py: when XLA_FLAGS gets meshtrain's GPU flags, how they merge
+"""meshtrain/xla_flags.py: when XLA_FLAGS gets meshtrain's GPU flags, how they merge
 with the user's, what launch/slurm.sbatch leaves of them, that every flag is real, and
 that a renamed flag is spelled as the installed jaxlib reads it.
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from meshtrain.cluster import xla_flags
+from meshtrain import xla_flags
 from support.processes import ROOT
 
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
@@ -212,7 +212,7 @@ AR_OLD, AR_NEW = "xla_gpu_enable_pipelined_all_reduce", "xla_gpu_pipeline_all_re
     ("0.11.1", True), ("0.11.2", True), ("0.11.1.dev20260801", True), ("0.12.0.1", True)])
 def test_collective_pipelining_is_spelled_as_the_jaxlib_reads_it(version, enums):
     """XLA's booleans --xla_gpu_enable_pipelined_*=true became --xla_gpu_pipeline_*=on in the
-    XLA of jaxlib 0.11.1 (meshtrain/cluster/xla_flags.py, RENAMED): older or unknown versions
+    XLA of jaxlib 0.11.1 (meshtrain/xla_flags.py, RENAMED): older or unknown versions
     get the booleans, which every jaxlib so far reads; newer ones the enums."""
     flags = xla_flags.flags_for(version)
     if enums:
@@ -225,7 +225,7 @@ def test_collective_pipelining_is_spelled_as_the_jaxlib_reads_it(version, enums)
 def test_the_installed_jaxlib_decides_the_spelling_without_importing_jax():
     assert xla_flags.FLAGS == xla_flags.flags_for(importlib.metadata.version("jaxlib"))
     probe = subprocess.run([sys.executable, "-c",
-                            "import sys; from meshtrain.cluster import xla_flags; xla_flags.apply("
+                            "import sys; from meshtrain import xla_flags; xla_flags.apply("
                             "{'JAX_PLATFORMS': 'cuda'}, check=False); "
                             "assert not {'jax', 'jaxlib'} & set(sys.modules), 'JAX imported'"],
                            cwd=ROOT, capture_output=True, text=True)

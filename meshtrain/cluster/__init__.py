@@ -1,11 +1,11 @@
-"""Running as one of several processes, and on GPUs (docs/multihost.md, docs/xla_flags.md).
+"""Running as one of several processes (docs/multihost.md).
 
   launch       how this process was started: alone, under srun, or by flags/variables
-  rendezvous   meshtrain's own start-up handshake and liveness channel between processes
-  handshake    who may join the start: the job's secret (MESHTRAIN_SECRET), proven by HMAC
-  channel      JSON lines over a socket, each at most 4 MiB
-  distributed  jax.distributed, the rendezvous and the heartbeat, joined
+  distributed  jax.distributed (its coordination service: the one port), the agreement, liveness
+  kv           JAX's key-value store as meshtrain reads it: values parsed as untrusted input
+  agreement    the start: one job (count, ids, hosts, pids, the same config everywhere)
+  liveness     beats and notices: a lost, failed or hung process stops the others, named
+  watchdog     a process that stops making progress (and the straggler report, stragglers)
   preemption   SIGTERM (Slurm's warning, Ctrl-C under launch/local.sh) -> save and stop
   shared_dir   every process must see the one checkpoint directory: checked at start
-  xla_flags    the XLA flags a GPU run gets, merged with the user's XLA_FLAGS
 """

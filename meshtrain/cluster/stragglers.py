@@ -6,7 +6,7 @@ per step: the wall time of its step not spent waiting for the device nor saving 
 evaluating, i.e. its input and its host code. The watchdog
 (watchdog.py) measures it on every process; every train.straggler_every steps (a
 *window*) each process takes the median of its own time and of its step time over the
-window and sends both with the beats it already sends to process 0 (rendezvous.py): no
+window and sends both with the beats it already sends to process 0 (liveness.py): no
 device collective, no extra message.
 
 Process 0 judges each window every process has reported: process p is slow in it when
