@@ -122,7 +122,7 @@ IN_THIS_PROCESS = [
      "train.stop_at=400: must be between 0 (off) and train.steps=300"),
     (["--config=gpt2_tiny_dp8", "--config.checkpoint.every=-5"], "checkpoint.every=-5"),
     (["--config=gpt2_tiny_dp8", "--config.distributed.heartbeat_timeout=0"],
-     "distributed.heartbeat_timeout=0 must be positive"),
+     "distributed.heartbeat_timeout=0 must be at least 1 (seconds"),
     (["--config=gpt2_tiny_dp8", "--num_processes=2"], "the flags lack --coordinator, --process_id"),
     (["--config=gpt2_tiny_dp2_tp4", "--config.mesh.dcn=data:3"],
      "mesh.dcn='data:3' puts 3 nodes on axis 'data', but the mesh gives that axis 2 devices"),

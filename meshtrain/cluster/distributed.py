@@ -95,9 +95,11 @@ def start(launch: Launch, cfg, flags: dict | None = None) -> Cluster:
     """Joins the other processes (if any) and starts JAX's runtime; call before any device use."""
     global _current
     d = cfg.distributed
-    if d.init_timeout <= 0 or d.heartbeat_timeout < 1:
-        raise UserError(f"distributed.init_timeout={d.init_timeout} and distributed.heartbeat_timeout="
-                        f"{d.heartbeat_timeout}: give seconds, init_timeout > 0 and heartbeat_timeout >= 1.")
+    if d.init_timeout <= 0:
+        raise UserError(f"distributed.init_timeout={d.init_timeout} must be positive (seconds).")
+    if d.heartbeat_timeout < 1:
+        raise UserError(f"distributed.heartbeat_timeout={d.heartbeat_timeout} must be at least 1 (seconds; "
+                        f"JAX's heartbeat counts whole seconds).")
     me = {"process": launch.process_id, "host": socket.gethostname(), "pid": os.getpid()}
     if not launch.multiprocess:
         _current = Cluster(launch, [me], None)

@@ -56,7 +56,7 @@ class Liveness:
         self.counts: dict[int, int] = {}      # the last beat count read from each process
         self.heard: dict[int, float] = {}     # when that count last moved (monotonic)
         self.done: set[int] = set()           # said "done" or "hung": their silence is no loss
-        self.handled: set[int] = set()        # notices acted on
+        self.handled: set[tuple] = set()      # (process, kind) of the notices acted on
         self.leaving = False
         self.note: Callable[[], str] = lambda: ""  # what is safe on disk, for the loss message
         # watchdog.py's: beats carry progress_of(); process 0 keeps each process's progress,
@@ -121,7 +121,7 @@ class Liveness:
                 heard = beat.get("heard")
                 if isinstance(heard, dict):
                     self.heard_counts = {int(k): v for k, v in heard.items()
-                                         if str(k).isdigit() and isinstance(v, int)}
+                                         if str(k).isascii() and str(k).isdigit() and isinstance(v, int)}
         for i, at in self.heard.items():
             if i not in self.done and now - at > self.heartbeat_timeout and not self.leaving:
                 self._lost(i, f"silent for {now - at:.0f} s (distributed.heartbeat_timeout="
@@ -163,8 +163,8 @@ class Liveness:
             if self.id == 0:
                 return self.progress[p]["at"][0]
             return next(at[0] for at, ids in self.progress_table if p in ids)
-        except (KeyError, TypeError, IndexError, StopIteration):
-            return None
+        except (KeyError, TypeError, IndexError, ValueError, StopIteration):
+            return None  # not heard yet, or a malformed beat
 
     def _lost(self, i: int, why: str) -> None:
         if self.id == 0:
@@ -228,8 +228,8 @@ class Liveness:
             if all(now.get(i, -1) > c or i in self.done for i, c in mark.items()):
                 return
             time.sleep(0.05)
-        while self.leaving:  # the thread is stopping the process
-            time.sleep(1.0)
+        while self.leaving and time.monotonic() < deadline + LINGER_S + 5:
+            time.sleep(0.5)  # the thread is stopping the process
 
     def _counts_now(self) -> dict[int, int]:
         if self.id == 0:
@@ -246,7 +246,11 @@ class Liveness:
             self._bye()
             return
         self._say({"kind": "done"})
-        self.store.barrier("meshtrain/end", end_timeout)
+        try:
+            self.store.barrier("meshtrain/end", end_timeout)
+        except Exception as e:  # noqa: BLE001 - JAX's DEADLINE_EXCEEDED names who did not come
+            print(f"meshtrain: warning: not every process reached the end within {end_timeout:g} s "
+                  f"(distributed.init_timeout): {str(e)[:600]}", file=sys.stderr, flush=True)
         self.leaving = True
         if self.thread is not None:  # a daemon thread inside a call into JAX when Python
             self.thread.join(5.0)    # finalizes aborts the process ("exception not rethrown")
