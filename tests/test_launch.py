@@ -2,6 +2,7 @@
 as environment dicts, since one machine runs one slurmd), and the hybrid DCN x ICI mesh."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -47,6 +48,17 @@ def test_flags_win_over_variables():
 def test_bad_flags(flags, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         launch.detect(flags, {})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("SLURM_PROCID", "one", "SLURM_PROCID must be an integer, got 'one'"),
+    ("SLURM_LOCALID", "9" * 5000, "SLURM_LOCALID must be an integer, got '" + "9" * 39 + "..."),
+    ("JAX_LOCAL_DEVICE_IDS", "0,x", "JAX_LOCAL_DEVICE_IDS must be an integer, got 'x'"),
+    ("SLURM_STEP_TASKS_PER_NODE", "2(x", "Cannot read SLURM_STEP_TASKS_PER_NODE='2(x'"),
+])
+def test_slurm_variables_are_read_defensively(key, value, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        launch.detect({}, {**slurm_env(4, 2, "2(x2)", 1, 1, 0, CUDA_VISIBLE_DEVICES="0,1"), key: value})
 
 
 def test_python_in_the_batch_shell_of_a_multi_task_job_is_told_to_use_srun():

@@ -87,10 +87,12 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def _int(value, what: str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{what} must be an integer, got {value!r}.") from None
+    """A flag's or variable's integer; anything else (text, 10,000 digits) a UserError."""
+    text = str(value).strip()
+    if len(text) > 18 or not (text.isascii() and text.lstrip("-").isdigit()):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise UserError(f"{what} must be an integer, got {shown}.")
+    return int(text)
 
 
 def detect(flags: Mapping[str, str], environ: Mapping[str, str]) -> Launch:
