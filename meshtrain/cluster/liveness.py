@@ -4,8 +4,9 @@ JAX's coordination service runs with recoverability on (distributed.py), so a de
 process no longer aborts the others with a C++ trace: this daemon thread, one per
 process, finds it and stops the job naming it.
 
-    beats    every process overwrites BEAT/I = {"n": count, ...} every `period` s, and
-             early (at most every PROGRESS_PERIOD s) when its progress changed. Process 0
+    beats    every process overwrites BEAT/I = {"n": count, ...} every `period` s, min(
+             heartbeat_timeout / 4, max(1, N / 100)), and early (at most every tick, half
+             a period, and PROGRESS_PERIOD s) when its progress changed. Process 0
              reads every beat; its own carries the table of where each process is and the
              count it last heard from each. The others read process 0's beat alone.
     lost     a count that stands still for distributed.heartbeat_timeout: process 0 writes
@@ -51,7 +52,9 @@ class Liveness:
         """`exit(status)` ends the process (os._exit; tests pass their own)."""
         self.store, self.table, self.id, self.n, self.exit = store, table, process_id, len(table), exit
         self.heartbeat_timeout = heartbeat_timeout
-        self.period = min(heartbeat_timeout / 4, 1.0)
+        # Beats every second, and rarer past 100 processes: process 0 reads every beat each
+        # tick, and JAX's one service answers every process (1,000: ~400 requests/s).
+        self.period = min(heartbeat_timeout / 4, max(1.0, self.n / 100))
         self.count = 0
         self.counts: dict[int, int] = {}      # the last beat count read from each process
         self.heard: dict[int, float] = {}     # when that count last moved (monotonic)
@@ -79,7 +82,7 @@ class Liveness:
     # -- the thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        tick, last_beat, sent = min(self.period / 2, 0.5), time.monotonic(), None
+        tick, last_beat, sent = self.period / 2, time.monotonic(), None
         while not self.leaving:
             time.sleep(tick)
             try:
