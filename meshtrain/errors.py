@@ -17,6 +17,13 @@ class RunFailed(Exception):
     """Training stopped on purpose: the message says at which step, why, and what is saved."""
 
 
+def shown(value, limit: int = 40) -> str:
+    """repr(value) for a message about bad input, cut after `limit` characters (the value
+    may be a 10,000-digit variable or a stranger's record)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def warn(message: str) -> None:
     """`meshtrain: warning: MESSAGE` on stderr, once per run (process 0 only)."""
     import sys

@@ -5,7 +5,6 @@ processes (tests/test_multihost.py)."""
 
 import contextlib
 import io
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from meshtrain.cluster.liveness import Liveness
 from meshtrain.cluster.watchdog import HANG_STATUS, Watchdog
 from meshtrain.errors import RunFailed
 from support.processes import free_port, wait_for
+from support.threads import each
 
 
 @contextlib.contextmanager
@@ -31,24 +31,6 @@ def service(n: int, heartbeat_s: int = 5):
     finally:
         each(lambda c: c.shutdown(), clients)
         svc.shutdown()
-
-
-def each(f, items) -> list:
-    """f(item) for every item, each in its own thread (processes act at once); results or errors."""
-    out = [None] * len(items)
-
-    def run(i):
-        try:
-            out[i] = f(items[i])
-        except Exception as e:  # noqa: BLE001 - returned for the test to look at
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def me(i: int) -> dict:

@@ -16,6 +16,7 @@ import pytest
 from meshtrain.cluster import shared_dir
 from meshtrain.errors import UserError
 from support.processes import ENV, free_port
+from support.threads import each
 
 
 class Store:
@@ -44,20 +45,12 @@ def _no_wait(monkeypatch):
 def run_check(dirs: list, patience_s=0.5) -> list:
     """verify() on len(dirs) threads, process i looking at dirs[i]: each one's error or None."""
     store, hosts = Store(), [f"node{i}" for i in range(len(dirs))]
-    errors = [None] * len(dirs)
-
-    def one(i):
-        try:
-            shared_dir.verify(str(dirs[i]), i, hosts, store, timeout_s=20, patience_s=patience_s)
-        except UserError as e:
-            errors[i] = str(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(dirs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return errors
+    out = each(lambda i: shared_dir.verify(str(dirs[i]), i, hosts, store, timeout_s=20, patience_s=patience_s),
+               list(range(len(dirs))))
+    for e in out:
+        if e is not None and not isinstance(e, UserError):
+            raise e
+    return [None if e is None else str(e) for e in out]
 
 
 def test_one_shared_directory_passes_and_leaves_nothing_behind(tmp_path):

@@ -22,7 +22,7 @@ import time
 
 from meshtrain.cluster import kv
 from meshtrain.cluster.liveness import describe
-from meshtrain.errors import RunFailed
+from meshtrain.errors import RunFailed, shown
 
 START, VERDICT = "meshtrain/start", "meshtrain/verdict"
 FIELDS = {"process": int, "host": str, "pid": int, "num_processes": int, "config": dict}
@@ -37,7 +37,7 @@ def first_difference(a: dict, b: dict, prefix: str = "") -> str | None:
             if found:
                 return found
         elif x != y:
-            return f"{prefix}{key}: {_short(x)} vs {_short(y)}"
+            return f"{prefix}{key}: {shown(x, 80)} vs {shown(y, 80)}"
     return None
 
 
@@ -112,8 +112,3 @@ def _disagree(record: dict, mine: dict) -> str | None:
         return (f"{who} runs another config than process 0 (first difference, process 0 vs process "
                 f"{i}: {diff}). Start every process with the same --config and --config.* overrides.")
     return None
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, shown
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -90,8 +90,7 @@ def _int(value, what: str) -> int:
     """A flag's or variable's integer; anything else (text, 10,000 digits) a UserError."""
     text = str(value).strip()
     if len(text) > 18 or not (text.isascii() and text.lstrip("-").isdigit()):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
-        raise UserError(f"{what} must be an integer, got {shown}.")
+        raise UserError(f"{what} must be an integer, got {shown(value)}.")
     return int(text)
 
 

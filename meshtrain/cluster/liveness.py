@@ -62,8 +62,9 @@ class Liveness:
         self.handled: set[tuple] = set()      # (process, kind) of the notices acted on
         self.leaving = False
         self.note: Callable[[], str] = lambda: ""  # what is safe on disk, for the loss message
-        # watchdog.py's: beats carry progress_of(); process 0 keeps each process's progress,
-        # the others process 0's table of it; on_hung(message) hears of a hang.
+        # watchdog.py's: beats carry progress_of() ({"at": [...], "windows": [...]}); process 0
+        # keeps each process's, the others process 0's table of where each was (`where`);
+        # on_hung(message) hears of a hang.
         self.progress_of: Callable[[], dict] | None = None
         self.progress: dict[int, object] = {}
         self.progress_table: object = None
@@ -89,7 +90,7 @@ class Liveness:
                 self._read_notices()
                 self._read_beats()
                 now = time.monotonic()
-                news = self.progress_of() if self.progress_of is not None else {}
+                news = {"progress": self.progress_of()} if self.progress_of is not None else {}
                 if now - last_beat >= self.period or (news != sent and now - last_beat >= PROGRESS_PERIOD):
                     last_beat, sent = now, news
                     self._beat(news)
@@ -102,7 +103,9 @@ class Liveness:
     def _beat(self, news: dict) -> None:
         self.count += 1
         beat = {"n": self.count, **news}
-        if self.id == 0:
+        if self.id == 0:  # what the others know of each other: where each was, what was heard
+            own = news.get("progress", {}).get("at")
+            beat["table"] = _grouped({**self.where(), **({0: own} if own else {})})
             beat["heard"] = self.counts
         self.store.set(f"{BEAT}/{self.id}", beat, overwrite=True)
 
@@ -153,26 +156,32 @@ class Liveness:
             self._stop(f"{describe(self.table[i])} stopped with status {notice.get('status')}: "
                        f"{str(notice.get('message'))[:2000]}", gone=i)
         elif kind == "lost":
-            self._stop(f"{describe(self.table[p])} was lost{self._last_step(notice)}: "
+            self._stop(f"{describe(self.table[p])} was lost{_at(notice.get('step'))}: "
                        f"{str(notice.get('why'))[:500]}.", gone=p)
 
-    def _last_step(self, notice: dict | None = None, p: int | None = None) -> str:
-        step = notice.get("step") if notice else self._step_of(p)
-        return f" (last heard at step {step})" if isinstance(step, int) else ""
-
     def _step_of(self, p: int) -> int | None:
-        """The last step process p finished, as last heard (watchdog progress)."""
-        try:
-            if self.id == 0:
-                return self.progress[p]["at"][0]
-            return next(at[0] for at, ids in self.progress_table if p in ids)
-        except (KeyError, TypeError, IndexError, ValueError, StopIteration):
-            return None  # not heard yet, or a malformed beat
+        """The last step process p finished, as last heard."""
+        at = self.where().get(p)
+        return at[0] if at and isinstance(at[0], int) else None
+
+    def where(self) -> dict[int, list]:
+        """{process: [last finished step, last dispatched step, phase]} as last heard:
+        process 0 from every beat, the others from process 0's table. Malformed entries
+        (another process wrote them) are left out."""
+        if self.id == 0:
+            found = {i: p.get("at") for i, p in list(self.progress.items()) if isinstance(p, dict)}
+        else:
+            found = {}
+            for entry in self.progress_table if isinstance(self.progress_table, list) else []:
+                if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list):
+                    found.update({i: entry[0] for i in entry[1] if isinstance(i, int)})
+        return {i: at for i, at in found.items() if isinstance(at, list) and len(at) == 3}
 
     def _lost(self, i: int, why: str) -> None:
+        step = self._step_of(i)
         if self.id == 0:
-            self._say({"kind": "lost", "process": i, "why": why, "step": self._step_of(i)})
-        self._stop(f"{describe(self.table[i])} was lost{self._last_step(p=i)}: {why}.", gone=i)
+            self._say({"kind": "lost", "process": i, "why": why, "step": step})
+        self._stop(f"{describe(self.table[i])} was lost{_at(step)}: {why}.", gone=i)
 
     # -- leaving -------------------------------------------------------------------------
 
@@ -258,3 +267,16 @@ class Liveness:
         if self.thread is not None:  # a daemon thread inside a call into JAX when Python
             self.thread.join(5.0)    # finalizes aborts the process ("exception not rethrown")
         self.store.part(self.id, self.n)
+
+
+def _at(step) -> str:
+    return f" (last heard at step {step})" if isinstance(step, int) else ""
+
+
+def _grouped(where: dict[int, list]) -> list:
+    """[[at, [processes]], ...]: processes at the same place in one entry (a beat's table
+    stays small when thousands of processes are in step)."""
+    groups: dict[str, list] = {}
+    for i, at in sorted(where.items()):
+        groups.setdefault(repr(at), [at, []])[1].append(i)
+    return list(groups.values())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 
+from meshtrain.cluster.liveness import describe
 from meshtrain.errors import warn
 
 CONSECUTIVE = 2  # windows in a row before a process is named
@@ -76,9 +77,8 @@ class Judge:
         return said
 
     def _warning(self, p: int, w: int, own: float, others: float, step: float) -> str:
-        e = self.table[p]
         first = (w - CONSECUTIVE + 1) * self.every + 1
-        return (f"process {p} (host {e['host']}, pid {e['pid']}) is a straggler: in steps "
+        return (f"{describe(self.table[p])} is a straggler: in steps "
                 f"{first}-{(w + 1) * self.every} its own time per step (input and host code: "
                 f"the part not spent waiting for the devices) was {own:.3f} s against a median of "
                 f"{others:.3f} s over the other processes, which adds about {own - others:.3f} s to every "

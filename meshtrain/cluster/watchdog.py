@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 
+from meshtrain.cluster.liveness import describe
 from meshtrain.cluster.stragglers import Judge, window_stats
 from meshtrain.errors import UserError
 
@@ -130,7 +131,7 @@ class Watchdog:
         self.step = self.dispatched_step = self.first_step = first_step
         self.progress_at = time.monotonic()
         if self.liveness is not None:
-            self.liveness.progress_of = self.news
+            self.liveness.progress_of = self.progress
             self.liveness.on_hung = self.told
         if self.watching or self.judge is not None:
             self._backstop(self.bound())
@@ -208,16 +209,6 @@ class Watchdog:
         """This process's {"at": [last finished, last dispatched, phase], "windows": [...]}."""
         phase = self.busy_what if self.phase == "busy" else self.phase
         return {"at": [self.step, self.dispatched_step, phase], "windows": list(self.windows)}
-
-    def news(self) -> dict:
-        """What this process's beats carry: its progress to process 0; process 0's, the table
-        of where every process is, processes at the same place in one entry [at, [ids]]."""
-        if self.rank != 0:
-            return {"progress": self.progress()}
-        groups: dict[str, list] = {}
-        for i, at in sorted(self._table().items()):
-            groups.setdefault(repr(at), [at, []])[1].append(i)
-        return {"table": list(groups.values())}
 
     def stragglers(self) -> dict | None:
         """run.json's `stragglers` (process 0): per-process medians over the run's windows."""
@@ -317,8 +308,7 @@ class Watchdog:
     # -- the report ---------------------------------------------------------------------
 
     def _who(self, p: int) -> str:
-        e = self.table[p]
-        return f"process {p} (host {e['host']}, pid {e['pid']})"
+        return describe(self.table[p])
 
     def _stuck_step(self, at: list | None = None) -> tuple[int, str]:
         """(the step a process is in, what it does there) from its [finished, dispatched, phase]."""
@@ -363,15 +353,9 @@ class Watchdog:
         return "\n".join(lines)
 
     def _table(self) -> dict[int, list]:
-        """{process: [finished, dispatched, phase]}: the beats' table, with this process's own."""
-        table, r = {}, self.liveness
-        try:
-            if r is not None and self.rank == 0:
-                table = {i: p["at"] for i, p in list(r.progress.items()) if len(p["at"]) == 3}
-            elif r is not None and r.progress_table:
-                table = {int(i): at for at, ids in r.progress_table for i in ids if len(at) == 3}
-        except (TypeError, KeyError, ValueError):
-            pass  # a malformed beat: the processes in it are "unknown"
+        """{process: [finished, dispatched, phase]}: as the beats said (Liveness.where), with
+        this process's own; processes no beat told of are "unknown"."""
+        table = self.liveness.where() if self.liveness is not None else {}
         table.update(self._told_at)
         table[self.rank] = self.progress()["at"]
         return table
