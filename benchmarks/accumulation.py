@@ -35,9 +35,9 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from meshtrain import metrics
-    from meshtrain.experiment import Experiment
     from meshtrain.planner import bounds, hlo
+    from meshtrain.run.experiment import Experiment
+    from meshtrain.runlog import metrics
 
     runs = {}
     for mode, k in (("each", args.grad_accum_steps), ("once", args.grad_accum_steps), ("k=1", 1)):

@@ -23,7 +23,7 @@ fresh temporary directory each time:
 Every figure is the median over --repeats. The page cache is flushed (os.sync) before
 each timed phase: in a real run the previous save is long on disk by the next one.
 
-The training loop (meshtrain/loop.py) has the same pattern: `checkpointer.save(step,
+The training loop (meshtrain/run/loop.py) has the same pattern: `checkpointer.save(step,
 state, meta)` on the state a step returned, then the next step, which donates that state.
 The "donated" column says whether that next step could reuse the saved state's buffers.
 On CPU Orbax's "copy off the device" is `np.asarray`, a view of the buffer rather than a
@@ -143,7 +143,7 @@ class Bench:
 def build(args):
     """(Experiment, compiled step, device batches) for the config with the benchmark's overrides."""
     from meshtrain import config as config_lib
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
 
     cfg = config_lib.load(args.config)
     # One device, one process; prefetch 0 keeps reader threads off the cores being measured

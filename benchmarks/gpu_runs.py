@@ -4,7 +4,7 @@ picks the largest batch that fits and times it.
 
 FLOPs per token, two conventions (both count a training step as 3 x the forward matmuls):
 
-  llm.c  6 N + 6 L D T       meshtrain.metrics.flops_per_token, what the training log
+  llm.c  6 N + 6 L D T       meshtrain.runlog.metrics.flops_per_token, what the training log
                              uses: causal attention counted at half (karpathy/llm.c
                              train_gpt2.cu, gpt2_estimate_mfu)
   PaLM   6 N + 12 L H Q T    attention's QK^T and AV matmuls over the full T x T square,
@@ -15,7 +15,7 @@ N is the same in both: every parameter the matmuls touch, the tied embedding onc
 meshtrain's families count it). PaLM's own N includes its shared embedding: its 46.2%
 MFU for 540B at 238.3K tokens/s on 6,144 TPU v4 is reproduced with all 540.35B, not
 with the non-embedding count (45.8%). MFU = FLOPs per token x tokens/s / peak, with the
-dense bf16 peak of meshtrain.metrics.PEAK_FLOPS; null (with a reason) where it is unknown.
+dense bf16 peak of meshtrain.runlog.metrics.PEAK_FLOPS; null (with a reason) where it is unknown.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import time
 import jax
 
 from meshtrain import config as config_lib, models
-from meshtrain import metrics
-from meshtrain.experiment import Experiment
+from meshtrain.run.experiment import Experiment
+from meshtrain.runlog import metrics
 
 # A mixture of experts at GPT-2 small's width (12 layers, d=768, 12 query and 4 kv heads,
 # 32K vocabulary): 8 SwiGLU experts of width 1024, 2 per token, under both dispatches,
@@ -236,7 +236,7 @@ def _row(model, remat, exp, device, limit, memory, compile_s, per_step, loss, tr
         "model_tflops_per_s": {k: v * tokens_per_s / 1e12 for k, v in flops.items()},
         "mfu": {k: (v * tokens_per_s / peak if peak else None) for k, v in flops.items()},
         "mfu_note": None if peak else (f"no dense bf16 peak known for device kind {device.device_kind!r} "
-                                       f"(meshtrain.metrics.PEAK_FLOPS), so no MFU"),
+                                       f"(meshtrain.runlog.metrics.PEAK_FLOPS), so no MFU"),
         "memory": {"peak_bytes_in_use": in_use, "bytes_limit": limit, "compiled": memory,
                    "peak_over_estimate": in_use / memory["peak_estimate"]
                    if in_use and memory.get("peak_estimate") else None,

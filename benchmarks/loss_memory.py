@@ -2,7 +2,7 @@
                                    [--config.key=value ...]
 
 The train step's compiled temp memory with the loss over whole logits (train.loss_chunk=0)
-and over chunks of positions (meshtrain/loss.py), on ONE device, and how well the two
+and over chunks of positions (meshtrain/step/loss.py), on ONE device, and how well the two
 agree: loss and gradients from the same params and batch.
 
 Defaults: gpt2_small_dp8's model and settings (bf16 compute, float32 params and Adam) on a
@@ -21,10 +21,11 @@ import time
 import jax
 import numpy as np
 
-from meshtrain import config as config_lib, step as step_lib
+from meshtrain import config as config_lib
 from meshtrain.planner import hlo
-from meshtrain import metrics
-from meshtrain.experiment import Experiment
+from meshtrain.run.experiment import Experiment
+from meshtrain.runlog import metrics
+from meshtrain.step import train_step as step_lib
 
 
 def build(name: str, overrides: list[tuple[str, str]], chunk: int, rows: int | None = None) -> Experiment:

@@ -1,6 +1,6 @@
 """python benchmarks/loss_numerics.py [--steps 300] [--small-rows 2] [--skip-small]
 
-The loss with its hand-written gradient (meshtrain/loss.py `summed_cross_entropy`: logits
+The loss with its hand-written gradient (meshtrain/step/loss.py `summed_cross_entropy`: logits
 in the compute dtype, float32 only inside the reductions and the gradient's element-wise
 pass) against the loss it replaced (the logits upcast to float32, optax's cross entropy,
 autodiff), in bf16 compute with float32 parameters, on one CPU device:
@@ -32,8 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from meshtrain import config as config_lib, loss as loss_lib, step as step_lib  # noqa: E402
-from meshtrain.experiment import Experiment  # noqa: E402
+from meshtrain import config as config_lib  # noqa: E402
+from meshtrain.run.experiment import Experiment  # noqa: E402
+from meshtrain.step import loss as loss_lib, train_step as step_lib
 
 
 def float32_autodiff_loss(logits_nv, targets_n):

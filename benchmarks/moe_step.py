@@ -19,9 +19,10 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from meshtrain import cli, metrics  # noqa: E402
-from meshtrain.experiment import Experiment  # noqa: E402
+from meshtrain import cli  # noqa: E402
 from meshtrain.planner import hlo_flops  # noqa: E402
+from meshtrain.run.experiment import Experiment  # noqa: E402
+from meshtrain.runlog import metrics
 
 TWIN = ("dense twin", "llama_tiny_dp8", ["--config.model.mlp_dim=256"])
 CONFIGS = ("mixtral_tiny_dp8", "mixtral_tiny_dp2_ep4", "mixtral_tiny_dp2_ep2_tp2", "mixtral_tiny_fsdp2_ep4")

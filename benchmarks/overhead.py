@@ -6,7 +6,7 @@ alternately in one process. The bare step is written here from scratch in plain
 jax.numpy over the params dict meshtrain stores (no flax, no meshtrain modules). It
 reuses only what is not framework: the model's numeric kernels (the LayerNorm and GELU
 whose backward recomputes them, the attention kernel model.attention resolves to (XLA's
-on a CPU, cuDNN's flash kernel on a GPU), and the loss's kernel (meshtrain/loss.py: the
+on a CPU, cuDNN's flash kernel on a GPU), and the loss's kernel (meshtrain/step/loss.py: the
 logits in the compute dtype, float32 only inside its fusions, in chunks where
 train.loss_chunk cuts the sequence): the same math in the same formulation,
 docs/benchmarks.md "CPU step"), the optax transformation and lr schedule
@@ -40,8 +40,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from meshtrain import loss  # noqa: E402
 from meshtrain.models import attention, gpt2  # noqa: E402
+from meshtrain.step import loss  # noqa: E402
 
 BTD = ("batch", "length", "embed")
 BTHE = ("batch", "length", "heads", "head_dim")
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)  # before any JAX operation
 
     from meshtrain import cli
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
 
     others, overrides = cli.split_overrides(rest)
     if others:

@@ -51,10 +51,11 @@ jax.config.update("jax_num_cpu_devices", 32 if "--compile_only" in sys.argv else
 
 import jax.numpy as jnp  # noqa: E402
 
-from meshtrain import config as config_lib, mesh as mesh_lib, step as step_lib  # noqa: E402
+from meshtrain import config as config_lib, mesh as mesh_lib  # noqa: E402
 from meshtrain.planner import hlo
-from meshtrain import metrics
-from meshtrain.experiment import Experiment  # noqa: E402
+from meshtrain.run.experiment import Experiment  # noqa: E402
+from meshtrain.runlog import metrics
+from meshtrain.step import train_step as step_lib
 
 
 def make_config(layers: int, batch: int, mesh: str, layout: str, m: int = 0, r: int = 1):
@@ -94,7 +95,7 @@ SCHEDULES = {  # label: overrides (on top of the config's own)
 def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[str]:
     """One markdown row per schedule of config `name`: memory, FLOPs, idle share, and the
     step time over gpipe's (alternating pairs of steps, `time_pairs` of them)."""
-    from meshtrain import pipeline_ticks
+    from meshtrain.step.pipeline import ticks as pipeline_ticks
     built, rows = {}, []
     for label in labels:
         cfg = config_lib.load(name)

@@ -22,8 +22,8 @@ fast_compile()  # before JAX starts: the same figures, compiled 2-3x faster
 jax.config.update("jax_num_cpu_devices", 8)
 
 from meshtrain import config as config_lib  # noqa: E402
-from meshtrain.experiment import Experiment  # noqa: E402
 from meshtrain.planner import hardware, report  # noqa: E402
+from meshtrain.run.experiment import Experiment  # noqa: E402
 
 MODELS = {"gpt2_small": ("gpt2_small_dp8", {"model.seq_len": "1024"}),
           "llama3_1b": ("llama3_1b_fsdp8", {"model.seq_len": "1024"})}

@@ -56,8 +56,8 @@ def measured_runs(pattern: str = str(HERE / "results" / "gpu-*.json")):
 def rows(pattern: str):
     import jax
     import gpu_runs
-    from meshtrain.experiment import Experiment
     from meshtrain.planner import hardware, report
+    from meshtrain.run.experiment import Experiment
     for hw_name, r, results in measured_runs(pattern):
         exp = Experiment.build(gpu_runs.make_config(r["model"], r["remat"], r["batch"]), devices=jax.devices()[:1])
         p = report.plan(exp, hardware.get(hw_name))["prediction"]
@@ -82,8 +82,8 @@ def predictions(runs: list[tuple[str, str]], cards: list[str]) -> list[dict]:
     step, MFU and terms."""
     import jax
     import gpu_runs
-    from meshtrain.experiment import Experiment
     from meshtrain.planner import hardware, report
+    from meshtrain.run.experiment import Experiment
     out = []
     for model, remat in runs:
         for card in cards:

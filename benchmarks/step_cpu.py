@@ -212,7 +212,7 @@ def token_rows(seed: int = 0) -> np.ndarray:
 
 def run_meshtrain(args, rest) -> None:
     from meshtrain import cli
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
 
     others, overrides = cli.split_overrides(OVERRIDES + rest)
     if others:

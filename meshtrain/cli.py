@@ -159,7 +159,7 @@ def describe_config(name: str, cfg, overrides) -> str:
     with the value the size gives them."""
     from meshtrain import models
     from meshtrain.checkpoints import init_from
-    from meshtrain.experiment import resolve
+    from meshtrain.run.experiment import resolve
     init = init_from.read(cfg.init["from"]) if cfg.init["from"] else None
     cfg = resolve(cfg, init)
     sized = {}

@@ -9,7 +9,7 @@ four panels:
   1. eval loss against wall time (seconds since the run's step was compiled),
   2. eval loss against tokens seen (step x run.json's tokens_per_step),
   3. throughput (tokens/s of the train rows) against wall time,
-  4. where each run's wall time went (meshtrain/goodput.py's shares, all pieces added up).
+  4. where each run's wall time went (meshtrain/runlog/goodput.py's shares, all pieces added up).
 
 A layout that is faster per step may need more steps: panel 1 says which wins (the
 statistical-efficiency view of Nichols et al., arXiv 2111.04949). Runs are labelled
@@ -33,8 +33,9 @@ import json
 import sys
 from pathlib import Path
 
-from meshtrain import cli, goodput
+from meshtrain import cli
 from meshtrain.errors import UserError
+from meshtrain.runlog import goodput
 
 FORMATS = (".png", ".pdf", ".svg")
 

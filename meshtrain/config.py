@@ -74,7 +74,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # device (docs/performance.md); a no-op elsewhere. skip_memory_check: start even
     # when the compiled step's memory does not fit the devices (planner/memory_check.py).
     # trackers: where metric rows go besides the progress lines, a comma list of
-    # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/trackers.py;
+    # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/runlog/trackers.py;
     # docs/architecture.md, "Outputs").
     # hang_timeout: seconds without a finished step before every process reports where it
     # is and exits 3 (None: max(300, 20 x the median step); 0: off); hang_timeout_busy bounds
@@ -94,7 +94,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     c.checkpoint = {"dir": "", "every": 1000, "every_minutes": 30.0, "keep": 3, "async": True}
     # init.from: a checkpoint to start from (fine-tuning): its params, step 0, fresh optimizer.
     c.init = {"from": ""}
-    # Pipeline over the mesh `stage` axis (meshtrain/pipeline.py); microbatches=0 is off.
+    # Pipeline over the mesh `stage` axis (meshtrain/step/pipeline/scan.py); microbatches=0 is off.
     c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1, stash="inputs")
     # Multi-process runs (docs/multihost.md), in seconds: how long processes wait for each
     # other at start, and how long a silent process may stay silent before all stop.

@@ -85,10 +85,11 @@ def from_hf(model_dir: str, out: str, say=print) -> None:
 
 
 def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) -> None:
-    from meshtrain import hf, state as state_lib, tree_paths
+    from meshtrain import hf, tree_paths
     from meshtrain.checkpoints import init_from, reading
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
+    from meshtrain.step import state as state_lib
     t0 = time.perf_counter()
     where = str(model_dir / "config.json")
     # The tokenizer first: it is small, and a broken one should fail before the weights.
@@ -163,11 +164,12 @@ def to_hf(path: str, out: str, step: int | None = None, dtype: str | None = None
     `warn` gets one line for what the export lacks (a tokenizer, an id past the vocabulary)."""
     import numpy as np
 
-    from meshtrain import hf, state as state_lib, tree_paths
+    from meshtrain import hf, tree_paths
     from meshtrain.checkpoints import init_from, reading, tokenizer as checkpoint_tokenizer
     from meshtrain.errors import UserError
     from meshtrain.hf import safetensors_io, tensors
     from meshtrain.hf import tokenizer_files
+    from meshtrain.step import state as state_lib
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r}: choose one of {', '.join(DTYPES)} (or leave it out "
                         f"to keep the checkpoint's).")

@@ -110,7 +110,7 @@ def execute(args) -> int:
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
     from meshtrain.checkpoints import init_from, reading
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
     # init.from names the step: its architecture and tokenizer (experiment.resolve), and
     # reading.load_params reads its params into any layout, mesh or pipeline arrangement.
     config_lib.override(cfg, "init.from", str(init_from.read(where, step_arg).step_dir))
@@ -192,7 +192,8 @@ def run_eval(exp, params, split: str, n: int, dump: str | None, say, stats=None)
     import jax
     import numpy as np
 
-    from meshtrain import loop, step as step_lib
+    from meshtrain.run import loop
+    from meshtrain.step import train_step as step_lib
     rows = exp.eval_batches(n) if split == "validation" else itertools.islice(exp.train_batches(), n)
     b, t, vocab = exp.cfg.train.batch_size, exp.model.cfg.seq_len, exp.model.cfg.vocab_size
     per_batch = b * exp.task.units_per_example(exp.model.cfg)

@@ -153,8 +153,8 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     """Lint, simulate the mesh's devices, build, compile and report one config. `devices`:
     the devices to build on (default all; a notebook with more simulated devices than
     the mesh passes `jax.devices()[:n]`)."""
-    from meshtrain.experiment import Experiment, read_inputs, resolve
     from meshtrain.planner import accumulation, lint, report as report_lib
+    from meshtrain.run.experiment import Experiment, read_inputs, resolve
     shape = mesh_lib.parse_shape(cfg.mesh.shape)
     if -1 in shape.values():
         raise UserError(f"mesh.shape={cfg.mesh.shape!r} has an axis of size -1: the planner needs "

@@ -147,7 +147,7 @@ def check_cache(model, layout, mesh, rows: int, length: int) -> None:
     """Divisibility of the sampling batch's activations and of the cache, before tracing."""
     import jax
 
-    from meshtrain import state as state_lib
+    from meshtrain.step import state as state_lib
     state_lib.check_activations(model, rows, layout, mesh)
 
     cache = jax.eval_shape(lambda p: model.bind(p).init_cache(rows, length), model.shapes)

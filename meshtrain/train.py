@@ -17,8 +17,9 @@ import sys
 import time
 
 from meshtrain import cli, mesh as mesh_lib, xla_flags
-from meshtrain.cluster import distributed, launch as launch_lib, shared_dir, watchdog as watchdog_lib
+from meshtrain.cluster import distributed, launch as launch_lib, shared_dir
 from meshtrain.errors import UserError, warn
+from meshtrain.run import watchdog as watchdog_lib
 
 
 def parser() -> cli.Parser:
@@ -54,8 +55,9 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     -> device id -> node, for the collectives report."""
     import jax
 
-    from meshtrain import models, pipeline_ticks  # here: flax, which `--help` never needs
+    from meshtrain import models  # here: flax, which `--help` never needs
     from meshtrain.layouts import sequence
+    from meshtrain.step.pipeline import ticks as pipeline_ticks
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
@@ -93,7 +95,7 @@ def lint_warnings(exp) -> None:
 
 def compile_step(exp, say):
     """AOT-compiles the train step: -> (compiled, per-device memory, seconds)."""
-    from meshtrain import metrics
+    from meshtrain.runlog import metrics
     t0 = time.perf_counter()
     compiled = exp.compile()
     compile_s = time.perf_counter() - t0
@@ -130,11 +132,12 @@ def _train(args, flags, launch, cluster, source, xla_line, started_at, preemptio
     """execute's build, checkpoints, compile and train phases (args.config: the config)."""
     import jax
 
-    from meshtrain import goodput, metrics, optim
     from meshtrain.checkpoints import store as checkpoint_lib
-    from meshtrain.experiment import Experiment
-    from meshtrain.loop import train_loop
     from meshtrain.planner import accumulation, memory_check
+    from meshtrain.run.experiment import Experiment
+    from meshtrain.run.loop import train_loop
+    from meshtrain.runlog import goodput, metrics
+    from meshtrain.step import optim
 
     exp = Experiment.build(args.config)
     cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in

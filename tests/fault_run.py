@@ -59,7 +59,7 @@ class FaultyBatches:
 
 def main() -> int:
     from meshtrain import train
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
 
     fault = json.loads(os.environ["MESHTRAIN_TEST_FAULT"])
     original = Experiment.train_batches

@@ -15,10 +15,10 @@ import pytest
 
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
+from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.train import main as train_main
 
 STEPS = 3

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.experiment import analysis_options, Experiment
 from meshtrain.models.attention import Platform, choose
+from meshtrain.run.experiment import analysis_options, Experiment
 
 from support.residuals import saved
 

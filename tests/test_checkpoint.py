@@ -20,11 +20,11 @@ import pytest
 
 from meshtrain import config as config_lib
 from meshtrain.checkpoints import store as checkpoint_lib
-from meshtrain import metrics
-from meshtrain.experiment import Experiment
 from meshtrain.checkpoints.lock import DirectoryLock
-from meshtrain.loop import train_loop
-from meshtrain.pipeline import from_stages
+from meshtrain.run.experiment import Experiment
+from meshtrain.run.loop import train_loop
+from meshtrain.runlog import metrics
+from meshtrain.step.pipeline.scan import from_stages
 from meshtrain.train import main
 
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",

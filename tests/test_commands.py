@@ -9,9 +9,11 @@ import sys
 
 import pytest
 
-from meshtrain import __main__ as entry, cli, metrics, optim, train
+from meshtrain import __main__ as entry, cli, train
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
+from meshtrain.runlog import metrics
+from meshtrain.step import optim
 
 
 def test_help_lists_every_flag_with_its_default_and_exits_0(capsys):

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from meshtrain import compare, goodput
-from meshtrain import metrics
+from meshtrain import compare
+from meshtrain.runlog import goodput
+from meshtrain.runlog import metrics
 from meshtrain.train import main as train_main
 
 RUN = ["--config.train.steps=12", "--config.train.eval_every=6", "--config.train.log_every=3",

@@ -4,9 +4,10 @@ import re
 
 import pytest
 
-from meshtrain import config as config_lib, mesh as mesh_lib, optim
+from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import abstract_mesh, check_config
+from meshtrain.run.experiment import abstract_mesh, check_config
+from meshtrain.step import optim
 
 NAMES = config_lib.available()
 PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "cp": "context", "ep": "expert", "tp": "tensor",
@@ -198,7 +199,7 @@ def test_pipeline_validation(name, mesh, message, overrides):
 
 
 def test_few_microbatches_warn():
-    from meshtrain import pipeline
+    from meshtrain.step.pipeline import scan as pipeline
     cfg = config_lib.load("gpt2_tiny_pp4_dp2")
     config_lib.override(cfg, "pipeline.microbatches", "2")
     model = check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model

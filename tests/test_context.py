@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment, check_config
 from meshtrain.layouts import get, sequence
+from meshtrain.run.experiment import Experiment, check_config
 from conftest import configured
 from support.training import assert_equal_training, devices_for, run
 

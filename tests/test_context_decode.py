@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from meshtrain import config as config_lib
-from meshtrain.experiment import Experiment
 from meshtrain.planner.hlo import collectives
+from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
 from test_sample import N_NEW, _peaky, _prompts, greedy_by_recompute
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from meshtrain import eval as eval_cmd, sample
-from meshtrain.experiment import Experiment
+from meshtrain.run.experiment import Experiment
 from meshtrain.train import main
 from test_checkpoint import RUN, assert_requested_shardings, assert_same_values, build, copy, losses, restore_both
 

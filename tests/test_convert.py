@@ -13,10 +13,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from support import hf_models  # noqa: E402
-from meshtrain import config as config_lib, convert, state as state_lib, tree_paths  # noqa: E402
+from meshtrain import config as config_lib, convert, tree_paths  # noqa: E402
 from meshtrain.checkpoints import init_from, reading
 from meshtrain.errors import UserError  # noqa: E402
-from meshtrain.experiment import analysis_options, Experiment  # noqa: E402
+from meshtrain.run.experiment import analysis_options, Experiment  # noqa: E402
+from meshtrain.step import state as state_lib
 
 # Logits agree to this fraction of the largest logit (float32 on both sides; we see <= 7e-7).
 LOGIT_TOL = 1e-5

@@ -11,8 +11,8 @@ import pytest
 
 from meshtrain.cluster import agreement, kv
 from meshtrain.cluster.liveness import Liveness
-from meshtrain.cluster.watchdog import HANG_STATUS, Watchdog
 from meshtrain.errors import RunFailed
+from meshtrain.run.watchdog import HANG_STATUS, Watchdog
 from support.processes import free_port, wait_for
 from support.threads import each
 

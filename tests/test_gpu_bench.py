@@ -101,7 +101,7 @@ def test_docs_rewrite_replaces_only_the_marked_section(smoke, tmp_path):
 def test_flops_conventions_match_the_reference_numbers():
     """GPT-2 small at V=50257: llm.c 6N + 6LDT and PaLM 6N + 12LHQT (docs/benchmarks.md)."""
     from meshtrain import models
-    from meshtrain import metrics
+    from meshtrain.runlog import metrics
     m = models.model_config(gpu_runs.make_config("gpt2_small", "none", 8).model, vocab_size=50257, vocab_shards=1)
     n, l, d, t = 124_439_808, 12, 768, 1024
     assert metrics.flops_per_token(m) == 6 * n + 6 * l * d * t  # 803.3M

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.planner import hlo
 from meshtrain.errors import UserError
-from meshtrain.experiment import analysis_options, Experiment
+from meshtrain.planner import hlo
+from meshtrain.run.experiment import analysis_options, Experiment
 
 STEPS = 3
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from meshtrain import goodput
+from meshtrain.runlog import goodput
 from meshtrain.train import main
 from support.processes import ENV, ROOT, losses, steps_on_disk, trainer
 

@@ -130,8 +130,9 @@ def test_greedy_sample_equals_transformers_generate(peaked, capsys, mesh):
 
 def test_shared_experts_do_not_export(tmp_path):
     """A mixtral with shared experts (meshtrain's) has no MixtralForCausalLM form."""
-    from meshtrain import state as state_lib, tree_paths
+    from meshtrain import tree_paths
     from meshtrain.checkpoints import reading
+    from meshtrain.step import state as state_lib
     arch = dict(sizes.MIXTRAL_SIZES["tiny"], num_shared_experts=1)
     model = state_lib.abstract_model(init_from.config_of("mixtral", arch))
     params = {p: np.zeros(s.shape, np.float32) for p, s in tree_paths.flat(model.shapes).items()}

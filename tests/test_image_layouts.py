@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.experiment import analysis_options, Experiment
+from meshtrain.run.experiment import analysis_options, Experiment
 
 STEPS = 20
 # (config, overrides): each layout family on 8 simulated devices.

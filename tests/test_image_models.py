@@ -16,10 +16,10 @@ from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
-from meshtrain.experiment import analysis_options
 from meshtrain.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
+from meshtrain.run.experiment import analysis_options
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment
 from meshtrain.eval import main as eval_main
+from meshtrain.run.experiment import Experiment
 from meshtrain.train import main
 
 STEPS = "--config.train.steps=8"

@@ -131,3 +131,47 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
     assert found == {"meshtrain.train"}
     table = layers()
     assert layer_of("meshtrain.train", table) > layer_of("meshtrain.mesh", table)
+
+
+def _table(section: str) -> list[list[str]]:
+    """The cells of the first table under docs/architecture.md's `## {section}`."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in body.splitlines() if line.startswith("| ") and not line.startswith("| role")
+            and not line.startswith("| #")]
+
+
+def _size(paths: list[pathlib.Path]) -> tuple[int, int]:
+    """(files, lines) of the .py files at or under `paths`."""
+    files = {f for p in paths for f in ([p] if p.is_file() else p.rglob("*.py"))}
+    return len(files), sum(len(f.read_text().splitlines()) for f in files)
+
+
+def _hundreds(lines: int) -> str:
+    return f"{round(lines, -2):,}"
+
+
+def test_the_map_names_every_entry_of_the_package_once_with_its_size():
+    listed, wrong = [], []
+    for role, entries, files, lines in _table("The map"):
+        names = [e.rstrip("/") for e in re.findall(r"`([^`]+)`", entries)]
+        listed += names
+        n, counted = _size([PACKAGE / name for name in names])
+        if (str(n), _hundreds(counted)) != (files, lines):
+            wrong.append(f"{role}: the map says {files} files, {lines} lines; counted {n} files, "
+                         f"{counted} lines (write {n} | {_hundreds(counted)})")
+    present = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.startswith("."))
+    assert sorted(listed) == present, (f"docs/architecture.md's map lists {sorted(listed)}; `ls meshtrain/` "
+                                       f"shows {present}: each entry once")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_reading_order_says_how_much_it_is():
+    paths = {ROOT / p for _, files, _ in _table("Read in this order") for p in re.findall(r"`([^`]+\.py)`", files)}
+    missing = sorted(str(p) for p in paths if not p.is_file())
+    assert not missing, f"the reading order names files that do not exist: {missing}"
+    n, lines = _size(sorted(paths))
+    text = (ROOT / "docs" / "architecture.md").read_text().split("## Read in this order\n", 1)[1]
+    assert f"{n} files, about {_hundreds(lines)} lines" in text.split("\n\n", 1)[0].replace("\n", " "), (
+        f"the reading order's headline should say '{n} files, about {_hundreds(lines)} lines'")

@@ -10,8 +10,8 @@ from meshtrain import layouts
 from meshtrain.errors import UserError
 from meshtrain.layouts.tables import sharding_table
 from meshtrain.models import model_config
-from meshtrain.pipeline import Pipeline
-from meshtrain.state import abstract_model
+from meshtrain.step.pipeline.scan import Pipeline
+from meshtrain.step.state import abstract_model
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 

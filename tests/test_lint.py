@@ -6,10 +6,11 @@ import math
 import jax
 import pytest
 
-from meshtrain import config as config_lib, mesh as mesh_lib, pipeline
-from meshtrain.planner import hardware, lint
+from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import abstract_mesh, check_config
+from meshtrain.planner import hardware, lint
+from meshtrain.run.experiment import abstract_mesh, check_config
+from meshtrain.step.pipeline import scan as pipeline
 
 MiB = 2**20
 

@@ -19,11 +19,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
-from meshtrain.experiment import analysis_options
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
-from meshtrain.state import abstract_model, param_shardings
+from meshtrain.run.experiment import analysis_options
+from meshtrain.step.state import abstract_model, param_shardings
 
 from support.training import assert_same_training, losses_and_grads, trained
 

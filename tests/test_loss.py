@@ -1,4 +1,4 @@
-"""The loss over chunks of positions (meshtrain/loss.py) against the loss over whole logits:
+"""The loss over chunks of positions (meshtrain/step/loss.py) against the loss over whole logits:
 the same loss and gradients on sharded layouts, the same data-parallel reduction of the
 table's gradient and the same matmuls, less temp memory, and the config check.
 
@@ -12,10 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from meshtrain import loss as loss_lib, step as step_lib
-from meshtrain.planner import hlo, hlo_flops
 from meshtrain.errors import UserError
-from meshtrain.experiment import analysis_options, Experiment
+from meshtrain.planner import hlo, hlo_flops
+from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.step import loss as loss_lib, train_step as step_lib
 
 T, CHUNK = 64, 16
 # bf16 rounding: the table's gradient is rounded to bf16 once over whole logits, but each

@@ -18,9 +18,9 @@ import re
 import jax
 import pytest
 
-from meshtrain.experiment import Experiment
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
+from meshtrain.run.experiment import Experiment
 
 
 def state_bytes(exp):

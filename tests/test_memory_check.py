@@ -16,8 +16,8 @@ import pytest
 
 from meshtrain import train
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment
 from meshtrain.planner import memory_check
+from meshtrain.run.experiment import Experiment
 from support.processes import ENV, ROOT
 
 MIB = 2**20
@@ -41,7 +41,8 @@ def no_allocation(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_peak():
     """gpt2_tiny_dp8's compiled per-device peak, in bytes (about 20 MiB)."""
-    from meshtrain import config as config_lib, metrics
+    from meshtrain import config as config_lib
+    from meshtrain.runlog import metrics
     return metrics.memory_report(Experiment.build(config_lib.load("gpt2_tiny_dp8")).compile())["peak_estimate"]
 
 

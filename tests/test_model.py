@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.experiment import analysis_options
+from meshtrain import config as config_lib
 from meshtrain.models import model_config
 from meshtrain.models.gpt2 import GPT2, num_params
 from meshtrain.models.sizes import GPT2_SIZES
-from meshtrain.state import abstract_model
-from meshtrain import config as config_lib
+from meshtrain.run.experiment import analysis_options
+from meshtrain.step.state import abstract_model
 
 
 def cfg_for(size, **kw):

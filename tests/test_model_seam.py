@@ -108,8 +108,8 @@ def test_a_model_outside_meshtrain_trains_under_every_layout(name, one_device):
 
 
 def test_the_toy_model_reports_through_the_seam():
-    from meshtrain import metrics
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
+    from meshtrain.runlog import metrics
     exp = Experiment.build(toy_config("data:1", "dp", 0), devices=jax.devices()[:1], mesh_shape="data:1")
     cfg = exp.model.cfg
     assert exp.model.stacked == "layers"
@@ -118,8 +118,8 @@ def test_the_toy_model_reports_through_the_seam():
 
 
 def test_the_chunked_loss_takes_the_seam_and_equals_whole_logits():
-    from meshtrain import loss
-    from meshtrain.experiment import Experiment
+    from meshtrain.run.experiment import Experiment
+    from meshtrain.step import loss
     assert loss.has_seam(Toy)
     chunked = Experiment.build(toy_config("data:2,tensor:4", "dp_tp", 0))
     assert loss.num_chunks(chunked.model.cfg.seq_len, chunked.cfg.train.loss_chunk) == 4
@@ -132,8 +132,8 @@ def test_the_chunked_loss_takes_the_seam_and_equals_whole_logits():
 
 def test_the_planner_reads_the_toy_through_the_seam():
     """Activation memory from the family's layer_activation_bytes, logits of one chunk."""
-    from meshtrain.experiment import Experiment
     from meshtrain.planner import analytic, hardware, report
+    from meshtrain.run.experiment import Experiment
     exp = Experiment.build(toy_config("data:2,tensor:4", "dp_tp", 0))
     cfg, rows = exp.model.cfg, 16 // 2
     layers = cfg.num_layers * family.korthikanti_bytes(rows * cfg.seq_len, 4, whole=cfg.embed_dim,

@@ -9,8 +9,8 @@ from flax import nnx
 
 from meshtrain import mesh as mesh_lib
 from meshtrain.errors import UserError
-from meshtrain.experiment import check_config
 from meshtrain.models import mixtral, moe, sizes
+from meshtrain.run.experiment import check_config
 from conftest import configured
 
 

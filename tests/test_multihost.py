@@ -19,7 +19,7 @@ import pytest
 
 from meshtrain import mesh as mesh_lib
 from meshtrain.planner import hlo
-from meshtrain.experiment import Experiment
+from meshtrain.run.experiment import Experiment
 from meshtrain.train import main
 from support.processes import ENV, ROOT, free_port, local_sh, logged, losses, processes, steps_on_disk, trainer, wait_for
 

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import metrics
 from meshtrain.checkpoints.store import Checkpointer
 from meshtrain.errors import RunFailed
-from meshtrain.experiment import Experiment
-from meshtrain.loop import train_loop
+from meshtrain.run.experiment import Experiment
+from meshtrain.run.loop import train_loop
+from meshtrain.runlog import metrics
 
 
 def experiment(make_config, **overrides):

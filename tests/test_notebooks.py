@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.experiment import Experiment
 from meshtrain.planner import pictures, spatial_pictures
+from meshtrain.run.experiment import Experiment
 from support import notebooks
 from support.notebooks import NOTEBOOKS, code_cells
 

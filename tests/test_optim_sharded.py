@@ -1,4 +1,4 @@
-"""The optimizers (meshtrain/optim.py) under fsdp and zero1 on 8 simulated devices: the
+"""The optimizers (meshtrain/step/optim.py) under fsdp and zero1 on 8 simulated devices: the
 sharded update equals the same transformation jitted on one device, and LARS/LAMB equal
 optax's own lars/lamb applied to each layer of a stacked weight."""
 
@@ -11,8 +11,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib, optim, state as state_lib
-from meshtrain.experiment import analysis_options
+from meshtrain import config as config_lib, layouts, mesh as mesh_lib
+from meshtrain.run.experiment import analysis_options
+from meshtrain.step import optim, state as state_lib
 
 # A params tree with logical axes: an embedding, a stacked block (matrix, bias, norm scale),
 # a 4-D kernel standing for a conv's [kh, kw, in, out] (spatial dims unnamed), and a norm

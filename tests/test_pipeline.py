@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import pipeline, step as step_lib
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.experiment import analysis_options, Experiment
-from meshtrain.pipeline import Pipeline
+from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.step import train_step as step_lib
+from meshtrain.step.pipeline import scan as pipeline
+from meshtrain.step.pipeline.scan import Pipeline
 
 from support.training import loss_and_grads
 

@@ -18,10 +18,11 @@ import pytest
 
 from conftest import configured as config
 from support.training import loss_and_grads
-from meshtrain import config as config_lib, step as step_lib
-from meshtrain.experiment import analysis_options, Experiment
-from meshtrain.pipeline import Pipeline
-from meshtrain import pipeline_ticks as ticks
+from meshtrain import config as config_lib
+from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.step import train_step as step_lib
+from meshtrain.step.pipeline import ticks
+from meshtrain.step.pipeline.scan import Pipeline
 from meshtrain.train import main
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -16,10 +16,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.planner import hlo
 from meshtrain.errors import UserError
-from meshtrain.experiment import Experiment
+from meshtrain.planner import hlo
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline
+from meshtrain.run.experiment import Experiment
 
 CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_pp2_dp4", "llama_tiny_dp2_tp4", "llama_tiny_fsdp8"]

@@ -14,8 +14,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_runs  # noqa: E402
 import planner_calibration  # noqa: E402
-from meshtrain.experiment import Experiment  # noqa: E402
 from meshtrain.planner import hardware, report  # noqa: E402
+from meshtrain.run.experiment import Experiment  # noqa: E402
 
 
 def measured(model: str, remat: str) -> dict[str, tuple[int, float]]:

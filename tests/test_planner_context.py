@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib
-from meshtrain.experiment import Experiment
 from meshtrain.models import family
 from meshtrain.planner import analytic, context, hardware, hlo, hlo_flops, report as report_lib
+from meshtrain.run.experiment import Experiment
 
 H100 = hardware.get("h100")
 RUNS = {  # name: (mesh, layout, context_attention, remat)
@@ -71,7 +71,7 @@ def test_the_recompute_is_named_and_the_bound_met(planned):
     """The bound counts forward and backward; remat's second forward is known excess. The
     bound is met over all axes together: the gradient reduction the bound splits into a
     context part and a data part, XLA may run as one all-reduce over both (the chunked
-    loss's copies of w, meshtrain/loss.py), which sends the same bytes on a row of its own."""
+    loss's copies of w, meshtrain/step/loss.py), which sends the same bytes on a row of its own."""
     for name in ("ring", "ring_tp_full"):
         r = planned[name][2]
         rows = r["collectives_by_axes"]

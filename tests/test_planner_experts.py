@@ -8,8 +8,8 @@ import pytest
 
 from conftest import configured
 from meshtrain import models
-from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, experts, hardware, lint, report as report_lib, search, text
+from meshtrain.run.experiment import Experiment
 
 H100 = hardware.get("h100")
 RUNS = {  # name: (config, overrides)

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from meshtrain import config as config_lib
-from meshtrain.experiment import Experiment
 from meshtrain.models import conv as conv_lib
 from meshtrain.planner import halo, hardware, hlo, report as report_lib
+from meshtrain.run.experiment import Experiment
 from support.training import compiled_as_users_compile
 
 H100 = hardware.get("h100")

@@ -8,10 +8,11 @@ import dataclasses
 import jax
 import pytest
 
-from meshtrain import config as config_lib, pipeline_ticks
-from meshtrain.experiment import Experiment
-from meshtrain.pipeline import Pipeline
+from meshtrain import config as config_lib
 from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report as report_lib, search, text
+from meshtrain.run.experiment import Experiment
+from meshtrain.step.pipeline import ticks as pipeline_ticks
+from meshtrain.step.pipeline.scan import Pipeline
 
 H100 = hardware.get("h100")
 ACCEPTANCE = "gpt2_medium_dp2_pp4_tp4"  # S = 4, M = 16, data 2, tensor 4, 24 layers
@@ -209,7 +210,7 @@ def test_search_predicts_the_recompute_of_stash_inputs():
     c = exp.model.cfg
     inputs, _ = predict(**{"pipeline.schedule": "1f1b"})
     residuals, _ = predict(**{"pipeline.schedule": "1f1b", "pipeline.stash": "residuals"})
-    from meshtrain import metrics
+    from meshtrain.runlog import metrics
     tokens = exp.cfg.train.batch_size * c.seq_len
     total = (metrics.flops_per_token(c) + 6.0 * c.num_layers * c.embed_dim * c.seq_len) * tokens  # with the square
     layers = total - 6.0 * c.padded_vocab_size * c.embed_dim * tokens  # less the output projection

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import configured
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.experiment import Experiment
 from meshtrain.planner import analytic, lint, search, sequence_parallel as sp
+from meshtrain.run.experiment import Experiment
 from support.training import compiled_as_users_compile
 
 MODELS = ("gpt2_tiny_dp2_tp4", "llama_tiny_dp2_tp4")  # data:2, tensor:4

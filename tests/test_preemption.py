@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from meshtrain import goodput
+from meshtrain.runlog import goodput
 from meshtrain.train import main
 from support.processes import free_port, steps_on_disk, wait_for
 

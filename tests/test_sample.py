@@ -16,9 +16,9 @@ import pytest
 
 from meshtrain import config as config_lib, sample
 from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
-from meshtrain.experiment import Experiment
-from meshtrain.pipeline import from_stages
+from meshtrain.step.pipeline.scan import from_stages
 
 N_NEW = 12
 PROMPT_LEN = 5

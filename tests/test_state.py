@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from meshtrain.experiment import Experiment
+from meshtrain.run.experiment import Experiment
 
 
 def test_init_creates_arrays_in_their_shards(make_config):

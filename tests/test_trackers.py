@@ -1,4 +1,4 @@
-"""train.trackers: where metric rows go (meshtrain/trackers.py). One run of four steps,
+"""train.trackers: where metric rows go (meshtrain/runlog/trackers.py). One run of four steps,
 stopped at step 2 and resumed, with tensorboard, jsonl and Weights & Biases in its
 offline mode (conftest.py sets WANDB_MODE=offline: no test reaches the network); its
 W&B files are read back with the record format wandb writes, and checked against
@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from meshtrain import config as config_lib, metrics, trackers
+from meshtrain import config as config_lib
 from meshtrain.errors import UserError
+from meshtrain.runlog import metrics, trackers
 
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from meshtrain.cluster import stragglers
-from meshtrain.cluster.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, HANG_STATUS, Watchdog, check_config
 from meshtrain.errors import UserError
+from meshtrain.run import stragglers
+from meshtrain.run.watchdog import AUTO_FLOOR_S, AUTO_MULTIPLE, HANG_STATUS, Watchdog, check_config
 from support.processes import ENV, ROOT, wait_for
 
 
@@ -152,7 +152,7 @@ def test_an_even_job_and_small_differences_are_not_named():
 
 GIL_HOLDER = textwrap.dedent("""
     import sys, time
-    from meshtrain.cluster.watchdog import Watchdog
+    from meshtrain.run.watchdog import Watchdog
     w = Watchdog(2.0, 30).start()
     for step in (1, 2, 3):
         w.dispatched(step)

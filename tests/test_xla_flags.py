@@ -258,7 +258,7 @@ def test_a_compile_option_this_jaxlib_lacks_is_left_out_of_the_analysis_compile(
     """JAX 0.11 retired xla_cpu_use_fusion_emitters, and one unknown option fails a whole
     compile ("No such compile option"): known_options keeps the rest, and the analysis
     compile takes only what this jaxlib has."""
-    from meshtrain.experiment import ANALYSIS_OPTIONS, analysis_options, known_options
+    from meshtrain.run.experiment import ANALYSIS_OPTIONS, analysis_options, known_options
     import jax
     asked = {"xla_cpu_no_such_option": False, "xla_backend_optimization_level": 0}
     assert known_options(asked) == {"xla_backend_optimization_level": 0}
@@ -271,7 +271,8 @@ def test_a_compile_option_this_jaxlib_lacks_is_left_out_of_the_analysis_compile(
 def test_the_planners_fast_compile_flags_leave_out_what_this_jaxlib_lacks(monkeypatch):
     """`meshtrain plan` puts the analysis options into XLA_FLAGS before JAX starts; an option
     this jaxlib lacks would abort the process there, so it is parsed first and left out."""
-    from meshtrain import experiment, planner
+    from meshtrain import planner
+    from meshtrain.run import experiment
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setitem(experiment.ANALYSIS_OPTIONS, "xla_cpu_no_such_option", False)
     added = planner.fast_compile()

@@ -252,6 +252,6 @@ def check_model(src: InitSource, cfg: models.ModelConfig) -> None:
 
 def _length_shaped(src: InitSource) -> bool:
     """Whether a param has a `length` axis (GPT-2's learned positions; not Llama's RoPE)."""
-    from meshtrain import state as state_lib
+    from meshtrain.step import state as state_lib
     axes = state_lib.abstract_model(src.model_config()).axes
     return any("length" in a for a in tree_paths.flat(axes, is_leaf=lambda x: isinstance(x, tuple)).values())

@@ -20,7 +20,7 @@ from meshtrain.checkpoints import integrity, restage
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.checkpoints.init_from import InitSource, check_model
 from meshtrain.errors import UserError
-from meshtrain.pipeline import Pipeline, from_stages, to_stages
+from meshtrain.step.pipeline.scan import Pipeline, from_stages, to_stages
 
 
 def saved_params(src: InitSource) -> dict:
@@ -169,7 +169,7 @@ def load_stats(src: InitSource, model, stats_shardings) -> dict:
 def init_state(src: InitSource, exp):
     """TrainState at step 0: `src`'s params (load_params) and statistics (load_stats), a
     fresh optimizer state, the run's seed; in exp.shardings."""
-    from meshtrain import state as state_lib
+    from meshtrain.step import state as state_lib
     params = load_params(src, exp.model, exp.shardings.params)
     stats = load_stats(src, exp.model, exp.shardings.stats)
 

@@ -5,7 +5,6 @@
   kv           JAX's key-value store as meshtrain reads it: values parsed as untrusted input
   agreement    the start: one job (count, ids, hosts, pids, the same config everywhere)
   liveness     beats and notices: a lost, failed or hung process stops the others, named
-  watchdog     a process that stops making progress (and the straggler report, stragglers)
   preemption   SIGTERM (Slurm's warning, Ctrl-C under launch/local.sh) -> save and stop
   shared_dir   every process must see the one checkpoint directory: checked at start
 """

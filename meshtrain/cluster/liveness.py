@@ -15,7 +15,7 @@ process, finds it and stops the job naming it.
              takes JAX's service with it, and JAX ends the others at once; the start-up log
              says so beforehand.)
     notices  NOTICE/I from process I: "failed" (it stopped with an error), "hung" (its
-             watchdog fired, watchdog.py), "done". Every process reads them each tick.
+             watchdog fired, run/watchdog.py), "done". Every process reads them each tick.
     stop     print one paragraph naming the process (host, pid, last step) and what is
              safe on disk, then exit LOST_STATUS. Process 0 hosts the service, whose end
              would make JAX abort the others: it lingers until they wrote BYE/I or
@@ -62,7 +62,7 @@ class Liveness:
         self.handled: set[tuple] = set()      # (process, kind) of the notices acted on
         self.leaving = False
         self.note: Callable[[], str] = lambda: ""  # what is safe on disk, for the loss message
-        # watchdog.py's: beats carry progress_of() ({"at": [...], "windows": [...]}); process 0
+        # run/watchdog.py's: beats carry progress_of() ({"at": [...], "windows": [...]}); process 0
         # keeps each process's, the others process 0's table of where each was (`where`);
         # on_hung(message) hears of a hang.
         self.progress_of: Callable[[], dict] | None = None

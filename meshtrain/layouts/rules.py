@@ -165,7 +165,7 @@ def parse(text: str, name: str | None = None) -> Layout:
     Example (ZeRO-1): "batch:data | opt_state=embed:data;mlp:data;head_dim:data".
     Example (ZeRO-2): the same plus "| grads=embed:data;mlp:data;head_dim:data": each
     layer's gradient is reduce-scattered over data inside the backward pass's layer
-    scan (meshtrain/grad_reduce.py), so no device holds the stacked gradients whole.
+    scan (meshtrain/step/grad_reduce.py), so no device holds the stacked gradients whole.
     """
     base: Rules = ()
     given: dict[str, Rules] = {}

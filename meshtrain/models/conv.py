@@ -8,7 +8,7 @@ conv of a channel-parallel pair, the input of the second, as `mlp` in a transfor
 A kernel is [kh, kw, in, out] with axes ("kernel_h", "kernel_w", in, out).
 
 Every nnx.Param and nnx.BatchStat carries its logical axes as `out_sharding` metadata;
-meshtrain.state reads them, as for the language models.
+meshtrain.step.state reads them, as for the language models.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ConvSpec(NamedTuple):
 
 
 def _variable(kind, value: jax.Array, axes: tuple[str, ...]):
-    # Sharding is applied by meshtrain.state from these names, not eagerly by Flax.
+    # Sharding is applied by meshtrain.step.state from these names, not eagerly by Flax.
     return kind(value, out_sharding=axes, eager_sharding=False)
 
 

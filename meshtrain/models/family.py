@@ -5,7 +5,7 @@ a model. A model is a file in meshtrain/models/ that builds a `Family` and calls
 A family gives:
 
   config      its config dataclass, a subclass of `ModelConfig` (the fields the core reads)
-  task        the task it is trained for (meshtrain/tasks): "lm" (default) or "classify";
+  task        the task it is trained for (meshtrain/step/tasks): "lm" (default) or "classify";
               the task fixes the forward pass's signature:
   module      module(cfg, rngs) -> nnx.Module, whose
                   lm:       __call__(tokens [B, T] int32, constrain, key, run_layers) -> logits [B, T, V]
@@ -21,7 +21,7 @@ A family gives:
                   project(h [B, t, D], w, constrain) -> logits [B, t, V]
               with __call__ = project(*hidden(...)) and project reading nothing but its
               arguments: the loss then projects a chunk of positions at a time
-              (meshtrain/loss.py); without them it takes whole logits; and for the
+              (meshtrain/step/loss.py); without them it takes whole logits; and for the
               1f1b/interleaved pipeline schedules, hidden cut in its two ends:
                   embed_tokens(tokens, constrain, key) -> x [B, T, D], what the first layer takes
                   head(x, constrain) -> (h, w) as hidden returns them, from the last layer's x

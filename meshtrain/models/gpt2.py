@@ -174,7 +174,7 @@ class GPT2(nnx.Module):
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """tokens [B, T] int32 -> (h [B, T, D] after the final LayerNorm, the tied table
         [V, D]), both in the compute dtype: what `project` turns into logits, so the loss
-        can project a few positions at a time (meshtrain/loss.py)."""
+        can project a few positions at a time (meshtrain/step/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         x_btd = self.embed_tokens(tokens_bt, constrain, keys[0])

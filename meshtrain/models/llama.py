@@ -210,7 +210,7 @@ class Llama(nnx.Module):
         """tokens [B, T] int32 -> (h [B, T, D] after the final norm, the output projection:
         the tied table [V, D] or the head [D, V]), both in the compute dtype: what `project`
         turns into logits, so the loss can project a few positions at a time
-        (meshtrain/loss.py)."""
+        (meshtrain/step/loss.py)."""
         cfg = self.cfg
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         x_btd = self.embed_tokens(tokens_bt, constrain, keys[0])

@@ -3,7 +3,7 @@ sequential pass over a stack of layers.
 
 A model's layers are stored stacked: each layer parameter has a leading `layers` dim,
 and the forward pass runs one layer function over that dim. The caller may take that
-pass over with `run_layers` (meshtrain/pipeline.py does, to run the stack as pipeline
+pass over with `run_layers` (meshtrain/step/pipeline/scan.py does, to run the stack as pipeline
 stages); the model never knows how its layers are scheduled.
 
     constrain(x, axes) -> x                     pins an activation to the layout
@@ -122,7 +122,7 @@ def param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, in
         value = jnp.ones(shape, dtype)
     else:
         value = jnp.zeros(shape, dtype)
-    # Sharding is applied by meshtrain.state from these names, not eagerly by Flax.
+    # Sharding is applied by meshtrain.step.state from these names, not eagerly by Flax.
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 

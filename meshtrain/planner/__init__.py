@@ -27,6 +27,6 @@ def fast_compile() -> dict[str, str]:
     abort the process; JAX 0.11 has no xla_cpu_use_fusion_emitters). For a process that only
     plans (`meshtrain plan`, the notebooks); call before JAX starts its backend; returns the
     flags added. Experiment.compile(analysis=True) uses the same options for one compile."""
+    from meshtrain.run.experiment import ANALYSIS_OPTIONS
     from meshtrain.xla_flags import add_known
-    from meshtrain.experiment import ANALYSIS_OPTIONS
     return add_known({k: str(v).lower() for k, v in ANALYSIS_OPTIONS.items()})

@@ -20,8 +20,8 @@ choice (grad_reduce.gathered_axes); elsewhere both build the same program.
 
 from __future__ import annotations
 
-from meshtrain import grad_reduce
 from meshtrain.planner import analytic, memory_check
+from meshtrain.step import grad_reduce
 
 
 def hardware_budget(hw) -> memory_check.Budget:

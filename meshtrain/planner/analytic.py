@@ -20,7 +20,7 @@ Memory per device (bytes), for fp32 master weights:
                values and the context attention's score blocks: planner/context.py),
                plus one layer's full activations when a remat policy recomputes them, plus
                the logits and their gradient (compute dtype): of one chunk of train.loss_chunk positions when the loss runs in chunks
-               (meshtrain/loss.py), with then the output projection's gradient summed
+               (meshtrain/step/loss.py), with then the output projection's gradient summed
                over the chunks in float32; under a pipeline, what each schedule keeps
                (planner/pipeline_memory.py: gpipe and circular every microbatch, 1f1b and
                interleaved the few in flight)
@@ -42,10 +42,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshtrain import grad_reduce, loss as loss_lib, optim, state as state_lib, step as step_lib
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.planner import context, experts, pipeline_memory
+from meshtrain.step import grad_reduce, loss as loss_lib, optim, state as state_lib, train_step as step_lib
 
 GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -124,7 +124,7 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
     pipeline as it is) and `layout`."""
     import types
     from meshtrain import mesh as mesh_lib
-    from meshtrain.experiment import abstract_mesh, check_config
+    from meshtrain.run.experiment import abstract_mesh, check_config
     mesh = abstract_mesh(mesh_lib.parse_shape(shape if shape is not None else cfg.mesh.shape))
     if model is None:
         plan = check_config(cfg, mesh)
@@ -215,7 +215,7 @@ def activation_traffic(exp, hw=None) -> float | None:
 
 def _head(exp, cfg, rows: int, vocab_shards: int) -> float:
     """The loss head for `rows` rows: logits and their gradient, both in the compute dtype
-    (meshtrain/loss.py writes nothing [.., V] in float32), of one chunk of positions when
+    (meshtrain/step/loss.py writes nothing [.., V] in float32), of one chunk of positions when
     the loss runs in chunks, and then the output projection's gradient summed over the
     chunks in float32."""
     chunks = loss_chunks(exp)
@@ -225,7 +225,7 @@ def _head(exp, cfg, rows: int, vocab_shards: int) -> float:
 
 
 def loss_chunks(exp) -> int:
-    """How many chunks of positions the loss runs in (meshtrain/loss.py): 1 when the model
+    """How many chunks of positions the loss runs in (meshtrain/step/loss.py): 1 when the model
     has no hidden/project seam, which then takes whole logits."""
     if not loss_lib.has_seam(exp.model.family.module):
         return 1

@@ -25,7 +25,7 @@ Collective lower bounds (bytes each device sends per step, ring algorithms):
   tensor       Megatron (arXiv 1909.08053): 2 all-reduces of [b, T, D] (T/n of a context split) per layer forward and
                2 backward per microbatch, plus, when the vocabulary is split, the embedding
                lookup forward and the output projection's input gradient backward, once per
-               loss chunk (meshtrain/loss.py: n chunks send n all-reduces of [b, T/n, D]).
+               loss chunk (meshtrain/step/loss.py: n chunks send n all-reduces of [b, T/n, D]).
   stage        each microbatch crosses each stage boundary once forward and once backward,
                [b, T, D] in the compute dtype, (S-1)/S of the devices sending; r times round
                the stages under circular/interleaved: (r S - 1)/S per device.
@@ -48,8 +48,9 @@ import math
 
 import jax.numpy as jnp
 
-from meshtrain import grad_reduce, tree_paths
+from meshtrain import tree_paths
 from meshtrain.planner import context, experts, halo
+from meshtrain.step import grad_reduce
 from meshtrain.planner.analytic import (_axes_of, _embed_dim, _shards, _size, gathered, has_stream,
                                         local_batch, loss_chunks)
 
@@ -123,7 +124,7 @@ def _gradients(exp, add) -> None:
             reduced /= n
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
         if grad_bytes and reduce_axes and set(reduce_axes) <= set(replicas):
-            g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/grad_reduce.py)
+            g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/step/grad_reduce.py)
         zero = [a for a in reduce_axes if a in o_axes]
         plain = [a for a in reduce_axes if a not in o_axes]
         # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.

@@ -86,8 +86,8 @@ def _report(name: str, overrides: list, hw) -> dict:
     import jax
 
     from meshtrain import config as config_lib, mesh as mesh_lib
-    from meshtrain.experiment import Experiment, read_inputs, resolve
     from meshtrain.planner import accumulation, report as report_lib
+    from meshtrain.run.experiment import Experiment, read_inputs, resolve
     cfg = config_lib.load(name)
     for key, value in overrides:
         config_lib.override(cfg, key, value)

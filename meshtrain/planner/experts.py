@@ -48,10 +48,11 @@ import math
 
 import jax.numpy as jnp
 
-from meshtrain import optim, tree_paths
+from meshtrain import tree_paths
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import moe, moe_dropless
 from meshtrain.planner import hlo
+from meshtrain.step import optim
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun the MoE layer in backward
 WEIGHTS = ("w_gate", "w_up", "w_down")

@@ -240,9 +240,9 @@ def _together(fixes: list[Fix]) -> Fix:
 
 def find_fix(exp, budget: Budget, time_budget_s: float = FIX_COMPILE_BUDGET_S) -> tuple[Fix | None, list[Fix]]:
     """(the cheapest candidate that fits, compiled here, or None; the cheaper ones tried)."""
-    from meshtrain import metrics
-    from meshtrain.experiment import Experiment, Inputs
     from meshtrain.planner import analytic
+    from meshtrain.run.experiment import Experiment, Inputs
+    from meshtrain.runlog import metrics
     inputs = Inputs(exp.init, exp.source)
     deadline = time.perf_counter() + time_budget_s
     tried = []

@@ -176,7 +176,7 @@ def layout_figure(exp, leaves: Sequence[str] | None = None, target: str = "param
                   title: str | None = None, cell: tuple[float, float] = (3.4, 2.6)):
     """A grid of sharding_pictures, one per parameter of one Experiment.
 
-    exp:     a built meshtrain.experiment.Experiment (nothing is compiled or allocated):
+    exp:     a built meshtrain.run.experiment.Experiment (nothing is compiled or allocated):
              exp.model.shapes gives each parameter's shape, exp.shardings.params (target
              "params") or exp.grad_shardings (target "opt_state": where the Adam moments
              live and gradients are reduced to; ZeRO-1 differs from dp only there) its

@@ -50,8 +50,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from meshtrain import pipeline_ticks
-from meshtrain.pipeline import Pipeline
+from meshtrain.step.pipeline import ticks as pipeline_ticks
+from meshtrain.step.pipeline.scan import Pipeline
 
 BUFFER_SLOTS = 4  # [mb, T, D] slots a stage keeps in the 1f1b loop: forward and backward sends
 # Layer FLOPs of a step over gpipe's (forward 1 + backward 2): stash=inputs runs each

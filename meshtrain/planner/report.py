@@ -18,9 +18,9 @@ import time
 import jax
 
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain import metrics
 from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, context, experts, halo, roofline, work
 from meshtrain.planner.hardware import Hardware
+from meshtrain.runlog import metrics
 
 MEMORY_KEYS = ("params", "optimizer", "gradients", "activations")
 

@@ -41,8 +41,8 @@ import pathlib
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.layouts import presets
 from meshtrain.errors import UserError
+from meshtrain.layouts import presets
 from meshtrain.planner import hardware as hardware_lib, pipeline_memory, ranking
 from meshtrain.progress import Progress, format_duration
 
@@ -209,8 +209,8 @@ _WORKER_INPUTS: dict = {}  # a worker reads the config's data and init.from once
 
 def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) -> dict:
     """In a worker: build, compile and report one candidate (the parts the ranking needs)."""
-    from meshtrain.experiment import Experiment, read_inputs
     from meshtrain.planner import accumulation, report as report_lib
+    from meshtrain.run.experiment import Experiment, read_inputs
     key = (name, tuple(map(tuple, base)))
     if key not in _WORKER_INPUTS:
         _WORKER_INPUTS[key] = read_inputs(_build(name, base, []))
@@ -232,7 +232,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
         raise UserError(f"--devices={devices} is not divisible by --nodes={nodes}.")
     mesh_lib.simulate_cpu_devices({"data": devices})
     from meshtrain import models
-    from meshtrain.experiment import read_inputs, resolve
+    from meshtrain.run.experiment import read_inputs, resolve
     inputs = read_inputs(cfg)  # the data and init.from, once for every candidate
     dims = models.size_dims(resolve(cfg, inputs.init).model)
     options = {k: v for k, v in SEARCHED.items() if k in config_lib.keys(cfg)}
@@ -301,8 +301,8 @@ def one_schedule_each(entries: list[dict]) -> list[dict]:
 def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
     """The candidates that divide and fit by the formulas: [{candidate, cfg, prediction,
     memory_bytes, bound_bytes}] (the formula prediction: `_estimate`)."""
-    from meshtrain.experiment import Experiment, resolve
     from meshtrain.planner import accumulation, analytic, lint
+    from meshtrain.run.experiment import Experiment, resolve
     out = []
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
@@ -337,8 +337,8 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     pipeline's bubble ticks added, and the attention's masked half, which the compiled
     program computes: 12 L D T a token against the model's 6 L D T), collectives at their
     lower bounds. -> (prediction, bounds)."""
-    from meshtrain import metrics
     from meshtrain.planner import analytic, bounds as bounds_lib, roofline, work
+    from meshtrain.runlog import metrics
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
     model_flops = metrics.flops_per_unit(cfg) * exp.units_per_step

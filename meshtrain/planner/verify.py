@@ -34,9 +34,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib, pipeline, tree_paths
+from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
 from meshtrain.errors import UserError
 from meshtrain.planner import findings
+from meshtrain.step.pipeline import scan as pipeline
 
 TOLERANCE = 1e-5  # relative, float32: sharded sums reorder additions, nothing more
 # The shrunk model's floors: small enough to run in seconds, large enough that every
@@ -158,7 +159,7 @@ class _Run:
     """One side of the comparison: an experiment, its compiled step and its state."""
 
     def __init__(self, cfg, devices, params, say, what: str):
-        from meshtrain.experiment import Experiment
+        from meshtrain.run.experiment import Experiment
         self.exp = exp = Experiment.build(cfg, devices=devices)
         state = exp.init_state()
         if params is not None:  # the reference's values, laid out the layout's way
@@ -224,7 +225,7 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
     """Verifies `cfg`'s layout on its mesh against one device; -> the result (`render` prints
     it; result["ok"] is the verdict). The backend must not have started with fewer CPU
     devices than the mesh (the command simulates them first)."""
-    from meshtrain.experiment import abstract_mesh, check_config
+    from meshtrain.run.experiment import abstract_mesh, check_config
     wall = time.perf_counter()
     shape = mesh_shape(cfg)
     check_config(cfg, abstract_mesh(shape))  # the layout parses and the real model divides

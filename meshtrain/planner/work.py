@@ -5,7 +5,7 @@ memory-bound kernels pass over, by formula from the config and the layout.
     attention_flops  the compiled program's attention matmuls (scores and values, forward
                      and backward, the forward again under remat): 12 L H Q T a token, the
                      whole [T, T] square, once more by 1/3 where remat recomputes it
-    loss_bytes       the loss's passes over its logits (meshtrain/loss.py): two reductions
+    loss_bytes       the loss's passes over its logits (meshtrain/step/loss.py): two reductions
                      (max, sum of exp) read them, the gradient reads them and writes its own,
                      all in the compute dtype: LOSS_PASSES x rows x T x V x itemsize
     layer_bytes      the layers' element-wise kernels (norms, GELU or SwiGLU, biases,

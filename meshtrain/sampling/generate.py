@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.layouts import Layout, make_constrain
-from meshtrain.state import ModelDef
-from meshtrain.step import batch_sharding
+from meshtrain.step.state import ModelDef
+from meshtrain.step.train_step import batch_sharding
 
 
 def batch_shards(layout: Layout, mesh: Mesh) -> int:

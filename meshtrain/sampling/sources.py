@@ -132,7 +132,8 @@ def build(cfg, saved_run: dict, shape: dict, devices, dtype: str | None = None):
     layers are put back in layer order: its layout's `stage:stage` rule then places
     nothing, and the stage devices split the batch.
     """
-    from meshtrain import layouts, models, state as state_lib
+    from meshtrain import layouts, models
+    from meshtrain.step import state as state_lib
     fam = models.family.get(cfg.model.name)
     saved = saved_run["model"]
     known = {f.name for f in dataclasses.fields(fam.config)}
@@ -155,9 +156,10 @@ def build_from_source(src, layout, shape: dict, devices, dtype: str):
     import ml_collections
     import numpy as np
 
-    from meshtrain import config as config_lib, models, state as state_lib
+    from meshtrain import config as config_lib, models
     from meshtrain.checkpoints import reading
-    from meshtrain.experiment import vocab_shards
+    from meshtrain.run.experiment import vocab_shards
+    from meshtrain.step import state as state_lib
     mesh = mesh_lib.make_mesh(shape, devices)
     stored = [np.dtype(m.dtype).name for m in reading.saved_params(src).values()]
     param_dtype = max(set(stored), key=stored.count) if stored else "float32"

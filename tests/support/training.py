@@ -5,8 +5,9 @@ import jax
 import numpy as np
 import optax
 
-from meshtrain import pipeline, step as step_lib
-from meshtrain.experiment import analysis_options, Experiment, known_options
+from meshtrain.run.experiment import analysis_options, Experiment, known_options
+from meshtrain.step import train_step as step_lib
+from meshtrain.step.pipeline import scan as pipeline
 
 STEPS = 20
 

@@ -129,7 +129,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     one batch shard; it must read nothing but its arguments (a custom VJP cannot pass a
     gradient to values it closes over). The n batch shards each run the chunks on their own
     copy of w, so w's gradient adds up on each device and is reduced over the batch axes
-    once, when autodiff transposes the copy (as meshtrain/pipeline.py copies the stage
+    once, when autodiff transposes the copy (as meshtrain/step/pipeline/scan.py copies the stage
     weights): summed in the scan, it would be all-reduced once per chunk. Under context
     parallelism the positions stay split too, and each (batch shard, piece of the positions)
     pair has its copy. A chunk sees the layout without those axes; the vmap puts them back.

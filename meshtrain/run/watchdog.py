@@ -44,8 +44,8 @@ import time
 import traceback
 
 from meshtrain.cluster.liveness import describe
-from meshtrain.cluster.stragglers import Judge, window_stats
 from meshtrain.errors import UserError
+from meshtrain.run.stragglers import Judge, window_stats
 
 HANG_STATUS = 3                      # exit status of a process that found (or was told of) a hang
 AUTO_MULTIPLE, AUTO_FLOOR_S = 20, 300.0

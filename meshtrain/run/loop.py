@@ -15,13 +15,13 @@ import time
 import jax
 import numpy as np
 
-from meshtrain import goodput
 from meshtrain.checkpoints.store import Checkpointer
-from meshtrain.cluster import watchdog as watchdog_lib
 from meshtrain.cluster.preemption import Preemption
 from meshtrain.errors import RunFailed, UserError, warn
-from meshtrain.metrics import RunLog
-from meshtrain.step import NONFINITE_POLICIES, gradient_names
+from meshtrain.run import watchdog as watchdog_lib
+from meshtrain.runlog import goodput
+from meshtrain.runlog.metrics import RunLog
+from meshtrain.step.train_step import NONFINITE_POLICIES, gradient_names
 
 
 def check_config(t) -> None:
@@ -195,7 +195,7 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
     saves every checkpoint.every steps, every checkpoint.every_minutes, at the last step,
     and on SIGTERM or Ctrl-C (then stops). `preemption` (made before compiling, so a
     signal then is kept) and `clock` (goodput shares) are made here when not given;
-    `watchdog` (cluster/watchdog.py) hears of every step's progress.
+    `watchdog` (run/watchdog.py) hears of every step's progress.
     """
     t = exp.cfg.train
     state = exp.init_state() if state is None else state

@@ -3,7 +3,7 @@
     train_step(state, batch) -> (state, metrics)
     eval_step(params, stats, batch) -> {"loss": [], and the task's eval metrics}
 
-A batch is what the model's task says (meshtrain/tasks): token rows [B, T+1] int32 for a
+A batch is what the model's task says (meshtrain/step/tasks): token rows [B, T+1] int32 for a
 language model, {"images", "labels"} for a classifier.
 
 metrics, each a scalar: "loss" (mean over the batch), "grad_norm" (global L2
@@ -36,12 +36,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import grad_reduce, pipeline, pipeline_1f1b, tasks
+from meshtrain import tree_paths
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.models.stack import is_matrix
-from meshtrain.state import ModelDef, TrainState
-from meshtrain.tasks.task import is_field
-from meshtrain import tree_paths
+from meshtrain.step import tasks
+from meshtrain.step import grad_reduce
+from meshtrain.step.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
+from meshtrain.step.state import ModelDef, TrainState
+from meshtrain.step.tasks.task import is_field
 
 
 def batch_sharding(layout: Layout, mesh: Mesh, fields=None):
@@ -145,7 +147,7 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 
                  task: tasks.Task | None = None) -> Callable:
     """loss_fn(params, batch, key) -> mean loss, for a model without BatchStat state (the
     language models): the task's loss; pipelined when model.pipeline is set, over chunks
-    of loss_chunk positions when that is below T (meshtrain/loss.py; 0: whole)."""
+    of loss_chunk positions when that is below T (meshtrain/step/loss.py; 0: whole)."""
     if model.stats_shapes:
         raise ValueError("a model with BatchStat state has no loss of params alone: use make_objective")
     objective = _task_objective(model, layout, mesh, tasks.for_family(model.task) if task is None else task,
@@ -200,7 +202,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them (ZeRO-1
     at the end of the backward pass; ZeRO-2 layer by layer inside it, forward_parts).
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
-    in that dtype, once per step (meshtrain/grad_reduce.py). With `accum_gather="once"`
+    in that dtype, once per step (meshtrain/step/grad_reduce.py). With `accum_gather="once"`
     and microbatches, parameters sharded over a batch axis are gathered once before the
     microbatch loop, and that axis joins the replica axes (module docstring). A model
     with BatchStat state accumulates without per-replica gradients (its statistics are

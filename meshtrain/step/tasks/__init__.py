@@ -16,9 +16,9 @@ docs/models.md, "Adding a task", is the contract.
 from __future__ import annotations
 
 from meshtrain.errors import UserError
-from meshtrain.tasks.classify import Classification
-from meshtrain.tasks.language import LanguageModelling
-from meshtrain.tasks.task import Field, Task
+from meshtrain.step.tasks.classify import Classification
+from meshtrain.step.tasks.language import LanguageModelling
+from meshtrain.step.tasks.task import Field, Task
 
 TASKS = {"lm": LanguageModelling, "classify": Classification}
 

@@ -1,7 +1,7 @@
 """Language modelling: next-token prediction over rows of tokens.
 
     batch   tokens [B, T+1] int32 (inputs tokens[:, :-1], targets tokens[:, 1:])
-    loss    mean next-token cross entropy in float32 (meshtrain/loss.py: whole, or a chunk
+    loss    mean next-token cross entropy in float32 (meshtrain/step/loss.py: whole, or a chunk
             of positions at a time with the model's hidden/project seam), plus in training
             a model's auxiliary losses (a mixture of experts' router losses), whose
             statistics are the metrics
@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from meshtrain import loss as loss_lib
-from meshtrain.tasks.task import Field
+from meshtrain.step import loss as loss_lib
+from meshtrain.step.tasks.task import Field
 
 
 class LanguageModelling:

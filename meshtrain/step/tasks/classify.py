@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.tasks.task import Field
+from meshtrain.step.tasks.task import Field
 
 IMAGE_AXES = ("batch", "height", "width", "image_channels")
 

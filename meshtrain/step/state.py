@@ -23,8 +23,8 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import Family, ModelConfig, family_of
+from meshtrain.step.pipeline.scan import Pipeline, stage_axes, stage_shape, to_stages
 from meshtrain.tree_paths import path_str
-from meshtrain.pipeline import Pipeline, stage_axes, stage_shape, to_stages
 
 # Where a logical dim's size comes from, for error messages (a family adds its own).
 SIZE_KEYS = {

@@ -22,12 +22,17 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from meshtrain import grad_reduce, layouts, loop, loss as loss_lib, mesh as mesh_lib, models, optim, pipeline, state as state_lib, step as step_lib, tasks, trackers
-from meshtrain.cluster import distributed
+from meshtrain import layouts, mesh as mesh_lib, models
 from meshtrain.checkpoints import init_from, reading, store as checkpoint_store
+from meshtrain.cluster import distributed
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, sequence
+from meshtrain.run import loop
+from meshtrain.runlog import trackers
+from meshtrain.step import tasks
+from meshtrain.step import grad_reduce, loss as loss_lib, optim, state as state_lib, train_step as step_lib
+from meshtrain.step.pipeline import scan as pipeline
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:

@@ -41,14 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain import grad_reduce
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, make_constrain
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
+from meshtrain.step import grad_reduce
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
-# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/pipeline_1f1b.py):
+# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/step/pipeline/schedule_1f1b.py):
 # "inputs" recomputes the chunk from its stashed input; "residuals" keeps autodiff's.
 STASHES = ("inputs", "residuals")
 
@@ -224,7 +224,7 @@ def output_ticks(pipe: Pipeline) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """How the stages run on the mesh: shared by the forward-only schedules' runner here
-    and the 1F1B tick loop (meshtrain/pipeline_1f1b.py).
+    and the 1F1B tick loop (meshtrain/step/pipeline/schedule_1f1b.py).
 
     Two vmaps make the per-device program explicit: over stages (mesh axis `stage`)
     and over the n batch shards of a microbatch (`shard`: the mesh axes the layout

@@ -1,7 +1,7 @@
 """Where a run's metric rows go: metrics.jsonl, TensorBoard events, Weights & Biases.
 
 `train.trackers` names them, a comma list (`tensorboard,jsonl` by default). RunLog
-(meshtrain/metrics.py) makes them on process 0 and drives each one through
+(meshtrain/runlog/metrics.py) makes them on process 0 and drives each one through
 
     start(info)       run.json's dict, once, after compiling (a tracker keeps what it needs)
     open() -> float   at the first row; the run's clock goes on from the largest value

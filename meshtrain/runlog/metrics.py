@@ -1,5 +1,5 @@
 """What a run writes: run.json, progress lines, and its rows to the trackers
-(metrics.jsonl, TensorBoard events, W&B: meshtrain/trackers.py).
+(metrics.jsonl, TensorBoard events, W&B: meshtrain/runlog/trackers.py).
 
 Only process 0 writes files. FLOPs follow the llm.c convention (6 N + 6 L D T per
 token: causal attention, tied embedding counted once); MFU divides by the dense
@@ -18,10 +18,11 @@ import time
 
 import jax
 
-from meshtrain import tasks, trackers as trackers_lib
 from meshtrain.errors import warn
 from meshtrain.models import ModelConfig, family_of
 from meshtrain.progress import format_duration
+from meshtrain.runlog import trackers as trackers_lib
+from meshtrain.step import tasks
 
 # Dense bf16 peak FLOP/s by device kind substring (vendor data sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
@@ -137,7 +138,7 @@ class RunLog:
         `model_metrics` (the family's statistics, a router's losses). `resume_step`: the checkpoint this run continues from. Rows the earlier run
         logged after it are dropped (this run logs those steps again), so metrics.jsonl
         reads as one run; TensorBoard purges them the same way. `trackers`: train.trackers,
-        where the rows go besides the progress lines (meshtrain/trackers.py)."""
+        where the rows go besides the progress lines (meshtrain/runlog/trackers.py)."""
         self.enabled = jax.process_index() == 0
         self.dir = pathlib.Path(workdir) if workdir else None
         self.total = total_steps
