@@ -67,7 +67,7 @@ def test_a_blocked_data_iterator_is_reported_exits_3_and_the_rerun_resumes_like_
                      r"[\d.]+ s, longer than the bound on a step \(train.hang_timeout=5\)\.$", log, re.M), log[-3000:]
     # The blocked thread's stack, innermost first: the wait, the hook's __next__, the loop.
     assert re.search(r'threading\.py", line \d+ in wait\n.*fault_run\.py", line \d+ in __next__\n'
-                     r'.*meshtrain/loop\.py", line \d+ in train_loop\n', log), log[-3000:]
+                     r'.*meshtrain/run/loop\.py", line \d+ in train_loop\n', log), log[-3000:]
     assert log.rstrip().endswith("exits with status 3 (a hang). Committed checkpoints are kept; the latest is "
                                  f"step 8 in {w / 'checkpoints'}, and rerunning the same command (or "
                                  f"resubmitting the job) resumes from it.")
@@ -109,7 +109,7 @@ def test_two_processes_one_asleep_before_a_step_both_exit_3_and_name_it(tmp_path
     # The sleeping process reports itself, with the stack of its sleep.
     assert re.search(r"^meshtrain: error: hang in step 15: process 1 \(host \S+, pid \d+\) is in its own code",
                      log1, re.M), log1[-3000:]
-    assert re.search(r'fault_run\.py", line \d+ in __next__\n.*meshtrain/loop\.py", line \d+ in train_loop', log1)
+    assert re.search(r'fault_run\.py", line \d+ in __next__\n.*meshtrain/run/loop\.py", line \d+ in train_loop', log1)
     assert "is a straggler" not in log0 + log1 and "Traceback" not in log0 + log1
 
 

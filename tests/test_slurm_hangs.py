@@ -49,7 +49,7 @@ def test_a_task_asleep_before_a_step_ends_the_job_with_status_3_naming_it(slurm,
     assert "step 9: dispatched (not finished) by process 0; not dispatched by process 1." in logs[0]
     assert f"pid {pid1}), which never dispatched it" in logs[0]
     assert re.search(r"^meshtrain: error: hang in step 9: process 1 ", logs[1], re.M), logs[1][-3000:]
-    assert re.search(r'fault_run\.py", line \d+ in __next__\n.*meshtrain/loop\.py", line \d+ in train_loop', logs[1])
+    assert re.search(r'fault_run\.py", line \d+ in __next__\n.*meshtrain/run/loop\.py", line \d+ in train_loop', logs[1])
     for log in logs:
         assert "exits with status 3 (a hang). Committed checkpoints are kept; the latest is step 8" in log
 
