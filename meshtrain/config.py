@@ -43,7 +43,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
         # auto | xla | cudnn (meshtrain/models/attention.py; docs/performance.md)
         attention="auto",
         # allgather | ring: how attention meets the pieces of a sequence split over the
-        # context axis (meshtrain/models/context_attention.py; docs/layouts.md)
+        # context axis (meshtrain/parallel/context_attention.py; docs/layouts.md)
         context_attention="allgather",
     )
     # How a mixture of experts runs (models/moe.py; docs/models.md "Mixtures of experts"):

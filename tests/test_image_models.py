@@ -19,6 +19,7 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
+from meshtrain.parallel.hook import UNSHARDED, Constrain
 from meshtrain.run.experiment import analysis_options
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}
@@ -305,7 +306,7 @@ def train_forward(graphdef, constrain):
 def reference(request):
     cfg = cfg_for(request.param, "tiny", vocab_multiple=8)
     graphdef, params, stats, axes = split(cfg)
-    one = jax.jit(train_forward(graphdef, lambda x, a: x), compiler_options=analysis_options())(params, stats, IMAGES, LABELS)
+    one = jax.jit(train_forward(graphdef, UNSHARDED), compiler_options=analysis_options())(params, stats, IMAGES, LABELS)
     return cfg, graphdef, params, stats, axes, one
 
 
@@ -323,7 +324,7 @@ def test_layout_equals_one_device(reference, mesh_text, layout_text):
     p_sh = shardings(params, axes["params"], layout, mesh)
     s_sh = shardings(stats, axes["stats"], layout, mesh)
     batch = NamedSharding(mesh, layout.spec(("batch",), "activations"))
-    run = jax.jit(train_forward(graphdef, layouts.make_constrain(layout, mesh)),
+    run = jax.jit(train_forward(graphdef, Constrain(layout, mesh)),
                   in_shardings=(p_sh, s_sh, batch, batch)).lower(params, stats, IMAGES, LABELS).compile(analysis_options())
     got = run(jax.device_put(params, p_sh), jax.device_put(stats, s_sh), IMAGES, LABELS)
     if "height:tensor" in layout_text:  # convs over split rows exchange halos, not whole images

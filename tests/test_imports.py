@@ -175,3 +175,27 @@ def test_the_reading_order_says_how_much_it_is():
     text = (ROOT / "docs" / "architecture.md").read_text().split("## Read in this order\n", 1)[1]
     assert f"{n} files, about {_hundreds(lines)} lines" in text.split("\n\n", 1)[0].replace("\n", " "), (
         f"the reading order's headline should say '{n} files, about {_hundreds(lines)} lines'")
+
+
+def test_models_own_no_mesh():
+    """The models receive the typed hook (parallel/hook.py) and call the kernels in
+    parallel/ with it: no model file imports jax.sharding, calls shard_map itself, or
+    probes the hook with getattr/hasattr."""
+    found = []
+    for path in sorted((PACKAGE / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = path.relative_to(ROOT)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax.sharding"):
+                found.append(f"{name}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("jax.sharding") for a in node.names):
+                found.append(f"{name}:{node.lineno} imports jax.sharding")
+            elif isinstance(node, ast.Attribute) and node.attr in ("sharding", "shard_map") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "jax":
+                found.append(f"{name}:{node.lineno} uses jax.{node.attr}")
+            elif isinstance(node, ast.Name) and node.id in ("shard_map", "NamedSharding", "PartitionSpec"):
+                found.append(f"{name}:{node.lineno} uses {node.id}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr") and node.args
+                  and isinstance(node.args[0], ast.Name) and node.args[0].id == "constrain"):
+                found.append(f"{name}:{node.lineno} probes the hook with {node.func.id}")
+    assert not found, "models/ must leave meshes to parallel/:\n" + "\n".join(found)

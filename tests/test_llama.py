@@ -22,6 +22,7 @@ from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_path
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
+from meshtrain.parallel.hook import Constrain
 from meshtrain.run.experiment import analysis_options
 from meshtrain.step.state import abstract_model, param_shardings
 
@@ -181,7 +182,7 @@ def test_decode_and_forward_under_dp_tp_match_one_device():
     sharded = jax.device_put(params, param_shardings(abstract_model(cfg), layout, mesh, "params"))
     assert sharded["blocks"]["attn"]["wq"].sharding.spec[2] == "tensor"
     assert all(s is None for s in sharded["blocks"]["attn"]["wk"].sharding.spec)
-    constrain = layouts.make_constrain(layout, mesh)
+    constrain = Constrain(layout, mesh)
     tokens = TOKENS[:, :12]
     logits, cache = decode_logits(cfg, sharded, tokens, prompt=5, constrain=constrain)
     assert cache[0].sharding.spec[1] == "data"

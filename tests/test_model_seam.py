@@ -12,6 +12,7 @@ from flax import nnx
 
 from meshtrain import config as config_lib
 from meshtrain.models import family, stack
+from meshtrain.parallel.hook import UNSHARDED
 from support.training import assert_same_training, losses_and_grads, trained
 
 
@@ -41,7 +42,7 @@ class Toy(nnx.Module):
         self.layers = ToyLayer(cfg, rngs, cfg.num_layers)
         self.head = stack.param(rngs, (d, v), ("embed", "vocab"), None, jnp.float32, "normal")
 
-    def hidden(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+    def hidden(self, tokens_bt, constrain=UNSHARDED, key=None, run_layers=None):
         """-> (h [B, T, D], the head [D, V]): everything before the output projection."""
         x = constrain(jnp.take(self.embed[...], tokens_bt, axis=0), ("batch", "length", "embed"))
         x = stack.run_layers(self.layers, x, constrain, key, run_layers, num_layers=self.cfg.num_layers,
@@ -49,11 +50,11 @@ class Toy(nnx.Module):
         return x, self.head[...]
 
     @staticmethod
-    def project(h_btd, w_dv, constrain=stack.no_constraint):
+    def project(h_btd, w_dv, constrain=UNSHARDED):
         """h [B, t, D] -> logits [B, t, V], from its arguments alone (the loss calls it per chunk)."""
         return constrain(h_btd @ w_dv, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens_bt, constrain=stack.no_constraint, key=None, run_layers=None):
+    def __call__(self, tokens_bt, constrain=UNSHARDED, key=None, run_layers=None):
         return self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
 
 

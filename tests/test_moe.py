@@ -141,14 +141,15 @@ def test_refusals(overrides, needle):
 def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
     """Dropless runs per device under shard_map, with embed whole and the experts' mlp on
     axes of its own: other splits are refused with the fix, before anything is traced."""
-    from meshtrain.layouts import get, make_constrain
+    from meshtrain.layouts import get
     from meshtrain.models import moe_dropless
+    from meshtrain.parallel.hook import Constrain
     mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     ws = (jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 128)), jnp.zeros((4, 128, 64)))
     x, e, w = jnp.zeros((4, 8, 64)), jnp.zeros((4, 8, 2), jnp.int32), jnp.zeros((4, 8, 2))
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        moe_dropless.experts(x, e, w, ws, make_constrain(get(layout), mesh))
+        moe_dropless.experts(x, e, w, ws, Constrain(get(layout), mesh))
 
 
 @pytest.mark.parametrize("rows,groups", [(256, 4), (37, 3), (5, 4)])

@@ -88,7 +88,7 @@ def test_shared_experts_match_one_device():
 def test_experts_split_where_tokens_are_not(reference):
     """A layout may split the experts over an axis that does not split the tokens: each
     device then runs its own experts on every token and the outputs are summed over that
-    axis (moe_dropless.owned_experts), still one device's training."""
+    axis (parallel/experts.owned_experts), still one device's training."""
     got = run("mixtral_tiny_dp8", {"layout": "batch:data;experts:expert"}, "data:2,expert:4", steps=5)
     ref_losses, ref_grads = reference["dropless"]
     rel = np.abs(got[0] - ref_losses[:5]) / ref_losses[:5]

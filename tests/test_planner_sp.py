@@ -81,7 +81,7 @@ def test_sequence_parallel_turns_each_all_reduce_into_a_reduce_scatter(compiled,
         assert ops[p, "reduce-scatter"].bytes + kept.bytes == tp[p, "all-reduce"].bytes
         if not kept.count:  # a ring all-reduce sends 2 (n-1)/n S, a reduce-scatter (n-1)/n S
             assert ops[p, "reduce-scatter"].wire == tp[p, "all-reduce"].wire / 2
-    # Megatron's g (models/stack.sequence_gather): one gather per region each way. Llama's
+    # Megatron's g (parallel/sequence.sequence_gather): one gather per region each way. Llama's
     # backward gathers the stream once more: its k and v are whole on every rank (pinned as
     # attention sees them), and the partial input gradients of q meet their replicated
     # input gradient there (measured; docs/planner.md).
@@ -134,7 +134,7 @@ def test_activation_saving_against_the_formula():
     """The compiled step's temporary memory under dp_tp less under dp_tp_sp against the
     formula's saving: the residual-stream share (2 D a token a layer, the 2 norm inputs)
     kept at 1/4; attention's and the MLP's inputs are gathered whole (Megatron's g,
-    models/stack.sequence_gather) and kept so. Compile only."""
+    parallel/sequence.sequence_gather) and kept so. Compile only."""
     saved = {}
     for layout in LAYOUTS:
         exp = Experiment.build(configured("gpt2_tiny_dp2_tp4", layout=layout, **WIDE))

@@ -85,7 +85,7 @@ _TP_PP = "heads:tensor;mlp:tensor;vocab:tensor+stage;length:stage"  # tensor fir
 # residual stream, norms and dropout ([batch, length, embed]) split by position.
 _SP = "length:tensor"
 # Context parallelism: every activation split by position over context (attention passes
-# keys and values between the pieces: models/context_attention.py).
+# keys and values between the pieces: parallel/context_attention.py).
 _CP = "length:context"
 # Expert parallelism: the experts over `expert`, whose devices split the batch elsewhere.
 # `experts` comes first, so an array with both dims (capacity dispatch's buffers [X, B, C,

@@ -19,7 +19,7 @@ nothing between embedding and loss is ever re-sorted.
   check(layout, shape, t)  a UserError unless 2n divides t
   for_attention(layout, axes)  the spec of `axes` with `length` split only as attention
                            splits it: attention's and the MLP's input under sequence
-                           parallelism (Megatron's all-gather, models/stack.sequence_gather)
+                           parallelism (Megatron's all-gather, parallel/sequence.sequence_gather)
 
 For n = 2 and t = 8: chunks [0 1][2 3][4 5][6 7]; device 0 holds positions 0 1 6 7,
 device 1 holds 2 3 4 5; order = [0 1 6 7 2 3 4 5].

@@ -12,8 +12,9 @@ import math
 import ml_collections
 
 from meshtrain.errors import UserError
-from meshtrain.models import attention, context_attention, family, gpt2, llama, mixtral, remat, resnet, vgg  # noqa: F401  (models register themselves)
+from meshtrain.models import attention, family, gpt2, llama, mixtral, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
+from meshtrain.parallel import context_attention
 
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.

@@ -20,7 +20,7 @@ deprecates jax.experimental.pallas.ops.gpu.attention, and its tests failed on JA
 
 Decoding with a KV cache always uses xla: its mask is the cache's fill level, not the
 causal square these kernels are given. A layout that splits attention's positions over
-devices (context parallelism) runs models/context_attention.py instead, in XLA blocks: the
+devices (context parallelism) runs parallel/context_attention.py instead, in XLA blocks: the
 kernels return no log-sum-exp to merge a device's blocks with.
 """
 
@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.errors import UserError
-from meshtrain.models import context_attention
+from meshtrain.parallel import context_attention
+from meshtrain.parallel.hook import UNSHARDED, Constrain
 
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -149,28 +150,18 @@ def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) ->
     return jnp.einsum("bkgts,bske->btkge", probs, v_bske).reshape(b, t, h, e)
 
 
-def _length_split(constrain):
-    """The activation spec of q, k and v when the layout splits their positions over
-    devices (context parallelism), else None."""
-    mesh = getattr(constrain, "mesh", None)
-    if mesh is None:
-        return None
-    spec = constrain.spec(BTHE)
-    return spec if any(mesh.shape[a] > 1 for a in context_attention.mesh_axes(spec[1])) else None
-
-
-def _query_heads(kv_btke: jax.Array, heads: int, constrain) -> jax.Array:
+def _query_heads(kv_btke: jax.Array, heads: int, constrain: Constrain) -> jax.Array:
     """[B, T, K, E] -> [B, T, H, E]: query head h reads kv head h // (H/K). jnp.repeat keeps
     each group contiguous, so a tensor rank holding a block of query heads needs only its
     rows of the K heads it was given whole."""
     group = heads // kv_btke.shape[2]
     out = jnp.repeat(kv_btke, group, axis=2)
-    return out if constrain is None else constrain(out, BTHE)
+    return constrain(out, BTHE)
 
 
 def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
            cache: Cache | None = None, pos: jax.Array | None = None, *,
-           implementation: str = "xla", constrain=None,
+           implementation: str = "xla", constrain: Constrain = UNSHARDED,
            context: str = "allgather") -> tuple[jax.Array, Cache | None]:
     """-> (out [B, T, H, E], cache).
 
@@ -179,18 +170,14 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     to the H query heads first when K < H. When the layout splits the positions over
     devices, the rows are in its zigzag order (layouts/sequence.py), `context`
     (model.context_attention: allgather or ring) says how the pieces meet, and only the K
-    heads travel (models/context_attention.py). With a cache, k and v are written at cache
+    heads travel (parallel/context_attention.py). With a cache, k and v are written at cache
     positions pos..pos+T-1 and query i (at position pos + i) attends to cache positions
     <= pos + i; the rest of the cache is masked, and dot_product_attention groups the H
     query heads over the K cached ones itself.
     """
     if cache is None:
-        split = _length_split(constrain)
-        if split is not None:
-            order = constrain.order(q_bthe.shape[1])
-            kv_spec = split if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
-            return context_attention.attend(q_bthe, k_btke, v_btke, jnp.asarray(order), kind=context,
-                                            constrain=constrain, spec=split, kv_spec=kv_spec), None
+        if context_attention.splits_length(constrain):
+            return context_attention.attend(q_bthe, k_btke, v_btke, kind=context, constrain=constrain), None
         if k_btke.shape[2] < q_bthe.shape[2]:
             k_btke, v_btke = (_query_heads(a, q_bthe.shape[2], constrain) for a in (k_btke, v_btke))
         if implementation == "xla":

@@ -75,12 +75,41 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models.stack import Axes
+
+
+@runtime_checkable
+class HiddenProject(Protocol):
+    """An lm module whose forward is project(*hidden(...)): the loss projects a chunk of
+    positions at a time."""
+
+    def hidden(self, tokens_bt, constrain, key, run_layers): ...
+    def project(self, h_btd, w, constrain): ...
+
+
+@runtime_checkable
+class PipelineEnds(Protocol):
+    """An lm module whose hidden is cut in its two ends, for the 1f1b/interleaved schedules."""
+
+    def embed_tokens(self, tokens_bt, constrain, key): ...
+    def head(self, x_btd, constrain): ...
+
+
+@runtime_checkable
+class AuxLosses(Protocol):
+    """An lm module with auxiliary losses (the routers of a mixture of experts)."""
+
+    def hidden_aux(self, tokens_bt, constrain, key, run_layers): ...
+
+
+def implements(module, protocol: type) -> bool:
+    """Whether a module, class or instance, has the methods of one of the protocols above."""
+    return issubclass(module if isinstance(module, type) else type(module), protocol)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,7 +126,7 @@ class ModelConfig:
     remat: str = "none"           # see models/remat.py
     scan_layers: bool = True
     attention: str = "xla"        # xla | cudnn, resolved from model.attention (models/attention.py)
-    context_attention: str = "allgather"  # allgather | ring: positions split over devices (models/context_attention.py)
+    context_attention: str = "allgather"  # allgather | ring: positions split over devices (parallel/context_attention.py)
     # Fields set from config sections of their name (how the model runs, not its weights:
     # models.model_config), never part of a checkpoint's architecture; each is a
     # dataclass the config's __post_init__ builds from the section's dict.
@@ -149,14 +178,14 @@ def korthikanti_bytes(tokens: int, compute_bytes: int, *, whole: float, split: f
     sequence parallelism splits the stream over by position (the tensor ranks under an *_sp
     layout, 1 without). The paper's TP+SP row, sbh(34 + 5as/h)/t, also splits attention's
     and the MLP's inputs, re-gathering them in backward; here they are gathered once
-    (models/stack.sequence_gather) and kept whole, as XLA saves a matmul's input."""
+    (parallel/sequence.sequence_gather) and kept whole, as XLA saves a matmul's input."""
     return tokens * compute_bytes * (stream / sp + whole + (split + scores) / tensor)
 
 
 def context_elements(kind: str, heads: int, head_dim: int, seq_len: int, context: int) -> tuple[float, float]:
     """(score elements, gathered k and v elements) a layer keeps per token of a device for
     the backward pass when attention's positions are split `context` ways
-    (models/context_attention.py; planner/context.py), both to be divided over the head
+    (parallel/context_attention.py; planner/context.py), both to be divided over the head
     shards. Scores: allgather's [2c, T] block, `heads` x T per token, as without the split;
     the ring's own [2c, 2c] block and n-1 blocks of 2c x c, heads x T (n+1)/(2n). Keys and
     values: the n-1 other devices' (gathered, or received round the ring), 2 (n-1) x heads

@@ -24,7 +24,8 @@ from meshtrain.errors import UserError
 from meshtrain.models import family, sizes
 from meshtrain.models import stack
 from meshtrain.models.attention import Cache, attend
-from meshtrain.models.stack import Constrain, RunLayers, dropout as _dropout, no_constraint, param
+from meshtrain.models.stack import RunLayers, dropout as _dropout, param
+from meshtrain.parallel.hook import UNSHARDED, Constrain
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,7 +161,7 @@ class GPT2(nnx.Module):
         self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
         self.ln_f = LayerNorm(cfg)
 
-    def __call__(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+    def __call__(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
                  key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
         """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype.
 
@@ -170,7 +171,7 @@ class GPT2(nnx.Module):
         logits_btv = self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
         return stack.natural(logits_btv, constrain)
 
-    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """tokens [B, T] int32 -> (h [B, T, D] after the final LayerNorm, the tied table
         [V, D]), both in the compute dtype: what `project` turns into logits, so the loss
@@ -182,17 +183,17 @@ class GPT2(nnx.Module):
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
         return self.head(x_btd, constrain)
 
-    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
                      key: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes, its rows in the
         layout's storage order (stack.stored), each with its position's embedding."""
         return self._embed(self._table(constrain), stack.stored(tokens_bt, constrain), None, constrain, key)
 
-    def head(self, x_btd: jax.Array, constrain: Constrain = no_constraint):
+    def head(self, x_btd: jax.Array, constrain: Constrain = UNSHARDED):
         """x [B, T, D] out of the last layer -> (h [B, T, D], the tied table [V, D]), as `hidden`."""
         return self.ln_f(x_btd), self._table(constrain)
 
-    def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Constrain = no_constraint) -> jax.Array:
+    def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Constrain = UNSHARDED) -> jax.Array:
         """h [B, t, D], table [V, D] -> logits [B, t, V], the padding columns masked."""
         logits_btv = jnp.einsum("btd,vd->btv", h_btd, wte_vd)
         return constrain(stack.mask_padding(logits_btv, self.cfg.vocab_size), ("batch", "length", "vocab"))
@@ -209,7 +210,7 @@ class GPT2(nnx.Module):
         return axes, axes
 
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
-               constrain: Constrain = no_constraint) -> tuple[jax.Array, Cache]:
+               constrain: Constrain = UNSHARDED) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
         wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, pos, constrain, None)
@@ -226,7 +227,7 @@ class GPT2(nnx.Module):
     def _embed(self, wte_vd, tokens_bt, pos, constrain, key) -> jax.Array:
         """pos None: a whole sequence in the layout's order; else positions pos..pos+t-1."""
         t = tokens_bt.shape[1]
-        order = None if pos is not None else stack.sequence_order(constrain, t)
+        order = None if pos is not None else constrain.order(t)
         if order is None:
             wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], 0 if pos is None else pos, t, axis=0)
         else:

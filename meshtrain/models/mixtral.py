@@ -30,7 +30,8 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family, llama, moe, moe_dropless, sizes, stack
 from meshtrain.models.attention import Cache
-from meshtrain.models.stack import Constrain, RunLayers, no_constraint
+from meshtrain.models.stack import RunLayers
+from meshtrain.parallel.hook import UNSHARDED, Constrain
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,7 +98,7 @@ class Block(nnx.Module):
 class Mixtral(llama.Llama):
     block = Block
 
-    def hidden_aux(self, tokens_bt: jax.Array, constrain: Constrain = no_constraint,
+    def hidden_aux(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
                    key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """As `hidden`, plus the router's auxiliary loss [] (weighted by moe.*_coef) and
         its statistics {moe_load_balance, moe_z_loss, moe_dropped: [] means over layers,
@@ -113,7 +114,7 @@ class Mixtral(llama.Llama):
         metrics = {f"moe_{n}": s for n, s in zip(moe.STATS, stats)}
         return (*self.head(x_btd, constrain), aux, {**metrics, "moe_aux_loss": aux})
 
-    def hidden(self, tokens_bt, constrain=no_constraint, key=None, run_layers=None):
+    def hidden(self, tokens_bt, constrain=UNSHARDED, key=None, run_layers=None):
         h_btd, w, _, _ = self.hidden_aux(tokens_bt, constrain, key, run_layers)
         return h_btd, w
 

@@ -40,7 +40,8 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import moe_dropless
-from meshtrain.models.stack import Constrain, param
+from meshtrain.models.stack import param
+from meshtrain.parallel.hook import Constrain
 
 DISPATCH = ("dropless", "capacity")
 # How dropless computes its grouped matmuls (moe_dropless.grouped_matmul resolves auto).

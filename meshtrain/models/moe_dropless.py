@@ -1,19 +1,11 @@
 """Dropless expert computation: every routed copy of every token goes through its expert.
 
-Per device (under shard_map, from the layout's activation specs; or on the whole arrays
-when there is no mesh), with n local tokens, k copies each and the X/ep experts it holds:
+Per device (parallel/experts.py moves the tokens to their experts' devices under
+shard_map; with no mesh everything is local), with the X/ep experts it holds:
 
-  1. sort the n k copies by expert id, so each expert's rows are contiguous;
-  2. experts split over `ep` devices (the mesh axes the layout gives `experts`):
-       tokens split over those axes too (the presets: `batch:...+expert`): one
-       all-to-all over them sends each device's copies to the device of their expert.
-       Shapes are static, so each destination gets a buffer of n k rows (all copies
-       could choose experts of one device), of which its share is filled: dropless at
-       ep times the bytes of the routed copies. A second all-to-all brings the outputs
-       back. (The ragged all-to-all that sends only the filled rows has no CPU
-       implementation in XLA; docs/models.md.)
-       tokens not split over them: each device computes the copies routed to its own
-       experts and the outputs are summed over the expert axes.
+  1. sort the routed copies by expert id, so each expert's rows are contiguous;
+  2. parallel/experts.py: the copies go to the devices of their experts (an all-to-all
+     when the tokens are split over the expert axes) or stay (summed over them after);
   3. each expert's rows go through its SwiGLU as a grouped matmul, computed as
      `moe.grouped_matmul` says (`grouped_matmul`): `swiglu_grouped`'s windows of one
      expert's rows, batched against their experts' weights, about 1.25 times the rows'
@@ -30,15 +22,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from meshtrain.errors import UserError
 from meshtrain.models import moe_ragged
-from meshtrain.models.context_attention import mesh_axes as _axes
-from meshtrain.models.stack import BTD
-
-W_IN = ("experts", "embed", "mlp")
-W_OUT = ("experts", "mlp", "embed")
+from meshtrain.parallel import experts as expert_parallel
+from meshtrain.parallel.hook import Constrain
 
 
 # A window is rows / (WINDOWS_PER_GROUP g) rows of one group, so the windows compute at
@@ -119,101 +106,16 @@ def _grouped(xs_md, ids_m, groups: int, ws, mode: str = "windowed") -> jax.Array
     return swiglu(xs_md, order, sizes, *ws)
 
 
-def _combine(out_nkd, w_nk):
-    return jnp.einsum("nkd,nk->nd", out_nkd, w_nk.astype(out_nkd.dtype))
-
-
-def local_experts(x_nd, e_nk, w_nk, ws, mode: str = "windowed") -> jax.Array:
-    """All X experts on this device: x [n, D], expert ids [n, k], weights [n, k] -> [n, D]."""
-    n, k = e_nk.shape
-    out = _grouped(jnp.repeat(x_nd, k, axis=0), e_nk.reshape(-1), ws[0].shape[0], ws, mode)
-    return _combine(out.reshape(n, k, -1), w_nk)
-
-
-def owned_experts(x_nd, e_nk, w_nk, ws, ep_axes, mode: str = "windowed") -> jax.Array:
-    """This device's X/ep experts on tokens every expert device also holds: the copies
-    routed elsewhere give 0, and the caller sums over `ep_axes`."""
-    n, k = e_nk.shape
-    held = ws[0].shape[0]
-    local = e_nk.reshape(-1) - jax.lax.axis_index(ep_axes) * held
-    ids = jnp.where((local >= 0) & (local < held), local, held)
-    out = _grouped(jnp.repeat(x_nd, k, axis=0), ids, held, ws, mode)
-    return _combine(out.reshape(n, k, -1), w_nk)
-
-
-def exchanged_experts(x_nd, e_nk, w_nk, ws, ep_axes, ep: int, mode: str = "windowed") -> jax.Array:
-    """Tokens split over the expert axes: an all-to-all there and back (module docstring)."""
-    n, k = e_nk.shape
-    copies, held = n * k, ws[0].shape[0]
-    e_flat = e_nk.reshape(-1)
-    order = jnp.argsort(e_flat, stable=True)                          # copies by expert id
-    e_sorted = e_flat[order]
-    counts = (e_sorted[:, None] // held == jnp.arange(ep)[None, :]).sum(0)   # [ep] per device
-    starts = jnp.cumsum(counts) - counts
-    slot = jnp.arange(copies)[None, :]
-    valid = slot < counts[:, None]                                    # [ep, copies]
-    src = jnp.minimum(starts[:, None] + slot, copies - 1)             # row of the sorted copies
-    xs = jnp.repeat(x_nd, k, axis=0)[order]
-    send_x = jnp.where(valid[..., None], xs[src], 0)                  # [ep, copies, D]
-    send_id = jnp.where(valid, e_sorted[src] % held, held)            # local expert id, or none
-    recv_x = jax.lax.all_to_all(send_x, ep_axes, 0, 0, tiled=True)
-    recv_id = jax.lax.all_to_all(send_id, ep_axes, 0, 0, tiled=True)
-    out = _grouped(recv_x.reshape(ep * copies, -1), recv_id.reshape(-1), held, ws, mode)
-    back = jax.lax.all_to_all(out.reshape(ep, copies, -1), ep_axes, 0, 0, tiled=True)
-    rows = jnp.where(valid, starts[:, None] + slot, copies)           # copies: dropped by scatter
-    out_sorted = jnp.zeros((copies, back.shape[-1]), back.dtype).at[rows.reshape(-1)].add(
-        back.reshape(ep * copies, -1), mode="drop")
-    out_flat = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
-    return _combine(out_flat.reshape(n, k, -1), w_nk)
-
-
-def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain,
+def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain: Constrain,
             grouped: str = "auto") -> jax.Array:
     """x [B, T, D], expert ids and routing weights [B, T, k], ws = (w_gate [X, D, F],
     w_up [X, D, F], w_down [X, F, D]) -> sum_j w_j expert_{e_j}(x) [B, T, D]; `grouped`
-    is `moe.grouped_matmul`."""
+    is `moe.grouped_matmul`. On a mesh, parallel/experts.py moves the tokens to their
+    experts' devices and back."""
     b, t, d = x_btd.shape
     k = e_btk.shape[-1]
-    mode = grouped_matmul(grouped)
-    mesh = getattr(constrain, "mesh", None)
-    if mesh is None:
-        return local_experts(x_btd.reshape(b * t, d), e_btk.reshape(-1, k), w_btk.reshape(-1, k),
-                             ws, mode).reshape(b, t, d)
-    # Tokens as attention and the MLP see them (sequence parallelism's stream split undone).
-    x_spec = constrain.for_attention(BTD) if hasattr(constrain, "for_attention") else constrain.spec(BTD)
-    w_in, w_out = constrain.spec(W_IN), constrain.spec(W_OUT)
-    token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
-    ep_axes, mlp_axes = _axes(w_in[0]), _axes(w_in[2])
-    if x_spec[2] is not None or w_in[1] is not None or w_out[2] is not None:
-        raise UserError(f"the layout splits `embed` in the experts' compute (tokens {x_spec}, expert "
-                        f"weights {w_in}); dropless dispatch keeps embed whole. Drop the `embed` rule "
-                        f"from the activations table (fsdp splits it in params only), or use "
-                        f"moe.dispatch=capacity.")
-    if set(mlp_axes) & set(token_axes) or set(ep_axes) & set(mlp_axes):
-        raise UserError(f"the layout splits the experts' `mlp` over mesh axes {mlp_axes} that also split "
-                        f"the tokens ({token_axes}) or the experts ({ep_axes}); give `mlp` a mesh axis "
-                        f"of its own (the presets use tensor).")
-    ep = 1
-    for a in ep_axes:
-        ep *= mesh.shape[a]
-    if ws[0].shape[0] % ep:
-        raise UserError(f"{ws[0].shape[0]} experts do not divide over the {ep} devices of mesh axes "
-                        f"{'+'.join(ep_axes)}; choose an expert axis size dividing model.num_experts.")
-    route_spec = P(x_spec[0], x_spec[1], None)
-    exchange = ep > 1 and set(ep_axes) <= set(token_axes)
-
-    def body(x, e, w, *ws_local):
-        bl, tl, _ = x.shape
-        args = (x.reshape(bl * tl, d), e.reshape(-1, k), w.reshape(-1, k), ws_local)
-        if ep == 1:
-            y = local_experts(*args, mode)
-        elif exchange:
-            y = exchanged_experts(*args, ep_axes, ep, mode)
-        else:
-            y = jax.lax.psum(owned_experts(*args, ep_axes, mode), ep_axes)
-        if mlp_axes:
-            y = jax.lax.psum(y, mlp_axes)
-        return y.reshape(bl, tl, d)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, route_spec, route_spec, w_in, w_in, w_out),
-                         out_specs=x_spec, check_vma=False)(x_btd, e_btk, w_btk, *ws)
+    per_device = functools.partial(_grouped, mode=grouped_matmul(grouped))
+    if not constrain.sharded:
+        return expert_parallel.local_experts(x_btd.reshape(b * t, d), e_btk.reshape(-1, k),
+                                             w_btk.reshape(-1, k), ws, per_device).reshape(b, t, d)
+    return expert_parallel.dispatch(x_btd, e_btk, w_btk, ws, constrain, per_device)

@@ -28,7 +28,8 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family
 from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, conv_output_size, global_avg_pool, max_pool, pool_output_size
-from meshtrain.models.stack import Constrain, mask_padding, no_constraint
+from meshtrain.models.stack import mask_padding
+from meshtrain.parallel.hook import UNSHARDED, Constrain
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # block output width / its inner width
 STEMS = ("imagenet", "small")
@@ -141,7 +142,7 @@ class ResNet(nnx.Module):
         self.fc = Dense(rngs, cfg.out_dim, cfg.vocab_size, ("channels", "vocab"), padded=cfg.padded_vocab_size,
                         param_dtype=pd)
 
-    def __call__(self, images_bhwc: jax.Array, constrain: Constrain = no_constraint,
+    def __call__(self, images_bhwc: jax.Array, constrain: Constrain = UNSHARDED,
                  key: jax.Array | None = None, train: bool = False) -> jax.Array:
         """images [B, H, W, C] float (normalised) -> logits [B, V] in the compute dtype, the
         padding classes masked. train: BatchNorm uses and updates the batch's statistics.

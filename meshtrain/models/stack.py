@@ -6,10 +6,10 @@ and the forward pass runs one layer function over that dim. The caller may take 
 pass over with `run_layers` (meshtrain/step/pipeline/scan.py does, to run the stack as pipeline
 stages); the model never knows how its layers are scheduled.
 
-    constrain(x, axes) -> x                     pins an activation to the layout
-    constrain.order(t) -> positions | None      the order a sequence is stored in under
-                                                context parallelism (layouts/sequence.py);
-                                                `stored`, `natural` and `positions` read it
+    constrain: Constrain                        the sharding hook (parallel/hook.py):
+                                                constrain(x, axes) pins an activation to the
+                                                layout; `stored`, `natural` and `positions`
+                                                read the order a sequence is stored in
     run_layers(make_layer, stacked, x, key) -> x
         make_layer(constrain) -> layer(x, one layer's params, key) -> x
 """
@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from meshtrain.models import remat
+from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.sequence import BTD, sequence_gather
 
 Axes = tuple[str | None, ...]
-Constrain = Callable[[jax.Array, Axes], jax.Array]
 RunLayers = Callable[..., jax.Array]
 
 
@@ -38,74 +38,26 @@ def is_matrix(axes: Axes) -> bool:
     return sum(a not in ("layers", "stage") for a in axes) >= 2
 
 
-def no_constraint(x: jax.Array, axes: Axes) -> jax.Array:
-    del axes
-    return x
-
-
-def sequence_order(constrain: Constrain, t: int) -> np.ndarray | None:
-    """Positions [t] in the order the layout stores a sequence, or None for 0..t-1."""
-    order = getattr(constrain, "order", None)
-    return None if order is None else order(t)
-
-
 def stored(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
     """x with its `axis` (positions 0..t-1) put in the layout's storage order: what the
     model does to its tokens and the loss to its targets. A gather of int32 ids, cheap."""
-    order = sequence_order(constrain, x.shape[axis])
+    order = constrain.order(x.shape[axis])
     return x if order is None else jnp.take(x, order, axis=axis)
 
 
 def natural(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
     """The inverse of `stored`: x back in position order (logits handed to a caller)."""
-    order = sequence_order(constrain, x.shape[axis])
+    order = constrain.order(x.shape[axis])
     return x if order is None else jnp.take(x, np.argsort(order), axis=axis)
 
 
 def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax.Array:
     """The positions [t] of a sequence's rows as stored: pos..pos+t-1 when decoding (a
     cache is never reordered), else the layout's order."""
-    order = None if pos is not None else sequence_order(constrain, t)
+    order = None if pos is not None else constrain.order(t)
     if order is not None:
         return jnp.asarray(order)
     return jnp.arange(t) + (0 if pos is None else pos)
-
-
-BTD = ("batch", "length", "embed")
-
-
-def as_attention_sees(x: jax.Array, constrain: Constrain, axes: Axes) -> jax.Array:
-    """x pinned to the layout's spec for `axes` with its positions split only as attention
-    splits them (`constrain(x, axes)` where the two agree, as without sequence parallelism)."""
-    if not hasattr(constrain, "for_attention"):
-        return constrain(x, axes)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(constrain.mesh, constrain.for_attention(axes)))
-
-
-def sequence_gather(x_btd: jax.Array, constrain: Constrain) -> jax.Array:
-    """Megatron's `g` under sequence parallelism (Korthikanti et al. 2022, §4.2.2): the
-    input of attention or the MLP, split by position over tensor in the residual stream, is
-    all-gathered whole in the forward pass, and its gradient, a partial sum on each tensor
-    rank, is reduce-scattered back to the split in the backward pass. Left to itself, XLA
-    moved q, k and v by all-to-all and gathered weights instead. A no-op unless the layout
-    splits the stream's positions more than attention's (x [B, T, D])."""
-    if not hasattr(constrain, "for_attention") or constrain.for_attention(BTD) == constrain.spec(BTD):
-        return x_btd
-    mesh = constrain.mesh
-    whole, stream = (NamedSharding(mesh, s) for s in (constrain.for_attention(BTD), constrain.spec(BTD)))
-
-    @jax.custom_vjp
-    def gather(x):
-        return jax.lax.with_sharding_constraint(x, whole)
-
-    def gather_fwd(x):
-        return gather(x), None
-
-    def gather_bwd(_, dy):
-        return (jax.lax.with_sharding_constraint(dy, stream),)
-
-    gather.defvjp(gather_fwd, gather_bwd)
-    return gather(x_btd)
 
 
 def param(rngs: nnx.Rngs | None, shape, axes: Axes, stack: int | None, dtype, init: str = "zeros",

@@ -42,8 +42,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel.hook import Constrain
 
 KINDS = ("allgather", "ring")
+BTHE = ("batch", "length", "heads", "head_dim")
+BTKE = ("batch", "length", "kv_heads", "head_dim")
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # a masked score, as attention._MASKED
 
 
@@ -54,10 +58,10 @@ def check_kind(kind: str) -> None:
                         f"'Long sequences').")
 
 
-def mesh_axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry -> the mesh axes it names (as layouts.rules.mesh_axes_of; the
-    models do not import the layouts)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def splits_length(constrain: Constrain) -> bool:
+    """Whether the layout splits q's, k's and v's positions over devices (context
+    parallelism): then attention runs here, not in the model's kernel."""
+    return constrain.sharded and constrain.mesh_size(mesh_axes_of(constrain.spec(BTHE)[1])) > 1
 
 
 def _scores(q_bqhe, k_bkhe):
@@ -137,7 +141,7 @@ def _kv_heads_of(spec: P, kv_spec: P, num_heads: int, num_kv: int, mesh):
     if num_kv == num_heads:
         return None
     group = num_heads // num_kv
-    axes = mesh_axes(spec[2])
+    axes = mesh_axes_of(spec[2])
     kv_split = kv_spec[2] is not None
     if kv_split and kv_spec[2] != spec[2]:
         raise UserError(f"Context parallelism with grouped-query attention needs kv_heads split as heads "
@@ -151,16 +155,18 @@ def _kv_heads_of(spec: P, kv_spec: P, num_heads: int, num_kv: int, mesh):
     return heads
 
 
-def attend(q_bthe, k_btke, v_btke, positions_t, *, kind: str, constrain, spec: P, kv_spec: P):
-    """Causal attention with `length` split over the mesh axes in spec[1]: -> [B, T, H, E].
+def attend(q_bthe, k_btke, v_btke, *, kind: str, constrain: Constrain):
+    """Causal attention with `length` split over devices (`splits_length`): -> [B, T, H, E].
 
     q [B, T, H, E], k and v [B, T, K, E] (K divides H: grouped-query attention; only the K
-    kv heads travel, each device repeats them to its query heads), stored in the zigzag
-    order whose positions are `positions_t` [T]; `spec` and `kv_spec` are their activation
-    specs under the layout, `constrain.mesh` the mesh."""
+    kv heads travel, each device repeats them to its query heads), stored in the layout's
+    zigzag order (`constrain.order`)."""
+    spec = constrain.spec(BTHE)
+    kv_spec = spec if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
+    positions_t = jnp.asarray(constrain.order(q_bthe.shape[1]))
     check_kind(kind)
     mesh = constrain.mesh
-    axes = mesh_axes(spec[1])
+    axes = mesh_axes_of(spec[1])
     n = math.prod(mesh.shape[a] for a in axes)
     if spec[3] is not None:
         raise UserError(f"Context parallelism splits heads and positions, not the head width; "

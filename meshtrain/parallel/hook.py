@@ -1,28 +1,67 @@
-"""The `constrain(x, axes)` hook the models call: pins an activation to a layout."""
+"""The sharding hook the models receive: a `Constrain` pins activations to a layout.
+
+Models are written with logical axis names only. Where a model says how an activation
+is laid out, it calls the hook it was given:
+
+    constrain(x, axes) -> x     x pinned to the layout's activation spec for `axes`
+    constrain.order(t)          positions [t] in the order a sequence is stored under
+                                context parallelism (layouts/sequence.py), or None
+    constrain.sharded           whether there is a mesh at all
+
+`UNSHARDED` is the hook without a mesh (one device, tests, tracing shapes): it pins
+nothing and stores sequences in position order. The models own no mesh: the kernels
+XLA cannot split by itself (parallel/context_attention.py, parallel/experts.py,
+parallel/sequence.py) take the hook and read its mesh and specs there. The step, the
+pipeline's stages and the loss's chunks each make theirs, with the layout they see.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
-from jax.sharding import Mesh, NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.layouts import sequence
 from meshtrain.layouts.rules import Layout
 
+Axes = tuple[str | None, ...]
 
-def make_constrain(layout: Layout, mesh: Mesh) -> Callable:
-    """constrain(x, axes) -> x pinned to the layout's activation spec for `axes`. It also
-    carries `mesh` and `spec(axes)`, for kernels GSPMD cannot split, which models run per
-    device under shard_map (models/context_attention.py), `order(t)`, the order a sequence of
-    t positions is stored in (None: natural), and `for_attention(axes)`, the spec with
-    positions split only as attention splits them (both layouts/sequence.py). The step, the
-    pipeline's stages and the loss's chunks (each with the layout they see) all make
-    theirs here."""
-    def constrain(x, axes):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec(axes, "activations")))
-    constrain.mesh = mesh
-    constrain.spec = lambda axes: layout.spec(axes, "activations")
-    constrain.order = lambda t: sequence.order(layout, mesh.shape, t)
-    constrain.for_attention = lambda axes: sequence.for_attention(layout, axes)
-    return constrain
+
+class Constrain:
+    def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None):
+        """Both or neither: a layout on a mesh, or no sharding at all."""
+        if (layout is None) != (mesh is None):
+            raise ValueError("Constrain takes a layout and a mesh, or neither")
+        self.layout, self.mesh = layout, mesh
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
+
+    def __call__(self, x: jax.Array, axes: Axes) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(axes)))
+
+    def spec(self, axes: Axes) -> PartitionSpec:
+        """The layout's activation spec for `axes` (needs a mesh)."""
+        return self.layout.spec(axes, "activations")
+
+    def for_attention(self, axes: Axes) -> PartitionSpec:
+        """The spec of `axes` with positions split only as attention splits them: the two
+        differ under sequence parallelism (layouts/sequence.py)."""
+        return sequence.for_attention(self.layout, axes)
+
+    def order(self, t: int) -> np.ndarray | None:
+        """Positions [t] in the layout's storage order, or None for 0..t-1."""
+        return None if self.mesh is None else sequence.order(self.layout, self.mesh.shape, t)
+
+    def mesh_size(self, axes: tuple[str, ...]) -> int:
+        """Devices along `axes` of the mesh (1 without one)."""
+        n = 1
+        for a in axes if self.mesh is not None else ():
+            n *= self.mesh.shape[a]
+        return n
+
+
+UNSHARDED = Constrain()

@@ -3,7 +3,7 @@
 A layout that splits attention's `length` over mesh axes of total size n (the *_cp presets:
 `length:context`) gives each device 2c = T/n positions of every sequence, chunks i and
 2n-1-i (layouts/sequence.py), and attention meets the pieces by `model.context_attention`
-(models/context_attention.py). Per layer and microbatch, with one device's keys (or
+(parallel/context_attention.py). Per layer and microbatch, with one device's keys (or
 values) a block of
 
     block = b x T/n x K' x E x bytes

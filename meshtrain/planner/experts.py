@@ -50,7 +50,8 @@ import jax.numpy as jnp
 
 from meshtrain import tree_paths
 from meshtrain.layouts.rules import mesh_axes_of
-from meshtrain.models import moe, moe_dropless
+from meshtrain.models import moe
+from meshtrain.parallel import experts as expert_parallel
 from meshtrain.planner import hlo
 from meshtrain.step import optim
 
@@ -67,7 +68,7 @@ def split(exp) -> tuple[int, tuple[str, ...]]:
     (1, ()) for a model without experts."""
     if not has_experts(exp):
         return 1, ()
-    _, axes = exp.layout.split(moe_dropless.W_IN, "experts", exp.mesh.shape)
+    _, axes = exp.layout.split(expert_parallel.W_IN, "experts", exp.mesh.shape)
     axes = tuple(a for a in axes if exp.mesh.shape[a] > 1)
     return math.prod(exp.mesh.shape[a] for a in axes), axes
 
@@ -143,7 +144,7 @@ def weights(exp) -> dict | None:
     size = cfg.num_layers * 3 * cfg.num_experts * cfg.embed_dim * cfg.mlp_dim
 
     def pieces(target):
-        return {n: layout.split(moe_dropless.W_IN, n, shape, target)[0] for n in moe_dropless.W_IN}
+        return {n: layout.split(expert_parallel.W_IN, n, shape, target)[0] for n in expert_parallel.W_IN}
     p, o = pieces("params"), pieces("opt_state")
     out = {"params": size / math.prod(p.values()) * pbytes, "optimizer": size / math.prod(o.values()) * moments,
            "split": p}

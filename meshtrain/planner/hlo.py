@@ -12,7 +12,7 @@ Matmul and conv FLOPs, counted the same way, are planner/hlo_flops.py's.
 
 A `conditional` (lax.cond) runs one of its branches per execution: dot_flops counts its
 costliest branch (the device that takes it sets the step's pace; the load-balanced ring
-of models/context_attention.py has equal branches, which `conditionals` shows). The
+of parallel/context_attention.py has equal branches, which `conditionals` shows). The
 collectives count every branch's (none of this package's conditionals holds one).
 
 Bytes are counted as an accelerator would send them, where the CPU compiler differs:

@@ -181,7 +181,7 @@ def _context_on_dcn(run: Run) -> list[Finding]:
         width = d["num_heads"] * (d.get("head_dim") or d["embed_dim"] // d["num_heads"])
         rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), shape)
         dtype = run.model.cfg.dtype if run.model is not None else run.cfg.model.dtype
-        # k and v repeated to the query heads (models/context_attention.py), (n-1)/n of
+        # k and v repeated to the query heads (parallel/context_attention.py), (n-1)/n of
         # the sequence arriving on each device; the backward sends their gradients back.
         wire = (2 * d["num_layers"] / shape["stage"] * 2 * (n - 1) / n * rows * d["seq_len"] * width
                 * jnp.dtype(dtype).itemsize)

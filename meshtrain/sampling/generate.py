@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain.layouts import Layout, make_constrain
+from meshtrain.layouts import Layout
+from meshtrain.parallel.hook import Constrain
 from meshtrain.step.state import ModelDef
 from meshtrain.step.train_step import batch_sharding
 
@@ -103,7 +104,7 @@ def make_generate(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, 
     if model.pipeline is not None:
         raise ValueError("generation runs the layers in order: build the ModelDef without a pipeline")
     n_new = max_new_tokens
-    constrain = make_constrain(layout, mesh)
+    constrain = Constrain(layout, mesh)
     rows = batch_sharding(layout, mesh)
     pieces = cache_pieces(model, layout, mesh)
     replicated = NamedSharding(mesh, P())

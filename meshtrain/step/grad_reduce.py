@@ -57,6 +57,7 @@ from meshtrain.errors import UserError
 from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
+from meshtrain.parallel.hook import Constrain
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
 ACCUM_GATHER = ("auto", "once", "each")
@@ -188,7 +189,7 @@ def constrain_both_ways(x: jax.Array, forward: NamedSharding, backward: NamedSha
     return pinned(x)
 
 
-def sequential_runner(pins, constrain: Callable, *, scan: bool) -> Callable:
+def sequential_runner(pins, constrain: Constrain, *, scan: bool) -> Callable:
     """run_layers(make_layer, stacked, x, key) -> x (models/stack.py's runner seam): the
     layers in order, one key per layer as the model runs them itself, with
     `pinned_in_backward(pins)` on each layer's params inside the scanned body."""

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, make_constrain, sequence
-from meshtrain.models import stack
-from meshtrain.models.stack import Constrain, RunLayers
+from meshtrain.layouts import Layout, sequence
+from meshtrain.models import family, stack
+from meshtrain.models.stack import RunLayers
+from meshtrain.parallel.hook import Constrain
 
 
 def num_chunks(seq_len: int, loss_chunk: int) -> int:
@@ -61,7 +62,7 @@ def num_chunks(seq_len: int, loss_chunk: int) -> int:
 
 def has_seam(module) -> bool:
     """Whether a model (class or instance) splits its forward into hidden and project."""
-    return hasattr(module, "hidden") and hasattr(module, "project")
+    return family.implements(module, family.HiddenProject)
 
 
 def check_config(t, seq_len: int) -> None:
@@ -145,7 +146,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     n, axes = nb * nc, (*batch_axes, *context_axes)
     inner = layout.without(*axes)
     shard = axes or None
-    inner_constrain = make_constrain(inner, mesh)
+    inner_constrain = Constrain(inner, mesh)
     # The stream's positions are in q pieces (nc context pieces of qt each): each chunk takes
     # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
     # over positions, so which rows make up a chunk does not change it.
@@ -215,7 +216,7 @@ def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: ja
     # hidden's rows are in the layout's storage order (context parallelism reorders them,
     # layouts/sequence.py); the targets are put in the same order, so nothing is re-sorted.
     aux, stats = 0.0, {}
-    if hasattr(module, "hidden_aux"):
+    if family.implements(module, family.AuxLosses):
         h_btd, w, aux, stats = module.hidden_aux(inputs_bt, constrain, key, run_layers)
     else:
         h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)

@@ -37,10 +37,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
-from meshtrain.layouts import Layout, make_constrain
+from meshtrain.layouts import Layout
 from meshtrain.models.stack import is_matrix
-from meshtrain.step import tasks
-from meshtrain.step import grad_reduce
+from meshtrain.parallel.hook import Constrain
+from meshtrain.step import grad_reduce, tasks
 from meshtrain.step.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.tasks.task import is_field
@@ -100,7 +100,7 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable
     when model.pipeline is set; else, under a layout that reduce-scatters gradients in
     the layer scan (ZeRO-2's `grads` table), the layers in order, each through
     grad_reduce.pinned_in_backward; else None: the model runs its layers itself)."""
-    constrain, cast = make_constrain(layout, mesh), make_cast(model, layout, mesh)
+    constrain, cast = Constrain(layout, mesh), make_cast(model, layout, mesh)
     if model.stacked is None:  # no stack of layers: nothing to pipeline or pin
         return constrain, cast, None
     blocks_axes = model.axes[model.stacked]

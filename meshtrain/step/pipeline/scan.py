@@ -42,9 +42,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, make_constrain
+from meshtrain.layouts import Layout
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
+from meshtrain.parallel.hook import Constrain
 from meshtrain.step import grad_reduce
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
@@ -309,7 +310,7 @@ class StagePlan:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
         with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys."""
         n, shard = self.n_shards, self.shard
-        layer = make_layer(make_constrain(self.inner, self.mesh))
+        layer = make_layer(Constrain(self.inner, self.mesh))
         if self.grads_pins is not None:
             pinned = grad_reduce.pinned_in_backward(self.grads_pins)
             run_one = lambda x, params, k: layer(x, pinned(params), k)  # noqa: E731

@@ -54,9 +54,10 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, make_constrain
-from meshtrain.models import stack
+from meshtrain.layouts import Layout
+from meshtrain.models import family, stack
 from meshtrain.models.stack import layer_maker
+from meshtrain.parallel.hook import Constrain
 from meshtrain.step import loss as loss_lib
 from meshtrain.step.pipeline.scan import StagePlan
 from meshtrain.step.pipeline.ticks import backward_items, forward_items, phases, stash_slots
@@ -73,11 +74,11 @@ def head_layout(inner: Layout, mesh_shape, padded_vocab: int) -> Layout:
     return dataclasses.replace(inner, name=f"{inner.name}, vocab over stage", activations=acts)
 
 
-def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Callable,
+def make_loss_and_grads(model, plan: StagePlan, *, constrain: Constrain, cast: Callable,
                         loss_chunk: int) -> Callable:
     """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop."""
     pipe, mesh = plan.pipe, plan.mesh
-    if not (hasattr(model.family.module, "embed_tokens") and hasattr(model.family.module, "head")):
+    if not family.implements(model.family.module, family.PipelineEnds):
         raise UserError(
             f"pipeline.schedule={pipe.schedule}: model family {model.family.name!r} does not split its "
             f"forward pass into embed_tokens and head (docs/models.md, the model seam), which the 1F1B "
@@ -87,7 +88,7 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
     shard, stacked_key = plan.shard, model.stacked
     k_slots = stash_slots(pipe)
     hl = head_layout(plan.inner, mesh.shape, model.cfg.padded_vocab_size)
-    head_constrain = make_constrain(hl, mesh)
+    head_constrain = Constrain(hl, mesh)
     slot = plan.slot_spec()
     head_in = plan.sharding(shard, *slot.spec[2:])   # the last stage's y, on every stage
 
@@ -265,7 +266,7 @@ def make_loss_and_grads(model, plan: StagePlan, *, constrain: Callable, cast: Ca
     return loss_and_grads
 
 
-def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Callable,
+def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Constrain,
                  cast: Callable, loss_chunk: int) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss: `forward_loss` (the forward-only
     ticks) when no gradient is taken, the tick loop's loss and gradients under autodiff."""

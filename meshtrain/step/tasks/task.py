@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from meshtrain.parallel.hook import Constrain
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -59,5 +61,5 @@ class Task(Protocol):
     @staticmethod
     def check_config(train, dims: dict) -> None: ...
 
-    def loss(self, module, batch, key, run_layers, *, constrain: Callable, layout, mesh,
+    def loss(self, module, batch, key, run_layers, *, constrain: Constrain, layout, mesh,
              loss_chunk: int, train: bool) -> tuple[jax.Array, dict[str, jax.Array]]: ...
