@@ -74,7 +74,7 @@ def flops(exp: Experiment, unroll: bool) -> float:
     if model.pipeline is not None and unroll:
         model = dataclasses.replace(model, pipeline=dataclasses.replace(model.pipeline, unroll=True))
     step = step_lib.make_train_step(model, exp.tx, exp.schedule, exp.layout, exp.mesh, exp.shardings,
-                                    exp.grad_shardings, microbatches=1, seed=0)
+                                    exp.grad_shardings)
     batch = jax.ShapeDtypeStruct(exp.batch_shape, jnp.int32, sharding=exp.batch_sharding)
     cost = step.lower(exp.abstract_state(), batch).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -11,6 +11,7 @@ Bad input exits with status 2 and one paragraph on stderr, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -129,111 +130,154 @@ def execute(args, started: dict | None = None) -> int:
 
 
 def _train(args, flags, launch, cluster, source, xla_line, started_at, preemption) -> int:
-    """execute's build, checkpoints, compile and train phases (args.config: the config)."""
-    import jax
-
-    from meshtrain.checkpoints import store as checkpoint_lib
-    from meshtrain.planner import accumulation, memory_check
-    from meshtrain.run.experiment import Experiment
-    from meshtrain.run.loop import train_loop
-    from meshtrain.runlog import goodput, metrics
-    from meshtrain.step import optim
-
-    exp = Experiment.build(args.config)
-    cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
-    memory_check.check_config(cfg.train)
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    if xla_line:
-        say(xla_line)
-    node = describe(exp, launch, cluster, source, say)
-    exp, accum_line = accumulation.resolve(exp)  # train.accum_gather="auto" chosen here
-    if cfg.train.grad_accum_steps > 1:
-        say(accum_line)
-    lint_warnings(exp)
-    workdir = flags.get("workdir")
-    if cfg.train.profile and not workdir and cfg.train.steps:
-        raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
-                        f"give --workdir=DIR, or leave train.profile empty.")
-    if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
-        shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, workdir), cluster, cfg.distributed.init_timeout)
-    locks = hold_locks(workdir, checkpoint_lib.checkpoint_dir(cfg, workdir))
-    checkpointer, log, watchdog = None, None, None
-    try:
-        checkpointer, resume_step, saved_run = open_checkpoints(cfg, exp, workdir, say)
-        if checkpointer is not None:
-            cluster.set_note(lambda: checkpoint_lib.safe_on_disk(checkpointer.dir))
-        if resume_step is not None and resume_step >= (cfg.train.stop_at or cfg.train.steps):
-            say(f"checkpoint step {resume_step} is already at train.stop_at/train.steps "
-                f"({cfg.train.stop_at or cfg.train.steps}): nothing to train.")
+    """execute's phases after the processes joined (args.config: the config)."""
+    run = Training(args, flags, launch, cluster, source, started_at, preemption)
+    run.build(xla_line)
+    with contextlib.ExitStack() as run.stack:  # what a phase opens, closed in reverse whatever happens
+        if not run.open_checkpoints():
             return 0
-        compiled, memory, compile_s = compile_step(exp, say)
+        run.compile()
+        run.open_log()
+        if run.cfg.train.steps == 0:
+            run.say(f"train.steps=0: compile-only check done{f'; wrote {run.workdir}/run.json' if run.workdir else ''}.")
+            return 0
+        run.train()
+        run.summarise()
+    return 0
+
+
+class Training:
+    """The phases of one training command, in order: build, open_checkpoints, compile,
+    open_log, train, summarise. Each sets what the later ones read."""
+
+    def __init__(self, args, flags, launch, cluster, source, started_at, preemption):
+        self.args, self.launch, self.cluster, self.source = args, launch, cluster, source
+        self.started_at, self.preemption = started_at, preemption
+        self.workdir = flags.get("workdir")
+        self.stack: contextlib.ExitStack | None = None
+        self.checkpointer = self.resume_step = self.saved_run = None
+
+    def build(self, xla_line: str) -> None:
+        """The experiment, the start-up report, and the checks before anything is locked."""
+        import jax
+
+        from meshtrain.checkpoints import store as checkpoint_lib
+        from meshtrain.planner import accumulation, memory_check
+        from meshtrain.run.experiment import Experiment
+        exp = Experiment.build(self.args.config)
+        cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
+        memory_check.check_config(cfg.train)
+        self.say = say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+        if xla_line:
+            say(xla_line)
+        self.node = describe(exp, self.launch, self.cluster, self.source, say)
+        self.exp, accum_line = accumulation.resolve(exp)  # train.accum_gather="auto" chosen here
+        self.cfg = cfg
+        if cfg.train.grad_accum_steps > 1:
+            say(accum_line)
+        lint_warnings(self.exp)
+        if cfg.train.profile and not self.workdir and cfg.train.steps:
+            raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
+                            f"give --workdir=DIR, or leave train.profile empty.")
+        if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
+            shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, self.workdir), self.cluster,
+                             cfg.distributed.init_timeout)
+
+    def open_checkpoints(self) -> bool:
+        """Locks the directories and opens the checkpoints; False when there is nothing to train."""
+        from meshtrain.checkpoints import store as checkpoint_lib
+        cfg, say = self.cfg, self.say
+        for lock in hold_locks(self.workdir, checkpoint_lib.checkpoint_dir(cfg, self.workdir)):
+            self.stack.callback(lock.release)
+        self.checkpointer, self.resume_step, self.saved_run = open_checkpoints(cfg, self.exp, self.workdir, say)
+        if self.checkpointer is not None:
+            self.stack.callback(self.checkpointer.close)  # waits for the last save; a failed one raises RunFailed
+            self.safe_on_disk = lambda: checkpoint_lib.safe_on_disk(self.checkpointer.dir)
+            self.cluster.set_note(self.safe_on_disk)
+        end = cfg.train.stop_at or cfg.train.steps
+        if self.resume_step is not None and self.resume_step >= end:
+            say(f"checkpoint step {self.resume_step} is already at train.stop_at/train.steps ({end}): nothing to train.")
+            return False
+        return True
+
+    def compile(self) -> None:
+        from meshtrain.planner import memory_check
+        self.compiled, self.memory, self.compile_s = compile_step(self.exp, self.say)
         # Before init_state or a restore allocates: a step that cannot fit stops here, with fixes.
-        memory_check.check(exp, memory, say, skip=cfg.train.skip_memory_check, compile_only=not cfg.train.steps)
-        m = exp.model.cfg
+        t = self.cfg.train
+        memory_check.check(self.exp, self.memory, self.say, skip=t.skip_memory_check, compile_only=not t.steps)
+
+    def open_log(self) -> None:
+        """The run log and its goodput clock; run.json written."""
+        import jax
+
+        from meshtrain.runlog import goodput, metrics
+        exp, cfg, workdir = self.exp, self.cfg, self.workdir
         units = exp.units_per_step  # tokens, or images (exp.task.unit)
-        log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(m) * units,
-                             metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                             resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
-                             task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
-        clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None)
-        clock.add("compile", compile_s)
-        info = metrics.run_info(args.config_name, exp, memory, compile_s, source)
-        info["distributed"] = cluster.info()
-        if exp.dcn or launch.multiprocess:
-            info["collectives_by_axes"] = _traffic(compiled, exp.mesh, node, say)
-        info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
-                              "resumed_from_step": resume_step, "saved_by": saved_run}
-        log.write_run(info)
+        self.log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(exp.model.cfg) * units,
+                                  metrics.peak_flops(jax.devices()[0]), jax.device_count(),
+                                  resume_step=self.resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
+                                  task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
+        self.stack.callback(self.log.close)
+        self.clock = goodput.Clock(workdir if self.log.enabled and cfg.train.steps else None)
+        self.clock.add("compile", self.compile_s)
+        info = metrics.run_info(self.args.config_name, exp, self.memory, self.compile_s, self.source)
+        info["distributed"] = self.cluster.info()
+        if exp.dcn or self.launch.multiprocess:
+            info["collectives_by_axes"] = _traffic(self.compiled, exp.mesh, self.node, self.say)
+        info["checkpoint"] = {"dir": None if self.checkpointer is None else str(self.checkpointer.dir),
+                              "resumed_from_step": self.resume_step, "saved_by": self.saved_run}
+        self.log.write_run(info)
         save_tokenizer(exp, workdir)
-        if cfg.train.steps == 0:
-            say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
-            return 0
-        say(metrics.data_line(exp.source.info, m.vocab_size, cfg.train.steps * cfg.train.batch_size))
-        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at, batch_size=cfg.train.batch_size)
+
+    def train(self) -> None:
+        """What the run will do, said; the state restored; the loop, watched; the last save."""
+        from meshtrain.checkpoints import store as checkpoint_lib
+        from meshtrain.run.loop import train_loop
+        from meshtrain.runlog import metrics
+        from meshtrain.step import optim
+        exp, cfg, say, checkpointer = self.exp, self.cfg, self.say, self.checkpointer
+        say(metrics.data_line(exp.source.info, exp.model.cfg.vocab_size, cfg.train.steps * cfg.train.batch_size))
+        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at,
+                                              batch_size=cfg.train.batch_size)
         say(lr_line)
         for w in lr_warnings:
             warn(w)
-        if resume_step is None and exp.init is not None:
+        if self.resume_step is None and exp.init is not None:
             say(f"init.from: {exp.init.source} ({exp.init.step_dir}): step 0, fresh optimizer")
-        state, meta = None, None
-        if resume_step is not None:
-            state, meta = checkpointer.restore(resume_step, exp)
-        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, cluster.liveness, cluster.table)
+        state, meta = checkpointer.restore(self.resume_step, exp) if self.resume_step is not None else (None, None)
+        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, self.cluster.liveness, self.cluster.table)
+        self.stack.callback(watchdog.stop)
         if checkpointer is not None:  # for a hang report: what a rerun resumes from
-            watchdog.note = lambda: checkpoint_lib.safe_on_disk(checkpointer.dir)
-        watchdog.on_fire = clock.hung
-        train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
-                   run_summary=checkpoint_lib.run_summary(exp), preemption=preemption, clock=clock,
-                   watchdog=watchdog.start(resume_step or 0))
+            watchdog.note = self.safe_on_disk
+        watchdog.on_fire = self.clock.hung
+        train_loop(exp, self.compiled, self.log, state, checkpointer=checkpointer, resume_meta=meta,
+                   run_summary=checkpoint_lib.run_summary(exp), preemption=self.preemption, clock=self.clock,
+                   watchdog=watchdog.start(self.resume_step or 0))
         watchdog.stop()  # before the wait for the last save, which is no step
-        log.update_run(stragglers=watchdog.stragglers())
-        saved = None
+        self.log.update_run(stragglers=watchdog.stragglers())
+        self.saved = None
         if checkpointer is not None:
-            with clock.time("checkpoint"):
+            with self.clock.time("checkpoint"):
                 checkpointer.wait()  # the last save committed before the summary names it
             last = checkpointer.latest_step()
-            saved = None if last is None else checkpointer.where(last)
-        wall_s = time.perf_counter() - started_at
+            self.saved = None if last is None else checkpointer.where(last)
+
+    def summarise(self) -> None:
+        import jax
+
+        from meshtrain.runlog import goodput, metrics
+        log, clock, args = self.log, self.clock, self.args
+        info = self.exp.source.info
+        wall_s = time.perf_counter() - self.started_at
         clock.save()
-        total = clock.total()
-        for line in metrics.summary(log, best_loss=exp.source.info.get("best_loss"), vocab=m.vocab_size,
-                                    best_accuracy=exp.source.info.get("best_accuracy"),
-                                    wall_s=wall_s, checkpoint=saved,
-                                    workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
-                                    processes=jax.process_count(), goodput=goodput.line(total)):
-            say(line)
-        log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=saved),
+        for line in metrics.summary(log, best_loss=info.get("best_loss"), vocab=self.exp.model.cfg.vocab_size,
+                                    best_accuracy=info.get("best_accuracy"), wall_s=wall_s, checkpoint=self.saved,
+                                    workdir=self.workdir, command=f"{args.prog} {shlex.join(args.argv)}",
+                                    processes=jax.process_count(), goodput=goodput.line(clock.total())):
+            self.say(line)
+        log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=self.saved),
                     "goodput": {"this_run": clock.save(), "all_pieces": clock.total()}})
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        if checkpointer is not None:
-            checkpointer.close()  # waits for the last save; a failed one raises RunFailed
-        if log is not None:
-            log.close()
-        for lock in locks:
-            lock.release()
-    return 0
 
 
 def save_tokenizer(exp, workdir: str | None) -> None:

@@ -199,3 +199,19 @@ def test_models_own_no_mesh():
                   and isinstance(node.args[0], ast.Name) and node.args[0].id == "constrain"):
                 found.append(f"{name}:{node.lineno} probes the hook with {node.func.id}")
     assert not found, "models/ must leave meshes to parallel/:\n" + "\n".join(found)
+
+
+# Functions allowed past LONGEST lines, and why: a table read top to bottom, not a procedure.
+LONG_FUNCTIONS = {"meshtrain.config.base": "every config key with its default, one per line"}
+LONGEST = 80
+
+
+def test_no_function_is_longer_than_a_reader_can_hold():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST and f"{name}.{node.name}" not in LONG_FUNCTIONS:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"functions over {LONGEST} lines (name their phases):\n" + "\n".join(long)

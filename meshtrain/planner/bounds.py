@@ -87,6 +87,18 @@ def collective_bounds(exp) -> list[dict]:
     return rows.sorted()
 
 
+def _partial_sums(mesh, add, nbytes: float, rows_axes: list, split_axes: list) -> float:
+    """A gradient summed over an image-row split, then over a sequence's split, before the
+    batch axes see it: each all-reduce leaves 1/n of the bytes for the next. -> bytes left."""
+    for axes, what in ((rows_axes, "conv gradient reduction over the row split"),
+                       (split_axes, "gradient reduction over the context split")):
+        if axes:
+            n = _size(mesh, axes)
+            add("all-reduce", axes, 0, 2 * (n - 1) / n * nbytes, what)
+            nbytes /= n
+    return nbytes
+
+
 def _gradients(exp, add) -> None:
     """Each parameter's gradient reduction, ZeRO's reduce-scatter and gather, FSDP's
     gathers: per leaf, over the axes its batch split leaves it whole on."""
@@ -112,16 +124,7 @@ def _gradients(exp, add) -> None:
         local = math.prod(shape.shape) / _size(mesh, p_axes)
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
         rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
-        reduced = local  # what is left to reduce over the batch axes
-        if rows_axes:  # over the row split first (reduce-scatter + all-gather), then 1/n of it over the batch axes
-            n = _size(mesh, rows_axes)
-            add("all-reduce", rows_axes, 0, 2 * (n - 1) / n * local * g, "conv gradient reduction over the row split")
-            reduced = local / n
-        split_axes = [a for a in positions if a not in p_axes]
-        if split_axes:  # likewise over the positions' split (context parallelism)
-            n = _size(mesh, split_axes)
-            add("all-reduce", split_axes, 0, 2 * (n - 1) / n * reduced * g, "gradient reduction over the context split")
-            reduced /= n
+        reduced = _partial_sums(mesh, add, local * g, rows_axes, [a for a in positions if a not in p_axes]) / g
         reduce_axes = [a for a in splits if a not in p_axes and mesh.shape[a] > 1]
         if grad_bytes and reduce_axes and set(reduce_axes) <= set(replicas):
             g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/step/grad_reduce.py)

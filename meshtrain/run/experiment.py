@@ -166,11 +166,11 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
 
 def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str,
                 task: tasks.Task, batch_shardings) -> Callable:
-    return step_lib.make_train_step(
-        model, tx, schedule, layout, mesh, shardings, grad_shardings,
-        microbatches=cfg.train.grad_accum_steps, nonfinite=cfg.train.nonfinite,
-        loss_chunk=cfg.train.loss_chunk, grad_dtype=cfg.train.grad_dtype, accum_gather=accum_gather,
-        task=task, batch_shardings=batch_shardings)
+    t = cfg.train
+    options = step_lib.StepOptions(microbatches=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk,
+                                   grad_dtype=t.grad_dtype, accum_gather=accum_gather)
+    return step_lib.make_train_step(model, tx, schedule, layout, mesh, shardings, grad_shardings, options,
+                                    task=task, batch_shardings=batch_shardings)
 
 
 # A step compiled to be read, not run, needs no fast machine code: XLA:CPU's LLVM

@@ -62,8 +62,8 @@ def check_config(o: ml_collections.ConfigDict) -> None:
             raise UserError(f"optim.momentum={o.momentum} (optim.name={o.name}): need 0 <= momentum < 1 "
                             f"(0: no momentum; the survey's and Goyal et al.'s SGD use 0.9).")
         if o.nesterov and o.momentum == 0:
-            raise UserError(f"optim.nesterov=True with optim.momentum=0: Nesterov's look-ahead needs "
-                            f"momentum. Set --config.optim.momentum=0.9, or nesterov=false.")
+            raise UserError("optim.nesterov=True with optim.momentum=0: Nesterov's look-ahead needs "
+                            "momentum. Set --config.optim.momentum=0.9, or nesterov=false.")
         if o.mu_dtype and o.momentum == 0:
             raise UserError(f"optim.mu_dtype={o.mu_dtype!r} with optim.name={o.name} and momentum 0: "
                             f"there is no momentum buffer to store. Leave optim.mu_dtype=\"\".")

@@ -29,6 +29,7 @@ accum_gather="once" and parameters sharded over a batch axis (fsdp):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -185,10 +186,90 @@ def gradient_names(model: ModelDef) -> list[str]:
     return list(tree_paths.flat(model.shapes))
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What train.* says about a step's gradients (see make_train_step)."""
+
+    microbatches: int = 1       # train.grad_accum_steps
+    nonfinite: str = "crash"    # train.nonfinite: crash | skip
+    loss_chunk: int = 0         # train.loss_chunk (0: whole logits)
+    grad_dtype: str = ""        # train.grad_dtype: the replicas' reduction by hand, in this dtype
+    accum_gather: str = "each"  # each | once: batch-sharded params gathered per microbatch or once
+
+
+class Accumulation:
+    """grads(params, stats, batch, key) -> (grads, loss, metrics, stats), the mean over
+    `microbatches` of grad_fn's (module docstring). Sums are kept in float32 (gathered
+    matrices' gradients arrive in the compute dtype); with `split` (ZeRO-2) they are
+    kept where the moments live, never whole."""
+
+    def __init__(self, grad_fn: Callable, microbatches: int, micro_shardings, gather: Callable,
+                 grad_shardings, *, split: bool, to_float32: bool):
+        self.grad_fn, self.k, self.micro_shardings, self.gather = grad_fn, microbatches, micro_shardings, gather
+        self.grad_shardings, self.split, self.to_float32 = grad_shardings, split, to_float32
+
+    def _pin(self, grads):
+        return jax.lax.with_sharding_constraint(grads, self.grad_shardings) if self.split else grads
+
+    def __call__(self, params, stats, batch, key):
+        if self.k == 1:
+            (loss, (metrics, stats)), grads = self.grad_fn(params, stats, batch, key)
+            return grads, loss, metrics, stats
+        k = self.k
+        # Row i*k + j goes to microbatch j, so every device keeps its own rows.
+        micro = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
+            x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), sh), batch, self.micro_shardings)
+        keys = None if key is None else jax.random.split(key, k)
+        params = self.gather(params)
+        (loss_shape, (metric_shapes, _)), grad_shapes = jax.eval_shape(
+            self.grad_fn, params, stats, jax.tree.map(lambda x: x[0], micro), None if keys is None else keys[0])
+        grads0, loss0, metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)),
+                                               (grad_shapes, loss_shape, metric_shapes))
+
+        def body(carry, xs):
+            (acc, loss_sum, metric_sum), stats = carry
+            (loss, (metrics, stats)), grads = self.grad_fn(params, stats, *xs)
+            acc = self._pin(jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, grads))
+            metric_sum = jax.tree.map(lambda a, x: a + x.astype(a.dtype), metric_sum, metrics)
+            return ((acc, loss_sum + loss, metric_sum), stats), None
+        ((grads, loss, metrics), stats), _ = jax.lax.scan(
+            body, ((self._pin(grads0), loss0, metrics0), stats), (micro, keys))
+        # grad_reduce.reduce takes float32 sums to their reduction dtype; else back to the
+        # dtype the backward produced.
+        mean = jax.tree.map(lambda g, s: (g / k).astype(jnp.float32 if self.to_float32 else s.dtype),
+                            grads, grad_shapes)
+        return mean, loss / k, jax.tree.map(lambda m: m / k, metrics), stats
+
+
+def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
+               o: StepOptions, task: tasks.Task, batches) -> tuple[Callable, tuple]:
+    """(grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats), the
+    replica axes reduced by hand: () when XLA reduces)."""
+    by_hand = bool(o.grad_dtype) or (o.microbatches > 1 and not model.stats_shapes)
+    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, o.microbatches, o.accum_gather)
+    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
+    # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads)
+    if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
+        objective = make_objective(model, layout.without(*replicas), mesh, task, o.loss_chunk)
+        grad_fn = grad_reduce.per_replica(jax.value_and_grad(objective, has_aux=True), replicas, mesh)
+    else:
+        grad_fn = jax.value_and_grad(make_objective(model, layout, mesh, task, o.loss_chunk), has_aux=True)
+    micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
+    accumulate = Accumulation(grad_fn, o.microbatches, micro_shardings, make_gather(model, layout, mesh, gathered),
+                              grad_shardings, split=layout.splits_grads, to_float32=bool(replicas))
+    if not replicas:
+        return accumulate, replicas
+
+    def grads_and_loss(params, stats, batch, key):  # per-replica losses and metrics [n]; no stats
+        grads, loss, metrics, stats = accumulate(params, stats, batch, key)
+        grads = grad_reduce.reduce(grads, o.grad_dtype or produced_dtypes(model), params)
+        return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats
+    return grads_and_loss, replicas
+
+
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
-                    microbatches: int, nonfinite: str = "crash", loss_chunk: int = 0,
-                    grad_dtype: str = "", accum_gather: str = "each", task: tasks.Task | None = None,
+                    layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
+                    options: StepOptions = StepOptions(), *, task: tasks.Task | None = None,
                     batch_shardings=None) -> Callable:
     """Returns the jitted step.
 
@@ -211,66 +292,9 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     `batch_shardings` defaults to token rows' (batch_sharding).
     """
     task = tasks.for_family(model.task) if task is None else task
-    has_stats = bool(model.stats_shapes)
-    by_hand = bool(grad_dtype) or (microbatches > 1 and not has_stats)
-    split_in_backward = layout.splits_grads  # ZeRO-2: accumulate split, never whole
-    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, microbatches, accum_gather)
-    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
-    gather = make_gather(model, layout, mesh, gathered)
-    # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads)
-    if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
-        inner = layout.without(*replicas)
-        grad_fn = grad_reduce.per_replica(
-            jax.value_and_grad(make_objective(model, inner, mesh, task, loss_chunk), has_aux=True), replicas, mesh)
-    else:
-        grad_fn = jax.value_and_grad(make_objective(model, layout, mesh, task, loss_chunk), has_aux=True)
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
-    micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
+    grads_and_loss, _ = _gradients(model, layout, mesh, shardings, grad_shardings, options, task, batches)
     dropout_on = model.cfg.dropout > 0
-
-    def summed_grads(params, stats, batch, key):  # -> (grads, loss, metrics, stats)
-        if microbatches == 1:
-            (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
-            return grads, loss, metrics, stats
-        # Row i*k + j goes to microbatch j, so every device keeps its own rows.
-        micro = jax.tree.map(
-            lambda x, sh: jax.lax.with_sharding_constraint(
-                x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), sh),
-            batch, micro_shardings)
-        keys = None if key is None else jax.random.split(key, microbatches)
-        params = gather(params)
-        first = jax.tree.map(lambda x: x[0], micro)
-        (loss_shape, (metric_shapes, _)), grad_shapes = jax.eval_shape(
-            grad_fn, params, stats, first, None if keys is None else keys[0])
-        # Accumulated in float32 (gathered matrices' gradients arrive in the compute dtype).
-        grads0, loss0, metrics0 = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)),
-            (grad_shapes, loss_shape, metric_shapes))
-        if split_in_backward:
-            grads0 = jax.lax.with_sharding_constraint(grads0, grad_shardings)
-
-        def body(carry, xs):
-            (acc, loss_sum, metric_sum), stats = carry
-            mb, k = xs
-            (loss, (metrics, stats)), grads = grad_fn(params, stats, mb, k)
-            acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, grads)
-            if split_in_backward:  # ZeRO-2: accumulate where the moments live, never whole
-                acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
-            metric_sum = jax.tree.map(lambda a, x: a + x.astype(a.dtype), metric_sum, metrics)
-            return ((acc, loss_sum + loss, metric_sum), stats), None
-        ((grads, loss, metrics), stats), _ = jax.lax.scan(body, ((grads0, loss0, metrics0), stats), (micro, keys))
-        # grad_reduce.reduce takes the float32 sums to their reduction dtype; else back to
-        # the dtype the backward produced.
-        mean = jax.tree.map(lambda g, s: (g / microbatches).astype(jnp.float32 if replicas else s.dtype),
-                            grads, grad_shapes)
-        return mean, loss / microbatches, jax.tree.map(lambda m: m / microbatches, metrics), stats
-
-    def grads_and_loss(params, stats, batch, key):
-        grads, loss, metrics, stats = summed_grads(params, stats, batch, key)
-        if replicas:  # per-replica losses and metrics [n]; no stats (refused with replicas)
-            metrics = jax.tree.map(jnp.mean, metrics)
-            return grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params), loss.mean(), metrics, stats
-        return grads, loss, metrics, stats
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
@@ -279,7 +303,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm, count, first = norm_and_nonfinite(grads)
-        if nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
+        if options.nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
             good = jnp.isfinite(loss) & (count == 0)
             params, opt_state, stats = jax.tree.map(lambda old, new: jnp.where(good, new, old),
                                                     (state.params, state.opt_state, state.stats),
@@ -289,9 +313,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
                           stats=stats), metrics
 
-    replicated = NamedSharding(mesh, P())
     return jax.jit(train_step, in_shardings=(shardings, batches),
-                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, loss_chunk: int = 0,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,203 +75,247 @@ def head_layout(inner: Layout, mesh_shape, padded_vocab: int) -> Layout:
     return dataclasses.replace(inner, name=f"{inner.name}, vocab over stage", activations=acts)
 
 
-def make_loss_and_grads(model, plan: StagePlan, *, constrain: Constrain, cast: Callable,
-                        loss_chunk: int) -> Callable:
-    """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop."""
-    pipe, mesh = plan.pipe, plan.mesh
-    if not family.implements(model.family.module, family.PipelineEnds):
-        raise UserError(
-            f"pipeline.schedule={pipe.schedule}: model family {model.family.name!r} does not split its "
-            f"forward pass into embed_tokens and head (docs/models.md, the model seam), which the 1F1B "
-            f"tick loop runs apart. Use pipeline.schedule={'circular' if pipe.repeats > 1 else 'gpipe'}, "
-            f"or give the family those two methods.")
-    s, v, n_micro, n = pipe.stages, pipe.repeats, pipe.microbatches, plan.n_shards
-    shard, stacked_key = plan.shard, model.stacked
-    k_slots = stash_slots(pipe)
-    hl = head_layout(plan.inner, mesh.shape, model.cfg.padded_vocab_size)
-    head_constrain = Constrain(hl, mesh)
-    slot = plan.slot_spec()
-    head_in = plan.sharding(shard, *slot.spec[2:])   # the last stage's y, on every stage
+class Carry(NamedTuple):
+    """What one tick hands the next (S stages, v repeats, K stash slots, n batch shards)."""
 
-    def copies_spec(axes):  # one copy per batch shard of a head param, as compute wants it
-        return plan.sharding(shard, *hl.spec(axes, "activations"))
+    fwd: jax.Array       # [S, mb, T, D]: what each stage's forward slot sends on
+    bwd: jax.Array       # [S, mb, T, D]: what each stage's backward slot sends back
+    loss: jax.Array      # []: the loss so far, each microbatch's scaled by 1/(B T)
+    stash: list          # per stashed leaf [S, v, K, ...]: items between their two slots
+    d_w: Any             # like the stage weights, float32: their gradients so far
+    d_head: Any          # like the head's n copies, float32
+    d_inputs: jax.Array  # like the inputs: stage 0's dx of each microbatch
 
-    def loss_and_grads(params, tokens_bt1, key):
+
+@dataclasses.dataclass
+class Pullback:
+    """stash="residuals": how stashed leaves become a chunk's pullback again. Recorded where
+    the forward slot is traced, before the loop: `tree` is the pullback's structure and
+    `shared[j]` the index of its leaf j among the chunk's weights and keys (those are the
+    same for every item, so not stashed), or None for a stashed leaf."""
+
+    tree: Any = None
+    shared: list = dataclasses.field(default_factory=list)
+
+
+class Schedule:
+    """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop:
+    what one configuration fixes (the model, the stage plan, the head's layout and specs)."""
+
+    def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, loss_chunk: int):
+        pipe = plan.pipe
+        if not family.implements(model.family.module, family.PipelineEnds):
+            raise UserError(
+                f"pipeline.schedule={pipe.schedule}: model family {model.family.name!r} does not split its "
+                f"forward pass into embed_tokens and head (docs/models.md, the model seam), which the 1F1B "
+                f"tick loop runs apart. Use pipeline.schedule={'circular' if pipe.repeats > 1 else 'gpipe'}, "
+                f"or give the family those two methods.")
+        self.model, self.plan, self.pipe, self.mesh = model, plan, pipe, plan.mesh
+        self.constrain, self.cast, self.loss_chunk = constrain, cast, loss_chunk
+        self.k_slots = stash_slots(pipe)
+        self.head_layout = head_layout(plan.inner, plan.mesh.shape, model.cfg.padded_vocab_size)
+        self.head_constrain = Constrain(self.head_layout, plan.mesh)
+        self.slot = plan.slot_spec()                                   # [S, mb, T, D] per tick
+        self.head_in = plan.sharding(plan.shard, *self.slot.spec[2:])  # the last stage's y, on every stage
+        self.stage_vmap = dict(spmd_axis_name="stage")
+
+    def copies_spec(self, axes):
+        """One copy per batch shard of a head param, as compute wants it."""
+        return self.plan.sharding(self.plan.shard, *self.head_layout.spec(axes, "activations"))
+
+    def __call__(self, params, tokens_bt1, key):
+        return TickLoop(self, params, tokens_bt1, key).run()
+
+
+class TickLoop:
+    """One traced call of the schedule: the step's inputs, weights and head, and the slots
+    a tick runs (the module docstring's loop)."""
+
+    def __init__(self, sched: Schedule, params, tokens_bt1, key):
+        self.sched, model, plan = sched, sched.model, sched.plan
         inputs_bt, targets_bt = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-        b, t = inputs_bt.shape
-        mb = b // n_micro
+        self.b, self.t = inputs_bt.shape
+        self.mb = self.b // sched.pipe.microbatches
         k_embed, k_layers = (None, None) if key is None else tuple(jax.random.split(key))
-        head_axes = {k: a for k, a in model.axes.items() if k != stacked_key}
+        stacked = model.stacked
+        head_axes = {k: a for k, a in model.axes.items() if k != stacked}
 
-        def prepare(params):
-            cast_params = cast(params)
+        def prepare(params):  # -> (inputs, stage weights, head copies), under one vjp
+            cast_params = sched.cast(params)
             module = model.bind(cast_params)
-            inputs = plan.inputs(module.embed_tokens(inputs_bt, constrain, k_embed))
-            weights = plan.weights(cast_params[stacked_key])
-            head = {k: p for k, p in cast_params.items() if k != stacked_key}
+            inputs = plan.inputs(module.embed_tokens(inputs_bt, sched.constrain, k_embed))
+            head = {k: p for k, p in cast_params.items() if k != stacked}
             head = jax.tree.map(lambda p, axes: jax.lax.with_sharding_constraint(
-                jnp.broadcast_to(p[None], (n, *p.shape)), copies_spec(axes)), head, head_axes)
-            return inputs, weights, head
+                jnp.broadcast_to(p[None], (plan.n_shards, *p.shape)), sched.copies_spec(axes)), head, head_axes)
+            return inputs, plan.weights(cast_params[stacked]), head
 
-        (inputs, weights, head), prepare_vjp = jax.vjp(prepare, params)
-        keys = plan.keys(k_layers, params[stacked_key])
-        make_layer, _ = layer_maker(getattr(model.bind(params), stacked_key), model.cfg.remat)
-        chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers)
+        (self.inputs, self.weights, self.head), self.prepare_vjp = jax.vjp(prepare, params)
+        self.keys = plan.keys(k_layers, params[stacked])
+        make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
+        self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
         # layouts/sequence.py); the targets follow them.
-        targets_bt = stack.stored(targets_bt, constrain)
-        targets = targets_bt.reshape(mb, n_micro, t).swapaxes(0, 1)  # [M, mb, T], rows as inputs
-        chunks = loss_lib.num_chunks(t, loss_chunk)
-        blocks_const = params[stacked_key]
+        targets_bt = stack.stored(targets_bt, sched.constrain)
+        self.targets = targets_bt.reshape(self.mb, sched.pipe.microbatches, self.t).swapaxes(0, 1)  # [M, mb, T]
+        self.chunks = loss_lib.num_chunks(self.t, sched.loss_chunk)
+        self.blocks = params[stacked]
+        self.head_grad = jax.vmap(jax.value_and_grad(self.shard_head, argnums=(0, 1)), spmd_axis_name=plan.shard)
+        self.pullback = Pullback()
 
-        def shard_head(head_params, x_btd, y_bt):  # one batch shard -> summed loss over its targets
-            bound = model.bind({**head_params, stacked_key: blocks_const})
-            h_btd, w = bound.head(x_btd, head_constrain)
-            if chunks == 1 or not loss_lib.has_seam(bound):
-                mean = loss_lib.cross_entropy(bound.project(h_btd, w, head_constrain), y_bt)
-            else:
-                mean = loss_lib.chunked_cross_entropy(bound.project, h_btd, w, y_bt, chunks, hl, mesh)
-            return mean * y_bt.size
+    # -- one stage, one item -----------------------------------------------------------
 
-        head_grad = jax.vmap(jax.value_and_grad(shard_head, argnums=(0, 1)), spmd_axis_name=shard)
+    def shard_head(self, head_params, x_btd, y_bt):
+        """One batch shard's head -> its loss summed over its targets."""
+        sched = self.sched
+        bound = sched.model.bind({**head_params, sched.model.stacked: self.blocks})
+        h_btd, w = bound.head(x_btd, sched.head_constrain)
+        if self.chunks == 1 or not loss_lib.has_seam(bound):
+            mean = loss_lib.cross_entropy(bound.project(h_btd, w, sched.head_constrain), y_bt)
+        else:
+            mean = loss_lib.chunked_cross_entropy(bound.project, h_btd, w, y_bt, self.chunks,
+                                                  sched.head_layout, sched.mesh)
+        return mean * y_bt.size
 
-        def stage_keys(i):  # per stage [S]: chunk i's keys (the chunk folds in the microbatch)
-            return None if keys is None else jax.vmap(lambda k, i: k[i])(keys, i)
+    def stage_keys(self, i):
+        """Per stage [S]: chunk i's keys (the chunk folds in the microbatch)."""
+        return None if self.keys is None else jax.vmap(lambda k, i: k[i])(self.keys, i)
 
-        pullback = {}  # "residuals": the pullback's structure, recorded where it is traced
+    def fwd_one(self, w, k, i, m, x):
+        """One stage's forward slot -> (y, the leaves to stash)."""
+        wi = self.sched.plan.select(w, i)
+        if self.sched.pipe.stash == "inputs":
+            return self.chunk(wi, k, m, x), [x]
+        y, pull = jax.vjp(lambda wi, x: self.chunk(wi, k, m, x), wi, x)
+        leaves, self.pullback.tree = jax.tree.flatten(pull)
+        shared = jax.tree.leaves((wi, k))
+        self.pullback.shared = [next((j for j, a in enumerate(shared) if a is leaf), None) for leaf in leaves]
+        return y, [leaf for leaf, j in zip(leaves, self.pullback.shared) if j is None]
 
-        def fwd_one(w, k, i, m, x):  # one stage's forward slot -> (y, what to stash)
-            wi = plan.select(w, i)
-            if pipe.stash == "inputs":
-                return chunk(wi, k, m, x), [x]
-            y, pull = jax.vjp(lambda wi, x: chunk(wi, k, m, x), wi, x)
-            # The pullback's leaves are autodiff's residuals. Those that are the chunk's
-            # weights or keys themselves are the same for every item: taken again at the
-            # backward slot, not stashed K times.
-            leaves, pullback["tree"] = jax.tree.flatten(pull)
-            shared = jax.tree.leaves((wi, k))
-            pullback["from"] = [next((j for j, a in enumerate(shared) if a is leaf), None) for leaf in leaves]
-            return y, [leaf for leaf, j in zip(leaves, pullback["from"]) if j is None]
+    def bwd_one(self, w, k, i, m, items, g):
+        """One stage's backward slot -> (d chunk weights, dx)."""
+        wi = self.sched.plan.select(w, i)
+        if self.sched.pipe.stash == "inputs":
+            _, pull = jax.vjp(lambda wi, x: self.chunk(wi, k, m, x), wi, items[0])
+        else:
+            shared, stashed = jax.tree.leaves((wi, k)), iter(items)
+            pull = jax.tree.unflatten(self.pullback.tree, [
+                next(stashed) if j is None else shared[j] for j in self.pullback.shared])
+        return pull(g)
 
-        def bwd_one(w, k, i, m, items, g):  # one stage's backward slot: (d chunk weights, dx)
-            wi = plan.select(w, i)
-            if pipe.stash == "inputs":
-                _, pull = jax.vjp(lambda wi, x: chunk(wi, k, m, x), wi, items[0])
-            else:
-                shared, stashed = jax.tree.leaves((wi, k)), iter(items)
-                pull = jax.tree.unflatten(pullback["tree"], [
-                    next(stashed) if j is None else shared[j] for j in pullback["from"]])
-            return pull(g)
+    # -- the slots of a tick, every stage at once ----------------------------------------
 
-        stage_vmap = dict(spmd_axis_name="stage")
-        w_axis = plan.w_axis
+    def forward_slot(self, carry: Carry, t_now) -> tuple[Carry, tuple]:
+        sched, s = self.sched, self.sched.pipe.stages
+        fv, fi, fm = forward_items(sched.pipe, t_now, jnp)
+        fresh = jax.lax.dynamic_index_in_dim(self.inputs, fm[0], 1, keepdims=False)  # stage 0's
+        first = ((jnp.arange(s) == 0) & (fi == 0))[:, None, None, None]
+        x = jax.lax.with_sharding_constraint(jnp.where(first, fresh, jnp.roll(carry.fwd, 1, axis=0)), sched.slot)
+        y, items = jax.vmap(self.fwd_one, (sched.plan.w_axis, 0, 0, 0, 0), **sched.stage_vmap)(
+            self.weights, self.stage_keys(fi), fi, fm, x)
+        y = jax.lax.with_sharding_constraint(y, sched.slot)
 
-        def forward_slot(carry, t_now):
-            fv, fi, fm = forward_items(pipe, t_now, jnp)
-            fresh = jax.lax.dynamic_index_in_dim(inputs, fm[0], 1, keepdims=False)  # stage 0's
-            first = ((jnp.arange(s) == 0) & (fi == 0))[:, None, None, None]
-            x = jnp.where(first, fresh, jnp.roll(carry["fwd"], 1, axis=0))
-            x = jax.lax.with_sharding_constraint(x, slot)
-            y, items = jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(fi), fi, fm, x)
-            y = jax.lax.with_sharding_constraint(y, slot)
+        def store(stash_s, valid, i, m, item):  # one stage keeps an item in slot (i, m mod K)
+            old = stash_s[i, m % sched.k_slots]
+            return stash_s.at[i, m % sched.k_slots].set(jnp.where(valid, item, old))
+        stash = [jax.vmap(store, **sched.stage_vmap)(st, fv, fi, fm, item) for st, item in zip(carry.stash, items)]
+        return carry._replace(fwd=y, stash=stash), (fv, fi, fm, y)
 
-            def store(stash_s, valid, i, m, item):  # one stage keeps an item in slot (i, m mod K)
-                old = stash_s[i, m % k_slots]
-                return stash_s.at[i, m % k_slots].set(jnp.where(valid, item, old))
-            stash = [jax.vmap(store, **stage_vmap)(st, fv, fi, fm, item)
-                     for st, item in zip(carry["stash"], items)]
-            return {**carry, "fwd": y, "stash": stash}, (fv, fi, fm, y)
+    def head_slot(self, carry: Carry, fwd_items) -> tuple[Carry, jax.Array]:
+        """The loss head on the last stage's y where it finished repeat v-1: -> dy."""
+        sched, (fv, fi, fm, y) = self.sched, fwd_items
+        s, v, n, mb, t = sched.pipe.stages, sched.pipe.repeats, sched.plan.n_shards, self.mb, self.t
+        valid = fv[s - 1] & (fi[s - 1] == v - 1)
+        y_last = jax.lax.with_sharding_constraint(y[s - 1], sched.head_in)
+        tgt = jax.lax.dynamic_index_in_dim(self.targets, fm[s - 1], 0, keepdims=False)
+        loss_n, (d_head, dy) = self.head_grad(self.head, y_last.reshape(n, mb // n, t, -1), tgt.reshape(n, mb // n, t))
+        scale = jnp.where(valid, 1.0 / (self.b * t), 0.0)
+        acc = jax.tree.map(lambda a, d: a + scale * d.astype(a.dtype), carry.d_head, d_head)
+        dy = (dy.reshape(mb, t, -1) * scale).astype(y.dtype)
+        return carry._replace(d_head=acc, loss=carry.loss + scale * loss_n.sum()), dy
 
-        def head_slot(carry, fwd_items):
-            fv, fi, fm, y = fwd_items
-            valid = fv[s - 1] & (fi[s - 1] == v - 1)
-            y_last = jax.lax.with_sharding_constraint(y[s - 1], head_in)
-            tgt = jax.lax.dynamic_index_in_dim(targets, fm[s - 1], 0, keepdims=False)
-            loss_n, (d_head, dy) = head_grad(head, y_last.reshape(n, mb // n, t, -1), tgt.reshape(n, mb // n, t))
-            scale = jnp.where(valid, 1.0 / (b * t), 0.0)
-            acc = jax.tree.map(lambda a, d: a + scale * d.astype(a.dtype), carry["d_head"], d_head)
-            dy = (dy.reshape(mb, t, -1) * scale).astype(y.dtype)
-            return {**carry, "d_head": acc, "loss": carry["loss"] + scale * loss_n.sum()}, dy
+    def backward_slot(self, carry: Carry, t_now, dy) -> Carry:
+        sched, s, v = self.sched, self.sched.pipe.stages, self.sched.pipe.repeats
+        plan, vmap = sched.plan, sched.stage_vmap
+        bv, bi, bm = backward_items(sched.pipe, t_now, jnp)
+        g = jnp.roll(carry.bwd, -1, axis=0)
+        if dy is not None:
+            last = ((jnp.arange(s) == s - 1) & (bi == v - 1))[:, None, None, None]
+            g = jnp.where(last, dy[None], g)
+        g = jax.lax.with_sharding_constraint(jnp.where(bv[:, None, None, None], g, 0), sched.slot)
+        items = [jax.vmap(lambda st, i, m: st[i, m % sched.k_slots], **vmap)(st, bi, bm) for st in carry.stash]
+        dw, dx = jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **vmap)(
+            self.weights, self.stage_keys(bi), bi, bm, items, g)
+        dx = jax.lax.with_sharding_constraint(dx, sched.slot)
 
-        def backward_slot(carry, t_now, dy):
-            bv, bi, bm = backward_items(pipe, t_now, jnp)
-            g = jnp.roll(carry["bwd"], -1, axis=0)
-            if dy is not None:
-                last = ((jnp.arange(s) == s - 1) & (bi == v - 1))[:, None, None, None]
-                g = jnp.where(last, dy[None], g)
-            g = jax.lax.with_sharding_constraint(jnp.where(bv[:, None, None, None], g, 0), slot)
-            items = [jax.vmap(lambda st, i, m: st[i, m % k_slots], **stage_vmap)(st, bi, bm)
-                     for st in carry["stash"]]
-            dw, dx = jax.vmap(bwd_one, (w_axis, 0, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(bi), bi, bm, items, g)
-            dx = jax.lax.with_sharding_constraint(dx, slot)
+        def add(acc, d):  # acc [.., S, v, Lc, ...] += d [.., S, Lc, ...] at each stage's i
+            def one(acc_s, d_s, i):
+                return (acc_s.at[:, i] if plan.copies else acc_s.at[i]).add(d_s.astype(acc_s.dtype))
+            return jax.vmap(one, (plan.w_axis, 0, 0), plan.w_axis, **vmap)(acc, d, bi)
 
-            def add(acc, d):  # acc [.., S, v, Lc, ...] += d [.., S, Lc, ...] at each stage's i
-                def one(acc_s, d_s, i):
-                    if plan.copies:
-                        return acc_s.at[:, i].add(d_s.astype(acc_s.dtype))
-                    return acc_s.at[i].add(d_s.astype(acc_s.dtype))
-                return jax.vmap(one, (w_axis, 0, 0), w_axis, **stage_vmap)(acc, d, bi)
-            d_w = jax.tree.map(add, carry["d_w"], dw)
+        def keep_dx(d_in_s, is_first, m, dx_s):  # stage 0, repeat 0: d inputs[m]
+            return d_in_s.at[m].set(jnp.where(is_first, dx_s, d_in_s[m]))
+        is_first = (jnp.arange(s) == 0) & (bi == 0) & bv
+        d_inputs = jax.vmap(keep_dx, **vmap)(carry.d_inputs, is_first, bm, dx)
+        return carry._replace(bwd=dx, d_w=jax.tree.map(add, carry.d_w, dw), d_inputs=d_inputs)
 
-            def keep_dx(d_in_s, is_first, m, dx_s):  # stage 0, repeat 0: d inputs[m]
-                return d_in_s.at[m].set(jnp.where(is_first, dx_s, d_in_s[m]))
-            is_first = (jnp.arange(s) == 0) & (bi == 0) & bv
-            d_inputs = jax.vmap(keep_dx, **stage_vmap)(carry["d_inputs"], is_first, bm, dx)
-            return {**carry, "bwd": dx, "d_w": d_w, "d_inputs": d_inputs}
+    # -- the loop -------------------------------------------------------------------------
 
-        def warm_up(carry, t_now):
-            return forward_slot(carry, t_now)[0], None
+    def warm_up(self, carry: Carry, t_now):
+        return self.forward_slot(carry, t_now)[0], None
 
-        def steady(carry, t_now):
-            carry, fwd_items = forward_slot(carry, t_now)
-            carry, dy = head_slot(carry, fwd_items)
-            return backward_slot(carry, t_now, dy), None
+    def steady(self, carry: Carry, t_now):
+        carry, fwd_items = self.forward_slot(carry, t_now)
+        carry, dy = self.head_slot(carry, fwd_items)
+        return self.backward_slot(carry, t_now, dy), None
 
-        def cool_down(carry, t_now):
-            return backward_slot(carry, t_now, None), None
+    def cool_down(self, carry: Carry, t_now):
+        return self.backward_slot(carry, t_now, None), None
 
-        zeros_slot = jax.lax.with_sharding_constraint(jnp.zeros((s, mb, t, inputs.shape[-1]), inputs.dtype), slot)
-        stash_spec = plan.sharding(slot.spec[0], None, None, *slot.spec[1:])
-
-        def stash_zeros():  # [S, v, K, *item] per stashed leaf, from the forward slot's shapes
-            _, items = jax.eval_shape(lambda: jax.vmap(fwd_one, (w_axis, 0, 0, 0, 0), **stage_vmap)(
-                weights, stage_keys(jnp.zeros(s, int)), jnp.zeros(s, int),
-                jnp.zeros(s, int), zeros_slot))
-            if pipe.stash == "inputs":
-                return [jax.lax.with_sharding_constraint(
-                    jnp.zeros((s, v, k_slots, *items[0].shape[1:]), inputs.dtype), stash_spec)]
-            return [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *a.shape[1:]), a.dtype),
-                                                     plan.sharding("stage")) for a in items]
+    def start(self) -> Carry:
+        """Zeros, with the stash shaped from a trace of the forward slot (which also records
+        the pullback's structure for stash="residuals")."""
+        sched, s, v = self.sched, self.sched.pipe.stages, self.sched.pipe.repeats
+        plan, k_slots, dtype = sched.plan, sched.k_slots, self.inputs.dtype
+        zeros_slot = jax.lax.with_sharding_constraint(jnp.zeros((s, self.mb, self.t, self.inputs.shape[-1]), dtype),
+                                                      sched.slot)
+        first = jnp.zeros(s, int)
+        _, items = jax.eval_shape(lambda: jax.vmap(self.fwd_one, (plan.w_axis, 0, 0, 0, 0), **sched.stage_vmap)(
+            self.weights, self.stage_keys(first), first, first, zeros_slot))
+        if sched.pipe.stash == "inputs":
+            stash_spec = plan.sharding(sched.slot.spec[0], None, None, *sched.slot.spec[1:])
+            stash = [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *items[0].shape[1:]), dtype),
+                                                      stash_spec)]
+        else:
+            stash = [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *a.shape[1:]), a.dtype),
+                                                      plan.sharding("stage")) for a in items]
         f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))  # noqa: E731
-        carry = {
-            "fwd": zeros_slot, "bwd": zeros_slot, "loss": jnp.zeros((), jnp.float32),
-            "stash": stash_zeros(),
-            "d_w": jax.tree.map(lambda a, axes: jax.lax.with_sharding_constraint(f32(a), plan.weight_sharding(axes)),
-                                weights, plan.blocks_axes),
-            "d_head": jax.tree.map(f32, head),
-            "d_inputs": jnp.zeros_like(inputs),
-        }
+        d_w = jax.tree.map(lambda a, axes: jax.lax.with_sharding_constraint(f32(a), plan.weight_sharding(axes)),
+                           self.weights, plan.blocks_axes)
+        return Carry(fwd=zeros_slot, bwd=zeros_slot, loss=jnp.zeros((), jnp.float32), stash=stash, d_w=d_w,
+                     d_head=jax.tree.map(f32, self.head), d_inputs=jnp.zeros_like(self.inputs))
+
+    def run(self):
+        """-> (mean loss, grads like params): warm-up, steady and cool-down ticks, then the
+        vjp of the embedding and the weight copies at what the slots gathered."""
+        pipe = self.sched.pipe
         warm, steady_n, cool = phases(pipe)
         unroll = lambda k: max(k, 1) if pipe.unroll else 1  # noqa: E731
-        carry, _ = jax.lax.scan(warm_up, carry, jnp.arange(warm), unroll=unroll(warm))
-        carry, _ = jax.lax.scan(steady, carry, warm + jnp.arange(steady_n), unroll=unroll(steady_n))
-        carry, _ = jax.lax.scan(cool_down, carry, warm + steady_n + jnp.arange(cool), unroll=unroll(cool))
-        cotangents = (carry["d_inputs"],
-                      jax.tree.map(lambda d, w: d.astype(w.dtype), carry["d_w"], weights),
-                      jax.tree.map(lambda d, h: d.astype(h.dtype), carry["d_head"], head))
-        (grads,) = prepare_vjp(cotangents)
-        return carry["loss"], grads
-
-    return loss_and_grads
+        carry = self.start()
+        carry, _ = jax.lax.scan(self.warm_up, carry, jnp.arange(warm), unroll=unroll(warm))
+        carry, _ = jax.lax.scan(self.steady, carry, warm + jnp.arange(steady_n), unroll=unroll(steady_n))
+        carry, _ = jax.lax.scan(self.cool_down, carry, warm + steady_n + jnp.arange(cool), unroll=unroll(cool))
+        cotangents = (carry.d_inputs,
+                      jax.tree.map(lambda d, w: d.astype(w.dtype), carry.d_w, self.weights),
+                      jax.tree.map(lambda d, h: d.astype(h.dtype), carry.d_head, self.head))
+        (grads,) = self.prepare_vjp(cotangents)
+        return carry.loss, grads
 
 
 def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Constrain,
                  cast: Callable, loss_chunk: int) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss: `forward_loss` (the forward-only
     ticks) when no gradient is taken, the tick loop's loss and gradients under autodiff."""
-    loss_and_grads = make_loss_and_grads(model, plan, constrain=constrain, cast=cast, loss_chunk=loss_chunk)
+    loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, loss_chunk=loss_chunk)
 
     @jax.custom_vjp
     def loss_fn(params, tokens, key):
