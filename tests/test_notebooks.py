@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom and draw their figures; meshtrain.planner.pictures draws
+"""The notebooks run top to bottom and draw their figures; meshtrain.pictures draws
 what its docstrings say.
 
 Each notebook is executed by nbclient in an IPython kernel started from this interpreter
@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.planner import pictures, spatial_pictures
+from meshtrain import pictures
+from meshtrain.pictures import spatial as spatial_pictures
 from meshtrain.run.experiment import Experiment
 from support import notebooks
 from support.notebooks import NOTEBOOKS, code_cells
@@ -198,7 +199,7 @@ def test_layout_figure_opt_state_shows_zero1(tiny):
         pictures.layout_figure(exp, leaves=["nope"])
 
 
-# --- spatial_pictures.py -------------------------------------------------------------------
+# --- pictures/spatial.py -------------------------------------------------------------------
 
 def patches_by_gid(ax) -> dict[str, list]:
     out: dict[str, list] = {}

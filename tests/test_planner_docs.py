@@ -1,4 +1,4 @@
-"""docs/planner.md's generated tables (meshtrain/planner/docs_tables.py): every marker names a
+"""docs/planner.md's generated tables (tools/docs_tables.py): every marker names a
 registered table, and the page holds what the code writes today (one subprocess runs every
 table once: it simulates the 32 devices the acceptance configs need)."""
 
@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from meshtrain.planner import docs_tables
+from support.processes import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_tables  # noqa: E402  (tools/ is no package)
 
 MARKER = re.compile(r"^<!-- (end )?generated: ([\w-]+) -->$", re.M)
 
@@ -22,7 +25,7 @@ def test_every_marker_pairs_up_and_names_a_registered_table():
 
 
 def test_regenerate_rewrites_only_between_markers(monkeypatch):
-    monkeypatch.setitem(docs_tables.TABLES, "demo", "meshtrain.planner.docs_figures:hardware_table")
+    monkeypatch.setitem(docs_tables.TABLES, "demo", "planner_tables:hardware_table")
     text = "before\n<!-- generated: demo -->\nstale\n<!-- end generated: demo -->\nafter\n"
     new, changed = docs_tables.regenerate(text, ["demo"])
     assert changed == ["demo"] and new.startswith("before\n") and new.endswith("after\n")
@@ -33,6 +36,6 @@ def test_regenerate_rewrites_only_between_markers(monkeypatch):
 
 
 def test_docs_planner_md_is_up_to_date():
-    r = subprocess.run([sys.executable, "-m", "meshtrain.planner.docs_tables", "--check"],
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "docs_tables.py"), "--check"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr + r.stdout

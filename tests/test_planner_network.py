@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from meshtrain.planner import hardware, roofline
+from support.processes import ROOT
 
 GB = 1e9
 
@@ -80,14 +81,15 @@ def test_the_survey_point_against_the_formula():
     200 GB/s x link_efficiency, the flat ring being faster than the two-level algorithm here.
     The predicted share is those seconds over the step; charged one NIC (25 GB/s), as before
     NICs per node, it is far higher."""
-    from meshtrain.planner import docs_figures
-    args = [f"--config.{k}={v}" for k, v in docs_figures.SURVEY_OVERRIDES]
+    sys.path.insert(0, str(ROOT / "tools"))
+    import planner_tables
+    args = [f"--config.{k}={v}" for k, v in planner_tables.SURVEY_OVERRIDES]
     out = subprocess.run([sys.executable, "-m", "meshtrain.plan", "--config=gpt2_medium_dp8_tp4", *args,
-                          "--config.train.batch_size=8", f"--hardware={docs_figures.SURVEY_HARDWARE}", "--json"],
+                          "--config.train.batch_size=8", f"--hardware={planner_tables.SURVEY_HARDWARE}", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    hw = hardware.get(docs_figures.SURVEY_HARDWARE)
+    hw = hardware.get(planner_tables.SURVEY_HARDWARE)
     p = r["prediction"]
     tensor = [row for row in r["collectives"] if row["mesh_axes"] == ["tensor"]]
     assert tensor and all(row["kind"] == "all-reduce" for row in tensor)
@@ -108,4 +110,4 @@ def test_the_survey_point_against_the_formula():
     old_share = one_nic / (p["step_time_s"] - by_hand + one_nic)
     assert share < old_share
     # what docs/planner.md explains: within a few points of the survey's measured share
-    assert share == pytest.approx(docs_figures.SURVEY_SHARE, abs=0.06)
+    assert share == pytest.approx(planner_tables.SURVEY_SHARE, abs=0.06)

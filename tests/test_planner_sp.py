@@ -1,4 +1,4 @@
-"""Sequence parallelism read off the compiled step (planner/sequence_parallel.py) against
+"""Sequence parallelism read off the compiled step (tests/support/sequence_parallel.py) against
 Megatron's formula, its activation saving against the planner's, and the linter's and the
 search's handling of the context axis. Each config is compiled once per module."""
 
@@ -7,7 +7,8 @@ import pytest
 
 from conftest import configured
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.planner import analytic, lint, search, sequence_parallel as sp
+from meshtrain.planner import analytic, lint, search
+from support import sequence_parallel as sp
 from meshtrain.run.experiment import Experiment
 from support.training import compiled_as_users_compile
 

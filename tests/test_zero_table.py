@@ -1,8 +1,13 @@
-"""ZeRO's stages in the survey's setting (planner/zero_table.py): the formulas' table."""
+"""ZeRO's stages in the survey's setting (tools/zero_table.py): the formulas' table."""
+
+import sys
 
 import pytest
 
-from meshtrain.planner import zero_table
+from support.processes import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import zero_table  # noqa: E402  (tools/ is no package)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@
   analytic   memory and collective lower bounds from the formulas
   beyond_bounds  the traffic those bounds do not count: known excess, axes with no formula
   halo       a spatial layout's halo exchanges (conv rows across split boundaries) by formula
-  spatial_pictures  which device holds which rows of an image activation, and its halo rows
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time
@@ -15,7 +14,10 @@
   verify     a layout trained against one device on a shrunk model (plan --verify)
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   text       the report for a terminal
-  docs_tables, docs_figures, zero_table, pipeline_table  the tables of docs/planner.md, written from the code
+
+Beside it: the notebooks' pictures are meshtrain/pictures/, the generators of
+docs/planner.md's tables tools/docs_tables.py (not shipped), and the sequence-parallel
+HLO reader that only the tests use tests/support/sequence_parallel.py.
 """
 
 

@@ -7,14 +7,14 @@ each device receives from its neighbours for the conv that reads it.
                                           the k//2 halo rows it receives (or zero padding)
   rows_figure(exp, halos)                 those for an Experiment's image activations
 
-As in pictures.py, matplotlib is imported inside the functions and no backend is chosen.
+As in pictures/__init__.py, matplotlib is imported inside the functions and no backend is chosen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from meshtrain.planner.pictures import format_ids, mesh_caption, palette, shard_blocks, sharding_picture
+from meshtrain.pictures import format_ids, mesh_caption, palette, shard_blocks, sharding_picture
 
 
 def row_spans(shape: Sequence[int], sharding, example: int = 0) -> list[tuple[int, int, list[int]]]:

@@ -1,4 +1,4 @@
-"""The planner's own tables in docs/planner.md (registered in planner/docs_tables.py).
+"""The planner's own tables in docs/planner.md (registered in tools/docs_tables.py).
 
     hardware_table()    the hardware entries, as the roofline reads them
     ring_table()        what a ring across nodes moves at, by how it sits on the nodes

@@ -6,11 +6,11 @@
 
 and is the markdown a function of TABLES returns. Regenerate them all, or check them:
 
-    python -m meshtrain.planner.docs_tables            # rewrites docs/planner.md
-    python -m meshtrain.planner.docs_tables --check    # exit 1 and name the stale tables
+    python tools/docs_tables.py            # rewrites docs/planner.md
+    python tools/docs_tables.py --check    # exit 1 and name the stale tables
 
-A table is registered with one line in TABLES, "NAME": "module:function", the function
-taking no arguments and returning markdown. The generator simulates SIMULATED_DEVICES CPU
+A table is registered with one line in TABLES, "NAME": "module:function" (a module of
+tools/ or of meshtrain), the function taking no arguments and returning markdown. The generator simulates SIMULATED_DEVICES CPU
 devices before any table runs, so a table may build and compile configs of up to that many
 devices (`devices=jax.devices()[:n]`); keep them cheap: tests/test_planner_docs.py runs
 them all once.
@@ -26,15 +26,16 @@ import sys
 
 # name -> "module:function"; the docs' markers name the key.
 TABLES: dict[str, str] = {
-    "hardware": "meshtrain.planner.docs_figures:hardware_table",
-    "ring-bandwidth": "meshtrain.planner.docs_figures:ring_table",
-    "survey-tp16": "meshtrain.planner.docs_figures:survey_table",
-    "acceptance": "meshtrain.planner.docs_figures:acceptance_table",
-    "zero-stages": "meshtrain.planner.zero_table:markdown",
-    "pipeline-schedules": "meshtrain.planner.pipeline_table:markdown",
+    "hardware": "planner_tables:hardware_table",
+    "ring-bandwidth": "planner_tables:ring_table",
+    "survey-tp16": "planner_tables:survey_table",
+    "acceptance": "planner_tables:acceptance_table",
+    "zero-stages": "zero_table:markdown",
+    "pipeline-schedules": "pipeline_table:markdown",
 }
 SIMULATED_DEVICES = 32
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md"
+TOOLS = pathlib.Path(__file__).resolve().parent
+DOC = TOOLS.parent / "docs" / "planner.md"
 # A marker is a line of its own (prose may quote one inside backticks).
 _BLOCK = re.compile(r"^(<!-- generated: ([\w-]+) -->\n)(.*?)^(<!-- end generated: \2 -->)$", re.S | re.M)
 
@@ -42,6 +43,8 @@ _BLOCK = re.compile(r"^(<!-- generated: ([\w-]+) -->\n)(.*?)^(<!-- end generated
 def render(name: str) -> str:
     """The markdown of table `name`, ending in a newline."""
     module, _, function = TABLES[name].partition(":")
+    if str(TOOLS) not in sys.path:  # the tables of tools/, when this module is imported
+        sys.path.insert(0, str(TOOLS))
     text = getattr(importlib.import_module(module), function)()
     return text.rstrip("\n") + "\n"
 
@@ -65,7 +68,7 @@ def regenerate(text: str, names=None) -> tuple[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.planner.docs_tables", description=__doc__,
+    p = argparse.ArgumentParser(prog="python tools/docs_tables.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
     p.add_argument("--doc", default=str(DOC), help="the markdown file (default: docs/planner.md)")
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     text, changed = regenerate(path.read_text(), args.names or None)
     if args.check:
         if changed:
-            print(f"{path}: out of date: {', '.join(changed)}; run python -m meshtrain.planner.docs_tables",
+            print(f"{path}: out of date: {', '.join(changed)}; run python tools/docs_tables.py",
                   file=sys.stderr)
         return 1 if changed else 0
     path.write_text(text)

@@ -8,7 +8,7 @@
   scaling_figure(rows)                    memory and predicted step time against device
                                           count, one line per strategy (scaling_row dicts)
 
-A spatial layout's rows and halos are drawn by spatial_pictures.py.
+A spatial layout's rows and halos are drawn by pictures/spatial.py.
 
 matplotlib is imported inside the functions, and no backend is chosen here: a notebook
 gets its inline backend, a script whatever matplotlib picks (Agg without a display).
