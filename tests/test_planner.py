@@ -50,6 +50,20 @@ def test_report_has_the_documented_keys(name, planned):
     assert 0 < r["predicted_mfu"] < 1 and r["predicted_step_time_s"] > 0
 
 
+def test_every_split_cost_keeps_the_protocol_and_has_a_report_section(planned):
+    """bounds.SPLIT_COSTS: each entry has split_cost.SplitCost's three methods with its
+    parameters, and its key is a section of the plan report."""
+    import inspect
+
+    from meshtrain.planner import split_cost
+    from meshtrain.planner.bounds import SPLIT_COSTS
+    for name, cost in SPLIT_COSTS.items():
+        assert all(name in r for _, _, r in planned.values()), f"{name}: no such section in the plan report"
+        for method in ("report", "bound_rows", "known_excess"):
+            want = list(inspect.signature(getattr(split_cost.SplitCost, method)).parameters)[1:]
+            assert list(inspect.signature(getattr(cost, method)).parameters) == want, (name, method)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_state_memory_equals_the_formula_and_xla_totals(name, planned):
     """Params and Adam moments from the compiled shardings equal the ZeRO-style sums, and

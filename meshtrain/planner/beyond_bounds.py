@@ -15,7 +15,8 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.planner import analytic, context, experts, halo
+from meshtrain.planner import analytic, context, halo
+from meshtrain.planner.bounds import SPLIT_COSTS
 
 
 def no_formula(exp) -> list[dict]:
@@ -99,5 +100,5 @@ def known_excess(exp) -> list[dict]:
                                f"is summed over the head shards; so are, per layer, the small "
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})
-    return (out + list(conv_rows.values()) + list(context_rows.values()) + halo.known_excess(exp)
-            + context.known_excess(exp) + experts.known_excess(exp))
+    return (out + list(conv_rows.values()) + list(context_rows.values())
+            + [e.to_json() for cost in SPLIT_COSTS.values() for e in cost.known_excess(exp)])

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from meshtrain import tree_paths
 from meshtrain.planner import context, experts, halo
+from meshtrain.planner.split_cost import SplitCost
 from meshtrain.step import grad_reduce
 from meshtrain.planner.analytic import (_axes_of, _embed_dim, _shards, _size, gathered, has_stream,
                                         local_batch, loss_chunks)
@@ -75,13 +76,19 @@ class _Rows:
         return sorted(self.rows.values(), key=lambda r: (r["mesh_axes"], r["kind"]))
 
 
+# The splits that move activations their own way (planner/split_cost.py), by the plan
+# report's key for their section, in its order.
+SPLIT_COSTS: dict[str, SplitCost] = {"halo": halo, "context": context, "experts": experts}
+
+
 def collective_bounds(exp) -> list[dict]:
     """[{kind, mesh_axes, count, bytes, what}]: the least each device must send per step
     (module docstring); `count` is how many ops the bound assumes."""
     rows = _Rows(exp.mesh)
     _gradients(exp, rows.add)
-    for row in halo.bound_rows(exp) + context.bound_rows(exp) + experts.bound_rows(exp):
-        rows.add(*row)
+    for cost in SPLIT_COSTS.values():
+        for b in cost.bound_rows(exp):
+            rows.add(b.kind, b.mesh_axes, b.count, b.bytes, b.what)
     if has_stream(exp.model):  # a classifier has no Megatron or pipeline formula (no_formula says so)
         _stream(exp, rows.add)
     return rows.sorted()

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from meshtrain.layouts import sequence
 from meshtrain.planner import hlo, hlo_flops
+from meshtrain.planner.split_cost import Bound, Excess
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun attention in backward
 KINDS = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter")}
@@ -132,28 +133,28 @@ def report(exp, rows: list[dict], compiled=None) -> dict | None:
     return f
 
 
-def bound_rows(exp) -> list[tuple[str, tuple[str, ...], int, float, str]]:
-    """(kind, mesh axes, ops, bytes, what) of context attention's lower bound: forward and
+def bound_rows(exp) -> list[Bound]:
+    """Context attention's lower bound: forward and
     backward, no recompute."""
     f = formula(exp)
     if f is None or not f["bytes"]:
         return []
     axes, t, o = tuple(f["mesh_axes"]), f["terms"], f["ops"]
     if f["kind"] == "ring":
-        return [("collective-permute", axes, o["forward"] + o["backward"], t["forward"] + t["backward"],
-                 "ring attention: k and v round the ring forward, their gradients back")]
-    return [("all-gather", axes, o["forward"] + o["positions"], t["forward"] + t["positions"],
-             "context attention: k and v all-gathered forward (and the positions once)"),
-            ("reduce-scatter", axes, o["backward"], t["backward"],
-             "context attention: dk and dv reduce-scattered backward")]
+        return [Bound("collective-permute", axes, o["forward"] + o["backward"], t["forward"] + t["backward"],
+                      "ring attention: k and v round the ring forward, their gradients back")]
+    return [Bound("all-gather", axes, o["forward"] + o["positions"], t["forward"] + t["positions"],
+                  "context attention: k and v all-gathered forward (and the positions once)"),
+            Bound("reduce-scatter", axes, o["backward"], t["backward"],
+                  "context attention: dk and dv reduce-scattered backward")]
 
 
-def known_excess(exp) -> list[dict]:
+def known_excess(exp) -> list[Excess]:
     """The forward's collectives again, where remat recomputes attention."""
     f = formula(exp)
     if f is None or not f.get("terms", {}).get("recompute"):
         return []
     kind = "collective-permute" if f["kind"] == "ring" else "all-gather"
-    return [{"kind": kind, "mesh_axes": tuple(f["mesh_axes"]), "bytes": f["terms"]["recompute"],
-             "why": f"model.remat={exp.model.cfg.remat} recomputes attention in the backward pass, and "
-                    f"with it the forward's k and v exchange (planner/context.py)"}]
+    return [Excess(kind, tuple(f["mesh_axes"]), f["terms"]["recompute"],
+                   f"model.remat={exp.model.cfg.remat} recomputes attention in the backward pass, and "
+                   f"with it the forward's k and v exchange (planner/context.py)")]

@@ -53,6 +53,7 @@ from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import moe
 from meshtrain.parallel import experts as expert_parallel
 from meshtrain.planner import hlo
+from meshtrain.planner.split_cost import Bound, Excess
 from meshtrain.step import optim
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun the MoE layer in backward
@@ -199,25 +200,25 @@ def report(exp, rows: list[dict], compiled=None) -> dict | None:
     return f
 
 
-def bound_rows(exp) -> list[tuple[str, tuple[str, ...], int, float, str]]:
-    """(kind, mesh axes, ops, bytes, what) of the experts' lower bound: forward and
+def bound_rows(exp) -> list[Bound]:
+    """The experts' lower bound: forward and
     backward, no recompute."""
     f = formula(exp)
     if f is None or not f["bytes"]:
         return []
     o = f["ops"]
-    return [("all-to-all", tuple(f["mesh_axes"]), o["forward"] + o["backward"], f["bound_bytes"],
-             f"MoE ({f['dispatch']}): tokens to their experts and back, forward and backward")]
+    return [Bound("all-to-all", tuple(f["mesh_axes"]), o["forward"] + o["backward"], f["bound_bytes"],
+                  f"MoE ({f['dispatch']}): tokens to their experts and back, forward and backward")]
 
 
-def known_excess(exp) -> list[dict]:
+def known_excess(exp) -> list[Excess]:
     """The forward's all-to-alls again, where remat reruns the MoE layer."""
     f = formula(exp)
     if f is None or not f.get("terms", {}).get("recompute"):
         return []
-    return [{"kind": "all-to-all", "mesh_axes": tuple(f["mesh_axes"]), "bytes": f["terms"]["recompute"],
-             "why": f"model.remat={exp.model.cfg.remat} reruns the MoE layer in the backward pass, and "
-                    f"with it the forward's dispatch and combine (planner/experts.py)"}]
+    return [Excess("all-to-all", tuple(f["mesh_axes"]), f["terms"]["recompute"],
+                   f"model.remat={exp.model.cfg.remat} reruns the MoE layer in the backward pass, and "
+                   f"with it the forward's dispatch and combine (planner/experts.py)")]
 
 
 def drop_share(seq_len: int, num_experts: int, k: int, factor: float) -> float:

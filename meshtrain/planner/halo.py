@@ -55,6 +55,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from meshtrain.planner import hlo
+from meshtrain.planner.split_cost import Bound, Excess
 
 PASSES = ("forward", "input gradient", "weight gradient")
 # The passes a step needs at the least: the weight gradient could reuse the forward's rows.
@@ -166,7 +167,7 @@ def formula(exp) -> dict | None:
     return out
 
 
-def report(exp, rows: list[dict]) -> dict | None:
+def report(exp, rows: list[dict], compiled=None) -> dict | None:
     """`formula(exp)` with the compiled step's collective-permutes over the same mesh axes
     (`rows`: hlo.collective_table): "compiled_bytes", "compiled_count", "ratio" (compiled /
     formula) and "least_ratio" (compiled / least)."""
@@ -178,21 +179,21 @@ def report(exp, rows: list[dict]) -> dict | None:
     return f
 
 
-def bound_rows(exp) -> list[tuple[str, tuple[str, ...], int, float, str]]:
-    """(kind, mesh axes, ops, bytes, what) of the halo's lower bound: the forward's and the
+def bound_rows(exp) -> list[Bound]:
+    """The halo's lower bound: the forward's and the
     input gradient's rows (`LEAST`)."""
     f = formula(exp)
     if f is None or not f["least_bytes"]:
         return []
-    return [("collective-permute", tuple(f["mesh_axes"]), f["least_count"], f["least_bytes"],
-             "halo exchange: k//2 rows of each conv's input forward and of its output gradient backward")]
+    return [Bound("collective-permute", tuple(f["mesh_axes"]), f["least_count"], f["least_bytes"],
+                  "halo exchange: k//2 rows of each conv's input forward and of its output gradient backward")]
 
 
-def known_excess(exp) -> list[dict]:
+def known_excess(exp) -> list[Excess]:
     """The weight gradient's halo, which XLA sends again (module docstring)."""
     f = formula(exp)
     if f is None or not f["terms"].get("weight gradient"):
         return []
-    return [{"kind": "collective-permute", "mesh_axes": tuple(f["mesh_axes"]), "bytes": f["terms"]["weight gradient"],
-             "why": "each conv's weight gradient fetches x's halo rows again: XLA partitions it on its own "
-                    "from the saved local rows rather than keep the forward's halo (planner/halo.py)"}]
+    return [Excess("collective-permute", tuple(f["mesh_axes"]), f["terms"]["weight gradient"],
+                   "each conv's weight gradient fetches x's halo rows again: XLA partitions it on its own "
+                   "from the saved local rows rather than keep the forward's halo (planner/halo.py)")]
