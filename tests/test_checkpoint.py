@@ -11,33 +11,18 @@ the same partitioned HLO, LLVM's optimisations and XLA:CPU's fusion emitters off
 faster to compile; a few tiny steps run no slower that matters).
 """
 
-import json
-import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.checkpoints.lock import DirectoryLock
 from meshtrain.run.experiment import Experiment
 from meshtrain.run.loop import train_loop
 from meshtrain.runlog import metrics
 from meshtrain.step.pipeline.scan import from_stages
-from meshtrain.train import main
-
-RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=0"]
-
-
-def train(name, workdir, *extra):
-    return main([f"--config={name}", *RUN, *extra, f"--workdir={workdir}"])
-
-
-def losses(workdir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+from support.checkpoints import assert_requested_shardings, assert_same_values, build, copy, losses, restore_both, train
 
 
 def committed(workdir) -> list[str]:
@@ -55,13 +40,6 @@ def loop_checkpoint(exp, ckpt_dir):
         ck.close()
 
 
-def build(name, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in {"train.steps": 20, **overrides}.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """20 steps of gpt2_tiny_dp8 in one go."""
@@ -76,13 +54,6 @@ def half(tmp_path_factory):
     w = tmp_path_factory.mktemp("half")
     assert train("gpt2_tiny_dp8", w, "--config.train.stop_at=10") == 0
     return w
-
-
-def copy(src, tmp_path):
-    dst = tmp_path / "w"
-    shutil.copytree(src, dst)
-    (dst / "meshtrain.lock").unlink()
-    return dst
 
 
 def test_ten_steps_exit_ten_more_equal_twenty_straight_bitwise(straight, half, tmp_path, capsys):
@@ -104,23 +75,6 @@ def test_ten_steps_exit_ten_more_equal_twenty_straight_bitwise(straight, half, t
         finals.append((jax.device_get(state), meta["data"]))
     jax.tree.map(np.testing.assert_array_equal, finals[0][0], finals[1][0])
     assert finals[0][1] == finals[1][1]
-
-
-def restore_both(ckpt_dir, exp_a, exp_b, step=10):
-    ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
-    try:
-        return ck.restore(step, exp_a), ck.restore(step, exp_b)
-    finally:
-        ck.close()
-
-
-def assert_same_values(a, b):
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
-
-
-def assert_requested_shardings(state, exp):
-    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings), strict=True):
-        assert leaf.sharding == want
 
 
 def test_dp8_checkpoint_continues_under_dp2_tp4(straight, half, tmp_path, capsys):

@@ -17,7 +17,7 @@ from meshtrain import config as config_lib
 from meshtrain.planner.hlo import collectives
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
-from test_sample import N_NEW, _peaky, _prompts, greedy_by_recompute
+from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky
 
 # Sequence parallelism too: Llama's cache [.., S, K, E] leaves tensor to `length` there.
 LAYOUTS = [("data:2,context:4", "dp_cp"), ("data:2,context:2,tensor:2", "dp_tp_cp"), ("data:2,tensor:4", "dp_tp_sp")]
@@ -28,8 +28,8 @@ def reference(request):
     """A tiny model's peaky params, prompts and greedy tokens recomputed on one device."""
     cfg = config_lib.load(request.param)
     one = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    params = jax.device_get(_peaky(one.model.init_params(0)))
-    prompts = _prompts(np.random.default_rng(1), 3, one.model.cfg.vocab_size)
+    params = jax.device_get(peaky(one.model.init_params(0)))
+    prompts = make_prompts(np.random.default_rng(1), 3, one.model.cfg.vocab_size)
     expected = greedy_by_recompute(one.model, params, prompts, N_NEW)
     assert len({tuple(r) for r in expected}) == 3  # the context decides: the test can fail
     return dict(name=request.param, params=params, prompts=prompts, expected=expected)

@@ -16,9 +16,9 @@ from meshtrain import convert, sample  # noqa: E402
 from meshtrain.checkpoints import init_from  # noqa: E402
 from meshtrain.errors import UserError  # noqa: E402
 from meshtrain.models import mixtral, sizes  # noqa: E402
-from test_convert import (LAYOUTS, TOKENS, assert_bitwise_equal, assert_logits_match, finetune_config,  # noqa: E402
+from support.conversion import (LAYOUTS, TOKENS, assert_bitwise_equal, assert_logits_match, finetune_config,  # noqa: E402
                           first_loss, meshtrain_logits, quiet, safetensors_of)
-from test_sample import _samples  # noqa: E402
+from support.sampling import samples  # noqa: E402
 
 # The config.json keys that make a MixtralForCausalLM what it is.
 KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -124,7 +124,7 @@ def test_greedy_sample_equals_transformers_generate(peaked, capsys, mesh):
     assert sample.main([f"--checkpoint={ckpt}", f"--prompt={','.join(map(str, HF_PROMPT))}",
                         f"--max_new_tokens={HF_NEW}", "--temperature=0", *mesh]) == 0
     out = capsys.readouterr()
-    assert _samples(out.out) == [HF_PROMPT + expected]
+    assert samples(out.out) == [HF_PROMPT + expected]
     assert "mixtral: 2 layers" in out.err and "converted from" in out.err, out.err
 
 

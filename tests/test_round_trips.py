@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from support import hf_models  # noqa: E402
-from test_subword import CORPUS, SAMPLES, _fake_gpt2_dir  # noqa: E402
+from support.tokenizer_files import CORPUS, SAMPLES, fake_gpt2_dir  # noqa: E402
 
 from meshtrain import convert, sample  # noqa: E402
 from meshtrain.data.tokenizers import make_tokenizer  # noqa: E402
@@ -30,7 +30,7 @@ def _tokenizer(kind: str, tmp_path):
         train_bpe(iter(CORPUS), vocab_size=400).save(tmp_path / "bpe.json")
         spec = f"bpe:{tmp_path / 'bpe.json'}"
     elif kind == "gpt2":
-        spec = f"gpt2:{_fake_gpt2_dir(tmp_path)[0]}"
+        spec = f"gpt2:{fake_gpt2_dir(tmp_path)[0]}"
     elif kind == "llama3_tiktoken":
         import base64
         ranks = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"ca", b"caf", b"\xc3\xa9"]

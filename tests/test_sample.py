@@ -19,39 +19,7 @@ from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
 from meshtrain.step.pipeline.scan import from_stages
-
-N_NEW = 12
-PROMPT_LEN = 5
-
-
-@jax.jit  # one program, not one per leaf shape
-def _peaky(params):
-    """x10 on every weight matrix: with GPT-2's 0.02 init the logits are nearly flat and
-    attention nearly uniform, so a broken cache could leave the argmax unchanged."""
-    def one(path, a):
-        name = str(path[-1].key)
-        return a if name in ("scale", "bias") or name.startswith("b_") else a * 10
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
-def _prompts(rng, n: int, vocab: int) -> np.ndarray:
-    """[n, PROMPT_LEN] rows that differ but end on the same token: only the context in the
-    cache can make their continuations differ."""
-    prompts = rng.integers(0, vocab, (n, PROMPT_LEN))
-    prompts[:, -1] = prompts[0, -1]
-    return prompts
-
-
-def greedy_by_recompute(model, params, prompts: np.ndarray, n_new: int) -> np.ndarray:
-    """[n, n_new]: the argmax at the last position of a full forward pass, appended, n_new
-    times. One fixed-length buffer: causal attention makes the later zeros invisible."""
-    fwd = jax.jit(lambda p, t: model.bind(p)(t))
-    n, p = prompts.shape
-    buf = np.zeros((n, p + n_new), np.int32)
-    buf[:, :p] = prompts
-    for i in range(n_new):
-        buf[:, p + i] = np.asarray(fwd(params, buf))[:, p + i - 1].argmax(-1)
-    return buf[:, p:]
+from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky, samples
 
 
 @pytest.fixture(scope="module", params=["gpt2_tiny_dp2_tp4", "llama_tiny_dp2_tp4"])
@@ -61,8 +29,8 @@ def tiny(request):
     cfg = config_lib.load(request.param)
     one = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
     # jitted: eagerly, each initialiser compiles on its own
-    params = jax.device_get(_peaky(jax.jit(one.model.init_params, static_argnums=0)(0)))
-    prompts = _prompts(np.random.default_rng(0), 3, one.model.cfg.vocab_size)
+    params = jax.device_get(peaky(jax.jit(one.model.init_params, static_argnums=0)(0)))
+    prompts = make_prompts(np.random.default_rng(0), 3, one.model.cfg.vocab_size)
     expected = greedy_by_recompute(one.model, params, prompts, N_NEW)
     assert len({tuple(r) for r in expected}) == 3  # the context decides: the test can fail
     fn = gen.make_generate(one.model, one.layout, one.mesh, one.shardings.params, max_new_tokens=N_NEW)
@@ -137,7 +105,7 @@ def test_pipelined_checkpoint_samples_in_layer_order(tmp_path, capsys):
     exp = Experiment.build(cfg)
     assert exp.model.pipeline is not None
     state = exp.init_state()
-    state = state.replace(params=_peaky(state.params))
+    state = state.replace(params=peaky(state.params))
     ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", every=1, keep=1, use_async=False)
     ckpt.save(5, state, {"run": checkpoint_lib.run_summary(exp)})
     ckpt.close()
@@ -243,13 +211,6 @@ def _quiet(*_):
     pass
 
 
-def _samples(out: str) -> list[list[int]]:
-    """stdout of an ids-only sample -> the ids of each sample."""
-    chunks = out.split(sample.SEPARATOR + "\n")
-    assert chunks[-1] == "", out
-    return [[int(i) for i in c.split()] for c in chunks[:-1]]
-
-
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def hf_ckpt(request, tmp_path_factory):
     """A tiny random HF model (Llama: 4 heads over 2 kv heads) converted without a
@@ -271,7 +232,7 @@ def test_checkpoint_greedy_equals_transformers_on_one_device(hf_ckpt, capsys):
     assert sample.main([f"--checkpoint={ckpt}", f"--prompt={','.join(map(str, HF_PROMPT))}",
                         f"--max_new_tokens={HF_NEW}", "--temperature=0"]) == 0
     out = capsys.readouterr()
-    assert _samples(out.out) == [HF_PROMPT + expected]
+    assert samples(out.out) == [HF_PROMPT + expected]
     # data:1 (the default) on the first of the 8 test devices; vocabulary 300 padded to 384.
     assert "mesh data:1 (the first 1 of 8 devices" in out.err and "layout dp |" in out.err, out.err
     assert "converted from" in out.err and "vocab 384" in out.err and "params float32" in out.err
@@ -283,7 +244,7 @@ def test_checkpoint_greedy_equals_transformers_under_dp2_tp4(hf_ckpt, capsys):
                         f"--max_new_tokens={HF_NEW}", "--temperature=0", "--num_samples=3",
                         "--mesh=data:2,tensor:4", "--layout=dp_tp"]) == 0
     out = capsys.readouterr()
-    assert _samples(out.out) == [HF_PROMPT + expected] * 3
+    assert samples(out.out) == [HF_PROMPT + expected] * 3
     assert "mesh data:2,tensor:4" in out.err and "layout dp_tp" in out.err and "3 sample(s) in 4 rows" in out.err
 
 
@@ -342,7 +303,7 @@ def test_llama31_samples_past_its_trained_context_as_transformers(tmp_path, caps
     for where in ([], ["--mesh=data:1,tensor:2", "--layout=dp_tp"]):
         assert sample.main(args + ["--max_len=200", *where]) == 0
         out = capsys.readouterr()
-        assert _samples(out.out) == [HF_PROMPT + expected]
+        assert samples(out.out) == [HF_PROMPT + expected]
         assert "seq_len 32 (supports 256)" in out.err and "prompt 5 tokens + 195 new" in out.err, out.err
     assert sample.main(args + ["--max_len=257"]) == 2
     err = capsys.readouterr().err

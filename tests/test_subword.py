@@ -16,26 +16,7 @@ import tokenizers
 from meshtrain.data import subword
 from meshtrain.data.subword import BPETokenizer, GPT2Tokenizer, train_bpe
 from meshtrain.errors import UserError
-
-EOT = "<|endoftext|>"
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "A tokenizer turns text into ids; a model turns ids into text again.",
-    "Ünïcödé wörks tóo: café, naïve, Straße, smörgåsbord, jalapeño.",
-    "日本語のテキストも大丈夫です。中文也可以。한국어도 됩니다.",
-    "Emoji 🙂🚀🎉 and symbols ∑∫√≈ ≠ ∞ — «quotes» “smart” ‘ones’.",
-    "def train(step):\n    return step + 1  # code has indentation\n\ttabs too\n",
-] * 20
-
-SAMPLES = [
-    "",
-    "hello world",
-    "  leading and trailing spaces  \n\n",
-    "Ünïcödé café 日本語 🙂🚀 Straße",
-    "text with a literal <|endoftext|> inside",
-    "bytes never seen in training: \x00\x01 ǅ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ",
-]
+from support.tokenizer_files import CORPUS, EOT, MERGES, SAMPLES, fake_gpt2_dir
 
 
 @pytest.fixture(scope="module")
@@ -135,43 +116,12 @@ def test_train_bpe_errors():
 
 # --- GPT-2 -----------------------------------------------------------------------------
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (encoder.py), in its order."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) +
-          list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("Ġw", "o")]  # Ġ is a space
-
-
-def _fake_gpt2_dir(tmp_path):
-    """A directory with a tiny encoder.json and vocab.bpe in GPT-2's format."""
-    b2u = _bytes_to_unicode()
-    encoder = {ch: rank for rank, ch in enumerate(b2u.values())}  # ranks follow that order
-    for a, b in MERGES:
-        encoder[a + b] = len(encoder)
-    encoder[EOT] = len(encoder)
-    d = tmp_path / "gpt2"
-    d.mkdir()
-    (d / "encoder.json").write_text(json.dumps(encoder))
-    # The loader drops the first (version) line and the last (empty) one.
-    (d / "vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
-    return d, encoder
-
 
 def test_gpt2_from_dir(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
-    d, encoder = _fake_gpt2_dir(tmp_path)
+    d, encoder = fake_gpt2_dir(tmp_path)
     tok = GPT2Tokenizer.load(str(d))
     assert (tok.name, tok.vocab_size, tok.eot_id) == ("gpt2", 256 + len(MERGES) + 1, 261)
     ids = tok.encode("hello world")
@@ -196,7 +146,7 @@ def test_gpt2_dir_errors(tmp_path):
         GPT2Tokenizer.load(str(tmp_path))
     with pytest.raises(UserError, match="nope' does not exist"):
         GPT2Tokenizer.load(str(tmp_path / "nope"))
-    d, encoder = _fake_gpt2_dir(tmp_path)
+    d, encoder = fake_gpt2_dir(tmp_path)
     encoder["xyz"] = encoder.pop("Ġwo")  # no longer matches the merges
     (d / "encoder.json").write_text(json.dumps(encoder))
     with pytest.raises(UserError, match="does not match the merges"):

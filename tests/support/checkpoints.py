@@ -1,0 +1,56 @@
+"""Checkpoint tests' shared pieces: a short run, its losses, a built experiment, a copied
+workdir, restores compared."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+
+from meshtrain import config as config_lib
+from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.train import main
+
+
+RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
+       "--config.checkpoint.every=0"]
+
+
+def train(name, workdir, *extra):
+    return main([f"--config={name}", *RUN, *extra, f"--workdir={workdir}"])
+
+
+def losses(workdir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def build(name, **overrides):
+    cfg = config_lib.load(name)
+    for k, v in {"train.steps": 20, **overrides}.items():
+        config_lib.override(cfg, k, str(v))
+    return cfg
+
+
+def copy(src, tmp_path):
+    dst = tmp_path / "w"
+    shutil.copytree(src, dst)
+    (dst / "meshtrain.lock").unlink()
+    return dst
+
+
+def restore_both(ckpt_dir, exp_a, exp_b, step=10):
+    ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
+    try:
+        return ck.restore(step, exp_a), ck.restore(step, exp_b)
+    finally:
+        ck.close()
+
+
+def assert_same_values(a, b):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+def assert_requested_shardings(state, exp):
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings), strict=True):
+        assert leaf.sharding == want
