@@ -168,9 +168,16 @@ def test_the_map_names_every_entry_of_the_package_once_with_its_size():
 
 
 def test_the_reading_order_says_how_much_it_is():
-    paths = {ROOT / p for _, files, _ in _table("Read in this order") for p in re.findall(r"`([^`]+\.py)`", files)}
+    rows = _table("Read in this order")
+    paths = {ROOT / p for _, files, _, _ in rows for p in re.findall(r"`([^`]+\.py)`", files)}
     missing = sorted(str(p) for p in paths if not p.is_file())
     assert not missing, f"the reading order names files that do not exist: {missing}"
+    wrong = []
+    for number, files, lines, _ in rows:
+        counted = _size([ROOT / p for p in re.findall(r"`([^`]+\.py)`", files)])[1]
+        if lines != f"{round(counted, -1):,}":
+            wrong.append(f"row {number}: says {lines} lines, counted {counted} (write {round(counted, -1):,})")
+    assert not wrong, "\n".join(wrong)
     n, lines = _size(sorted(paths))
     text = (ROOT / "docs" / "architecture.md").read_text().split("## Read in this order\n", 1)[1]
     assert f"{n} files, about {_hundreds(lines)} lines" in text.split("\n\n", 1)[0].replace("\n", " "), (
