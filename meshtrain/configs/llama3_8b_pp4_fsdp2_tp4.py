@@ -9,7 +9,7 @@ Compile-only check of the layout on any machine (simulated devices on CPU):
 
 Eight layers per stage. Under 1F1B stage 0 keeps at most 2S-1 = 7 microbatches' stage
 inputs where GPipe keeps all 16 microbatches' activations (docs/pipeline.md);
-benchmarks/pipeline.py --schedules compares the two compiled (docs/benchmarks.md).
+benchmarks/figures/pipeline.py --schedules compares the two compiled (docs/benchmarks.md).
 """
 
 from meshtrain.configs import llama3_8b_fsdp8_tp4

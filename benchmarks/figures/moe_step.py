@@ -1,4 +1,6 @@
-"""python benchmarks/moe_step.py [--pairs 10] [--warmup 2] [--configs a,b,...] [--config.key=value ...]
+"""Reproduces docs/models.md, "Mixtures of experts: Mixtral" (the grouped matmul's CPU timings), and docs/benchmarks.md, "Mixtures of experts against their dense twin".
+
+python benchmarks/figures/moe_step.py [--pairs 10] [--warmup 2] [--configs a,b,...] [--config.key=value ...]
 
 A mixture of experts' train step against its dense twin, in one process on the same
 simulated devices: for each Mixtral tiny layout, dropless and capacity 1.25, the compiled
@@ -31,8 +33,8 @@ CONFIGS = ("mixtral_tiny_dp8", "mixtral_tiny_dp2_ep4", "mixtral_tiny_dp2_ep2_tp2
 def build(name: str, overrides: list[str]):
     others, pairs = cli.split_overrides(overrides)
     if others:
-        sys.exit(f"benchmarks/moe_step.py: unknown flags {' '.join(others)}; overrides are --config.key=value")
-    exp = Experiment.build(cli.load_config(name, pairs, "benchmarks/moe_step.py"))
+        sys.exit(f"benchmarks/figures/moe_step.py: unknown flags {' '.join(others)}; overrides are --config.key=value")
+    exp = Experiment.build(cli.load_config(name, pairs, "benchmarks/figures/moe_step.py"))
     state = exp.init_state()
     batch = exp.put_batch(next(exp.train_batches()))
     compiled = exp.train_step.lower(state, batch).compile()

@@ -1,4 +1,6 @@
-"""python benchmarks/accumulation.py [--config gpt2_tiny_fsdp8] [--grad_accum_steps 4] [--steps 3]
+"""Reproduces docs/benchmarks.md, "Gradient accumulation under FSDP".
+
+python benchmarks/figures/accumulation.py [--config gpt2_tiny_fsdp8] [--grad_accum_steps 4] [--steps 3]
                                     [--pairs 0] [--config.key=value ...]
 
 train.accum_gather=each vs once on one config, in one process: per step, the collectives
@@ -29,7 +31,7 @@ def main() -> None:
     others, overrides = cli.split_overrides(rest)
     if others:
         p.error(f"unknown flags: {' '.join(others)}")
-    cfg = cli.load_config(args.config, overrides, "benchmarks/accumulation.py")
+    cfg = cli.load_config(args.config, overrides, "benchmarks/figures/accumulation.py")
     mesh_lib.simulate_cpu_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
     import jax
@@ -42,7 +44,7 @@ def main() -> None:
     runs = {}
     for mode, k in (("each", args.grad_accum_steps), ("once", args.grad_accum_steps), ("k=1", 1)):
         c = cli.load_config(args.config, overrides + [("train.grad_accum_steps", str(k)), (
-            "train.accum_gather", "each" if mode == "k=1" else mode)], "benchmarks/accumulation.py")
+            "train.accum_gather", "each" if mode == "k=1" else mode)], "benchmarks/figures/accumulation.py")
         exp = Experiment.build(c)
         state = exp.init_state()
         batches = [exp.put_batch(next(it)) for it in [exp.train_batches()] for _ in range(args.steps)]

@@ -1,4 +1,6 @@
-"""python benchmarks/moe_loss.py [--steps 300] [--dir DIR] [--config.key=value ...]
+"""Reproduces docs/benchmarks.md, "Mixtures of experts against their dense twin".
+
+python benchmarks/figures/moe_loss.py [--steps 300] [--dir DIR] [--config.key=value ...]
 
 Mixtral tiny trained on the synthetic data with dropless and with capacity dispatch (at
 moe.capacity_factor 1.0 and 1.25), beside Llama tiny of equal active parameters (its

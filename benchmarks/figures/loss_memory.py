@@ -1,4 +1,6 @@
-"""python benchmarks/loss_memory.py [--config gpt2_small_dp8] [--chunks 0,256] [--rows 2]
+"""Reproduces docs/benchmarks.md, "The loss's memory".
+
+python benchmarks/figures/loss_memory.py [--config gpt2_small_dp8] [--chunks 0,256] [--rows 2]
                                    [--config.key=value ...]
 
 The train step's compiled temp memory with the loss over whole logits (train.loss_chunk=0)

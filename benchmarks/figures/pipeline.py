@@ -1,7 +1,9 @@
-"""python benchmarks/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--repeats 1,2]
+"""Reproduces docs/benchmarks.md, "Pipeline bubble, memory and communication"; docs/benchmarks.md, "Pipeline schedules side by side".
+
+python benchmarks/figures/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--repeats 1,2]
                                 [--layers 8] [--batch 64] [--no_cost_analysis]
-python benchmarks/pipeline.py --schedules [--pairs 10]     # gpt2_tiny, the four schedules timed
-python benchmarks/pipeline.py --schedules --compile_only   # + gpt2_medium and Llama 3 8B, 32 devices
+python benchmarks/figures/pipeline.py --schedules [--pairs 10]     # gpt2_tiny, the four schedules timed
+python benchmarks/figures/pipeline.py --schedules --compile_only   # + gpt2_medium and Llama 3 8B, 32 devices
 
 `--schedules` compares gpipe, circular, 1f1b and interleaved side by side, each 1F1B
 schedule with both stashes (docs/pipeline.md): compiled peak memory and temp memory per

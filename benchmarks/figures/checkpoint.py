@@ -1,8 +1,10 @@
-"""How long a training step is held up by an async checkpoint save vs a sync one.
+"""Reproduces docs/benchmarks.md, "Checkpoint save blocking time".
 
-    python benchmarks/checkpoint.py [--config gpt2_small_dp8] [--repeats 3]
+How long a training step is held up by an async checkpoint save vs a sync one.
+
+    python benchmarks/figures/checkpoint.py [--config gpt2_small_dp8] [--repeats 3]
                                     [--batch_size 2] [--seq_len 128] [--dir DIR]
-    python benchmarks/checkpoint.py --quick      # gpt2_tiny_dp8, one repeat: a smoke test
+    python benchmarks/figures/checkpoint.py --quick      # gpt2_tiny_dp8, one repeat: a smoke test
 
 Builds the config's full training state (gpt2_small: 124M params + two Adam moments,
 float32, about 1.4 GiB) on one CPU device (mesh data:1); only batch_size and seq_len
@@ -48,7 +50,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODES = (("async", True), ("sync", False))
 QUICK = dict(config="gpt2_tiny_dp8", repeats=1, batch_size=8, seq_len=64)

@@ -1,6 +1,8 @@
-"""Several processes on one machine: what joining costs, what gloo costs, how fast a loss is seen.
+"""Reproduces docs/benchmarks.md, "Several processes on one machine".
 
-    python benchmarks/multihost.py [--config=gpt2_tiny_dp8] [--steps=60]
+Several processes on one machine: what joining costs, what gloo costs, how fast a loss is seen.
+
+    python benchmarks/figures/multihost.py [--config=gpt2_tiny_dp8] [--steps=60]
 
 1. Step time of one process with 8 simulated devices against 2 processes x 4 (the
    collectives between processes go through gloo over loopback), medians of the logged
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from support.processes import logged, processes, trainer, wait_for  # noqa: E402
 

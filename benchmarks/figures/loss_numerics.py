@@ -1,4 +1,6 @@
-"""python benchmarks/loss_numerics.py [--steps 300] [--small-rows 2] [--skip-small]
+"""Reproduces docs/benchmarks.md, "The loss without float32 logits".
+
+python benchmarks/figures/loss_numerics.py [--steps 300] [--small-rows 2] [--skip-small]
 
 The loss with its hand-written gradient (meshtrain/step/loss.py `summed_cross_entropy`: logits
 in the compute dtype, float32 only inside the reductions and the gradient's element-wise
@@ -24,7 +26,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # meshtrain from this checkout, when not installed
 
 import jax  # noqa: E402
