@@ -59,7 +59,7 @@ os.environ["WANDB_MODE"] = "offline"
 
 import pytest  # noqa: E402
 
-from meshtrain import config as config_lib  # noqa: E402
+from support.configs import configured  # noqa: E402
 
 pytest_plugins = ["support.suite_clock"]
 
@@ -67,16 +67,6 @@ pytest_plugins = ["support.suite_clock"]
 def pytest_unconfigure(config):
     if _OWNED_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
-
-
-def configured(name: str, **overrides):
-    """configured("gpt2_tiny_dp8", **{"train.steps": 3}) -> locked ConfigDict, each override
-    applied as --config.KEY=VALUE would be. Module-scoped fixtures import it
-    (`from conftest import configured`); tests take the `make_config` fixture."""
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
 
 
 @pytest.fixture

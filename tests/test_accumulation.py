@@ -13,28 +13,21 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
 from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.train import main as train_main
+from support.configs import configured
 
 STEPS = 3
 K = 4  # microbatches
 
 
-def make(name, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
-
-
 def run(name, **overrides):
     """{exp, hlo text, collective rows, losses of STEPS steps}, compiling the step once."""
-    exp = Experiment.build(make(name, **overrides))
+    exp = Experiment.build(configured(name, **overrides))
     state = exp.init_state()
     batches = exp.train_batches()
     first = exp.put_batch(next(batches))
@@ -139,7 +132,7 @@ def test_once_across_layouts(name):
 
 def test_bf16_compute_gathers_matrices_in_bf16():
     """Cast before the gather: matrices travel in bfloat16, vectors in float32."""
-    exp = Experiment.build(make("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "once",
+    exp = Experiment.build(configured("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K, "train.accum_gather": "once",
                                                       "model.dtype": "bfloat16"}))
     compiled = exp.compile(analysis=True)
     rows = hlo.collective_table(compiled, exp.mesh, lambda d: 0)

@@ -22,7 +22,8 @@ from meshtrain.run.experiment import Experiment
 from meshtrain.run.loop import train_loop
 from meshtrain.runlog import metrics
 from meshtrain.step.pipeline.scan import from_stages
-from support.checkpoints import assert_requested_shardings, assert_same_values, build, copy, losses, restore_both, train
+from support.checkpoints import assert_requested_shardings, assert_same_values, build, copy, restore_both, train
+from support.processes import losses
 
 
 def committed(workdir) -> list[str]:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from meshtrain.train import main as train_main
+from support.processes import metric_rows
 
 
 def run_cli(*args, env=None, timeout=600):
@@ -28,7 +29,7 @@ def test_short_run_writes_run_json_and_metrics(tmp_path):
     assert run["mesh"]["shape"] == {"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
     assert run["num_params"] == 124_672 and run["config"]["layout"] == "dp_tp"
     assert run["data"]["entropy_rate"] > 0 and run["compiled_memory_per_device"]["argument"] > 0
-    rows = [json.loads(line) for line in (w / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(w)
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20] and [r["step"] for r in evals] == [10, 20]

@@ -13,6 +13,7 @@ from meshtrain import compare
 from meshtrain.runlog import goodput
 from meshtrain.runlog import metrics
 from meshtrain.train import main as train_main
+from support.processes import metric_rows
 
 RUN = ["--config.train.steps=12", "--config.train.eval_every=6", "--config.train.log_every=3",
        "--config.train.eval_steps=1", "--config.checkpoint.every=0"]
@@ -20,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def rows_of(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return metric_rows(workdir)
 
 
 def copy(src, dst, keep=lambda row: True, drop_keys=()):

@@ -8,6 +8,7 @@ from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.run.experiment import abstract_mesh, check_config
 from meshtrain.step import optim
+from support.configs import configured
 
 NAMES = config_lib.available()
 PART_AXIS = {"dp": "data", "pp": "stage", "fsdp": "fsdp", "cp": "context", "ep": "expert", "tp": "tensor",
@@ -117,9 +118,7 @@ def test_override_forms():
 
 
 def check(name, mesh, message, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, str(v))
+    cfg = configured(name, **overrides)
     with pytest.raises(UserError) as e:
         check_config(cfg, abstract_mesh(mesh_lib.parse_shape(mesh)))
     assert re.search(message, str(e.value)), str(e.value)

@@ -10,7 +10,7 @@ import pytest
 from meshtrain.errors import UserError
 from meshtrain.layouts import get, sequence
 from meshtrain.run.experiment import Experiment, check_config
-from conftest import configured
+from support.configs import configured
 from support.training import assert_equal_training, devices_for, run
 
 # Llama tiny at its own 128 positions (the issue that added this test asked for 512; the

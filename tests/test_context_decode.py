@@ -18,6 +18,7 @@ from meshtrain.planner.hlo import collectives
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
 from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky
+from support.configs import configured
 
 # Sequence parallelism too: Llama's cache [.., S, K, E] leaves tensor to `length` there.
 LAYOUTS = [("data:2,context:4", "dp_cp"), ("data:2,context:2,tensor:2", "dp_tp_cp"), ("data:2,tensor:4", "dp_tp_sp")]
@@ -37,10 +38,7 @@ def reference(request):
 
 def on(name: str, mesh: str, layout: str) -> Experiment:
     """configs/NAME.py on another mesh and layout."""
-    cfg = config_lib.load(name)
-    for k, v in {"mesh.shape": mesh, "layout": layout}.items():
-        config_lib.override(cfg, k, v)
-    return Experiment.build(cfg)
+    return Experiment.build(configured(name, **{"mesh.shape": mesh, "layout": layout}))
 
 
 @pytest.mark.parametrize("mesh, layout", LAYOUTS)

@@ -16,7 +16,8 @@ import pytest
 from meshtrain import eval as eval_cmd, sample
 from meshtrain.run.experiment import Experiment
 from meshtrain.train import main
-from support.checkpoints import RUN, assert_requested_shardings, assert_same_values, build, copy, losses, restore_both
+from support.checkpoints import RUN, assert_requested_shardings, assert_same_values, build, copy, restore_both
+from support.processes import losses
 
 NAME = "gpt2_tiny_dp8"
 CP = ["--config.mesh.shape=data:2,context:4", "--config.layout=dp_cp"]

@@ -9,7 +9,6 @@ for each test; the reruns train to step 9 and must match a straight 9-step run.
 """
 
 import gc
-import json
 import os
 import pathlib
 import shutil
@@ -21,6 +20,7 @@ from meshtrain import convert, eval as eval_cmd, sample
 from meshtrain.checkpoints import integrity
 from meshtrain.errors import UserError
 from meshtrain.train import main
+from support.processes import exact_losses
 
 TINY = "gpt2_tiny_dp8"
 RUN = ["--config.train.steps=9", "--config.train.log_every=1", "--config.train.eval_every=0",
@@ -29,11 +29,6 @@ RUN = ["--config.train.steps=9", "--config.train.log_every=1", "--config.train.e
 
 def train(workdir, *extra):
     return main([f"--config={TINY}", *RUN, *extra, f"--workdir={workdir}"])
-
-
-def losses(workdir) -> dict[int, str]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"].hex() for r in rows if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def straight(tmp_path_factory) -> dict[int, str]:
     """The unbroken run's losses, steps 1-9."""
     w = tmp_path_factory.mktemp("straight") / "w"
     assert train(w) == 0
-    return losses(w)
+    return exact_losses(w)
 
 
 def copy(src, tmp_path) -> pathlib.Path:
@@ -119,7 +114,7 @@ def test_a_damaged_newest_step_falls_back_to_the_older_one_with_the_same_losses(
     assert "resuming from step 3" in text and "Traceback" not in text
     (moved,) = (w / "checkpoints" / "ignored").iterdir()
     assert moved.name.startswith("step_6-") and str(moved) in said
-    assert losses(w) == straight  # steps 4-9 from step 3, bit for bit
+    assert exact_losses(w) == straight  # steps 4-9 from step 3, bit for bit
 
 
 @pytest.mark.parametrize("kind", ["data file", "meta/metadata"])
@@ -168,7 +163,7 @@ def test_a_read_that_fails_past_the_checks_is_one_paragraph_and_the_rerun_falls_
     assert len(text.splitlines()) < 20, text
     assert train(w) == 0
     assert "resuming from step 3" in output(capfd)
-    assert losses(w) == straight
+    assert exact_losses(w) == straight
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +204,7 @@ def test_two_processes_fall_back_together_to_the_step_process_0_chose(straight, 
     assert file in said and "Resuming from step 3 instead" in said
     logs = [(w / "logs" / f"process_{i}.log").read_text() for i in range(2)]
     assert "resuming from step 3" in logs[0] and "Traceback" not in logs[0] + logs[1]
-    got = losses(w)  # two processes reduce in another order than one: close, not bitwise
+    got = exact_losses(w)  # two processes reduce in another order than one: close, not bitwise
     assert sorted(got) == sorted(straight)
     np.testing.assert_allclose([float.fromhex(got[s]) for s in sorted(got)],
                                [float.fromhex(straight[s]) for s in sorted(straight)], rtol=1e-5)

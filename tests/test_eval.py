@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshtrain import eval as eval_cmd, train
+from support.processes import metric_rows
 
 # Logits agree to this fraction of the largest logit (float32 on both sides).
 LOGIT_TOL = 1e-5
@@ -48,7 +49,7 @@ def _eval_json(capsys, *args) -> tuple[dict, str]:
 
 
 def test_workdir_gives_the_runs_last_eval_loss_on_any_mesh(run_dir, capsys):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run_dir)
     last = [r for r in rows if "eval_loss" in r][-1]
     assert last["step"] == 4
     got, err = _eval_json(capsys, "--workdir", str(run_dir))

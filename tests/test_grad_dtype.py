@@ -14,6 +14,7 @@ import pytest
 from meshtrain.errors import UserError
 from meshtrain.planner import hlo
 from meshtrain.run.experiment import analysis_options, Experiment
+from support.configs import configured
 
 STEPS = 3
 
@@ -38,14 +39,7 @@ def train(make_config, name, **overrides):
 
 @pytest.fixture(scope="module")
 def fp32_dp8(request):
-    from meshtrain import config as config_lib
-
-    def make(name, **overrides):
-        cfg = config_lib.load(name)
-        for k, v in overrides.items():
-            config_lib.override(cfg, k, str(v))
-        return cfg
-    return {gd: train(make, "gpt2_tiny_dp8", **{"train.grad_dtype": gd})
+    return {gd: train(configured, "gpt2_tiny_dp8", **{"train.grad_dtype": gd})
             for gd in ("", "float32", "bfloat16")}
 
 

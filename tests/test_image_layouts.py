@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from meshtrain.run.experiment import analysis_options, Experiment
+from support.configs import configured
 
 STEPS = 20
 # (config, overrides): each layout family on 8 simulated devices.
@@ -52,12 +53,8 @@ def run(cfg, devices=None, mesh_shape=None):
 
 @pytest.fixture(scope="module", params=MODELS)
 def reference(request):
-    from meshtrain import config as config_lib
     name = f"{request.param}_dp8"
-    cfg = config_lib.load(name)
-    for k, v in FAST[request.param].items():
-        config_lib.override(cfg, k, str(v))
-    return name, run(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
+    return name, run(configured(name, **FAST[request.param]), devices=jax.devices()[:1], mesh_shape="data:1")
 
 
 @pytest.mark.parametrize("suffix, overrides", LAYOUTS, ids=[o.get("layout", "dp") for _, o in LAYOUTS])

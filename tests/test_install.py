@@ -26,6 +26,7 @@ import tomllib
 import pytest
 
 from support import notebooks
+from support.processes import metric_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMANDS = ["configs", "train", "eval", "sample", "plan", "compare", "convert", "prepare"]
@@ -141,7 +142,7 @@ def test_the_readme_run_trains_and_ends_with_its_summary(installed):
     r = run([installed[1], *args[1:]], installed, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     workdir = installed[3] / next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(workdir)
     evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
     assert evals and evals[-1] < evals[0]
     summary = r.stdout[r.stdout.index("done: "):]

@@ -11,15 +11,9 @@ from meshtrain.errors import UserError
 from meshtrain.planner import hardware, lint
 from meshtrain.run.experiment import abstract_mesh, check_config
 from meshtrain.step.pipeline import scan as pipeline
+from support.configs import configured
 
 MiB = 2**20
-
-
-def load(name, **overrides):
-    cfg = config_lib.load(name)
-    for key, value in overrides.items():
-        config_lib.override(cfg, key, str(value))
-    return cfg
 
 
 def plan(cfg):
@@ -51,7 +45,7 @@ def mib(b):
 def test_replicated_position_table_under_dp_tp():
     """GPT-2 medium's wpe at seq_len 4096 is 16 MiB, over 1% of the parameters, and dp_tp
     leaves it whole over tensor=4 while splitting the other weights."""
-    cfg = load("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
+    cfg = configured("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
     model = plan(cfg).model
     total = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(model.shapes))
     wpe = 4096 * 1024 * 4
@@ -72,7 +66,7 @@ def test_replicated_position_table_under_dp_tp():
 def test_replicated_kv_projections_of_llama3_8b():
     """docs/layouts.md: 268M kv parameters held at 1/8 instead of 1/32 cost 288 MiB a device
     (the shipped config splits them; the plain preset does not)."""
-    cfg = load("llama3_8b_fsdp8_tp4", layout="fsdp_tp")
+    cfg = configured("llama3_8b_fsdp8_tp4", layout="fsdp_tp")
     f = only(run_lint(cfg), "replicated-param")
     assert "blocks/attn/wk [32, 4096, 8, 128] (512.0 MiB)" in f.what and "blocks/attn/wv" in f.what
     assert "kv_heads is kept unsplit on purpose" in f.what
@@ -84,7 +78,7 @@ def test_replicated_kv_projections_of_llama3_8b():
 
 
 def test_replicated_kv_projections_without_a_clean_fix():
-    cfg = load("llama3_1b_fsdp8", **{"mesh.shape": "fsdp:2,tensor:16", "layout": "fsdp_tp"})
+    cfg = configured("llama3_1b_fsdp8", **{"mesh.shape": "fsdp:2,tensor:16", "layout": "fsdp_tp"})
     f = only(run_lint(cfg), "replicated-param")
     assert lint.fix_overrides(f.fix) == [] and "num_kv_heads=8 is not divisible by tensor=16" in f.fix
     each = 16 * 2048 * 8 * 64 * 4 / 2
@@ -92,7 +86,7 @@ def test_replicated_kv_projections_without_a_clean_fix():
 
 
 def test_tensor_on_dcn():
-    cfg = load("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
+    cfg = configured("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
     f = only(run_lint(cfg), "tensor-on-dcn")
     assert f.severity == "warning" and "across 2 nodes" in f.what
     # docs/layouts.md: 4 all-reduces x 24 layers x 2(t-1)/t x [8 rows, 1024, 1024] bf16 = 2,304 MiB.
@@ -114,7 +108,7 @@ def test_tensor_on_dcn():
 def test_tensor_on_dcn_quotes_the_chosen_hardware():
     """--hardware=a100_40gb: A100 NVLink 3 (300 GB/s one way) and DGX A100's 8 x 200 Gb/s NICs,
     8 x 25 GB/s / 4 rings = 50 GB/s; no H100 figure anywhere."""
-    cfg = load("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
+    cfg = configured("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
     f = only(lint.lint(cfg, hw=hardware.get("a100_40gb")), "tensor-on-dcn")
     assert "~50 GB/s a ring" in f.cost and "~300 GB/s over the links" in f.cost and "6.0x slower" in f.cost
     assert "a100_40gb: A100 SXM4 and DGX A100 data sheets" in f.cost
@@ -123,7 +117,7 @@ def test_tensor_on_dcn_quotes_the_chosen_hardware():
 
 def test_stage_on_dcn_is_not_flagged():
     """A pipeline sends one slot per tick between neighbouring stages (docs/multihost.md)."""
-    assert run_lint(load("gpt2_medium_dp2_pp4_tp4", **{"mesh.dcn": "stage:2"})) == []
+    assert run_lint(configured("gpt2_medium_dp2_pp4_tp4", **{"mesh.dcn": "stage:2"})) == []
 
 
 @pytest.mark.parametrize("name, batch, multiple, expected", [
@@ -133,7 +127,7 @@ def test_stage_on_dcn_is_not_flagged():
     ("gpt2_tiny_dp8", 4, 8, 8),
 ])
 def test_batch_indivisible(name, batch, multiple, expected):
-    cfg = load(name, **{"train.batch_size": batch})
+    cfg = configured(name, **{"train.batch_size": batch})
     with pytest.raises(UserError, match="must be divisible"):
         plan(cfg)
     f = only(lint.lint(cfg), "batch-indivisible")
@@ -151,7 +145,7 @@ def test_batch_indivisible(name, batch, multiple, expected):
     ("llama_tiny_dp2_fsdp2_tp2", {"mesh.shape": "fsdp:2,tensor:4"}, 4, None),  # 4 % 4: no finding
 ])
 def test_tensor_over_heads(name, overrides, heads, fixed):
-    cfg = load(name, **overrides)
+    cfg = configured(name, **overrides)
     findings = lint.lint(cfg)
     if fixed is None:
         assert "tensor-over-heads" not in [f.code for f in findings]
@@ -173,7 +167,7 @@ def test_tensor_over_heads(name, overrides, heads, fixed):
     ("gpt2_tiny_pp4_dp2_circular", {"pipeline.microbatches": 4}, {"pipeline.microbatches": "8"}),
 ])
 def test_pipeline_bubble(name, overrides, fixed):
-    cfg = load(name, **overrides)
+    cfg = configured(name, **overrides)
     p, s = cfg.pipeline, mesh_lib.parse_shape(cfg.mesh.shape)["stage"]
     bubble = (s - 1) / (p.repeats * p.microbatches + s - 1)
     assert bubble > 0.25
@@ -187,7 +181,7 @@ def test_pipeline_bubble(name, overrides, fixed):
 
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_bubble_covers_the_old_few_microbatches_warning(m):
-    cfg = load("gpt2_tiny_pp4_dp2", **{"pipeline.microbatches": m, "train.batch_size": 48})
+    cfg = configured("gpt2_tiny_pp4_dp2", **{"pipeline.microbatches": m, "train.batch_size": 48})
     assert pipeline.warnings_for(plan(cfg).model.pipeline)
     f = only(lint.lint(cfg), "pipeline-bubble")
     assert f.what.startswith(f"pipeline.microbatches={m} < stage=4: ")
@@ -200,7 +194,7 @@ def test_bubble_covers_the_old_few_microbatches_warning(m):
     ("gpt2_tiny_fsdp8", "data:8", "dp", "fsdp:8"),
 ])
 def test_zero_saves_nothing(name, mesh, plain, alternative):
-    cfg = load(name, **{"mesh.shape": mesh})
+    cfg = configured(name, **{"mesh.shape": mesh})
     p = plan(cfg)
     f = only(lint.lint(cfg, model=p.model), "zero-saves-nothing")
     assert f.severity == "warning"
@@ -209,12 +203,12 @@ def test_zero_saves_nothing(name, mesh, plain, alternative):
         ms.shard_shape(s.shape)) * s.dtype.itemsize for s, ps, ms in zip(
         jax.tree.leaves(p.model.shapes), jax.tree.leaves(p.params), jax.tree.leaves(p.opt_state)))
     assert f.cost.startswith(f"{mib(state)} of params and Adam moments per device, the same as {plain!r}")
-    plain_cfg = load(name, **{"mesh.shape": mesh})
+    plain_cfg = configured(name, **{"mesh.shape": mesh})
     assert apply(plain_cfg, f.fix) == [("layout", plain)]
     # zero1 (zero2) on fsdp:8 names no rule for fsdp: its devices also repeat each other's work.
     assert [g.code for g in run_lint(plain_cfg)] == (["unused-axis"] if mesh == "fsdp:8" else [])
     assert f"--config.mesh.shape={alternative}" in f.fix  # the other way out: shard for real
-    assert run_lint(load(name, **{"mesh.shape": alternative})) == []
+    assert run_lint(configured(name, **{"mesh.shape": alternative})) == []
 
 
 @pytest.mark.parametrize("name, mesh, idle, fixed", [
@@ -223,7 +217,7 @@ def test_zero_saves_nothing(name, mesh, plain, alternative):
     ("gpt2_tiny_dp8_zero1", "data:2,fsdp:4", "fsdp=4", "fsdp"),  # no preset keeps zero1 with fsdp
 ])
 def test_unused_axis(name, mesh, idle, fixed):
-    cfg = load(name, **{"mesh.shape": mesh})
+    cfg = configured(name, **{"mesh.shape": mesh})
     f = only(run_lint(cfg), "unused-axis")
     assert f.severity == "warning" and f"has {idle}, which layout" in f.what
     n = math.prod(int(part.split("=")[1]) for part in idle.split(" x "))
@@ -236,7 +230,7 @@ def test_unused_expert_axis():
     """expert > 1 under a layout that never names it is flagged as any idle axis is; the fix
     names a preset that uses data and expert when one exists, else asks for rules."""
     from meshtrain.layouts.presets import PRESET_AXES
-    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4"})
+    cfg = configured("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4"})
     f = only(run_lint(cfg), "unused-axis")
     assert f.severity == "warning" and "has expert=4, which layout 'dp' never names" in f.what
     assert f.cost.startswith("4x the work per step for the same result: 3 of every 4")
@@ -245,14 +239,14 @@ def test_unused_expert_axis():
         assert apply(cfg, f.fix) == [("layout", fits[0])]
     else:
         assert f.fix.startswith("no preset uses data:2,expert:4") and "write rules for expert" in f.fix
-    named = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert"})
+    named = configured("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert"})
     assert "unused-axis" not in [g.code for g in run_lint(named)]
 
 
 def test_expert_on_dcn():
     """An expert axis across nodes is flagged, with the link ratio, and the fix moves the
     nodes onto data."""
-    cfg = load("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert",
+    cfg = configured("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4", "layout": "batch:data+expert",
                                    "mesh.dcn": "expert:2"})
     f = only(run_lint(cfg), "expert-on-dcn")
     assert f.severity == "warning" and "puts the expert axis (expert=4) across 2 nodes" in f.what
@@ -273,17 +267,17 @@ def test_shipped_configs(name):
     """Clean except one honest finding: M=8 on 4 stages idles 27% of the step (Llama 3 8B's
     config splits its kv heads, as the linter advised). gpt2_medium_dp8_tp4's wpe (4 MiB) is
     whole over tensor, but under 1% of its 1.4 GB of parameters."""
-    assert [f.code for f in run_lint(load(name))] == KNOWN.get(name, [])
+    assert [f.code for f in run_lint(configured(name))] == KNOWN.get(name, [])
 
 
 def test_without_a_model_and_unreadable_input():
-    cfg = load("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
+    cfg = configured("gpt2_medium_dp8_tp4", **{"model.seq_len": 4096})
     assert lint.lint(cfg) == []  # replicated-param needs the parameter shapes
     assert lint.lint(cfg, {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, None) == []
     with pytest.raises(UserError, match="-1"):
-        lint.lint(load("gpt2_tiny_dp8", **{"mesh.shape": "data:-1"}))
+        lint.lint(configured("gpt2_tiny_dp8", **{"mesh.shape": "data:-1"}))
     with pytest.raises(UserError, match="Unknown layout"):
-        lint.lint(load("gpt2_tiny_dp8", layout="dpp"))
+        lint.lint(configured("gpt2_tiny_dp8", layout="dpp"))
 
 
 def test_fix_overrides_reads_quoted_values_and_stops_at_prose():

@@ -21,6 +21,7 @@ import pytest
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.run.experiment import Experiment
+from support.configs import configured
 
 
 def state_bytes(exp):
@@ -90,13 +91,9 @@ def backward_scan_writes(compiled) -> set[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def wide(request):
-    from meshtrain import config as config_lib
     out = {}
     for layout in ("zero1", "zero2"):
-        cfg = config_lib.load("gpt2_tiny_dp8")
-        for k, v in {**WIDE, "layout": layout}.items():
-            config_lib.override(cfg, k, str(v))
-        exp = Experiment.build(cfg)
+        exp = Experiment.build(configured("gpt2_tiny_dp8", **{**WIDE, "layout": layout}))
         out[layout] = (exp, exp.compile(analysis=True))
     return out
 

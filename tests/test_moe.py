@@ -11,7 +11,7 @@ from meshtrain import mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.models import mixtral, moe, sizes
 from meshtrain.run.experiment import check_config
-from conftest import configured
+from support.configs import configured
 
 
 def tiny(**run) -> mixtral.MixtralConfig:

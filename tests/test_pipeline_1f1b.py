@@ -8,7 +8,6 @@ faster to compile."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import configured as config
+from support.configs import configured as config
+from support.processes import losses
 from support.training import loss_and_grads
 from meshtrain import config as config_lib
 from meshtrain.run.experiment import analysis_options, Experiment
@@ -177,11 +177,6 @@ def test_1f1b_keeps_less_than_gpipe_and_residuals_recompute_nothing():
 
 RUN = ["--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=0",
        "--config.checkpoint.every=0"]
-
-
-def losses(workdir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def test_a_checkpoint_saved_under_one_schedule_resumes_under_another(tmp_path):

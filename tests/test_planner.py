@@ -20,6 +20,7 @@ from meshtrain.errors import UserError
 from meshtrain.planner import hlo
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline
 from meshtrain.run.experiment import Experiment
+from support.processes import metric_rows
 
 CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_pp2_dp4", "llama_tiny_dp2_tp4", "llama_tiny_fsdp8"]
@@ -372,7 +373,7 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
                           "--config.train.log_every=1", f"--workdir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path)
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
 
 

@@ -15,6 +15,7 @@ from meshtrain import config as config_lib
 from meshtrain.models import family
 from meshtrain.planner import analytic, context, hardware, hlo, hlo_flops, report as report_lib
 from meshtrain.run.experiment import Experiment
+from support.configs import configured
 
 H100 = hardware.get("h100")
 RUNS = {  # name: (mesh, layout, context_attention, remat)
@@ -30,11 +31,8 @@ RUNS = {  # name: (mesh, layout, context_attention, remat)
 
 
 def _config(mesh, layout, kind, remat):
-    cfg = config_lib.load("llama_tiny_dp8")
-    for k, v in {"mesh.shape": mesh, "layout": layout, "model.context_attention": kind, "model.remat": remat,
-                 "model.seq_len": 512, "train.batch_size": 8}.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
+    return configured("llama_tiny_dp8", **{"mesh.shape": mesh, "layout": layout, "model.context_attention": kind,
+                                            "model.remat": remat, "model.seq_len": 512, "train.batch_size": 8})
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ config compiled once."""
 
 import pytest
 
-from conftest import configured
+from support.configs import configured
 from meshtrain import models
 from meshtrain.planner import analytic, experts, hardware, lint, report as report_lib, search, text
 from meshtrain.run.experiment import Experiment

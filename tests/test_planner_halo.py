@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from meshtrain import config as config_lib
 from meshtrain.models import conv as conv_lib
 from meshtrain.planner import halo, hardware, hlo, report as report_lib
 from meshtrain.run.experiment import Experiment
 from support.training import compiled_as_users_compile
+from support.configs import configured
 
 H100 = hardware.get("h100")
 # name -> overrides: VGG tiny's own spatial config, and ResNet tiny (strided convs) under it
@@ -21,10 +21,7 @@ SPATIAL = {"vgg_tiny_dp2_spatial4": {},
 
 
 def _build(name, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, v)
-    return Experiment.build(cfg)
+    return Experiment.build(configured(name, **overrides))
 
 
 @pytest.fixture(scope="module")

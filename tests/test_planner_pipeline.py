@@ -13,20 +13,14 @@ from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report 
 from meshtrain.run.experiment import Experiment
 from meshtrain.step.pipeline import ticks as pipeline_ticks
 from meshtrain.step.pipeline.scan import Pipeline
+from support.configs import configured
 
 H100 = hardware.get("h100")
 ACCEPTANCE = "gpt2_medium_dp2_pp4_tp4"  # S = 4, M = 16, data 2, tensor 4, 24 layers
 
 
-def load(name, **overrides):
-    cfg = config_lib.load(name)
-    for key, value in overrides.items():
-        config_lib.override(cfg, key, str(value))
-    return cfg
-
-
 def experiment(name=ACCEPTANCE, **overrides):
-    return analytic.abstract_experiment(load(name, **overrides))
+    return analytic.abstract_experiment(configured(name, **overrides))
 
 
 def by_hand(exp):
@@ -127,7 +121,7 @@ def test_acceptance_one_f_one_b_against_gpipe():
 
 def test_report_shows_the_schedule_and_what_is_kept():
     """The one compile: a tiny pipeline, planned under 1f1b."""
-    cfg = load("gpt2_tiny_pp2_dp4", **{"pipeline.schedule": "1f1b"})
+    cfg = configured("gpt2_tiny_pp2_dp4", **{"pipeline.schedule": "1f1b"})
     exp = Experiment.build(cfg, devices=jax.devices()[:8])
     r = report_lib.plan(exp, H100)
     p = r["pipeline"]
@@ -144,13 +138,13 @@ def test_lint_suggests_1f1b_where_gpipe_does_not_fit():
     """At batch 512 gpipe keeps 16 microbatches of 16 rows on each stage: more than an
     h100 holds by the formulas, and 1f1b fits. At the config's own batch 64 it fits and
     saves too little of the device to be flagged; under 1f1b there is nothing to say."""
-    cfg = load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": 512})
+    cfg = configured(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": 512})
     exp = analytic.abstract_experiment(cfg)
     findings = lint.lint(cfg, model=exp.model, hw=H100)
     (f,) = [f for f in findings if f.code == "pipeline-activations"]
     assert f.severity == "warning" and "does not fit on h100" in f.what
     gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
-    after = analytic.abstract_experiment(load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": 512,
+    after = analytic.abstract_experiment(configured(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": 512,
                                                              "pipeline.schedule": "1f1b"}))
     now, then = analytic.memory(exp, H100), analytic.memory(after, H100)
     assert sum(then.values()) <= H100.hbm_bytes * H100.usable_memory < sum(now.values())
@@ -158,7 +152,7 @@ def test_lint_suggests_1f1b_where_gpipe_does_not_fit():
     assert lint.fix_overrides(f.fix) == [("pipeline.schedule", "1f1b")]
     config_lib.override(cfg, "pipeline.schedule", "1f1b")
     assert "pipeline-activations" not in [g.code for g in lint.lint(cfg, model=after.model, hw=H100)]
-    small = load(ACCEPTANCE, **{"model.dtype": "float32"})
+    small = configured(ACCEPTANCE, **{"model.dtype": "float32"})
     model = analytic.abstract_experiment(small).model
     assert "pipeline-activations" not in [g.code for g in lint.lint(small, model=model, hw=H100)]
 
@@ -168,9 +162,9 @@ def test_lint_suggests_1f1b_where_it_saves_a_quarter_of_the_device():
     of its usable memory: flagged, saying it fits; at 64 it saves less and is not."""
     usable = H100.hbm_bytes * H100.usable_memory
     for batch, flagged in ((256, True), (64, False)):
-        cfg = load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch})
+        cfg = configured(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch})
         gpipe = analytic.abstract_experiment(cfg)
-        ofob = analytic.abstract_experiment(load(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch,
+        ofob = analytic.abstract_experiment(configured(ACCEPTANCE, **{"model.dtype": "float32", "train.batch_size": batch,
                                                                 "pipeline.schedule": "1f1b"}))
         saved = analytic.activations(gpipe) - analytic.activations(ofob)
         assert sum(analytic.memory(gpipe, H100).values()) <= usable
@@ -204,7 +198,7 @@ def test_search_predicts_the_recompute_of_stash_inputs():
     unchanged; stash=residuals costs what gpipe does. The memory term reads what the step
     writes, the same for all three."""
     def predict(**overrides):
-        exp = Experiment.build(load("gpt2_tiny_pp2_dp4", **overrides), devices=jax.devices()[:8])
+        exp = Experiment.build(configured("gpt2_tiny_pp2_dp4", **overrides), devices=jax.devices()[:8])
         return search._estimate(exp, H100, analytic.memory(exp, H100))[0], exp
     gpipe, exp = predict()
     c = exp.model.cfg

@@ -5,7 +5,7 @@ search's handling of the context axis. Each config is compiled once per module."
 import jax
 import pytest
 
-from conftest import configured
+from support.configs import configured
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.planner import analytic, lint, search
 from support import sequence_parallel as sp

@@ -5,7 +5,6 @@ never breaks the next start, and the resumed run equals the run that was never
 interrupted, loss for loss, with the steps it trained twice counted in goodput.jsonl.
 """
 
-import json
 import os
 import pathlib
 import re
@@ -17,7 +16,7 @@ import pytest
 
 from meshtrain.runlog import goodput
 from meshtrain.train import main
-from support.processes import free_port, steps_on_disk, wait_for
+from support.processes import exact_losses, free_port, steps_on_disk, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0"]
@@ -32,11 +31,6 @@ def start(workdir, *extra, env=None, log="out.txt"):
 
 def output(workdir, log="out.txt") -> str:
     return (workdir.parent / f"{workdir.name}-{log}").read_text()
-
-
-def losses(workdir) -> dict[int, str]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"].hex() for r in rows if "loss" in r}
 
 
 def logged(workdir, step, log="out.txt") -> bool:
@@ -56,12 +50,12 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_the_restart_resumes_there(tm
     stopped = int(out.split("preempted (SIGTERM) at step ")[1].split(":")[0])
     assert stopped >= 5 and steps_on_disk(w) == sorted({*range(3, stopped + 1, 3), stopped})
     assert not any("tmp" in q.name for q in (w / "checkpoints").iterdir())
-    assert sorted(losses(w)) == list(range(1, stopped + 1))
+    assert sorted(exact_losses(w)) == list(range(1, stopped + 1))
 
     p = start(w, *args, log="restart.txt")
     assert p.wait(timeout=180) == 0, output(w, "restart.txt")
     assert f"resuming from step {stopped}" in output(w, "restart.txt")
-    assert sorted(losses(w)) == list(range(1, 41))
+    assert sorted(exact_losses(w)) == list(range(1, 41))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def test_ctrl_c_saves_at_the_next_step_and_the_rerun_continues_one_metrics_file(
     p = start(w, *args, log="restart.txt")
     assert p.wait(timeout=180) == 0, output(w, "restart.txt")
     assert f"resuming from step {stopped}" in output(w, "restart.txt")
-    assert losses(w) == losses(reference)  # one metrics.jsonl, both parts, bit for bit
+    assert exact_losses(w) == exact_losses(reference)  # one metrics.jsonl, both parts, bit for bit
     shares = goodput.read_pieces(w)
     assert [p["steps"]["first"] for p in shares] == [1, stopped + 1]
     assert sum(p["steps"]["repeated"] for p in shares) == 0  # Ctrl-C saved where it stopped
@@ -116,7 +110,7 @@ def test_a_fresh_start_in_a_used_workdir_says_so_and_keeps_the_old_logs(tmp_path
     out = capsys.readouterr().out
     assert f"starting over at step 0: {w} holds an earlier run's logs but no checkpoint to resume" in out
     assert len(list(w.glob("metrics.*.jsonl"))) == len(list(w.glob("goodput.*.jsonl"))) == 1
-    assert sorted(losses(w)) == [1, 2] and len(goodput.read_pieces(w)) == 1
+    assert sorted(exact_losses(w)) == [1, 2] and len(goodput.read_pieces(w)) == 1
 
 
 def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, reference):
@@ -145,7 +139,7 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, ref
     assert left_unfinished >= 1, "no kill landed inside a save; the test did not test that"
     assert p.wait(timeout=180) == 0, output(w, "run2.txt")
     assert not any("tmp" in q.name for q in ckpt.iterdir())
-    assert losses(w) == losses(ref)  # bit for bit, every step
+    assert exact_losses(w) == exact_losses(ref)  # bit for bit, every step
     # Each restart trained again the steps its killed predecessor had reached but not
     # committed; goodput.jsonl counts them, and its shares add up to each piece's wall time.
     pieces = goodput.read_pieces(w)

@@ -18,6 +18,7 @@ import pytest
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError
 from meshtrain.runlog import metrics, trackers
+from support.processes import metric_rows
 
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -102,7 +103,7 @@ def test_wandb_holds_every_metric_row(run):
     """Every train and eval row of metrics.jsonl, at its step, across both pieces (all but
     time_s: W&B keeps its own clock)."""
     workdir, _, pieces = run
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(workdir)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
     history = {}

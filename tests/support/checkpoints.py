@@ -1,15 +1,14 @@
 """Checkpoint tests' shared pieces: a short run, its losses, a built experiment, a copied
 workdir, restores compared."""
 
-import json
 import shutil
 
 import jax
 import numpy as np
 
-from meshtrain import config as config_lib
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.train import main
+from support.configs import configured
 
 
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
@@ -20,16 +19,8 @@ def train(name, workdir, *extra):
     return main([f"--config={name}", *RUN, *extra, f"--workdir={workdir}"])
 
 
-def losses(workdir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def build(name, **overrides):
-    cfg = config_lib.load(name)
-    for k, v in {"train.steps": 20, **overrides}.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
+    return configured(name, **{"train.steps": 20, **overrides})
 
 
 def copy(src, tmp_path):

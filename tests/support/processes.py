@@ -48,9 +48,19 @@ def wait_for(predicate, timeout=180.0, what="condition"):
         time.sleep(0.01)
 
 
+def metric_rows(workdir: pathlib.Path) -> list[dict]:
+    """WORKDIR/metrics.jsonl, one dict a row."""
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(workdir: pathlib.Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    """{step: training loss} from WORKDIR/metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in metric_rows(workdir) if "loss" in r}
+
+
+def exact_losses(workdir: pathlib.Path) -> dict[int, str]:
+    """`losses` as float.hex(): for runs that must agree bitwise."""
+    return {step: loss.hex() for step, loss in losses(workdir).items()}
 
 
 def logged(log: pathlib.Path, step: int) -> bool:

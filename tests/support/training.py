@@ -107,7 +107,7 @@ def assert_same_training(name, result, reference):
 def run(name, overrides, mesh, steps=STEPS):
     """trained(): config NAME with OVERRIDES on MESH's devices, step 1's gradients read
     off its train step."""
-    from conftest import configured
+    from support.configs import configured
     cfg = configured(name, **overrides, **{"mesh.shape": mesh})
     return trained(cfg, steps, devices=devices_for(mesh))
 
