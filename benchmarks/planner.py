@@ -11,8 +11,8 @@ markdown table; `--out` also writes every report as JSON.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import jax
 
@@ -58,7 +58,10 @@ def row(r: dict) -> str:
 
 
 def main() -> None:
-    out = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--out=")), None)
+    p = argparse.ArgumentParser(prog="python benchmarks/planner.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", metavar="FILE.json", help="also write every report as JSON")
+    out = p.parse_args().out
     print("| model | layout | compute | params MiB compiled / formula | optimizer MiB | activations MiB "
           "(ratio) | collectives MiB sent / bound (ratio) | per axes |")
     print("|---|---|---|---|---|---|---|---|")
