@@ -8,6 +8,7 @@
   report     compile one config's train step and set it beside the formulas
   roofline   the predicted step time
   search     enumerate layouts for a device count, predict by formula, compile the few that can win
+  compile_pool  the search's compiles, in worker processes, cached on disk
   ranking    the search's ranking, the winner as a command, the config's own layout's rank
   lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix

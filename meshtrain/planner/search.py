@@ -30,20 +30,14 @@ compile the few that can win, rank.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import hashlib
 import itertools
-import json
-import multiprocessing
-import os
-import pathlib
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.layouts import presets
-from meshtrain.planner import hardware as hardware_lib, pipeline_memory, ranking
+from meshtrain.planner import compile_pool, pipeline_memory, ranking
 from meshtrain.progress import Progress, format_duration
 
 REMAT = ("none", "save_dots", "full")
@@ -172,56 +166,6 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
     return out, dropped
 
 
-def code_hash() -> str:
-    """Changes whenever meshtrain's source does: the cache's invalidation."""
-    h = hashlib.sha256()
-    root = pathlib.Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _cache_key(cfg, hw, salt: str) -> str:
-    import jax
-    blob = json.dumps([cfg.to_dict(), dataclasses.asdict(hw), jax.__version__, salt], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def _build(name: str, base: list, extra: list):
-    cfg = config_lib.load(name)
-    for key, value in list(base) + list(extra):
-        config_lib.override(cfg, key, value)
-    return cfg
-
-
-def _worker_init(devices: int) -> None:
-    # XLA's partitioner warns on stderr about resharding it finds inefficient; the compiled
-    # collectives already count what it costs, and the warnings would bury the progress bar.
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
-
-
-_WORKER_INPUTS: dict = {}  # a worker reads the config's data and init.from once, not per candidate
-
-
-def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) -> dict:
-    """In a worker: build, compile and report one candidate (the parts the ranking needs)."""
-    from meshtrain.planner import accumulation, report as report_lib
-    from meshtrain.run.experiment import Experiment, read_inputs
-    key = (name, tuple(map(tuple, base)))
-    if key not in _WORKER_INPUTS:
-        _WORKER_INPUTS[key] = read_inputs(_build(name, base, []))
-    hw = hardware_lib.Hardware(**hw_fields)
-    exp = Experiment.build(_build(name, base, cand_overrides), inputs=_WORKER_INPUTS[key])
-    exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
-    r = report_lib.plan(exp, hw)
-    r.pop("config", None)
-    return r
-
-
 def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None, budget_s: int,
         top: int, jobs: int, cache_dir: str | None, layouts=None, remats=REMAT, margin: float = MARGIN,
         say=print) -> dict:
@@ -255,7 +199,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
             + (f", {len(chosen) - near} for the config's own layout" if len(chosen) > near else "")
             + f"; the other {len(feasible) - len(chosen)} are slower by the formulas and keep their figures")
     deadline = t0 + budget_s
-    compiled = _compile_all(name, overrides, chosen, hw, devices, deadline, jobs, cache_dir, say)
+    compiled = compile_pool.compile_all(name, overrides, chosen, hw, devices, deadline, jobs, cache_dir, say)
     # The podium must be compiled: a formula row can lead where the compiled figures of its
     # rivals carry the CPU compiler's excess collectives (docs/planner.md, "Collectives").
     while feasible and time.perf_counter() < deadline:
@@ -263,7 +207,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
         if not todo:
             break
         say(f"compiling {len(todo)} more: formula rows among the best {PODIUM}")
-        compiled.update(_compile_all(name, overrides, todo, hw, devices, deadline, jobs, cache_dir, say))
+        compiled.update(compile_pool.compile_all(name, overrides, todo, hw, devices, deadline, jobs, cache_dir, say))
     rows = ranking.merge(feasible, compiled)
     failed = sum(1 for r in compiled.values() if "error" in r)
     if failed:
@@ -307,7 +251,7 @@ def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
         progress.update(1)
-        c = resolve(_build(name, overrides, cand.overrides()), inputs.init)
+        c = resolve(compile_pool.build_config(name, overrides, cand.overrides()), inputs.init)
         shape = dict(cand.mesh)
         errors = [f for f in lint.lint(c, shape, mesh_lib.parse_dcn(c.mesh.dcn, shape)) if f.severity == "error"]
         if errors:
@@ -356,63 +300,3 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     return roofline.predict(hw, cfg.dtype, flops, traffic, bounds, model_flops, n, work.step_work(exp, hw)), bounds
 
 
-def _compile_all(name, overrides, entries, hw, devices, deadline, jobs, cache_dir, say) -> dict:
-    """Compiles the `entries` (from `_check`) until `deadline` (perf_counter seconds), each
-    from the cache when it is there. -> {candidate: its report}."""
-    cache = pathlib.Path(cache_dir if cache_dir is not None else
-                         os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                                      "meshtrain", "plan")) if cache_dir != "" else None
-    salt = code_hash()
-    reports, todo = {}, []
-    for entry in entries:
-        cand = entry["candidate"]
-        key = _cache_key(entry["cfg"], hw, salt)
-        hit = cache / f"{key}.json" if cache else None
-        if hit is not None and hit.exists():
-            reports[cand] = {**json.loads(hit.read_text()), "cached": True}
-        else:
-            todo.append((cand, key))
-    if reports:
-        say(f"{len(reports)} found in the cache ({cache})")
-    if not todo:
-        return reports
-    progress = Progress("compiling", len(todo), unit="", stream=None)
-    fields = dataclasses.asdict(hw)
-    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=_worker_init, initargs=(devices,))
-    pending, queue = {}, list(todo)
-    try:
-        while queue or pending:
-            while queue and len(pending) < jobs and time.perf_counter() < deadline:
-                cand, key = queue.pop(0)
-                pending[pool.submit(compile_one, name, overrides, cand.overrides(), fields)] = (cand, key)
-            if not pending:
-                break
-            done, _ = concurrent.futures.wait(pending, timeout=max(deadline - time.perf_counter(), 1),
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
-            if not done and time.perf_counter() >= deadline:
-                break
-            for f in done:
-                cand, key = pending.pop(f)
-                progress.update(1)
-                try:
-                    r = f.result()
-                except UserError as e:
-                    say(f"  {cand.describe()}: {e}")
-                    reports[cand] = {"error": str(e)}
-                    continue
-                if cache is not None:
-                    cache.mkdir(parents=True, exist_ok=True)
-                    tmp = cache / f"{key}.json.tmp"
-                    tmp.write_text(json.dumps(r, default=str))
-                    tmp.replace(cache / f"{key}.json")
-                reports[cand] = {**r, "cached": False}
-    finally:
-        if pending or queue:  # the budget ran out: a compile past it is not waited for
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.terminate()
-            pool.shutdown(wait=False, cancel_futures=True)
-        else:  # all done: a clean shutdown, so that a later pool's exit finds no stale pipe
-            pool.shutdown(wait=True)
-    progress.close()
-    return reports
