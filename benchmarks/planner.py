@@ -34,12 +34,9 @@ LAYOUTS = {"dp8": ("data:8", "dp", 0), "fsdp8": ("fsdp:8", "fsdp", 0), "zero1": 
 def measure(model: str, layout: str, dtype: str) -> dict:
     name, extra = MODELS[model]
     mesh, preset, micro = LAYOUTS[layout]
-    cfg = config_lib.load(name)
-    overrides = {**extra, "mesh.shape": mesh, "mesh.dcn": "", "layout": preset, "pipeline.microbatches": str(micro),
-                 "train.batch_size": "16", "train.grad_accum_steps": "1", "model.dtype": dtype, "model.remat": "none"}
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, v)
-    r = report.plan(Experiment.build(cfg), hardware.get("h100"))
+    overrides = {**extra, "mesh.shape": mesh, "mesh.dcn": "", "layout": preset, "pipeline.microbatches": micro,
+                 "train.batch_size": 16, "train.grad_accum_steps": 1, "model.dtype": dtype, "model.remat": "none"}
+    r = report.plan(Experiment.build(config_lib.load(name, overrides.items())), hardware.get("h100"))
     r.pop("config")
     return {**r, "model": model, "layout": layout, "dtype": dtype}
 

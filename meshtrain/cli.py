@@ -115,10 +115,7 @@ def load_config(name: str | None, overrides: list[tuple[str, str]], prog: str):
     if not name:
         raise UserError(f"No --config given. Usage: {prog} --config=NAME [--config.key=value ...]; "
                         f"names: {', '.join(config_lib.available())} (or a path to a .py file).")
-    cfg = config_lib.load(name)
-    for key, value in overrides:
-        config_lib.override(cfg, key, value)
-    return cfg
+    return config_lib.load(name, overrides)
 
 
 def parse(parser: Parser, argv: list[str]) -> argparse.Namespace | None:

@@ -150,8 +150,9 @@ def available() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
 
 
-def load(name_or_path: str) -> ml_collections.ConfigDict:
-    """`gpt2_tiny_dp8` (a file in configs/) or a path to a .py file."""
+def load(name_or_path: str, overrides=()) -> ml_collections.ConfigDict:
+    """`gpt2_tiny_dp8` (a file in configs/) or a path to a .py file, locked, with the
+    (key, value) `overrides` applied in order as --config.KEY=VALUE would apply them."""
     path = pathlib.Path(name_or_path)
     if not (path.suffix == ".py" and path.exists()):
         path = CONFIG_DIR / f"{name_or_path}.py"
@@ -173,6 +174,8 @@ def load(name_or_path: str) -> ml_collections.ConfigDict:
         raise UserError(f"{path.name} sets {old}, which is now {RENAMED[old]}: {RENAMED_WHY[old]} "
                         f"Rename it in the file.") from None
     cfg.lock()
+    for key, value in overrides:
+        override(cfg, key, str(value))
     return cfg
 
 

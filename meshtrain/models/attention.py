@@ -34,12 +34,11 @@ import numpy as np
 
 from meshtrain.errors import UserError
 from meshtrain.parallel import context_attention
+from meshtrain.parallel.context_attention import BTHE
 from meshtrain.parallel.hook import UNSHARDED, Constrain
 
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-BTHE = ("batch", "length", "heads", "head_dim")
-BTKE = ("batch", "length", "kv_heads", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

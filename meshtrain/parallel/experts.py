@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.sequence import BTD
 
 Grouped = Callable[..., jax.Array]
-BTD = ("batch", "length", "embed")
 W_IN = ("experts", "embed", "mlp")   # the experts' weights' logical axes
 W_OUT = ("experts", "mlp", "embed")
 

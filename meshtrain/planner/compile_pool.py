@@ -24,14 +24,6 @@ from meshtrain.planner import hardware as hardware_lib
 from meshtrain.progress import Progress
 
 
-def build_config(name: str, base: list, extra: list):
-    """configs/NAME.py with the (key, value) overrides of `base`, then `extra`."""
-    cfg = config_lib.load(name)
-    for key, value in list(base) + list(extra):
-        config_lib.override(cfg, key, value)
-    return cfg
-
-
 def code_hash() -> str:
     """Changes whenever meshtrain's source does: the cache's invalidation."""
     h = hashlib.sha256()
@@ -66,9 +58,9 @@ def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) ->
     from meshtrain.run.experiment import Experiment, read_inputs
     key = (name, tuple(map(tuple, base)))
     if key not in _WORKER_INPUTS:
-        _WORKER_INPUTS[key] = read_inputs(build_config(name, base, []))
+        _WORKER_INPUTS[key] = read_inputs(config_lib.load(name, base))
     hw = hardware_lib.Hardware(**hw_fields)
-    exp = Experiment.build(build_config(name, base, cand_overrides), inputs=_WORKER_INPUTS[key])
+    exp = Experiment.build(config_lib.load(name, [*base, *cand_overrides]), inputs=_WORKER_INPUTS[key])
     exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
     r = report_lib.plan(exp, hw)
     r.pop("config", None)

@@ -251,7 +251,7 @@ def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
     progress = Progress("checking", len(candidates), unit="", stream=None)
     for cand in candidates:
         progress.update(1)
-        c = resolve(compile_pool.build_config(name, overrides, cand.overrides()), inputs.init)
+        c = resolve(config_lib.load(name, [*overrides, *cand.overrides()]), inputs.init)
         shape = dict(cand.mesh)
         errors = [f for f in lint.lint(c, shape, mesh_lib.parse_dcn(c.mesh.dcn, shape)) if f.severity == "error"]
         if errors:

@@ -242,9 +242,9 @@ class Accumulation:
 
 
 def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
-               o: StepOptions, task: tasks.Task, batches) -> tuple[Callable, tuple]:
-    """(grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats), the
-    replica axes reduced by hand: () when XLA reduces)."""
+               o: StepOptions, task: tasks.Task, batches) -> Callable:
+    """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats), the
+    replicas' reduction done by hand where `replica_axes` says so, else left to XLA."""
     by_hand = bool(o.grad_dtype) or (o.microbatches > 1 and not model.stats_shapes)
     gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, o.microbatches, o.accum_gather)
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
@@ -258,13 +258,13 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
     accumulate = Accumulation(grad_fn, o.microbatches, micro_shardings, make_gather(model, layout, mesh, gathered),
                               grad_shardings, split=layout.splits_grads, to_float32=bool(replicas))
     if not replicas:
-        return accumulate, replicas
+        return accumulate
 
     def grads_and_loss(params, stats, batch, key):  # per-replica losses and metrics [n]; no stats
         grads, loss, metrics, stats = accumulate(params, stats, batch, key)
         grads = grad_reduce.reduce(grads, o.grad_dtype or produced_dtypes(model), params)
         return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats
-    return grads_and_loss, replicas
+    return grads_and_loss
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -293,7 +293,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
-    grads_and_loss, _ = _gradients(model, layout, mesh, shardings, grad_shardings, options, task, batches)
+    grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, options, task, batches)
     dropout_on = model.cfg.dropout > 0
 
     def train_step(state: TrainState, batch):

@@ -7,7 +7,4 @@ def configured(name: str, **overrides):
     """configured("gpt2_tiny_dp8", **{"train.steps": 3}) -> locked ConfigDict, each override
     applied as --config.KEY=VALUE would be (values are written as text first). Tests take
     it as the `make_config` fixture, module-scoped fixtures and helpers import it."""
-    cfg = config_lib.load(name)
-    for k, v in overrides.items():
-        config_lib.override(cfg, k, str(v))
-    return cfg
+    return config_lib.load(name, overrides.items())

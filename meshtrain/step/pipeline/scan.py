@@ -42,8 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.layouts.rules import Layout, mesh_axes_of
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
 from meshtrain.step import grad_reduce
