@@ -17,9 +17,10 @@ from meshtrain.errors import UserError
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.experiment import Experiment
 from meshtrain.train import main as train_main
 from support.configs import configured
+from support.training import loss_curve
 
 STEPS = 3
 K = 4  # microbatches
@@ -28,16 +29,9 @@ K = 4  # microbatches
 def run(name, **overrides):
     """{exp, hlo text, collective rows, losses of STEPS steps}, compiling the step once."""
     exp = Experiment.build(configured(name, **overrides))
-    state = exp.init_state()
-    batches = exp.train_batches()
-    first = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, first).compile(analysis_options())
-    losses = []
-    for batch in [first] + [exp.put_batch(next(batches)) for _ in range(STEPS - 1)]:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    step = exp.compile(analysis=True)
     return {"exp": exp, "text": step.as_text(), "rows": hlo.collective_table(step, exp.mesh, lambda d: 0),
-            "losses": np.array(losses)}
+            "losses": loss_curve(exp, STEPS, step)}
 
 
 def sent(r, kind, axes=("fsdp",)) -> tuple[int, float, int]:

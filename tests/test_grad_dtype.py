@@ -13,8 +13,9 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.planner import hlo
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.experiment import Experiment
 from support.configs import configured
+from support.training import stepped
 
 STEPS = 3
 
@@ -23,15 +24,11 @@ def train(make_config, name, **overrides):
     """(count and bytes each device sends of the step's all-reduces over `data`; losses and
     grad norms of STEPS steps; final params), compiling the step once."""
     exp = Experiment.build(make_config(name, **overrides))
-    state = exp.init_state()
-    batches = exp.train_batches()
-    first = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, first).compile(analysis_options())
+    step = exp.compile(analysis=True)
     rows = [r for r in hlo.collective_table(step, exp.mesh, lambda d: 0)
             if r["kind"] == "all-reduce" and r["mesh_axes"] == ("data",)]
     history = []
-    for batch in [first] + [exp.put_batch(next(batches)) for _ in range(STEPS - 1)]:
-        state, metrics = step(state, batch)
+    for state, metrics in stepped(exp, STEPS, step=step):
         history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     return (sum(r["count"] for r in rows), sum(r["bytes"] for r in rows), np.array(history),
             jax.device_get(state.params))

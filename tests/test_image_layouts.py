@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.experiment import Experiment
 from support.configs import configured
+from support.training import stepped
 
 STEPS = 20
 # (config, overrides): each layout family on 8 simulated devices.
@@ -39,15 +40,9 @@ FAST = {"vgg_tiny": {"optim.lr": 0.2, "optim.warmup_steps": 0, "optim.schedule":
 def run(cfg, devices=None, mesh_shape=None):
     """The loss and top-1 of each step, and the BatchNorm statistics after the last."""
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
-    state = exp.init_state()
-    batches = exp.train_batches()
-    batch = exp.put_batch(next(batches))
-    step = exp.train_step.lower(state, batch).compile(analysis_options())
     losses = []
-    for _ in range(STEPS):
-        state, metrics = step(state, batch)
+    for state, metrics in stepped(exp, STEPS, step=exp.compile(analysis=True)):
         losses.append(float(metrics["loss"]))
-        batch = exp.put_batch(next(batches))
     return np.array(losses), jax.device_get(state.stats), exp
 
 

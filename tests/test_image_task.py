@@ -86,17 +86,11 @@ def test_accumulation_with_batchnorm_matches_one_device(make_config):
     import jax
     import numpy as np
 
-    def losses(cfg, **kw):
+    from support.training import loss_curve
+
+    def losses(cfg, **kw):  # four steps, compiled with the planner's analysis options (3-4x faster)
         exp = Experiment.build(cfg, **kw)
-        state, batches = exp.init_state(), exp.train_batches()
-        # Four steps: compiled with the planner's analysis options (the same partitioned
-        # HLO, LLVM's optimisations and XLA:CPU's fusion emitters off, 3-4x faster to compile).
-        step = exp.compile(analysis=True)
-        out = []
-        for _ in range(4):
-            state, m = step(state, exp.put_batch(next(batches)))
-            out.append(float(m["loss"]))
-        return np.array(out)
+        return loss_curve(exp, 4, exp.compile(analysis=True))
     over = {"train.grad_accum_steps": 2, "optim.warmup_steps": 0}
     many = losses(make_config("resnet_tiny_dp8", **over))
     one = losses(make_config("resnet_tiny_dp8", **over), devices=jax.devices()[:1], mesh_shape="data:1")
