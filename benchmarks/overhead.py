@@ -2,9 +2,10 @@
                                 [--devices 8] [--config.key=value ...]
 
 meshtrain's train step vs a bare-JAX step with the same math and shardings, timed
-alternately in one process. The bare step is written here from scratch in plain
-jax.numpy over the params dict meshtrain stores (no flax, no meshtrain modules). It
-reuses only what is not framework: the model's numeric kernels (the LayerNorm and GELU
+alternately in one process. The bare step is benchmarks/bare_gpt2.py's, the one bare-JAX
+reference (step_cpu.py times it too): written from scratch in plain jax.numpy over the
+params dict meshtrain stores (no flax, no meshtrain modules). This script plugs into it
+only what is not framework: the model's numeric kernels (the LayerNorm and GELU
 whose backward recomputes them, the attention kernel model.attention resolves to (XLA's
 on a CPU, cuDNN's flash kernel on a GPU), and the loss's kernel (meshtrain/step/loss.py: the
 logits in the compute dtype, float32 only inside its fusions, in chunks where
@@ -38,24 +39,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
+import bare_gpt2  # noqa: E402  (beside this script)
 from meshtrain.models import attention, gpt2  # noqa: E402
 from meshtrain.step import loss  # noqa: E402
 
-BTD = ("batch", "length", "embed")
-BTHE = ("batch", "length", "heads", "head_dim")
-BTF = ("batch", "length", "mlp")
-BTV = ("batch", "length", "vocab")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 GOAL = 1.05  # the median ratio meshtrain/bare this script was written to hold (module docstring)
 
 
 def make_bare_step(exp):
-    """Plain-JAX GPT-2 train step over exp's params dict; same signature as exp.train_step
-    except that the state is a tuple (step [], params, opt_state)."""
+    """The reference step of bare_gpt2.py over exp's params dict, with meshtrain's kernels,
+    optimizer, schedule and shardings plugged in; same signature as exp.train_step except
+    that the state is a tuple (step [], params, opt_state)."""
     cfg = exp.model.cfg
-    dt = jnp.dtype(cfg.dtype)
     chunks = loss.num_chunks(cfg.seq_len, exp.cfg.train.loss_chunk)
 
     def pin(x, axes):  # the same with_sharding_constraint as meshtrain's `constrain`
@@ -65,63 +63,21 @@ def make_bare_step(exp):
     def attend(q, k, v):  # [B, T, H, E] x3 -> [B, T, H, E]: the kernel model.attention resolved to
         return attention.attend(q, k, v, implementation=cfg.attention)[0]
 
-    def project(h, wte, constrain):  # h [b, c, D], table [V, D] -> logits [b, c, V], padding masked
-        logits = jnp.einsum("btd,vd->btv", h, wte)
-        if cfg.padded_vocab_size > cfg.vocab_size:
-            real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-            logits = jnp.where(real, logits, jnp.finfo(dt).min)
-        return constrain(logits, BTV)
+    def loss_kernel(project, h, w, targets, pin):  # h [B, T, D], w [V, D], targets [B, T] -> []
+        if chunks > 1:  # one chunk of positions at a time, as train.loss_chunk asks
+            return loss.chunked_cross_entropy(project, h, w, targets, chunks, exp.layout, exp.mesh)
+        return loss.cross_entropy(project(h, w, pin), targets)  # [B, T, V]; the same kernel
 
-    def layer_norm(x, p):  # [B, T, D] -> [B, T, D], statistics in float32
-        return gpt2.layer_norm(x, p["scale"], p["bias"])
-
-    def block(x, p):  # x [B, T, D]; p: one layer's slice of params["blocks"]
-        a, m = p["attn"], p["mlp"]
-        h = layer_norm(x, p["ln1"])
-        qkv = jnp.einsum("btd,dkhe->btkhe", h, a["w_qkv"].astype(dt)) + a["b_qkv"].astype(dt)  # [B,T,3,H,E]
-        q, k, v = (pin(qkv[:, :, i], BTHE) for i in range(3))                                # [B,T,H,E]
-        o = pin(attend(q, k, v), BTHE)                                       # [B,T,H,E]
-        x = pin(x + (jnp.einsum("bthe,hed->btd", o, a["w_out"].astype(dt)) + a["b_out"].astype(dt)), BTD)
-        h = layer_norm(x, p["ln2"])
-        f = pin(gpt2.gelu(h @ m["w_fc"].astype(dt) + m["b_fc"].astype(dt)), BTF)  # [B,T,F]
-        x = pin(x + (f @ m["w_proj"].astype(dt) + m["b_proj"].astype(dt)), BTD)
-        return x, None
-
-    def cast_matrices(params):  # every matrix to the compute dtype once, still stored-sharded
-        def one(path, p, sharding):
-            stacked = path[0].key == "blocks"
-            if p.ndim - stacked < 2 or p.dtype == dt:
-                return p
-            return jax.lax.with_sharding_constraint(p.astype(dt), sharding)
-        return jax.tree_util.tree_map_with_path(one, params, exp.shardings.params)
-
-    def loss_fn(params, tokens):  # tokens [B, T+1] int32 -> mean next-token loss []
-        params = cast_matrices(params)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]                        # [B, T]
-        t = inputs.shape[1]
-        wte = pin(params["wte"], ("vocab", "embed"))  # [V, D] as compute wants it, as gpt2.py pins it
-        x = jnp.take(wte, inputs, axis=0) + params["wpe"][:t]                  # [B, T, D]
-        x = pin(x.astype(dt), BTD)
-        x, _ = jax.lax.scan(block, x, params["blocks"])                        # over L stacked layers
-        x = layer_norm(x, params["ln_f"])
-        if chunks > 1:  # the loss's kernel: one chunk of positions at a time
-            return loss.chunked_cross_entropy(project, x, wte, targets, chunks, exp.layout, exp.mesh)
-        return loss.cross_entropy(project(x, wte, pin), targets)  # [B, T, V] tied; the same kernel
-
-    def step(state, tokens):
-        n, params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        grads = jax.lax.with_sharding_constraint(grads, exp.grad_shardings)
+    def update(grads, opt_state, params, n, grad_norm):  # optax clips by its own norm
         updates, opt_state = exp.tx.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-        grad_norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": exp.schedule(n)}
-        return (n + 1, params, opt_state), metrics
+        return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), opt_state
 
     sh = exp.shardings
-    state_sh = (sh.step, sh.params, sh.opt_state)
-    return jax.jit(step, in_shardings=(state_sh, exp.batch_sharding),
-                   out_shardings=(state_sh, NamedSharding(exp.mesh, P())), donate_argnums=(0,))
+    return bare_gpt2.make_step(
+        bare_gpt2.Optimizer(update, exp.schedule), (sh.step, sh.params, sh.opt_state), exp.batch_sharding,
+        kernels=bare_gpt2.Kernels(gpt2.layer_norm, gpt2.gelu, attend, loss_kernel), pin=pin,
+        dtype=cfg.dtype, vocab_size=cfg.vocab_size, param_shardings=sh.params,
+        grad_shardings=exp.grad_shardings)
 
 
 def as_tuple(state):

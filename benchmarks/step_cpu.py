@@ -4,9 +4,11 @@ python benchmarks/step_cpu.py --peer levanter      # in a venv with levanter, no
 
 The CPU train step of a 4 x 128 GPT-2 (gpt2 family: 4 layers, embed 128, 4 heads, mlp 512,
 vocab 256, seq_len 128; batch 32, float32), timed side by side in one process against a
-bare JAX step of the same model written plainly here: jax.numpy and jax.nn only (no flax,
-no optax, no meshtrain), so the same reference also runs beside a peer framework in that
-framework's own environment, and the bare step is the yardstick both ratios share.
+bare JAX step of the same model: benchmarks/bare_gpt2.py, the one bare-JAX reference
+(overhead.py times it too, with meshtrain's kernels plugged in), here with its defaults:
+jax.numpy and jax.nn only (no flax, no optax, no meshtrain), so the same reference also
+runs beside a peer framework in that framework's own environment, and the bare step is the
+yardstick both ratios share.
 
 Default mode, for each mesh fsdp:N of --fsdp (N simulated CPU devices, layout fsdp; N = 1
 is one device): meshtrain's compiled `Experiment.train_step` and the bare step, alternated step
@@ -20,7 +22,8 @@ operation each came from.
 FSDP over the simulated devices, AdamW, no gradient checkpointing) against the bare step
 with its own initial parameters: the ratio levanter/bare.
 
-The bare step, written as a JAX user would first write it:
+The bare step (bare_gpt2.make_step with its default kernels, bare_gpt2.adamw and the FSDP
+shardings and batch-dim pins this script gives it), written as a JAX user would first write it:
   pre-LayerNorm blocks under lax.scan, jax.nn.dot_product_attention(is_causal=True),
   jax.nn.gelu(approximate=True) (GPT-2's gelu_new), tied embedding, mean next-token cross
   entropy from jax.nn.log_softmax, AdamW (b1 .9, b2 .95, eps 1e-8, weight decay 0.1 on
@@ -35,7 +38,6 @@ import argparse
 import collections
 import gzip
 import json
-import math
 import pathlib
 import re
 import tempfile
@@ -48,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import bare_gpt2  # beside this script; it needs jax alone, as --peer levanter does
+
 L, D, H, F, V, T, B = 4, 128, 4, 512, 256, 128, 32
 OVERRIDES = [f"--config.model.num_layers={L}", f"--config.model.embed_dim={D}",
              f"--config.model.num_heads={H}", f"--config.model.mlp_dim={F}",
@@ -56,93 +60,40 @@ OVERRIDES = [f"--config.model.num_layers={L}", f"--config.model.embed_dim={D}",
 LR, MIN_LR, WARMUP, STEPS, WD, B1, B2, EPS, CLIP = 3e-3, 3e-4, 30, 300, 0.1, 0.9, 0.95, 1e-8, 1.0
 
 
-# ---- the bare reference ----------------------------------------------------------------
+# ---- the bare reference: benchmarks/bare_gpt2.py with its plain-JAX defaults --------------
 
-def bare_init(key) -> dict:
-    """Parameters in meshtrain's tree and shapes (so meshtrain's can be fed in), GPT-2's
-    initialisation: normal(0.02), residual projections / sqrt(2 L), zero biases."""
-    ks = iter(jax.random.split(key, 8))
-    n = lambda shape, std=0.02: std * jax.random.normal(next(ks), shape, jnp.float32)
-    ones, zeros, e, res = jnp.ones, jnp.zeros, D // H, 0.02 / math.sqrt(2 * L)
-    return {"wte": n((V, D)), "wpe": n((T, D), 0.01), "ln_f": {"scale": ones(D), "bias": zeros(D)},
-            "blocks": {"ln1": {"scale": ones((L, D)), "bias": zeros((L, D))},
-                       "ln2": {"scale": ones((L, D)), "bias": zeros((L, D))},
-                       "attn": {"w_qkv": n((L, D, 3, H, e)), "b_qkv": zeros((L, 3, H, e)),
-                                "w_out": n((L, H, e, D), res), "b_out": zeros((L, D))},
-                       "mlp": {"w_fc": n((L, D, F)), "b_fc": zeros((L, F)),
-                               "w_proj": n((L, F, D), res), "b_proj": zeros((L, D))}}}
+SIZES = dict(layers=L, embed=D, heads=H, mlp=F, vocab=V, seq_len=T)
+ADAMW = bare_gpt2.adamw(lr=LR, min_lr=MIN_LR, warmup=WARMUP, steps=STEPS, b1=B1, b2=B2, eps=EPS,
+                        weight_decay=WD, clip=CLIP)
 
 
 def fsdp_spec(path, x, n: int) -> P:
     """The first dim (after the stacked layers) that n devices divide, over `fsdp`."""
-    stacked = path[0].key == "blocks"
-    for dim in range(int(stacked), x.ndim):
+    for dim in range(bare_gpt2.stacked(path), x.ndim):
         if x.shape[dim] % n == 0:
             return P(*[None] * dim, "fsdp")
     return P()
 
 
-def layer_norm(x, p):
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
-
-
 def make_bare_step(mesh: Mesh):
-    """-> (jitted step((step, params, m, v), tokens [B, T+1]) -> (state, loss), shardings
-    of the state)."""
-    pin = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp")))
+    """-> (jitted step((step, params, (mu, nu)), tokens [B, T+1]) -> (state, {"loss": []}),
+    shardings of the state, of the batch): the reference's default kernels, AdamW by hand,
+    FSDP shardings of its own."""
+    batch_sh = NamedSharding(mesh, P("fsdp"))
 
-    def block(x, p):
-        a, m = p["attn"], p["mlp"]
-        qkv = jnp.einsum("btd,dkhe->btkhe", layer_norm(x, p["ln1"]), a["w_qkv"]) + a["b_qkv"]
-        o = jax.nn.dot_product_attention(*(pin(qkv[:, :, i]) for i in range(3)), is_causal=True)
-        x = pin(x + jnp.einsum("bthe,hed->btd", pin(o), a["w_out"]) + a["b_out"])
-        f = pin(jax.nn.gelu(layer_norm(x, p["ln2"]) @ m["w_fc"] + m["b_fc"], approximate=True))
-        return pin(x + f @ m["w_proj"] + m["b_proj"]), None
-
-    def loss_fn(params, tokens):
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = pin(jnp.take(params["wte"], inputs, axis=0) + params["wpe"])
-        x, _ = jax.lax.scan(block, x, params["blocks"])
-        logits = pin(jnp.einsum("btd,vd->btv", layer_norm(x, params["ln_f"]), params["wte"]))
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
-
-    def lr_at(step):
-        warm = LR * step / WARMUP
-        frac = jnp.clip((step - WARMUP) / (STEPS - WARMUP), 0.0, 1.0)
-        return jnp.where(step < WARMUP, warm, MIN_LR + (LR - MIN_LR) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
-
-    def step(state, tokens):
-        n, params, mu, nu = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / norm), grads)
-        mu = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, mu, grads)
-        nu = jax.tree.map(lambda v, g: B2 * v + (1 - B2) * jnp.square(g), nu, grads)
-        c1, c2, lr = 1 - B1 ** (n + 1.0), 1 - B2 ** (n + 1.0), lr_at(n)
-
-        def update(path, p, m, v):
-            u = (m / c1) / (jnp.sqrt(v / c2) + EPS)
-            decayed = p.ndim - (path[0].key == "blocks") >= 2  # matrices and embeddings
-            return p - lr * (u + WD * p if decayed else u)
-        params = jax.tree_util.tree_map_with_path(update, params, mu, nu)
-        return (n + 1, params, mu, nu), loss
+    def pin(x, axes):  # activations on their batch dim; the embedding table stays as stored
+        return jax.lax.with_sharding_constraint(x, batch_sh) if axes[0] == "batch" else x
 
     specs = jax.tree_util.tree_map_with_path(lambda path, x: fsdp_spec(path, x, mesh.shape["fsdp"]),
-                                             jax.eval_shape(bare_init, jax.random.key(0)))
+                                             jax.eval_shape(lambda k: bare_gpt2.init(k, **SIZES), jax.random.key(0)))
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    state_sh = (NamedSharding(mesh, P()), param_sh, param_sh, param_sh)
-    batch_sh = NamedSharding(mesh, P("fsdp"))
-    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                     out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
-    return jitted, state_sh, batch_sh
+    state_sh = (NamedSharding(mesh, P()), param_sh, (param_sh, param_sh))
+    # The loss alone comes out, as the races read nothing else.
+    return bare_gpt2.make_step(ADAMW, state_sh, batch_sh, pin=pin, metrics=("loss",)), state_sh, batch_sh
 
 
 def bare_state(params, state_sh):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return jax.device_put((jnp.zeros((), jnp.int32), params, zeros, jax.tree.map(jnp.copy, zeros)), state_sh)
+    return jax.device_put((jnp.zeros((), jnp.int32), params, bare_gpt2.adamw_init(params)), state_sh)
 
 
 # ---- timing ------------------------------------------------------------------------------
@@ -230,9 +181,9 @@ def run_meshtrain(args, rest) -> None:
         bs = bare_state(jax.device_get(mt.params), state_sh)  # the same initial parameters
         t0 = time.perf_counter()
         mt, metrics, _ = timed(exp.train_step, mt, batches[0])
-        bs, loss, _ = timed(bare, bs, bare_batches[0])
+        bs, bare_metrics, _ = timed(bare, bs, bare_batches[0])
         print(f"mesh fsdp:{n}: first steps (with compiles) {time.perf_counter() - t0:.1f} s; step-1 loss "
-              f"meshtrain {float(metrics['loss']):.7f} bare {float(loss):.7f}")
+              f"meshtrain {float(metrics['loss']):.7f} bare {float(bare_metrics['loss']):.7f}")
         race("meshtrain/bare", f"fsdp:{n}", exp.train_step, mt, batches, bare, bs, bare_batches, args.warmup, args.pairs)
         if args.profile:
             top_ops(exp.train_step, exp.init_state(), batches[0])
@@ -242,9 +193,8 @@ def run_levanter(args) -> None:
     import equinox as eqx
     import haliax as hax
     import optax
-    from haliax.partitioning import ResourceAxis
     from levanter.models.gpt2 import Gpt2Config
-    from levanter.models.lm_model import LmExample, LmHeadModel
+    from levanter.models.lm_model import LmExample
 
     print(f"jax {jax.__version__}, {jax.device_count()} simulated CPU devices; levanter, same model")
     n = jax.device_count()
@@ -272,7 +222,7 @@ def run_levanter(args) -> None:
             return (eqx.apply_updates(model, updates), opt_state), loss
 
         bare, state_sh, batch_sh = make_bare_step(mesh)
-        bs = bare_state(bare_init(jax.random.key(0)), state_sh)
+        bs = bare_state(bare_gpt2.init(jax.random.key(0), **SIZES), state_sh)
         batches = [jax.device_put(r, batch_sh) for r in token_rows()]
         race("levanter/bare", f"fsdp:{n}", step, (model, opt_state), batches, bare, bs, batches, args.warmup, args.pairs)
 
