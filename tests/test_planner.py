@@ -52,7 +52,7 @@ def test_report_has_the_documented_keys(name, planned):
 
 
 def test_every_split_cost_keeps_the_protocol_and_has_a_report_section(planned):
-    """bounds.SPLIT_COSTS: each entry has split_cost.SplitCost's three methods with its
+    """bounds.SPLIT_COSTS: each entry has split_cost.SplitCost's methods with its
     parameters, and its key is a section of the plan report."""
     import inspect
 
@@ -60,7 +60,7 @@ def test_every_split_cost_keeps_the_protocol_and_has_a_report_section(planned):
     from meshtrain.planner.bounds import SPLIT_COSTS
     for name, cost in SPLIT_COSTS.items():
         assert all(name in r for _, _, r in planned.values()), f"{name}: no such section in the plan report"
-        for method in ("report", "bound_rows", "known_excess"):
+        for method in ("traffic", "figures"):
             want = list(inspect.signature(getattr(split_cost.SplitCost, method)).parameters)[1:]
             assert list(inspect.signature(getattr(cost, method)).parameters) == want, (name, method)
 

@@ -101,4 +101,4 @@ def known_excess(exp) -> list[dict]:
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})
     return (out + list(conv_rows.values()) + list(context_rows.values())
-            + [e.to_json() for cost in SPLIT_COSTS.values() for e in cost.known_excess(exp)])
+            + [e.to_json() for cost in SPLIT_COSTS.values() if (t := cost.traffic(exp)) for e in t.excess()])

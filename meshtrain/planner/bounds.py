@@ -86,9 +86,8 @@ def collective_bounds(exp) -> list[dict]:
     (module docstring); `count` is how many ops the bound assumes."""
     rows = _Rows(exp.mesh)
     _gradients(exp, rows.add)
-    for cost in SPLIT_COSTS.values():
-        for b in cost.bound_rows(exp):
-            rows.add(b.kind, b.mesh_axes, b.count, b.bytes, b.what)
+    for b in (b for cost in SPLIT_COSTS.values() if (t := cost.traffic(exp)) for b in t.bounds()):
+        rows.add(b.kind, b.mesh_axes, b.count, b.bytes, b.what)
     if has_stream(exp.model):  # a classifier has no Megatron or pipeline formula (no_formula says so)
         _stream(exp, rows.add)
     return rows.sorted()

@@ -1,45 +1,29 @@
-"""Expert parallelism's traffic and the experts' memory, by formula, beside the compiled step's.
+"""Expert parallelism's traffic and the experts' memory, by formula (docs/planner.md,
+"Experts", sets them beside the compiled step's).
 
-A layout that splits `experts` over mesh axes of total size e (the *_ep presets:
-`experts:expert`, with the batch over the same axes) sends each token to the devices of
-its experts and back by all-to-all over those axes (models/moe.py, models/moe_dropless.py).
-Per layer and microbatch, with b rows and n = b T / (context split) tokens on a device,
-k experts per token, X experts, D embed, C = ceil(k T capacity_factor / X) slots, c the
-compute dtype's bytes, every all-to-all sends (e-1)/e of its buffer (the rest stays):
+A layout that splits `experts` over mesh axes of total size e sends each token to the
+devices of its experts and back by all-to-all. Per layer and microbatch, with b rows and
+n = b T / (context split) tokens on a device, k experts per token, X experts, D embed,
+C = ceil(k T capacity_factor / X) slots, c the compute dtype's bytes, each all-to-all
+sending (e-1)/e of its buffer:
 
-    dropless  a buffer of n k rows for each of the e destinations (shapes are static: every
-              copy might choose one device's experts), so
-                  float   [e, n k, D] x c         each way: dispatch and combine
-                  ids     [e, n k] int32          with the dispatch (each row's local expert)
-              forward   2 float + 1 ids;  backward   2 float (the transposes; ids have none)
-    capacity  GShard's buffers, made where the tokens are and moved to their experts:
-                  [X, b, C, D / embed split] x c  each way
-              forward   2;  backward   2
+    dropless  float [e, n k, D] x c each way (static shapes: every destination gets a
+              buffer for all n k copies), ids [e, n k] int32 with the dispatch
+              forward 2 float + 1 ids;  backward 2 float (the transposes; ids have none)
+    capacity  [X, b, C, D / embed split] x c each way;  forward 2;  backward 2
+    remat full or save_dots: the forward's again ("recompute", known excess)
 
-A remat policy that reruns the MoE layer (full; save_dots too, whose policy saves no
-batched or windowed matmul: measured, the same count as full) runs the forward's
-all-to-alls again in the backward pass ("recompute": dropless 2 float + 1 ids, capacity 2).
-The bound counts forward and backward; the recompute is remat's, named as known excess.
-Layers x microbatches (train.grad_accum_steps) times each. Tokens not split over the
-expert axes (a layout that gives `experts` axes the batch does not use) exchange nothing:
-dropless sums each device's experts' outputs over those axes instead (an all-reduce of
-[n, D]), counted as no formula here.
-
-Measured on the tiny configs (tests/test_planner_experts.py): compiled/formula = 1.00 in
-bytes and ops, for both dispatch modes.
+Tokens not split over the expert axes exchange nothing: no formula (dropless sums each
+device's experts' outputs over those axes instead).
 
 The experts' weights per device (w_gate, w_up [X, D, F], w_down [X, F, D] per layer):
 
     params     L x 3 X D F / (e x embed split x mlp split in the params table) x param bytes
     optimizer  the same at the opt_state table's split x the moments' bytes (Adam: 2)
 
-beside the rest of the parameters per device (attention, norms, router, tables).
-
-The capacity drop estimate (`drop_share`): at initialisation the router is near uniform,
-each token's k copies go to k distinct experts picked uniformly, so the copies one expert
-gets from a sequence are Binomial(T, k/X) (each token includes it with probability k/X,
-independently); the copies past C are dropped. Expected share dropped, exactly for that
-model of routing: X E[max(0, N - C)] / (k T), N ~ Binomial(T, k/X).
+The capacity drop estimate (`drop_share`): a near-uniform initial router sends each token's
+k copies to k distinct experts picked uniformly, so an expert gets N ~ Binomial(T, k/X) of a
+sequence's copies and drops those past C: the share dropped is X E[max(0, N - C)] / (k T).
 """
 
 from __future__ import annotations
@@ -52,8 +36,7 @@ from meshtrain import tree_paths
 from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import moe
 from meshtrain.parallel import experts as expert_parallel
-from meshtrain.planner import hlo
-from meshtrain.planner.split_cost import Bound, Excess
+from meshtrain.planner.split_cost import Term, Traffic
 from meshtrain.step import optim
 
 RECOMPUTES = ("full", "save_dots")  # remat policies that rerun the MoE layer in backward
@@ -87,11 +70,11 @@ def _local(exp) -> dict:
             "slots": slots, "bytes": jnp.dtype(cfg.dtype).itemsize}
 
 
-def formula(exp) -> dict | None:
-    """The module docstring's all-to-all bytes per device per step; None without an
-    expert split. {"dispatch", "mesh_axes", "split", "terms": {forward, recompute,
-    backward: bytes}, "ops": {same: ops}, "bytes", "count", "bound_bytes" (without
-    recompute), "buffer_bytes" (one float all-to-all's buffer), "not_counted": [reasons]}."""
+def traffic(exp) -> Traffic | None:
+    """The module docstring's all-to-alls, a Traffic of forward, recompute (remat's, known
+    excess) and backward, with figures {"dispatch", "buffer_bytes" (one float all-to-all's
+    buffer)}; None without an expert split; not counted where the tokens are not split
+    over the expert axes."""
     if not has_experts(exp):
         return None
     e, axes = split(exp)
@@ -99,7 +82,7 @@ def formula(exp) -> dict | None:
         return None
     cfg = exp.model.cfg
     mode, d, k = cfg.moe.dispatch, _local(exp), cfg.experts_per_token
-    out = {"dispatch": mode, "mesh_axes": list(axes), "split": e, "not_counted": []}
+    out = Traffic(axes, e, ("all-to-all",), figures={"dispatch": mode})
     layers = cfg.num_layers * d["micro"]
     wire = (e - 1) / e
     if mode == "dropless":
@@ -108,24 +91,26 @@ def formula(exp) -> dict | None:
         buffer = e * d["tokens"] * k * cfg.embed_dim * d["bytes"]
         ids = e * d["tokens"] * k * 4
         per_pass, ops = 2 * buffer + ids, 3
-        back, back_ops = 2 * buffer, 2
     else:
         exchanged = set(axes) <= set(d["batch_axes"])
         embed = exp.layout.split(moe.AT_TOKENS, "embed", exp.mesh.shape)[0]
         buffer = cfg.num_experts * d["rows"] * d["slots"] * cfg.embed_dim / embed * d["bytes"]
-        per_pass, ops, back, back_ops = 2 * buffer, 2, 2 * buffer, 2
+        per_pass, ops = 2 * buffer, 2
     if not exchanged:
-        out["not_counted"].append(f"the tokens are not split over {'+'.join(axes)}: each device runs its "
-                                  f"experts on every token, no all-to-all (no formula for the sum instead)")
-        return {**out, "bytes": None, "count": 0}
+        out.not_counted.append(f"the tokens are not split over {'+'.join(axes)}: each device runs its "
+                               f"experts on every token, no all-to-all (no formula for the sum instead)")
+        out.counted = False
+        return out
     again = cfg.remat in RECOMPUTES
-    out["buffer_bytes"] = buffer
-    out["terms"] = {"forward": wire * layers * per_pass, "recompute": wire * layers * per_pass if again else 0.0,
-                    "backward": wire * layers * back}
-    out["ops"] = {"forward": layers * ops, "recompute": layers * ops if again else 0, "backward": layers * back_ops}
-    out["bytes"] = sum(out["terms"].values())
-    out["count"] = sum(out["ops"].values())
-    out["bound_bytes"] = out["bytes"] - out["terms"]["recompute"]
+    what = f"MoE ({mode}): tokens to their experts and back, forward and backward"
+    out.figures["buffer_bytes"] = buffer
+    out.terms = {"forward": Term("all-to-all", wire * layers * per_pass, layers * ops, True, what),
+                 "recompute": Term("all-to-all", wire * layers * per_pass if again else 0.0,
+                                   layers * ops if again else 0, False,
+                                   f"model.remat={cfg.remat} reruns the MoE layer in the backward pass, and with "
+                                   f"it the forward's dispatch and combine (planner/experts.py)"),
+                 # the backward's transposes: the float buffers, not the ids
+                 "backward": Term("all-to-all", wire * layers * 2 * buffer, layers * 2, True, what)}
     return out
 
 
@@ -186,39 +171,12 @@ def compiled_weights(exp, compiled) -> float:
     return float(sum(_shard(s, shardings[p]) * s.dtype.itemsize for p, s in shapes.items() if _is_expert(p)))
 
 
-def report(exp, rows: list[dict], compiled=None) -> dict | None:
-    """`formula(exp)` with the compiled step's all-to-alls over the same mesh axes (`rows`:
-    hlo.collective_table): "compiled_bytes", "compiled_count", "ratio" (compiled /
-    formula); "weights" (`weights`), with `compiled` its "compiled_params"."""
-    f = formula(exp)
-    if f is None:
-        return None
-    hlo.with_compiled(f, rows, ("all-to-all",))
-    f["weights"] = weights(exp)
+def figures(exp, traffic: Traffic, compiled=None) -> dict:
+    """{"weights": `weights`, with `compiled` its "compiled_params"}."""
+    out = weights(exp)
     if compiled is not None:
-        f["weights"]["compiled_params"] = compiled_weights(exp, compiled)
-    return f
-
-
-def bound_rows(exp) -> list[Bound]:
-    """The experts' lower bound: forward and
-    backward, no recompute."""
-    f = formula(exp)
-    if f is None or not f["bytes"]:
-        return []
-    o = f["ops"]
-    return [Bound("all-to-all", tuple(f["mesh_axes"]), o["forward"] + o["backward"], f["bound_bytes"],
-                  f"MoE ({f['dispatch']}): tokens to their experts and back, forward and backward")]
-
-
-def known_excess(exp) -> list[Excess]:
-    """The forward's all-to-alls again, where remat reruns the MoE layer."""
-    f = formula(exp)
-    if f is None or not f.get("terms", {}).get("recompute"):
-        return []
-    return [Excess("all-to-all", tuple(f["mesh_axes"]), f["terms"]["recompute"],
-                   f"model.remat={exp.model.cfg.remat} reruns the MoE layer in the backward pass, and "
-                   f"with it the forward's dispatch and combine (planner/experts.py)")]
+        out["compiled_params"] = compiled_weights(exp, compiled)
+    return {"weights": out}
 
 
 def drop_share(seq_len: int, num_experts: int, k: int, factor: float) -> float:

@@ -75,9 +75,33 @@ def mesh_text(shape) -> str:
     return mesh_lib.format_shape(shape) if text == "1" else text
 
 
+def axes_text(shape, axes) -> str:
+    return " x ".join(f"{a}={shape[a]}" for a in axes)
+
+
 def named_axes(layout: Layout) -> set[str]:
     """The mesh axes some rule of the layout maps a logical name to, in any table."""
     return {a for t in TARGETS for _, axes in layout.rules(t) for a in axes}
+
+
+def split_axes(layout: Layout, name: str) -> list[str]:
+    """The mesh axes the layout splits logical dim `name` over, in any table, in mesh order."""
+    return sorted({a for t in TARGETS for a in axes_of(layout, (name,), t)}, key=mesh_lib.AXES.index)
+
+
+def surplus_to_data(run: Run, axis: str, over, count: int, key: str) -> str:
+    """The fix for model.`key`=count split over the mesh axes `over` and not dividing: `axis`
+    (one of `over`) cut to its largest divisor d that makes the split divide count, the surplus
+    moved to data; where no d does (or `axis` is not in `over`), what to do, in words."""
+    size, n = run.shape[axis], product(run.shape, over)
+    d = max((d for d in range(1, size + 1) if size % d == 0 and count % (n // size * d) == 0),
+            default=None) if axis in over else None
+    if d is None:
+        return f"make {'+'.join(over)} multiply to a divisor of model.{key}={count}"
+    fix = override("mesh.shape", mesh_text({**run.shape, axis: d, "data": run.shape["data"] * size // d}))
+    if run.dcn and d % run.dcn[axis]:
+        fix += f" (and give mesh.dcn {'an' if axis[0] in 'aeiou' else 'a'} {axis} factor dividing {d})"
+    return fix
 
 
 def axes_of(layout: Layout, names, target: str) -> tuple[str, ...]:
@@ -118,8 +142,3 @@ def leaves_of(model):
     from meshtrain import tree_paths
     axes = tree_paths.flat(model.axes, is_leaf=lambda x: isinstance(x, tuple))
     return [(p, tuple(s.shape), s.dtype.itemsize, axes[p]) for p, s in tree_paths.flat(model.shapes).items()]
-
-
-def divides(shape, names, spec, mesh_shape) -> bool:
-    return all(size % product(mesh_shape, mesh_axes_of(e)) == 0
-               for size, name, e in zip(shape, names, tuple(spec) + (None,) * len(shape)) if name != "batch")

@@ -238,19 +238,26 @@ def _collective_ops(text: str):
             yield kind, mult[name], rhs, nbytes
 
 
+def _sent(text: str, devices: int):
+    """(kind, executions per step, result bytes, replica groups, ring bytes each device sends
+    per execution) of every collective (`_collective_ops`; `wire` in the module docstring)."""
+    for kind, times, rhs, nbytes in _collective_ops(text):
+        groups = replica_groups(rhs, devices)
+        wire = _wire(kind, nbytes, len(groups[0]))
+        if kind == "collective-permute":
+            wire *= _senders(rhs, devices)
+        yield kind, times, nbytes, groups, wire
+
+
 def collectives(compiled_or_text) -> dict[str, Collective]:
     """Per-step collectives of a compiled program, by kind (see the module docstring)."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     partitions = re.search(r"num_partitions=(\d+)", text)
-    devices = int(partitions.group(1)) if partitions else 1
     out = {k: Collective() for k in KINDS}
-    for kind, times, rhs, nbytes in _collective_ops(text):
+    for kind, times, nbytes, _, wire in _sent(text, int(partitions.group(1)) if partitions else 1):
         c = out[kind]
         c.count += times
         c.bytes += times * nbytes
-        wire = _wire(kind, nbytes, len(replica_groups(rhs, devices)[0]))
-        if kind == "collective-permute":
-            wire *= _senders(rhs, devices)
         c.wire += times * wire
     return out
 
@@ -327,15 +334,10 @@ def collective_table(compiled_or_text, mesh, node_of=None) -> list[dict]:
     step (see `wire` above) and `result_bytes` the ops' result sizes, both summed over
     executions (loop trip counts included); `nodes`: the most nodes one group touches."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    devices = mesh.devices.size
     spans = _spans(mesh, node_of)
     rows: dict[tuple[str, tuple[str, ...]], dict] = {}
-    for kind, times, rhs, nbytes in _collective_ops(text):
-        groups = replica_groups(rhs, devices)
+    for kind, times, nbytes, groups, wire in _sent(text, mesh.devices.size):
         axes, most = spans(groups)
-        wire = _wire(kind, nbytes, len(groups[0]))
-        if kind == "collective-permute":
-            wire *= _senders(rhs, devices)
         row = rows.setdefault((kind, axes), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
                                              "result_bytes": 0, "nodes": 1})
         row["count"] += times

@@ -10,20 +10,17 @@ back. The checks, by code:
   replicated-param    (warning, needs `model`) a parameter of at least max(1 MiB, 1% of all
                       parameter bytes) left whole over a mesh axis (size > 1) on which the layout
                       splits other weights; cost in bytes per device (param + 2 Adam moments)
-  tensor-on-dcn       (warning) mesh.dcn puts the tensor axis across nodes; cost in bytes per
-                      step and the ratio of `hw`'s links in a node to a ring's share of its
-                      nodes' NICs (planner/roofline.py ring_bandwidth)
+  tensor-on-dcn,      (warning) mesh.dcn puts that axis across nodes, whose NICs then carry
+  context-on-dcn,     tensor parallelism's all-reduces of activations, context parallelism's
+  expert-on-dcn       keys and values (every layer, forward and their gradients backward), or
+                      every MoE layer's dispatch and combine all-to-alls; cost in bytes per step
+                      (experts: planner/experts.py) and the ratio of `hw`'s links in a node to a
+                      ring's (all-to-all group's) share of its nodes' NICs (roofline.ring_bandwidth)
   batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
   tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
   sequence-indivisible (error) context parallelism cuts model.seq_len into 2 x n chunks (n: the
                       devices attention's `length` is split over; layouts/sequence.check), and
                       2 n does not divide it; the fix is the nearest seq_len it divides
-  context-on-dcn      (warning) mesh.dcn puts the context axis across nodes: every layer passes
-                      keys and values over it forward and their gradients backward; cost in
-                      bytes per step and the link ratio, as tensor-on-dcn's
-  expert-on-dcn       (warning) mesh.dcn puts the expert axis across nodes: every MoE layer's
-                      all-to-alls (dispatch and combine) cross them; cost in bytes per step
-                      (planner/experts.py) and the link ratio
   experts-indivisible, capacity-drops: planner/lint_experts.py
   pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
   pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
@@ -47,15 +44,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from meshtrain import layouts, mesh as mesh_lib, models
 from meshtrain.errors import UserError
 from meshtrain.layouts import sequence
-from meshtrain.layouts.rules import TARGETS
 from meshtrain.mesh import AXES
 from meshtrain.planner import hardware as hardware_lib, lint_experts, roofline
-from meshtrain.planner.findings import (Finding, Run, axes_of, batch_multiple, batch_shards, fix_overrides,
-                                        mesh_text, mib, named_axes, override, product)
+from meshtrain.planner.findings import (Finding, Run, axes_text, batch_multiple, batch_shards, fix_overrides,
+                                        mesh_text, mib, named_axes, override, product, split_axes, surplus_to_data)
 from meshtrain.planner.lint_sharding import replicated, unused, zero
 
 __all__ = ["Finding", "fix_overrides", "lint"]
@@ -84,8 +81,8 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
     dims = dataclasses.asdict(model.cfg) if model is not None else models.size_dims(cfg.model)
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
     found = [*_batch(run), *_heads(run), *_sequence(run), *lint_experts.indivisible(run),
-             *lint_experts.capacity_drops(run), *unused(run), *replicated(run), *_tensor_on_dcn(run),
-             *_context_on_dcn(run), *_expert_on_dcn(run), *_bubble(run), *zero(run), *_pipeline_activations(run)]
+             *lint_experts.capacity_drops(run), *unused(run), *replicated(run), *_on_dcn(run), *_bubble(run),
+             *zero(run), *_pipeline_activations(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -98,8 +95,6 @@ def _batch(run: Run) -> list[Finding]:
     q, b = batch_multiple(run, m), t.batch_size
     if b >= 1 and b % q == 0:
         return []
-    lo, hi = b // q * q, max(-(-b // q), 1) * q
-    new = hi if lo < 1 or hi - b <= b - lo else lo
     k, outer = t.grad_accum_steps, batch_shards(run.layout, run.shape)
     why = f"train.grad_accum_steps x batch shards = {k} x {outer}"
     if m > 0:
@@ -110,30 +105,26 @@ def _batch(run: Run) -> list[Finding]:
                     f"train.batch_size={b} is not a multiple of {q} = {why} under layout {run.layout.name!r} "
                     f"on mesh {mesh_text(run.shape)}",
                     "the run cannot start: validation refuses a batch that does not split evenly",
-                    override("train.batch_size", new))]
+                    override("train.batch_size", _nearest_multiple(b, q)))]
+
+
+def _nearest_multiple(x: int, q: int) -> int:
+    """The positive multiple of q nearest x, the larger on a tie (a batch or a sequence)."""
+    lo, hi = x // q * q, max(-(-x // q), 1) * q
+    return hi if lo < 1 or hi - x <= x - lo else lo
 
 
 def _heads(run: Run) -> list[Finding]:
-    h = run.dims.get("num_heads")
-    over = sorted({a for t in TARGETS for a in axes_of(run.layout, ("heads",), t)}, key=AXES.index)
-    n, t = product(run.shape, over), run.shape["tensor"]
+    h, over = run.dims.get("num_heads"), split_axes(run.layout, "heads")
+    n = product(run.shape, over)
     if not h or "tensor" not in over or h % n == 0:
         return []
-    other = n // t
-    d = max((d for d in range(1, t + 1) if t % d == 0 and h % (other * d) == 0), default=None)
-    if d is None:
-        fix = f"make {'+'.join(over)} multiply to a divisor of model.num_heads={h}"
-    else:
-        new = {**run.shape, "tensor": d, "data": run.shape["data"] * t // d}
-        fix = override("mesh.shape", mesh_text(new))
-        if run.dcn and d % run.dcn["tensor"]:
-            fix += f" (and give mesh.dcn a tensor factor dividing {d})"
     more = f"{n} ranks for {h} heads" if n > h else f"{h} is not divisible by {n}"
     return [Finding("tensor-over-heads", "error",
                     f"layout {run.layout.name!r} splits the model.num_heads={h} attention heads over "
-                    f"{' x '.join(f'{a}={run.shape[a]}' for a in over)}: {more}",
+                    f"{axes_text(run.shape, over)}: {more}",
                     "the run cannot start: validation refuses heads that do not split evenly "
-                    "(every rank needs whole heads)", fix)]
+                    "(every rank needs whole heads)", surplus_to_data(run, "tensor", over, h, "num_heads"))]
 
 
 def _sequence(run: Run) -> list[Finding]:
@@ -142,117 +133,96 @@ def _sequence(run: Run) -> list[Finding]:
     if not isinstance(t, int) or n <= 1 or t % (2 * n) == 0:
         return []
     q = 2 * n
-    lo, hi = t // q * q, -(-t // q) * q
-    new = hi if lo < 1 or hi - t <= t - lo else lo
-    over = " x ".join(f"{a}={run.shape[a]}" for a in axes)
     return [Finding("sequence-indivisible", "error",
-                    f"layout {run.layout.name!r} splits attention's positions over {over}: context "
-                    f"parallelism cuts model.seq_len={t} into 2 x {n} = {q} equal chunks (each device holds "
-                    f"an early and a late one), and {q} does not divide {t}",
+                    f"layout {run.layout.name!r} splits attention's positions over {axes_text(run.shape, axes)}: "
+                    f"context parallelism cuts model.seq_len={t} into 2 x {n} = {q} equal chunks (each device "
+                    f"holds an early and a late one), and {q} does not divide {t}",
                     "the run cannot start: validation refuses a sequence that does not split evenly",
-                    override("model.seq_len", new) + f" (or a smaller {'+'.join(axes)} axis)")]
+                    override("model.seq_len", _nearest_multiple(t, q)) + f" (or a smaller {'+'.join(axes)} axis)")]
 
 
-def _ring_share(run: Run, axis: str, f: int, group: str = "ring") -> tuple[str, float, float]:
-    """(the ratio text, GB/s a ring gets across nodes, GB/s over the links in a node) for
-    rings along `axis` crossing f nodes: the node's NICs shared by the rings crossing it.
-    `group` names them in the text (an all-to-all's device groups share the NICs alike)."""
-    shape, hw = run.shape, run.hw
-    per_node = max(shape[axis] // f, 1)
-    rings = max(product(shape, AXES) // math.prod(run.dcn.values()) // per_node, 1)
-    net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
-    ratio = (f"~{net:,.0f} GB/s a {group} ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
-             f"shared by the {rings} {axis} {group}s crossing it) instead of ~{link:,.0f} GB/s over the links in a "
-             f"node: {link / net:.1f}x slower")
-    return ratio, net, link
+# --------------------------------------------------------------------- an axis across nodes
 
-
-def _context_on_dcn(run: Run) -> list[Finding]:
-    dcn, shape, d = run.dcn, run.shape, run.dims
-    n, axes = sequence.split(run.layout, shape)
-    if not dcn or dcn["context"] <= 1 or "context" not in axes:
-        return []
-    import jax.numpy as jnp
-    f = dcn["context"]
-    ratio, net, link = _ring_share(run, "context", f)
-    source = f"{run.hw.name}: {run.hw.source}"
-    cost = f"the keys and values go at {ratio} ({source})"
-    if all(isinstance(d.get(k), int) for k in ("num_layers", "seq_len", "num_heads")):
-        width = d["num_heads"] * (d.get("head_dim") or d["embed_dim"] // d["num_heads"])
-        rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), shape)
-        dtype = run.model.cfg.dtype if run.model is not None else run.cfg.model.dtype
-        # k and v repeated to the query heads (parallel/context_attention.py), (n-1)/n of
-        # the sequence arriving on each device; the backward sends their gradients back.
-        wire = (2 * d["num_layers"] / shape["stage"] * 2 * (n - 1) / n * rows * d["seq_len"] * width
+def _layer_bytes(count: int, needs: str, width: Callable[[dict], int]):
+    """The wire formula of `count` collectives in each of a stage's layers of [rows, seq_len,
+    width(dims)] in the model's dtype, 2(n-1)/n of each on the wire (a ring all-reduce's share;
+    or (n-1)/n arriving forward and as much going back as gradients): bytes per device per step
+    over n devices; None where num_layers, seq_len or the dim `needs` is not an int."""
+    def wire(run: Run, n: int, dtype) -> float | None:
+        d = run.dims
+        if not all(isinstance(d.get(k), int) for k in ("num_layers", "seq_len", needs)):
+            return None
+        import jax.numpy as jnp
+        rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), run.shape)
+        return (count * d["num_layers"] / run.shape["stage"] * 2 * (n - 1) / n * rows * d["seq_len"] * width(d)
                 * jnp.dtype(dtype).itemsize)
-        cost = (f"about {mib(wire)} per device per step of keys and values (k and v of [rows, seq_len, "
-                f"heads x head_dim] in {dtype} per layer, (n-1)/n of them arriving on each device, forward "
-                f"and their gradients backward) go at {ratio}, at least {wire / net / 1e6:,.1f} ms instead "
-                f"of {wire / link / 1e6:,.1f} ms per step ({source})")
-    fix = _nodes_to_data(run, "context", f)
-    return [Finding("context-on-dcn", "warning",
-                    f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the context axis (context={shape['context']}) "
-                    f"across {f} nodes: context parallelism passes every layer's keys and values between the "
-                    f"devices of a sequence, forward and backward, and should stay inside a node", cost, fix)]
+    return wire
 
 
-def _expert_on_dcn(run: Run) -> list[Finding]:
-    dcn, shape = run.dcn, run.shape
-    if not dcn or dcn["expert"] <= 1 or "expert" not in named_axes(run.layout):
-        return []  # an expert axis no rule names is unused-axis's
-    f = dcn["expert"]
-    ratio, net, link = _ring_share(run, "expert", f, group="group")
-    cost, wire = f"the all-to-alls go at {ratio} ({run.hw.name}: {run.hw.source})", lint_experts.wire_bytes(run)
-    if wire:
-        cost = (f"about {mib(wire)} per device per step of dispatch and combine all-to-alls, forward and "
-                f"backward (planner/experts.py), go at {ratio}, at least {wire / net / 1e6:,.1f} ms instead of "
-                f"{wire / link / 1e6:,.1f} ms per step ({run.hw.name}: {run.hw.source})")
-    return [Finding("expert-on-dcn", "warning",
-                    f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the expert axis (expert={shape['expert']}) "
-                    f"across {f} nodes: every MoE layer's dispatch and combine all-to-alls send each token's "
-                    f"embedding to its experts and back, forward and backward, and should stay inside a node",
-                    cost, _nodes_to_data(run, "expert", f))]
+# Per axis whose collectives should stay inside a node (<axis>-on-dcn), in the findings' order:
+# what shares a node's NICs (a "ring": all-reduce, ring attention; an all-to-all's "group"),
+# what crosses the nodes (the finding's what), the cost's subject where the bytes are unknown,
+# what the bytes are ({dtype}: the model's), and (run, n devices along the axis, dtype) -> those
+# bytes per device per step, or None.
+_ACROSS = {
+    "tensor": (
+        "ring", "tensor parallelism all-reduces activations in every layer, forward and backward",
+        "the tensor all-reduces",
+        "tensor all-reduces (4 per layer of [rows, seq_len, embed] in {dtype}, 2(t-1)/t on the wire)",
+        _layer_bytes(4, "embed_dim", lambda d: d["embed_dim"])),
+    # k and v repeated to the query heads (parallel/context_attention.py), (n-1)/n of the
+    # sequence arriving on each device; the backward sends their gradients back.
+    "context": (
+        "ring", "context parallelism passes every layer's keys and values between the devices of a sequence, "
+        "forward and backward", "the keys and values",
+        "keys and values (k and v of [rows, seq_len, heads x head_dim] in {dtype} per layer, (n-1)/n of them "
+        "arriving on each device, forward and their gradients backward)",
+        _layer_bytes(2, "num_heads",
+                     lambda d: d["num_heads"] * (d.get("head_dim") or d["embed_dim"] // d["num_heads"]))),
+    "expert": (
+        "group", "every MoE layer's dispatch and combine all-to-alls send each token's embedding to its experts "
+        "and back, forward and backward", "the all-to-alls",
+        "dispatch and combine all-to-alls, forward and backward (planner/experts.py),",
+        lambda run, n, dtype: lint_experts.wire_bytes(run) or None),  # no all-to-all bytes: the ratio alone
+}
 
 
-def _nodes_to_data(run: Run, axis: str, f: int) -> str:
-    """The fix for `axis` across f nodes: those nodes on data (else fsdp) in mesh.dcn."""
-    dcn, shape = run.dcn, run.shape
-    for to in ("data", "fsdp"):
-        if shape[to] % (dcn[to] * f) == 0:
-            return override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, axis: 1}))
-    return (f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change "
-            f"mesh.shape so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
-
-
-def _tensor_on_dcn(run: Run) -> list[Finding]:
-    dcn, shape = run.dcn, run.shape
-    if not dcn or dcn["tensor"] <= 1 or "tensor" not in named_axes(run.layout):
-        return []
-    import jax.numpy as jnp
-    f, t, d, hw = dcn["tensor"], shape["tensor"], run.dims, run.hw
-    # The roofline's ring across nodes: the node's NICs shared by the tensor rings crossing it.
-    per_node = max(t // f, 1)
-    rings = max(product(shape, AXES) // math.prod(dcn.values()) // per_node, 1)
-    net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
-    ratio = (f"~{net:,.0f} GB/s a ring ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
-             f"shared by the {rings} tensor rings crossing it) instead of ~{link:,.0f} GB/s over the links in a "
-             f"node: {link / net:.1f}x slower")
-    source = f"{hw.name}: {hw.source}"
-    cost = f"the tensor all-reduces go at {ratio} ({source})"
-    if all(isinstance(d.get(k), int) for k in ("num_layers", "seq_len", "embed_dim")):
-        rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), shape)
+def _on_dcn(run: Run) -> list[Finding]:
+    dcn, shape, hw, found = run.dcn, run.shape, run.hw, []
+    for axis, (group, sends, traffic, words, wire_of) in _ACROSS.items():
+        if not dcn or dcn[axis] <= 1:
+            continue
+        # Context's traffic is attention's: only a layout splitting its positions sends it. A
+        # tensor or expert axis no rule names is unused-axis's.
+        n, over = sequence.split(run.layout, shape) if axis == "context" else (shape[axis], named_axes(run.layout))
+        if axis not in over:
+            continue
+        f = dcn[axis]
+        # The roofline's ring across nodes (roofline.ring_bandwidth): the node's NICs shared by
+        # the rings (an all-to-all's groups alike) along `axis` that cross it.
+        rings = max(product(shape, AXES) // math.prod(dcn.values()) // max(shape[axis] // f, 1), 1)
+        net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
+        ratio = (f"~{net:,.0f} GB/s a {group} ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
+                 f"shared by the {rings} {axis} {group}s crossing it) instead of ~{link:,.0f} GB/s over the links in "
+                 f"a node: {link / net:.1f}x slower")
         dtype = run.model.cfg.dtype if run.model is not None else run.cfg.model.dtype
-        wire = (4 * d["num_layers"] / shape["stage"] * 2 * (t - 1) / t * rows * d["seq_len"]
-                * d["embed_dim"] * jnp.dtype(dtype).itemsize)
-        cost = (f"about {mib(wire)} per device per step of tensor all-reduces (4 per layer of [rows, "
-                f"seq_len, embed] in {dtype}, 2(t-1)/t on the wire) go at {ratio}, at least "
-                f"{wire / net / 1e6:,.1f} ms instead of {wire / link / 1e6:,.1f} ms per step ({source})")
-    fix = _nodes_to_data(run, "tensor", f)
-    return [Finding("tensor-on-dcn", "warning",
-                    f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the tensor axis (tensor={t}) across {f} "
-                    f"nodes: tensor parallelism all-reduces activations in every layer, forward and "
-                    f"backward, and should stay inside a node", cost, fix)]
+        source, wire = f"{hw.name}: {hw.source}", wire_of(run, n, dtype)
+        cost = f"{traffic} go at {ratio} ({source})"
+        if wire is not None:
+            cost = (f"about {mib(wire)} per device per step of {words.format(dtype=dtype)} go at {ratio}, at least "
+                    f"{wire / net / 1e6:,.1f} ms instead of {wire / link / 1e6:,.1f} ms per step ({source})")
+        # The fix: those nodes on data, else on fsdp.
+        to = next((to for to in ("data", "fsdp") if shape[to] % (dcn[to] * f) == 0), None)
+        fix = override("mesh.dcn", mesh_lib.format_factors({**dcn, to: dcn[to] * f, axis: 1})) if to else (
+            f"neither data={shape['data']} nor fsdp={shape['fsdp']} can take the {f} nodes: change mesh.shape "
+            f"so data is a multiple of {dcn['data'] * f}, then put the nodes on data in mesh.dcn")
+        found.append(Finding(f"{axis}-on-dcn", "warning",
+                             f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the {axis} axis ({axis}={shape[axis]}) "
+                             f"across {f} nodes: {sends}, and should stay inside a node", cost, fix))
+    return found
 
+
+# ----------------------------------------------------------------------------------- pipeline
 
 def _bubble(run: Run) -> list[Finding]:
     p, s = run.cfg.pipeline, run.shape["stage"]
@@ -267,12 +237,12 @@ def _bubble(run: Run) -> list[Finding]:
     top = b // max(k * batch_shards(run.layout.without("stage"), run.shape), 1)
     fits = [x for x in range(low, top + 1, step) if b % batch_multiple(run, x) == 0]
     new = fits[0] if fits else low
-    fix = override("pipeline.microbatches", new)
-    grow = ""
+    fix, grow = override("pipeline.microbatches", new), ""
     if not fits:
         q = batch_multiple(run, new)
-        fix += " " + override("train.batch_size", -(-b // q) * q)
-        grow = f"; the batch must grow to {-(-b // q) * q} for {new} microbatches to divide it"
+        grown = -(-b // q) * q
+        fix += " " + override("train.batch_size", grown)
+        grow = f"; the batch must grow to {grown} for {new} microbatches to divide it"
     after = (s - 1) / (r * new + s - 1)
     sign = "<" if m < s else "with"
     return [Finding("pipeline-bubble", "warning",

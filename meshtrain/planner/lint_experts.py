@@ -21,11 +21,9 @@
 from __future__ import annotations
 
 from meshtrain.errors import UserError
-from meshtrain.mesh import AXES
-from meshtrain.layouts.rules import TARGETS
 from meshtrain.models import moe
 from meshtrain.planner import experts
-from meshtrain.planner.findings import Finding, Run, axes_of, mesh_text, override, product
+from meshtrain.planner.findings import Finding, Run, axes_text, override, product, split_axes, surplus_to_data
 
 DROP_LIMIT = 0.01  # the largest expected share of routed copies dropped not flagged
 # The fix aims the uniform estimate this far under the limit: an initial router is not
@@ -38,25 +36,17 @@ def indivisible(run: Run) -> list[Finding]:
     x = run.dims.get("num_experts")
     if not isinstance(x, int) or x <= 1:
         return []
-    over = sorted({a for t in TARGETS for a in axes_of(run.layout, ("experts",), t)}, key=AXES.index)
+    over = split_axes(run.layout, "experts")
     n = product(run.shape, over)
     if x % n == 0:
         return []
-    fix = f"make {'+'.join(over)} multiply to a divisor of model.num_experts={x}"
-    if "expert" in over:
-        e, other = run.shape["expert"], n // run.shape["expert"]
-        d = max((d for d in range(1, e + 1) if e % d == 0 and x % (other * d) == 0), default=None)
-        if d is not None:
-            fix = override("mesh.shape", mesh_text({**run.shape, "expert": d, "data": run.shape["data"] * e // d}))
-            if run.dcn and d % run.dcn["expert"]:
-                fix += f" (and give mesh.dcn an expert factor dividing {d})"
-    more = -(-x // n) * n
     return [Finding("experts-indivisible", "error",
                     f"layout {run.layout.name!r} splits the model.num_experts={x} experts over "
-                    f"{' x '.join(f'{a}={run.shape[a]}' for a in over)} = {n} devices, which does not divide {x}",
+                    f"{axes_text(run.shape, over)} = {n} devices, which does not divide {x}",
                     "the run cannot start: validation refuses experts that do not split evenly (every "
                     "device holds whole experts)",
-                    f"{fix} (or a model with num_experts a multiple of {n}, e.g. {more})")]
+                    f"{surplus_to_data(run, 'expert', over, x, 'num_experts')} (or a model with num_experts a "
+                    f"multiple of {n}, e.g. {-(-x // n) * n})")]
 
 
 def capacity_drops(run: Run) -> list[Finding]:
@@ -90,5 +80,5 @@ def wire_bytes(run: Run) -> float | None:
             else analytic.abstract_experiment(run.cfg, shape=run.shape)
     except UserError:
         return None
-    f = experts.formula(exp)
-    return None if f is None else f["bytes"]
+    t = experts.traffic(exp)
+    return None if t is None else t.bytes

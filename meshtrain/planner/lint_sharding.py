@@ -7,12 +7,11 @@ from __future__ import annotations
 import math
 
 from meshtrain import layouts, mesh as mesh_lib
-from meshtrain.layouts.rules import TARGETS
+from meshtrain.layouts.rules import TARGETS, mesh_axes_of
 from meshtrain.mesh import AXES
-from meshtrain.planner.findings import (Finding, Run, axes_of, divides, layout_text, leaves_of, mesh_text, mib,
+from meshtrain.planner.findings import (MiB, Finding, Run, axes_of, axes_text, layout_text, leaves_of, mesh_text, mib,
                                         named_axes, override, product)
 
-MiB = 2**20
 _STACKED = ("layers", "stage")
 
 
@@ -45,12 +44,11 @@ def replicated(run: Run) -> list[Finding]:
         each_at = "each at least" if len(group) > 1 else "at least"
         kv = " (kv_heads is kept unsplit on purpose, docs/layouts.md 'Grouped-query attention')" \
             if all("kv_heads" in a for *_, a in group) else ""
-        over = " x ".join(f"{a}={shape[a]}" for a in missing)
         found.append(Finding(
             "replicated-param", "warning",
             f"{'Parameters' if len(group) > 1 else 'Parameter'} {names}, {each_at} max(1 MiB, 1% of the "
-            f"{mib(total)} of parameters), {'are' if len(group) > 1 else 'is'} whole over {over}, on which "
-            f"layout {lay.name!r} splits other weights{kv}",
+            f"{mib(total)} of parameters), {'are' if len(group) > 1 else 'is'} whole over "
+            f"{axes_text(shape, missing)}, on which layout {lay.name!r} splits other weights{kv}",
             f"{mib(extra)} more per device for the parameter{'s' if len(group) > 1 else ''} and "
             f"{'their' if len(group) > 1 else 'its'} 2 Adam moments than split {n} ways"
             + (f" ({mib(each)} per device x (1 - 1/{n}) x 3)" if simple else ""), fix))
@@ -82,7 +80,10 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
         arrays = [(sh, a, t) for _, sh, _, a in leaves for t in ("params", "opt_state")]
         if "activations" in targets:
             arrays += [(sh, a, "activations") for _, sh, a in run.model.family.activations(run.model.cfg, 1)]
-        if all(divides(sh, a, new.spec(a, t), run.shape) for sh, a, t in arrays):
+        # Every dim the new rules split must divide (the batch is check_batch's); a spec may
+        # leave out trailing whole dims.
+        if all(size % product(run.shape, mesh_axes_of(e)) == 0 for sh, a, t in arrays
+               for size, name, e in zip(sh, a, tuple(new.spec(a, t)) + (None,) * len(sh)) if name != "batch"):
             return override("layout", text)
     return (f"no single rule splits it evenly: none of its unsplit dims ({', '.join(free) or 'none'}) is "
             f"divisible by {plus}={n}; accept the cost, or add a rule for it by hand (docs/layouts.md)")
@@ -90,8 +91,7 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
 
 def zero(run: Run) -> list[Finding]:
     lay, shape = run.layout, run.shape
-    zero = [a for a in AXES if a in ("data", "fsdp") and any(
-        a in axes for t in ("params", "opt_state", "grads") for name, axes in lay.rules(t) if name != "batch")]
+    zero = [a for a in ("data", "fsdp") if a in _state_axes(lay)]
     if not zero or any(shape[a] > 1 for a in zero):
         return []
     def strip(rules):
@@ -134,9 +134,8 @@ def unused(run: Run) -> list[Finding]:
         f"or write rules for {', '.join(idle)} (docs/layouts.md)")
     n = product(shape, idle)
     return [Finding("unused-axis", "warning",
-                    f"mesh {mesh_text(shape)} has {' x '.join(f'{a}={shape[a]}' for a in idle)}, which layout "
-                    f"{lay.name!r} never names: the {n} devices along {'+'.join(idle)} hold the same weights "
-                    f"and compute the same rows",
+                    f"mesh {mesh_text(shape)} has {axes_text(shape, idle)}, which layout {lay.name!r} never "
+                    f"names: the {n} devices along {'+'.join(idle)} hold the same weights and compute the same rows",
                     f"{n}x the work per step for the same result: {n - 1} of every {n} devices add nothing",
                     fix)]
 
@@ -151,8 +150,11 @@ def _plain_preset(lay, axes: list[str]) -> str | None:
     want = norm(lay)
     for name in layouts.presets.PRESETS:
         other = layouts.get(name)
-        shards = any(a in axes for t in ("params", "opt_state", "grads") for n, rule in other.rules(t) if n != "batch"
-                     for a in rule)
-        if name != lay.name and not shards and norm(other) == want:
+        if name != lay.name and not _state_axes(other) & set(axes) and norm(other) == want:
             return name
     return None
+
+
+def _state_axes(lay) -> set[str]:
+    """The mesh axes `lay` shards the state over: weights, gradients or moments (not the batch)."""
+    return {a for t in ("params", "opt_state", "grads") for n, axes in lay.rules(t) if n != "batch" for a in axes}

@@ -18,7 +18,7 @@ import time
 import jax
 
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, roofline, work
+from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, roofline, split_cost, work
 from meshtrain.planner.hardware import Hardware
 from meshtrain.runlog import metrics
 
@@ -90,7 +90,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "collective_bytes_per_step": sum(r["bytes"] for r in rows),
         "collective_lower_bound_bytes": sum(r["bytes"] for r in bounds),
         "collectives_by_axes": by_axes(rows, bounds, beyond_bounds.known_excess(exp), beyond_bounds.no_formula(exp)),
-        **{name: cost.report(exp, rows, compiled) for name, cost in bounds_lib.SPLIT_COSTS.items()},
+        **{name: split_cost.report(cost, exp, rows, compiled) for name, cost in bounds_lib.SPLIT_COSTS.items()},
         "flops_per_step": flops_dev * devices,
         "model_flops_per_step": model_flops,
         "flops_convention": (metrics.flops_convention(cfg) + "; flops_per_step: the compiled "

@@ -68,37 +68,35 @@ def _amount(x) -> str:
     return "-" if x is None else (f"{x / MIB:,.1f} MiB" if x >= MIB else f"{x / 1024:,.1f} KiB")
 
 
-def halo_lines(h: dict) -> list[str]:
-    """The spatial split's halo exchanges: compiled collective-permutes beside the formula
-    (planner/halo.py), its terms, and the least a step could send."""
-    axes = "+".join(h["mesh_axes"]) or "-"
-    lines = [f"  halo exchanges over {axes} (height split {h['split']} ways), collective-permutes:"]
-    if h["bytes"] is None:
-        return lines + [f"    compiled {_amount(h.get('compiled_bytes'))}; no formula"] + \
-            [f"    not counted: {why}" for why in h["not_counted"]]
-    terms = ", ".join(f"{k} {_amount(v)}" for k, v in h["terms"].items())
-    lines += [f"    compiled {_amount(h['compiled_bytes'])} in {h['compiled_count']:,} ops against the halo formula "
-              f"{_amount(h['bytes'])} in {h['count']:,} ({_ratio(h['ratio'])}): {terms}",
-              f"    least (the weight gradient reusing the forward's rows): {_amount(h['least_bytes'])}; "
-              f"compiled/least {_ratio(h['least_ratio'])}"]
-    return lines + [f"    not counted: {why}" for why in h["not_counted"]]
+# A split that moves activations (planner/split_cost.py): what it sends, what it splits,
+# and the key of its own label in its report section.
+SPLITS = {"halo": ("halo exchanges", "height split", None), "context": ("context attention", "positions split", "kind"),
+          "experts": ("expert all-to-all", "experts split", "dispatch")}
 
 
-def expert_lines(x: dict) -> list[str]:
-    """Expert parallelism's all-to-alls, compiled beside the formula (planner/experts.py),
-    and the experts' weights per device."""
-    axes = "+".join(x["mesh_axes"])
-    if x["bytes"] is None:
-        return [f"  expert all-to-all over {axes}: compiled {_amount(x.get('compiled_bytes'))}; no formula"] + \
-            [f"    not counted: {why}" for why in x["not_counted"]]
-    terms = ", ".join(f"{k} {_amount(v)}" for k, v in x["terms"].items())
-    w = x["weights"]
-    return [f"  expert all-to-all over {axes} ({x['dispatch']}, experts split {x['split']} ways): compiled "
-            f"{_amount(x['compiled_bytes'])} in {x['compiled_count']:,} ops, formula {_amount(x['bytes'])} in "
-            f"{x['count']:,} ({_ratio(x['ratio'])}): {terms}",
-            f"  expert weights per device: {_amount(w['params'])} params + {_amount(w['optimizer'])} optimizer "
-            f"state by the formula (compiled params {_amount(w.get('compiled_params'))}); the rest of the "
-            f"model {_amount(w['rest_params'])} + {_amount(w['rest_optimizer'])}"]
+def split_lines(name: str, s: dict) -> list[str]:
+    """A split's collectives (its report section, split_cost.report): compiled beside its
+    formula pass by pass and against its bound, then its own figures and what is not counted."""
+    what, split, label = SPLITS[name]
+    own = f"{s[label]}, " if label else ""
+    head = (f"  {what} over {'+'.join(s['mesh_axes']) or '-'} ({own}{split} {s['split']} ways): "
+            f"compiled {_amount(s.get('compiled_bytes'))}")
+    if s["bytes"] is None:
+        return [head + "; no formula"] + [f"    not counted: {why}" for why in s["not_counted"]]
+    terms = ", ".join(f"{k} {_amount(v)}" for k, v in s["terms"].items())
+    lines = [f"{head} in {s['compiled_count']:,} ops, formula {_amount(s['bytes'])} in {s['count']:,} "
+             f"({_ratio(s['ratio'])}): {terms}",
+             f"    bound (the formula less XLA's known excess) {_amount(s['bound_bytes'])}; compiled/bound "
+             f"{_ratio(s['bound_ratio'])}"]
+    if s.get("attention_flops_ratio") is not None:
+        lines.append(f"    attention matmul FLOPs {s['attention_flops_ratio']:.2f}x the causal ideal; ring-step "
+                     f"branches equal: {s['branches_equal']}")
+    if s.get("weights"):
+        w = s["weights"]
+        lines.append(f"  expert weights per device: {_amount(w['params'])} params + {_amount(w['optimizer'])} "
+                     f"optimizer state by the formula (compiled params {_amount(w.get('compiled_params'))}); the "
+                     f"rest of the model {_amount(w['rest_params'])} + {_amount(w['rest_optimizer'])}")
+    return lines + [f"    not counted: {why}" for why in s["not_counted"]]
 
 
 def render(r: dict) -> str:
@@ -137,10 +135,9 @@ def render(r: dict) -> str:
     for a in r["collectives_by_axes"]:
         for why in a["excess"]:
             lines.append(f"  why more over {'+'.join(a['mesh_axes'])}: {why}")
-    if r.get("halo"):
-        lines += halo_lines(r["halo"])
-    if r.get("experts"):
-        lines += expert_lines(r["experts"])
+    for name in SPLITS:
+        if r.get(name):
+            lines += split_lines(name, r[name])
     total, bound = r["collective_bytes_per_step"], r["collective_lower_bound_bytes"]
     lines.append(f"  all axes: {_mib(total)} MiB against {_mib(bound)} MiB"
                  + (f" ({total / bound:.2f}x)" if bound else ""))
