@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from meshtrain.data.formats import sniff
 from meshtrain.errors import UserError
 
 _GLOB_CHARS = "*?["
@@ -68,11 +69,13 @@ class Corpus:
     def __init__(self, path, *, val_fraction, separator: str | None = None,
                  key: str = "data.path", strict_utf8: bool = True):
         self.files = resolve_paths(path, key)
+        for f in self.files:
+            sniff(f)  # a compressed or columnar file is not text (meshtrain/data/formats.py)
         self.path = str(path)
         self.separator = separator or None
         self.strict_utf8 = strict_utf8
         self.sizes = [f.stat().st_size for f in self.files]
-        self.total = sum(self.sizes)
+        self.total = self.read_total = sum(self.sizes)
         if self.total == 0:
             raise UserError(
                 f"{key} {self.path!r} holds no text: {len(self.files)} file(s), all empty. "
@@ -108,9 +111,14 @@ class Corpus:
         for doc in self.documents(split, progress):
             group.append(doc)
             if len(group) == _ENCODE_GROUP:
-                yield from _encode_group(tok, group)
+                yield from encode_group(tok, group)
                 group = []
-        yield from _encode_group(tok, group)
+        yield from encode_group(tok, group)
+
+    fmt = "text"
+
+    def describe_split(self) -> str:
+        return f"validation = the last {self.val_fraction:g} of the bytes"
 
     def info(self) -> dict:
         return {"files": len(self.files), "bytes": self.total, "val_bytes": self.total - self.cut,
@@ -151,7 +159,7 @@ class Corpus:
                 f"any bytes.") from None
 
 
-def _encode_group(tok, docs: list[str]) -> Iterator[np.ndarray]:
+def encode_group(tok, docs: list[str]) -> Iterator[np.ndarray]:
     if not docs:
         return
     for ids in tok.encode_batch(docs):

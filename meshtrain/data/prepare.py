@@ -1,10 +1,13 @@
-"""Turn local text into a TFDS ArrayRecord dataset of token ids (train and validation
+"""Turn a local corpus into a TFDS ArrayRecord dataset of token ids (train and validation
 splits, the tokenizer saved beside them), or a folder of images into one of images
 and labels; offline: no TensorFlow, no network.
 
     meshtrain prepare --input='corpus/*.txt' --name=mytext \\
         --data_dir=~/tensorflow_datasets --tokenizer=char [--val_fraction=0.05]
     meshtrain prepare ... --tokenizer=bpe --train_bpe=2048
+    meshtrain prepare --input='fineweb/*.parquet' --name=fw --data_dir=D --tokenizer=gpt2
+    meshtrain prepare --input='c4/*.jsonl.zst' --val_input='c4val/*.jsonl.zst' ...
+    meshtrain prepare --input='llmc/*train*.bin' --val_input='llmc/*val*.bin' --tokenizer=gpt2 ...
     meshtrain prepare --images=DIR --name=mypics --data_dir=~/tensorflow_datasets
     python -m meshtrain.data.prepare ...   (the same)
 
@@ -26,7 +29,14 @@ from meshtrain.progress import Progress, format_duration
 
 def parser() -> cli.Parser:
     p = cli.command_parser("meshtrain prepare", __doc__)
-    p.add_argument("--input", default="", help="a text file or a glob, e.g. 'data/*.txt'")
+    p.add_argument("--input", default="",
+                   help="a file, a glob ('data/*.jsonl.zst') or a save_to_disk directory: text, "
+                        "jsonl (.gz/.zst), parquet, a Hugging Face dataset or .bin token files")
+    p.add_argument("--format", default="auto",
+                   help="auto (by the file names) | text | jsonl | parquet | hf | tokens")
+    p.add_argument("--text_field", default="text", help="the JSON field or column holding each document")
+    p.add_argument("--val_input", default="",
+                   help="the held-out split's files, in --input's format (default: cut from --input)")
     p.add_argument("--images", default="",
                    help="instead of --input: a folder with one subfolder of image files per "
                         "class (the ImageFolder layout)")
@@ -65,24 +75,24 @@ def execute(args) -> int:
         raise UserError(
             f"A dataset already exists at {str(out)!r}. Pass --overwrite to replace it, or "
             f"choose another --name.")
-    separator = args.doc_separator.encode().decode("unicode_escape") or None
-    corpus = Corpus(args.input, val_fraction=args.val_fraction, separator=separator,
-                    key="--input", strict_utf8=spec != "byte")
+    corpus = _open(args, spec)
     started = time.perf_counter()
-    print(f"prepare: {len(corpus.files)} file(s), {corpus.total:,} bytes; validation = the "
-          f"last {args.val_fraction:g} of the bytes", file=sys.stderr)
+    print(f"prepare: {len(corpus.files)} file(s) of {corpus.fmt}, {corpus.total:,} bytes; "
+          f"{corpus.describe_split()}", file=sys.stderr)
     tok = _build_tokenizer(spec, args, corpus)
     print(f"prepare: tokenizer {tok.describe()}", file=sys.stderr)
+    if corpus.fmt == "tokens":
+        corpus.check(tok)
     if out.exists():
         import shutil
         shutil.rmtree(out)
-    bar = Progress("tokenize", corpus.total)
+    bar = Progress("tokenize", corpus.read_total)
     meta = token_dataset.write_token_dataset(
         args.name, args.data_dir, tok,
         {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
          for split in token_dataset.SPLITS},
         record_tokens=args.record_tokens,
-        extra_metadata={"source": {"input": args.input, **corpus.info()}})
+        extra_metadata={"source": {"input": args.input, "val_input": args.val_input, **corpus.info()}})
     bar.close()
     n = meta["num_tokens"]
     print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
@@ -143,7 +153,29 @@ def _tokenizer_spec(args) -> str:
     return check_tokenizer_spec(args.tokenizer)
 
 
-def _build_tokenizer(spec: str, args, corpus: Corpus):
+def _open(args, spec: str):
+    """The corpus --input names, by its format (meshtrain/data/formats.py)."""
+    from meshtrain.data import formats, inputs
+    first = inputs.input_paths(args.input, "--input")[0]
+    fmt = formats.format_of(first, args.format)
+    if fmt == "tokens":
+        if spec in ("char", "bpe"):
+            raise UserError(f"--input {args.input!r} holds token ids already: pass the --tokenizer they were "
+                            f"made with (nanoGPT's and llm.c's GPT-2 files: --tokenizer=gpt2), not one built "
+                            f"from the corpus ({spec}).")
+        return inputs.TokenFiles(args.input, val_fraction=args.val_fraction, val_path=args.val_input)
+    if fmt != "text":
+        return inputs.Records(args.input, fmt, args.text_field, val_fraction=args.val_fraction,
+                              val_path=args.val_input)
+    if args.val_input:
+        raise UserError("--val_input is for jsonl, parquet, hf and token inputs; plain text holds out the "
+                        "tail of --input (--val_fraction).")
+    separator = args.doc_separator.encode().decode("unicode_escape") or None
+    return Corpus(args.input, val_fraction=args.val_fraction, separator=separator, key="--input",
+                  strict_utf8=spec != "byte")
+
+
+def _build_tokenizer(spec: str, args, corpus):
     if spec == "bpe":
         from meshtrain.data.subword import train_bpe
         t = time.perf_counter()

@@ -49,8 +49,8 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     """Writes the dataset; returns its metadata.
 
     Args:
-      documents: split -> a function returning that split's documents as int
-        arrays [n_i], each already ending in end of text (Corpus.tokens).
+      documents: split -> a function returning that split's token stream as int arrays
+        [n_i]: documents each ending in end of text (Corpus.tokens), or runs of them.
       extra_metadata: JSON facts kept in metadata.json (e.g. the source files).
 
     The records are written by tfds_writer.write_dataset (atomically: an
@@ -66,7 +66,7 @@ def write_token_dataset(name: str, data_dir, tokenizer,
 
     def examples(split):
         counts = {"tokens": 0, "documents": 0}
-        for chunk in _records(documents[split](), record_tokens, counts):
+        for chunk in _records(documents[split](), record_tokens, counts, tokenizer.eot_id):
             yield {FEATURE: chunk.astype(dtype)}
         metadata["num_tokens"][split] = counts["tokens"]
         metadata["num_documents"][split] = counts["documents"]
@@ -81,13 +81,14 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     return dict(metadata)
 
 
-def _records(docs: Iterable[np.ndarray], size: int, counts: dict):
-    """Chunks of exactly `size` tokens of the concatenated docs, then the rest."""
+def _records(docs: Iterable[np.ndarray], size: int, counts: dict, eot: int):
+    """Chunks of exactly `size` tokens of the concatenated docs, then the rest; a document
+    is counted at each end of text (a pre-tokenized stream comes in runs of documents)."""
     buf: list[np.ndarray] = []
     held = 0
     for doc in docs:
         counts["tokens"] += len(doc)
-        counts["documents"] += 1
+        counts["documents"] += int(np.count_nonzero(doc == eot))
         buf.append(doc)
         held += len(doc)
         if held >= size:

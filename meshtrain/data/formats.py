@@ -1,0 +1,192 @@
+"""The files corpora come in, read as they are: which format a path is, and its documents.
+
+    text     anything else that is UTF-8 text: a file is a document (or pieces of it, with
+             a separator; meshtrain/data/corpus.py)
+    jsonl    .jsonl / .json / .ndjson, optionally .gz or .zst: one JSON object a line, the
+             document in its `field` (FineWeb, DCLM, SlimPajama, The Pile)
+    parquet  .parquet: the `field` column, read a row group at a time (pyarrow)
+    hf       a directory written by Hugging Face `datasets`' save_to_disk: its Arrow files
+             read directly (pyarrow, no `datasets` needed); a DatasetDict's `train` split
+    tokens   .bin: token ids already, as nanoGPT writes them (raw uint16) or llm.c (a
+             header of 256 int32: magic 20240520, version 1 (uint16) or 2 (uint32), count)
+
+A reader yields (documents, input bytes they came from): the bytes drive the progress bar.
+A file whose first bytes say it is compressed or columnar is never read as text: the
+error names its format (`sniff`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from meshtrain.errors import UserError
+
+FORMATS = ("text", "jsonl", "parquet", "hf", "tokens")
+JSONL = (".jsonl", ".json", ".ndjson")
+LLMC_MAGIC = 20240520
+_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
+# First bytes that no text file starts with, and what they are.
+_MAGIC = {b"PAR1": "a parquet file (--format=parquet)", b"\x28\xb5\x2f\xfd": "zstd-compressed (.zst)",
+          b"\x1f\x8b": "gzip-compressed (.gz)", b"ARROW1": "an Arrow file", b"\xff\xff\xff\xff": "an Arrow stream",
+          b"PK\x03\x04": "a zip archive"}
+
+
+def format_of(path: Path, given: str = "auto") -> str:
+    """The format of `path`: `given` unless "auto", else by its name (module docstring)."""
+    if given not in ("auto", *FORMATS):
+        raise UserError(f"--format={given!r}: unknown; use one of auto, {', '.join(FORMATS)}.")
+    if given != "auto":
+        return given
+    if path.is_dir():
+        return "hf"
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in (".gz", ".zst"):
+        suffixes = suffixes[:-1]
+    last = suffixes[-1] if suffixes else ""
+    return {".parquet": "parquet", ".bin": "tokens", ".arrow": "hf"}.get(last, "jsonl" if last in JSONL else "text")
+
+
+def sniff(path: Path) -> None:
+    """Refuses a file taken as text whose first bytes say it is something else."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    for magic, what in _MAGIC.items():
+        if head.startswith(magic):
+            raise UserError(f"{str(path)!r} is {what}, not text: reading its bytes as text would train on "
+                            f"them. Name it by its format (.jsonl.zst, .jsonl.gz, .parquet, a save_to_disk "
+                            f"directory) or pass --format=jsonl|parquet|hf (docs/data.md, 'Inputs').")
+
+
+def open_text(path: Path):
+    """A text stream of a .jsonl, .jsonl.gz or .jsonl.zst file, and its raw byte stream
+    (whose position is the input read so far)."""
+    raw = open(path, "rb")
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8"), raw
+    if suffix == ".zst":
+        import zstandard
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8"), raw
+    return io.TextIOWrapper(raw, encoding="utf-8"), raw
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise UserError(f"{where}: no field {field!r} (it has {keys}). Pass --text_field=NAME.")
+    value = record[field]
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {field!r} is a {type(value).__name__}, not text. Pass the "
+                        f"--text_field that holds the documents' text.")
+    return value
+
+
+def jsonl(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
+    text, raw = open_text(path)
+    docs, seen = [], 0
+    with text:
+        for n, line in enumerate(_lines(text, path), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{str(path)!r} line {n}: not JSON ({e.msg} at column {e.colno}); each line "
+                                f"of a .jsonl file is one JSON object.") from None
+            docs.append(_field(record, field, f"{str(path)!r} line {n}"))
+            if len(docs) == _BATCH:
+                yield docs, raw.tell() - seen
+                docs, seen = [], raw.tell()
+        yield docs, raw.tell() - seen
+
+
+def _lines(text, path: Path):
+    try:
+        yield from text
+    except UnicodeDecodeError as e:
+        raise UserError(f"{str(path)!r} is not UTF-8 JSON lines ({e.reason}).") from None
+    except (EOFError, OSError) as e:  # a truncated or damaged .gz / .zst
+        raise UserError(f"{str(path)!r} cannot be decompressed to the end: {e}") from None
+
+
+def parquet(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
+    import pyarrow.parquet as pq
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for a damaged file
+        raise UserError(f"{str(path)!r} is not a readable parquet file: {e}") from None
+    if field not in f.schema_arrow.names:
+        raise UserError(f"{str(path)!r}: no column {field!r} (it has {f.schema_arrow.names}). "
+                        f"Pass --text_field=NAME.")
+    size, rows = path.stat().st_size, max(f.metadata.num_rows, 1)
+    for g in range(f.num_row_groups):
+        column = f.read_row_group(g, columns=[field]).column(0)
+        yield [_checked(v, field, path) for v in column.to_pylist()], size * column.length() // rows
+
+
+def hf(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
+    import pyarrow as pa
+    for arrow in hf_files(path):
+        size = arrow.stat().st_size
+        with pa.memory_map(str(arrow)) as source:  # mapped: the table's columns stay on disk
+            table = pa.ipc.open_stream(source).read_all()
+            if field not in table.column_names:
+                raise UserError(f"{str(path)!r}: no column {field!r} (it has {table.column_names}). "
+                                f"Pass --text_field=NAME.")
+            for batch in table.select([field]).to_batches(max_chunksize=_BATCH):
+                rows = batch.column(0).to_pylist()
+                yield [_checked(v, field, arrow) for v in rows], size * len(rows) // max(table.num_rows, 1)
+
+
+def hf_files(path: Path) -> list[Path]:
+    """The Arrow files of a save_to_disk directory (a DatasetDict: its train split), in order."""
+    if path.suffix == ".arrow":
+        return [path]
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise UserError(f"{str(path)!r} is a DatasetDict without a 'train' split (it has {splits}); "
+                            f"pass the split's directory, e.g. --input={str(path / splits[0]) if splits else 'DIR'}.")
+        path = path / "train"
+    try:
+        state = json.loads((path / "state.json").read_text())
+        return [path / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{str(path)!r} is not a directory written by Hugging Face datasets' save_to_disk "
+                        f"(its state.json lists the Arrow files: {e}).") from None
+
+
+def _checked(value, field: str, path: Path) -> str:
+    if not isinstance(value, str):
+        raise UserError(f"{str(path)!r}: column {field!r} holds {type(value).__name__} values, not text. "
+                        f"Pass the --text_field that holds the documents' text.")
+    return value
+
+
+READERS = {"jsonl": jsonl, "parquet": parquet, "hf": hf}
+
+
+def token_file(path: Path) -> np.ndarray:
+    """The token ids of a .bin file, memory-mapped: llm.c's (its header read) or nanoGPT's
+    (raw uint16)."""
+    size = path.stat().st_size
+    header = np.fromfile(path, np.int32, count=256) if size >= 1024 else np.zeros(0, np.int32)
+    if len(header) and header[0] == LLMC_MAGIC:
+        if header[1] not in (1, 2):
+            raise UserError(f"{str(path)!r}: llm.c token file of version {header[1]}; known: 1 (uint16), 2 (uint32).")
+        dtype = np.uint16 if header[1] == 1 else np.uint32
+        tokens = np.memmap(path, dtype, mode="r", offset=1024)
+        if len(tokens) != header[2]:
+            raise UserError(f"{str(path)!r}: its llm.c header says {header[2]:,} tokens, the file holds "
+                            f"{len(tokens):,}: a truncated or damaged file.")
+        return tokens
+    if size % 2:
+        raise UserError(f"{str(path)!r} has an odd number of bytes ({size:,}): not a nanoGPT token file "
+                        f"(uint16 ids) nor an llm.c one (a 1,024-byte header of magic {LLMC_MAGIC}).")
+    return np.memmap(path, np.uint16, mode="r")
