@@ -1,6 +1,9 @@
-"""Tokens per second the data pipeline delivers, against what training consumes.
+"""Tokens per second the data pipeline delivers, against what training consumes; and what
+`meshtrain prepare` makes of a corpus, per input format and worker count.
 
     python benchmarks/data.py [--tokens=20000000] [--batches=200]
+    python benchmarks/data.py --prepare-mb=2048 [--formats=jsonl,jsonl.zst,parquet,text]
+                              [--workers=1,2] [--kill-check] [--tokenizer=byte|bpe]
 
 Writes a pre-tokenized meshtrain token dataset (random ids, documents of random
 length joined with end of text, GPT-2-sized uint16 records) into a temporary
@@ -9,6 +12,15 @@ one process, for: no read-ahead; read-ahead threads; grain worker processes; and
 random-offset windows. Each row is the median of 3 timed passes of --batches
 batches after a warm-up pass. Goal (docs/benchmarks.md): at least 1M tokens/s on 2
 CPU cores; one H100 trains GPT-2 small at about 0.47M tokens/s (llm.c, 8 x H100).
+
+With --prepare-mb: a corpus of that many MB of random-word documents in 16 files of
+each format (a saved Hugging Face dataset with `hf`, when `datasets` is installed),
+prepared by `python -m meshtrain prepare --tokenizer=byte` with each --workers count:
+seconds, input MB/s and tokens/s per worker, and the largest process's peak RSS
+(getrusage of the waited children). --kill-check then kills a prepare of the first
+format (SIGKILL) once half its units are done, reruns it, and compares every file of the
+dataset with the unbroken run's. Goals (issue 40): peak RSS under 1 GB on 2 GB, 1.7x
+with 2 workers, byte-identical after a kill.
 """
 
 import argparse
@@ -75,11 +87,118 @@ def time_pipeline(data_dir: Path, batches: int, *, workers=0, prefetch=0,
     return statistics.median(rates)
 
 
+def make_corpus(root: Path, fmt: str, mb: int, files: int = 16) -> str:
+    """`mb` MB of random-word documents in `files` files of `fmt`; -> prepare's --input."""
+    import json
+    rng = np.random.default_rng(0)
+    words = np.array("the of and to in a is that for it as was with be by on not he this are or his from "
+                     "at which but have an they you were her she there one all we their".split())
+    root.mkdir(parents=True)
+    per_file = mb * 2**20 // files
+    for i in range(files):
+        docs, size = [], 0
+        while size < per_file:
+            docs.append(" ".join(words[rng.integers(0, len(words), int(rng.integers(50, 800)))]))
+            size += len(docs[-1]) + 12
+        stem = root / f"part-{i:03d}"
+        if fmt == "text":
+            stem.with_suffix(".txt").write_text("\n\n".join(docs))
+        elif fmt.startswith("jsonl"):
+            data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+            if fmt == "jsonl.zst":
+                import zstandard
+                data = zstandard.ZstdCompressor().compress(data)
+            Path(f"{stem}.{fmt}").write_bytes(data)
+        elif fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            pq.write_table(pa.table({"text": docs}), f"{stem}.parquet", row_group_size=4096)
+        else:
+            import datasets
+            datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(stem))
+    return str(root / ("part-*" + ("" if fmt == "hf" else f".{'txt' if fmt == 'text' else fmt}")))
+
+
+TOKENIZER = ["--tokenizer=byte"]  # set by --tokenizer (bpe: trained on a sample, then bpe:PATH)
+
+
+def run_prepare(source: str, data_dir: Path, workers: int, separator: bool) -> tuple[float, int, float]:
+    """(seconds, tokens, peak RSS of the largest process in GB) of one prepare."""
+    import json
+    import resource
+    import subprocess
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t = time.perf_counter()
+    cmd = [sys.executable, "-m", "meshtrain", "prepare", f"--input={source}", "--name=bench", f"--data_dir={data_dir}",
+           *TOKENIZER, f"--workers={workers}", "--overwrite"] + (["--doc_separator=\\n\\n"] if separator else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=Path(__file__).resolve().parents[1])
+    seconds = time.perf_counter() - t
+    peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 2**20  # kB -> GB
+    meta = json.loads((data_dir / "bench" / "1.0.0" / "metadata.json").read_text())
+    return seconds, sum(meta["num_tokens"].values()), peak
+
+
+def kill_check(source: str, tmp: Path, separator: bool) -> str:
+    """Kill a prepare once half its units are done, rerun it, compare with an unbroken run."""
+    import signal
+    import subprocess
+    whole, cut = tmp / "whole", tmp / "cut"
+    run_prepare(source, whole, 1, separator)
+    cmd = [sys.executable, "-m", "meshtrain", "prepare", f"--input={source}", "--name=bench", f"--data_dir={cut}",
+           *TOKENIZER, "--workers=1"] + (["--doc_separator=\\n\\n"] if separator else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while len(list((cut / ".bench.prepare").glob("unit-*.done"))) < 8 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list((cut / ".bench.prepare").glob("unit-*.done")))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files = sorted(p.name for p in (whole / "bench" / "1.0.0").iterdir())
+    same = all((whole / "bench" / "1.0.0" / f).read_bytes() == (cut / "bench" / "1.0.0" / f).read_bytes() for f in files)
+    return f"killed with {done} of 16 units done, rerun: {len(files)} files, byte-identical: {same}"
+
+
+def bpe(path: Path, vocab: int = 4096) -> str:
+    """A byte-level BPE trained on a sample of the benchmark's words, saved: --tokenizer=bpe:PATH."""
+    from meshtrain.data.subword import train_bpe
+    rng = np.random.default_rng(1)
+    words = "the of and to in a is that for it as was with be by on not he this are or his".split()
+    train_bpe((" ".join(rng.choice(words, 500)) for _ in range(200)), vocab).save(path)
+    return f"--tokenizer=bpe:{path}"
+
+
+def prepare_rows(args) -> None:
+    if args.tokenizer == "bpe":
+        TOKENIZER[0] = bpe(Path(tempfile.mkdtemp()) / "bpe.json")
+    print(f"\ntokenizer: {TOKENIZER[0]}")
+    print(f"\n| input ({args.prepare_mb} MB, 16 files) | workers | seconds | MB/s | M tokens/s per worker "
+          f"| peak RSS, GB |\n|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in args.formats.split(","):
+            source = make_corpus(Path(tmp) / fmt, fmt, args.prepare_mb)
+            for workers in map(int, args.workers.split(",")):
+                seconds, tokens, peak = run_prepare(source, Path(tmp) / "out", workers, fmt == "text")
+                print(f"| {fmt} | {workers} | {seconds:.1f} | {args.prepare_mb / seconds:.1f} | "
+                      f"{tokens / seconds / workers / 1e6:.2f} | {peak:.2f} |", flush=True)
+            if args.kill_check:
+                print(kill_check(source, Path(tmp) / f"{fmt}-kill", fmt == "text"), flush=True)
+                args.kill_check = False
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=20_000_000)
     p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--prepare-mb", type=int, default=0, help="time prepare on a corpus of this many MB instead")
+    p.add_argument("--formats", default="jsonl,jsonl.zst,parquet,text")
+    p.add_argument("--workers", default="1,2")
+    p.add_argument("--kill-check", action="store_true")
+    p.add_argument("--tokenizer", default="byte", choices=("byte", "bpe"),
+                   help="bpe: a 4,096-id byte-level BPE trained here, as costly as a real one a token")
     args = p.parse_args()
+    if args.prepare_mb:
+        return prepare_rows(args)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         make_dataset(Path(tmp), args.tokens)

@@ -12,6 +12,7 @@ Shakespeare (its tail is the validation text); many files give whole files to
 the validation split, plus at most one tail.
 """
 
+import dataclasses
 import glob
 import os
 from pathlib import Path
@@ -58,6 +59,17 @@ def resolve_paths(path, key: str = "data.path") -> list[Path]:
     return files
 
 
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One share of prepare's work (meshtrain/data/tokenize_pool.py): `where` is what the
+    corpus reads it by, `nbytes` its input bytes; `split` None when the split is set per
+    document as the streams are read."""
+
+    where: tuple
+    nbytes: int
+    split: str | None
+
+
 class Corpus:
     """Files, their sizes, and the byte offset where the held-out split begins.
 
@@ -75,7 +87,7 @@ class Corpus:
         self.separator = separator or None
         self.strict_utf8 = strict_utf8
         self.sizes = [f.stat().st_size for f in self.files]
-        self.total = self.read_total = sum(self.sizes)
+        self.total = sum(self.sizes)
         if self.total == 0:
             raise UserError(
                 f"{key} {self.path!r} holds no text: {len(self.files)} file(s), all empty. "
@@ -88,18 +100,30 @@ class Corpus:
 
         `progress(n)` is called with the bytes of each file slice as it is read.
         """
-        lo, hi = (0, self.cut) if split == "train" else (self.cut, self.total)
-        start = 0
-        for f, size in zip(self.files, self.sizes):
-            a, b = max(lo, start) - start, min(hi, start + size) - start
+        for unit in self.units():
+            if unit.split == split:
+                yield from self.unit_documents(unit)
+                if progress is not None:
+                    progress(unit.nbytes)
+
+    def units(self) -> list:
+        """Each file's part before the held-out cut and after it."""
+        out, start = [], 0
+        for i, size in enumerate(self.sizes):
+            for split, lo, hi in (("train", 0, self.cut), ("validation", self.cut, self.total)):
+                a, b = max(lo, start) - start, min(hi, start + size) - start
+                if a < b:
+                    out.append(Unit((i, a, b), b - a, split))
             start += size
-            if a >= b:
-                continue
-            text = self._decode(f.read_bytes()[a:b], f)
-            if progress is not None:
-                progress(b - a)
-            pieces = text.split(self.separator) if self.separator else [text]
-            yield from (p for p in pieces if p)
+        return out
+
+    def unit_documents(self, unit) -> Iterator[str]:
+        i, a, b = unit.where
+        with open(self.files[i], "rb") as f:  # the slice alone, not the whole file
+            f.seek(a)
+            text = self._decode(f.read(b - a), self.files[i])
+        pieces = text.split(self.separator) if self.separator else [text]
+        yield from (p for p in pieces if p)
 
     def text(self) -> str:
         """All documents, both splits, joined; for vocabularies built from the corpus."""

@@ -17,6 +17,7 @@ error names its format (`sniff`).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -172,21 +173,42 @@ def _checked(value, field: str, path: Path) -> str:
 READERS = {"jsonl": jsonl, "parquet": parquet, "hf": hf}
 
 
-def token_file(path: Path) -> np.ndarray:
-    """The token ids of a .bin file, memory-mapped: llm.c's (its header read) or nanoGPT's
-    (raw uint16)."""
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """The token ids of a .bin file: `count` of `dtype` from byte `offset`, read in pieces
+    (a mapping of the whole file would keep every page it touched in memory)."""
+
+    path: Path
+    offset: int
+    dtype: str
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * np.dtype(self.dtype).itemsize
+
+    def chunks(self, a: int = 0, b: int | None = None, size: int = 1 << 22) -> Iterator[np.ndarray]:
+        """Ids [a, b), `size` at most a piece."""
+        b = self.count if b is None else b
+        with open(self.path, "rb") as f:
+            for lo in range(a, b, size):
+                f.seek(self.offset + lo * np.dtype(self.dtype).itemsize)
+                yield np.frombuffer(f.read((min(lo + size, b) - lo) * np.dtype(self.dtype).itemsize), self.dtype)
+
+
+def token_file(path: Path) -> TokenFile:
+    """A .bin file of token ids: llm.c's (its header read) or nanoGPT's (raw uint16)."""
     size = path.stat().st_size
     header = np.fromfile(path, np.int32, count=256) if size >= 1024 else np.zeros(0, np.int32)
     if len(header) and header[0] == LLMC_MAGIC:
         if header[1] not in (1, 2):
             raise UserError(f"{str(path)!r}: llm.c token file of version {header[1]}; known: 1 (uint16), 2 (uint32).")
-        dtype = np.uint16 if header[1] == 1 else np.uint32
-        tokens = np.memmap(path, dtype, mode="r", offset=1024)
-        if len(tokens) != header[2]:
+        dtype = np.dtype(np.uint16 if header[1] == 1 else np.uint32)
+        if (size - 1024) // dtype.itemsize != header[2] or (size - 1024) % dtype.itemsize:
             raise UserError(f"{str(path)!r}: its llm.c header says {header[2]:,} tokens, the file holds "
-                            f"{len(tokens):,}: a truncated or damaged file.")
-        return tokens
+                            f"{(size - 1024) / dtype.itemsize:,.1f}: a truncated or damaged file.")
+        return TokenFile(path, 1024, dtype.name, int(header[2]))
     if size % 2:
         raise UserError(f"{str(path)!r} has an odd number of bytes ({size:,}): not a nanoGPT token file "
                         f"(uint16 ids) nor an llm.c one (a 1,024-byte header of magic {LLMC_MAGIC}).")
-    return np.memmap(path, np.uint16, mode="r")
+    return TokenFile(path, 0, "uint16", size // 2)

@@ -3,9 +3,10 @@ from records (JSON lines, parquet, a saved Hugging Face dataset), or token ids a
 made (.bin token files), each with its held-out split. Plain text is
 meshtrain/data/corpus.py's Corpus; all three give prepare the same interface:
 
-    files, total (input bytes), read_total (what the two splits read: the progress bar's), info()
-    documents(split, progress) -> str...       (records, text)
-    tokens(tok, split, progress) -> [n] int32   each ending in end of text, or a run of them
+    files, total (input bytes: the progress bar's), info(), describe_split()
+    units(), unit_documents(unit) -> str...    (records, text: what tokenize_pool's workers read)
+    documents(split) -> str...                 (records, text: for a tokenizer built from them)
+    tokens(tok, split, progress) -> [n] int32  (token files: runs of documents as they are)
 
 The held-out split, records: the documents of `--val_input` when given, else a share
 `val_fraction` of the documents spread evenly over the stream (document i is held out when
@@ -16,14 +17,14 @@ stream's tail from the first end of text at or after its (1 - f) point.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from meshtrain.data import formats
-from meshtrain.data.corpus import check_val_fraction, encode_group, resolve_paths
+from meshtrain.data.corpus import Unit, check_val_fraction, resolve_paths
+from meshtrain.data.tokenize_pool import held_out
 from meshtrain.errors import UserError
 
 
@@ -36,21 +37,27 @@ class Records:
         self.fmt, self.field, self.path = fmt, field, str(path)
         self.val_fraction = check_val_fraction(val_fraction)
         self.total = sum(_size(f) for f in self.files + self.val_files)
-        # Bytes the two splits read: without --val_input each pass reads every file.
-        self.read_total = self.total if self.val_files else 2 * self.total
 
     def documents(self, split: str, progress=None) -> Iterator[str]:
         if self.val_files:
             for f in (self.files if split == "train" else self.val_files):
                 yield from self._read(f, progress)
             return
-        i, f = 0, self.val_fraction
+        i = 0
         for path in self.files:
             for doc in self._read(path, progress):
-                held = math.floor((i + 1) * f) > math.floor(i * f)
-                i += 1
-                if held == (split == "validation"):
+                if held_out(i, 1, self.val_fraction)[0] == (split == "validation"):
                     yield doc
+                i += 1
+
+    def units(self) -> list[Unit]:
+        """A unit a file; the held-out documents are chosen as the streams are read."""
+        train = "train" if self.val_files else None
+        return ([Unit((str(f),), _size(f), train) for f in self.files]
+                + [Unit((str(f),), _size(f), "validation") for f in self.val_files])
+
+    def unit_documents(self, unit: Unit) -> Iterator[str]:
+        return self._read(Path(unit.where[0]), None)
 
     def _read(self, path: Path, progress) -> Iterator[str]:
         for docs, nbytes in formats.READERS[self.fmt](path, self.field):
@@ -60,15 +67,6 @@ class Records:
 
     def text(self) -> str:
         return "".join(self.documents("train")) + "".join(self.documents("validation"))
-
-    def tokens(self, tok, split: str, progress=None) -> Iterator[np.ndarray]:
-        group: list[str] = []
-        for doc in self.documents(split, progress):
-            group.append(doc)
-            if len(group) == formats._BATCH:
-                yield from encode_group(tok, group)
-                group = []
-        yield from encode_group(tok, group)
 
     def describe_split(self) -> str:
         return (f"validation = {len(self.val_files)} file(s) of --val_input" if self.val_files else
@@ -83,20 +81,19 @@ class TokenFiles:
     """Token ids already made (.bin files): the stream as it is, no tokenizer run."""
 
     fmt = "tokens"
-    _CHUNK = 1 << 22  # tokens handed to the writer at a time
 
     def __init__(self, path, *, val_fraction, val_path: str = ""):
         self.files = input_paths(path, "--input")
         self.val_files = input_paths(val_path, "--val_input") if val_path else []
         self.path = str(path)
         self.val_fraction = check_val_fraction(val_fraction)
-        self.arrays = {f: formats.token_file(f) for f in self.files + self.val_files}
-        self.total = self.read_total = sum(a.nbytes for a in self.arrays.values())
+        self.ids = {f: formats.token_file(f) for f in self.files + self.val_files}
+        self.total = sum(t.nbytes for t in self.ids.values())
 
     def check(self, tok) -> None:
-        """Every id within `tok`'s vocabulary, and the stream holding its end of text."""
-        for f, a in self.arrays.items():
-            top = int(a.max()) if len(a) else -1
+        """Every id within `tok`'s vocabulary; without --val_input, where the held-out split starts."""
+        for f, t in self.ids.items():
+            top = max((int(c.max()) for c in t.chunks() if len(c)), default=-1)
             if top >= tok.vocab_size:
                 raise UserError(f"{str(f)!r} holds token id {top}, outside tokenizer {tok.describe()} "
                                 f"({tok.vocab_size} ids): pass the --tokenizer these ids were made with "
@@ -106,40 +103,40 @@ class TokenFiles:
             self.cut = self._cut()
 
     def _cut(self) -> int:
-        stream = self._stream(self.files)
-        n = sum(len(a) for a in stream)
+        """The stream position after the first end of text at or past its (1 - f) point."""
+        n = sum(self.ids[f].count for f in self.files)
         want, start = int(n * (1 - self.val_fraction)), 0
-        for a in stream:
-            if start + len(a) > want:
-                ends = np.flatnonzero(a[max(want - start, 0):] == self.eot)
+        for f in self.files:
+            t = self.ids[f]
+            lo = max(want - start, 0)
+            for chunk in (t.chunks(lo) if lo < t.count else ()):
+                ends = np.flatnonzero(chunk == self.eot)
                 if len(ends):
-                    return start + max(want - start, 0) + int(ends[0]) + 1
-            start += len(a)
+                    return start + lo + int(ends[0]) + 1
+                lo += len(chunk)
+            start += t.count
         raise UserError(f"--input {self.path!r}: no end of text (id {self.eot}) in the last "
                         f"{self.val_fraction:g} of its {n:,} tokens to cut the held-out split at: pass "
                         f"--val_input with the held-out tokens, or the --tokenizer these ids were made with.")
 
-    def _stream(self, files) -> list[np.ndarray]:
-        return [self.arrays[f] for f in files]
-
     def tokens(self, tok, split: str, progress=None) -> Iterator[np.ndarray]:
+        """`split`'s ids as int32 pieces, the held-out cut applied."""
         if self.val_files:
-            parts = self._stream(self.files if split == "train" else self.val_files)
+            ranges = [(self.ids[f], 0, None) for f in (self.files if split == "train" else self.val_files)]
         else:
-            parts, start = [], 0
+            ranges, start = [], 0
             lo, hi = (0, self.cut) if split == "train" else (self.cut, None)
-            for a in self._stream(self.files):
-                end = start + len(a)
-                a_lo, a_hi = max(lo - start, 0), len(a) if hi is None else min(hi - start, len(a))
-                if a_lo < a_hi:
-                    parts.append(a[a_lo:a_hi])
-                start = end
-        for a in parts:
-            for i in range(0, len(a), self._CHUNK):
-                chunk = np.asarray(a[i:i + self._CHUNK], np.int32)
+            for f in self.files:
+                t = self.ids[f]
+                a, b = max(lo - start, 0), t.count if hi is None else min(hi - start, t.count)
+                if a < b:
+                    ranges.append((t, a, b))
+                start += t.count
+        for t, a, b in ranges:
+            for chunk in t.chunks(a, b):
                 if progress is not None:
-                    progress(chunk.nbytes * a.itemsize // 4)
-                yield chunk
+                    progress(chunk.nbytes)
+                yield chunk.astype(np.int32)
 
     def describe_split(self) -> str:
         return (f"validation = {len(self.val_files)} file(s) of --val_input" if self.val_files else
@@ -147,12 +144,18 @@ class TokenFiles:
 
     def info(self) -> dict:
         return {"format": "tokens", "files": len(self.files), "bytes": self.total, "val_files": len(self.val_files),
-                "tokens": int(sum(len(a) for a in self.arrays.values()))}
+                "tokens": sum(t.count for t in self.ids.values())}
 
 
 def input_paths(path, key: str) -> list[Path]:
-    """A glob's files; a directory is one input (a save_to_disk dataset)."""
+    """A glob's files, and the save_to_disk directories it names (a directory is one input)."""
+    import glob
     text = str(path)
+    if text and any(c in text for c in "*?["):
+        found = sorted(Path(p) for p in glob.glob(str(Path(text).expanduser()), recursive=True))
+        saved = [p for p in found if p.is_dir() and any((p / f).exists() for f in ("state.json", "dataset_dict.json"))]
+        if saved:
+            return saved + [p for p in found if p.is_file()]
     if text and Path(text).expanduser().is_dir():
         return [Path(text).expanduser()]
     return resolve_paths(path, key)

@@ -19,6 +19,7 @@ meshtrain/data/image_dataset.py and docs/data.md.
 
 import sys
 import time
+from pathlib import Path
 
 from meshtrain import cli
 from meshtrain.data.corpus import Corpus
@@ -36,7 +37,7 @@ def parser() -> cli.Parser:
                    help="auto (by the file names) | text | jsonl | parquet | hf | tokens")
     p.add_argument("--text_field", default="text", help="the JSON field or column holding each document")
     p.add_argument("--val_input", default="",
-                   help="the held-out split's files, in --input's format (default: cut from --input)")
+                   help="the held-out split's files, in --input's format; without it the split is cut from --input")
     p.add_argument("--images", default="",
                    help="instead of --input: a folder with one subfolder of image files per "
                         "class (the ImageFolder layout)")
@@ -53,6 +54,9 @@ def parser() -> cli.Parser:
                    help="split files into documents at this string (default: a file is a "
                         "document); backslash escapes such as \\n are understood")
     p.add_argument("--record_tokens", type=int, default=4096, help="tokens per record")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes tokenizing at once, a file (or a text file's part) each; a "
+                        "killed prepare rerun keeps what they finished")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     return p
 
@@ -79,23 +83,32 @@ def execute(args) -> int:
     started = time.perf_counter()
     print(f"prepare: {len(corpus.files)} file(s) of {corpus.fmt}, {corpus.total:,} bytes; "
           f"{corpus.describe_split()}", file=sys.stderr)
-    tok = _build_tokenizer(spec, args, corpus)
-    print(f"prepare: tokenizer {tok.describe()}", file=sys.stderr)
+    source = {"source": {"input": args.input, "val_input": args.val_input, **corpus.info()}}
     if corpus.fmt == "tokens":
+        tok = _build_tokenizer(spec, args, corpus)
+        print(f"prepare: tokenizer {tok.describe()} (the ids as they are)", file=sys.stderr)
         corpus.check(tok)
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    bar = Progress("tokenize", corpus.read_total)
-    meta = token_dataset.write_token_dataset(
-        args.name, args.data_dir, tok,
-        {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
-         for split in token_dataset.SPLITS},
-        record_tokens=args.record_tokens,
-        extra_metadata={"source": {"input": args.input, "val_input": args.val_input, **corpus.info()}})
-    bar.close()
+        _remove(out)
+        writing, bar = time.perf_counter(), Progress("copy", corpus.total)
+        meta = token_dataset.write_token_dataset(
+            args.name, args.data_dir, tok, {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
+                                            for split in token_dataset.SPLITS},
+            record_tokens=args.record_tokens, extra_metadata=source)
+        bar.close()
+    else:
+        from meshtrain.data import tokenize_pool
+        if args.workers < 1:
+            raise UserError(f"--workers={args.workers}: must be >= 1 (processes that tokenize at once).")
+        with tokenize_pool.pool(args.workers) as executor:
+            tok, work, streams = _tokenize(args, spec, corpus, executor)
+            _remove(out)
+            writing = time.perf_counter()
+            meta = token_dataset.write_token_streams(args.name, args.data_dir, tok, streams, executor=executor,
+                                                     record_tokens=args.record_tokens, extra_metadata=source)
+        work.remove()
     n = meta["num_tokens"]
-    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
+    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)} (the records "
+          f"{format_duration(time.perf_counter() - writing)}): "
           f"train {n['train']:,} tokens ({meta['num_documents']['train']:,} document(s)), "
           f"validation {n['validation']:,} tokens; vocab {tok.vocab_size}.\n"
           f"train with: python -m meshtrain.train --config=gpt2_tiny_dp8 "
@@ -151,6 +164,54 @@ def _tokenizer_spec(args) -> str:
             "--tokenizer=bpe needs either a tokenizer file (--tokenizer=bpe:PATH, a Hugging "
             "Face tokenizer.json) or a vocabulary size to train one (--train_bpe=2048).")
     return check_tokenizer_spec(args.tokenizer)
+
+
+def _remove(out: Path) -> None:
+    """The dataset --overwrite replaces, removed once the new one's tokens are ready."""
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+
+
+def _tokenize(args, spec: str, corpus, executor):
+    """The corpus's units tokenized by --workers processes into the work directory, kept there
+    until the dataset is written (a rerun resumes); -> (tokenizer, work, {split: Stream})."""
+    from meshtrain.data import tokenize_pool
+    from meshtrain.data.tokenizers import load_tokenizer
+    from meshtrain.data.windows import token_dtype
+    files = list(corpus.files) + list(getattr(corpus, "val_files", []))
+    plan = {"inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            **{k: getattr(args, k) for k in ("format", "text_field", "val_fraction", "val_input", "doc_separator",
+                                            "tokenizer", "train_bpe")}}
+    work = tokenize_pool.Work(Path(args.data_dir).expanduser() / f".{args.name}.prepare", plan)
+    saved = work.root / "tokenizer.json"
+    if saved.exists():
+        tok = load_tokenizer(saved)
+    else:
+        tok = _build_tokenizer(spec, args, corpus)
+        tok.save(saved)
+    print(f"prepare: tokenizer {tok.describe()}", file=sys.stderr)
+    units = corpus.units()
+    resumed = sum(work.done(k) for k in range(len(units)))
+    print(f"prepare: {len(units)} unit(s) to tokenize with {args.workers} worker(s)"
+          + (f"; {resumed} done by an earlier run, kept" if resumed else ""), file=sys.stderr)
+    bar = Progress("tokenize", sum(u.nbytes for u in units))
+    tokenize_pool.tokenize(corpus, units, work, saved, executor, bar.update)
+    bar.close()
+    fraction = getattr(corpus, "val_fraction", 0.0)
+    _check_split(corpus, units, work, fraction)
+    return tok, work, tokenize_pool.streams(work, units, token_dtype(tok.vocab_size), fraction)
+
+
+def _check_split(corpus, units, work, fraction: float) -> None:
+    """Both splits hold documents (records choose the held-out ones per document)."""
+    per_document = sum(work.documents(k) for k, u in enumerate(units) if u.split is None)
+    if any(u.split is None for u in units):
+        held = int(per_document * fraction)
+        if held == 0 or held == per_document:
+            raise UserError(f"--val_fraction={fraction:g} of {per_document:,} document(s) leaves "
+                            f"{'no held-out' if held == 0 else 'no training'} document: use more documents, "
+                            f"another --val_fraction, or --val_input with the held-out files.")
 
 
 def _open(args, spec: str):

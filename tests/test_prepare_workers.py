@@ -1,0 +1,96 @@
+"""`meshtrain prepare --workers`: units tokenized in worker processes give the dataset one
+process gives, byte for byte; a prepare killed part way (SIGKILL) and rerun keeps the units
+it finished and ends with the dataset of an unbroken run; data.kind=text sends a corpus it
+should not tokenize at every start to prepare (meshtrain/data/tokenize_pool.py)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from meshtrain.data.prepare import main as prepare
+from meshtrain.errors import UserError
+
+WORDS = "the cat sat on a mat and ate its hat while a dog ran past".split()
+
+
+def _corpus(root, files: int, docs: int, seed: int = 0):
+    """`files` .jsonl files of `docs` short documents each."""
+    rng = np.random.default_rng(seed)
+    root.mkdir()
+    for i in range(files):
+        lines = (json.dumps({"text": " ".join(rng.choice(WORDS, rng.integers(3, 12)))}) for _ in range(docs))
+        (root / f"part-{i:02d}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _files(dataset) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dataset.iterdir())}
+
+
+def test_workers_write_the_dataset_one_process_writes(tmp_path):
+    corpus = _corpus(tmp_path / "in", files=5, docs=300)
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i} of the text\n" for i in range(3000)))
+    for source, name in ((f"{corpus}/*.jsonl", "records"), (str(text), "text")):
+        for workers in (1, 2):
+            assert prepare([f"--input={source}", f"--name={name}{workers}", f"--data_dir={tmp_path / 'd'}",
+                            "--tokenizer=byte", f"--workers={workers}", "--record_tokens=512"]) == 0
+        one, two = (_files(tmp_path / "d" / f"{name}{w}" / "1.0.0") for w in (1, 2))
+        rename = {k.replace(f"{name}1", f"{name}2"): v for k, v in one.items()}
+        assert rename.keys() == two.keys()
+        for k in two:  # the records and the token counts; the dataset's name differs in the metadata
+            if k.endswith("array_record-00000-of-00001") or k == "tokenizer.json":
+                assert rename[k] == two[k], (name, k)
+        assert not (tmp_path / "d" / f".{name}2.prepare").exists(), "the work directory is removed at the end"
+
+
+def test_a_killed_prepare_rerun_ends_with_the_dataset_of_an_unbroken_run(tmp_path):
+    corpus = _corpus(tmp_path / "in", files=8, docs=6_000)
+    args = [f"--input={corpus}/*.jsonl", "--name=c", "--tokenizer=byte", "--workers=1"]
+    assert prepare([*args, f"--data_dir={tmp_path / 'whole'}"]) == 0
+    work = tmp_path / "cut" / ".c.prepare"
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", *args, f"--data_dir={tmp_path / 'cut'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(work.glob("unit-*.done")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(work.glob("unit-*.done")))
+    assert 0 < done < 8, f"killed with {done} of 8 units done: the test needs a prepare cut part way"
+    assert not (tmp_path / "cut" / "c").exists()
+    out = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", *args, f"--data_dir={tmp_path / 'cut'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"{done} done by an earlier run, kept" in out.stderr
+    assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
+
+
+def test_data_kind_text_sends_records_and_large_corpora_to_prepare(tmp_path, monkeypatch):
+    from meshtrain.data import text
+    corpus = _corpus(tmp_path / "in", files=1, docs=10)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 4096)
+    monkeypatch.setattr(text, "TEXT_LIMIT", 1024)
+    for path, what in ((corpus / "part-00.jsonl", "holds jsonl files: prepare them once: meshtrain prepare"),
+                       (big, "more than data.kind=text tokenizes at every start (0 MiB)")):
+        with pytest.raises(UserError) as e:
+            text.make_text_source(str(path), tokenizer="byte", val_fraction=0.1, seq_len=8, seed=0)
+        assert what in str(e.value) and "--config.data.kind=tfds" in str(e.value)
+
+
+def test_token_records_are_the_bytes_tfds_serializes():
+    """token_dataset.serialize builds each record from TFDS's protos directly; what TFDS's
+    own features would write, so tfds.data_source decodes it."""
+    from meshtrain.data import token_dataset
+    rng = np.random.default_rng(0)
+    for dtype in (np.uint16, np.int32):
+        features = token_dataset.token_features(np.dtype(dtype))
+        for n in (0, 1, 4096):
+            tokens = rng.integers(0, 50257, n).astype(dtype)
+            assert token_dataset.serialize(tokens) == features.serialize_example({"tokens": tokens})
