@@ -110,10 +110,12 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    mu_dtype="", momentum=0.9, nesterov=False, trust_coefficient=0.001,
                    lr_batch_size=0)
     # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain
-    # worker processes, prefetch is batches read ahead by threads.
+    # worker processes, prefetch is batches read ahead by threads. packing: concat (a
+    # window is one stream) | documents (attention, positions and the loss kept per
+    # document, models/documents.py).
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
                   split="train", eval_split="validation", feature="", cache_dir="",
-                  val_fraction=0.05, random_offsets=False, workers=0, prefetch=2,
+                  val_fraction=0.05, random_offsets=False, workers=0, prefetch=2, packing="concat",
                   # Image models: augment is auto | "" | flip | crop | crop_flip (auto: the
                   # dataset's default, docs/data.md); crop_scale the smallest crop's area.
                   augment="auto", crop_scale=0.08)

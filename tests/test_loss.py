@@ -65,13 +65,15 @@ def test_chunks_give_the_whole_loss_and_gradients(name, dtype, rows, make_config
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def float32_autodiff_loss(logits_nv, targets_n):
+def float32_autodiff_loss(logits_nv, targets_n, weights_n=None):
     """The loss before the hand-written gradient: logits upcast to float32, autodiff."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits_nv.astype(jnp.float32), targets_n).sum()
+    each = optax.softmax_cross_entropy_with_integer_labels(logits_nv.astype(jnp.float32), targets_n)
+    return each.sum() if weights_n is None else (weights_n * each).sum()
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_logits_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
+def test_the_logits_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype, weighted):
     """On logits alone: the loss to float32 rounding, and each entry of the gradient, which
     comes out in the logits' dtype, equal to the float32 autodiff gradient (softmax -
     onehot, times the cotangent) rounded to that dtype: one bf16 step (2^-7 of the entry)
@@ -80,8 +82,10 @@ def test_the_logits_gradient_is_softmax_minus_onehot_in_the_logits_dtype(dtype):
     k1, k2 = jax.random.split(jax.random.key(0))
     logits = (3 * jax.random.normal(k1, (4, 16, 1000))).astype(dtype)
     targets = jax.random.randint(k2, (4, 16), 0, 1000)
-    new, g_new = jax.value_and_grad(lambda x: 0.5 * loss_lib.summed_cross_entropy(x, targets))(logits)
-    old, g_old = jax.value_and_grad(lambda x: 0.5 * float32_autodiff_loss(x, targets))(logits)
+    # weighted: a packed window's targets, some weighing 0 (models/documents.py)
+    weights = (jax.random.uniform(k1, (4, 16)) > 0.2).astype(jnp.float32) if weighted else None
+    new, g_new = jax.value_and_grad(lambda x: 0.5 * loss_lib.summed_cross_entropy(x, targets, weights))(logits)
+    old, g_old = jax.value_and_grad(lambda x: 0.5 * float32_autodiff_loss(x, targets, weights))(logits)
     assert g_new.dtype == logits.dtype
     assert float(new) == pytest.approx(float(old), rel=1e-6)
     rtol = {"float32": 1e-5, "bfloat16": 2.0**-7}[dtype]

@@ -30,26 +30,28 @@ _GLOB_CHARS = "*?["
 _ENCODE_GROUP = 256
 
 
-def resolve_paths(path, key: str = "data.path") -> list[Path]:
+def resolve_paths(path, key: str = "data.path", is_input_dir=None) -> list[Path]:
     """The files `path` names: itself, or the sorted matches of a glob.
 
     `key` names the setting in errors (data.path for training, --input for prepare).
+    `is_input_dir(dir) -> bool` says which directories are inputs themselves (prepare's
+    saved Hugging Face datasets); without it a directory is never one.
     """
     if path is None or str(path) == "":
         raise UserError(
             f"{key} is not set. Set {key} to a text file (or a glob such as "
             f"'corpus/*.txt').")
     text = os.path.expanduser(str(path))
+    taken = (lambda p: p.is_file() or (p.is_dir() and is_input_dir(p))) if is_input_dir else Path.is_file
     if any(c in text for c in _GLOB_CHARS):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True))
-        files = [f for f in files if f.is_file()]
+        files = [f for f in sorted(Path(p) for p in glob.glob(text, recursive=True)) if taken(f)]
     else:
-        if Path(text).is_dir():
+        if Path(text).is_dir() and not taken(Path(text)):
             raise UserError(
                 f"{key} {str(path)!r} is a directory; it must name a text file or a glob "
                 f"of files. To use the files in it, pass a glob such as "
                 f"{os.path.join(str(path), '*.txt')!r}.")
-        files = [Path(text)] if Path(text).is_file() else []
+        files = [Path(text)] if Path(text).exists() else []
     if not files:
         raise UserError(
             f"{key} {str(path)!r} matches no file (it resolves to "

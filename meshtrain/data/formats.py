@@ -31,7 +31,7 @@ from meshtrain.errors import UserError
 FORMATS = ("text", "jsonl", "parquet", "hf", "tokens")
 JSONL = (".jsonl", ".json", ".ndjson")
 LLMC_MAGIC = 20240520
-_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
+DOCS_PER_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
 # First bytes that no text file starts with, and what they are.
 _MAGIC = {b"PAR1": "a parquet file (--format=parquet)", b"\x28\xb5\x2f\xfd": "zstd-compressed (.zst)",
           b"\x1f\x8b": "gzip-compressed (.gz)", b"ARROW1": "an Arrow file", b"\xff\xff\xff\xff": "an Arrow stream",
@@ -101,7 +101,7 @@ def jsonl(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
                 raise UserError(f"{str(path)!r} line {n}: not JSON ({e.msg} at column {e.colno}); each line "
                                 f"of a .jsonl file is one JSON object.") from None
             docs.append(_field(record, field, f"{str(path)!r} line {n}"))
-            if len(docs) == _BATCH:
+            if len(docs) == DOCS_PER_BATCH:
                 yield docs, raw.tell() - seen
                 docs, seen = [], raw.tell()
         yield docs, raw.tell() - seen
@@ -140,7 +140,7 @@ def hf(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
             if field not in table.column_names:
                 raise UserError(f"{str(path)!r}: no column {field!r} (it has {table.column_names}). "
                                 f"Pass --text_field=NAME.")
-            for batch in table.select([field]).to_batches(max_chunksize=_BATCH):
+            for batch in table.select([field]).to_batches(max_chunksize=DOCS_PER_BATCH):
                 rows = batch.column(0).to_pylist()
                 yield [_checked(v, field, arrow) for v in rows], size * len(rows) // max(table.num_rows, 1)
 

@@ -148,17 +148,9 @@ class TokenFiles:
 
 
 def input_paths(path, key: str) -> list[Path]:
-    """A glob's files, and the save_to_disk directories it names (a directory is one input)."""
-    import glob
-    text = str(path)
-    if text and any(c in text for c in "*?["):
-        found = sorted(Path(p) for p in glob.glob(str(Path(text).expanduser()), recursive=True))
-        saved = [p for p in found if p.is_dir() and any((p / f).exists() for f in ("state.json", "dataset_dict.json"))]
-        if saved:
-            return saved + [p for p in found if p.is_file()]
-    if text and Path(text).expanduser().is_dir():
-        return [Path(text).expanduser()]
-    return resolve_paths(path, key)
+    """A path's or glob's files, and the save_to_disk directories it names (a directory
+    is one input)."""
+    return resolve_paths(path, key, is_input_dir=lambda d: any((d / f).exists() for f in ("state.json", "dataset_dict.json")))
 
 
 def _size(path: Path) -> int:

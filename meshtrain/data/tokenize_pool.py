@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.data import formats
 from meshtrain.data.corpus import Unit, encode_group
 from meshtrain.data.windows import token_dtype
 
@@ -85,7 +86,7 @@ def tokenize_unit(corpus, unit: Unit, k: int, root: str, tokenizer_path: str) ->
             group.clear()
         for doc in corpus.unit_documents(unit):
             group.append(doc)
-            if len(group) == 1024:
+            if len(group) == formats.DOCS_PER_BATCH:
                 flush()
         flush()
     with open(f"{base}.ends.tmp", "wb") as f:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.errors import UserError
+from meshtrain.models import documents
 from meshtrain.parallel import context_attention
 from meshtrain.parallel.context_attention import BTHE
 from meshtrain.parallel.hook import UNSHARDED, Constrain
@@ -131,9 +132,12 @@ def _causal_softmax_jvp(primals, tangents):
     return y, y * (dx - jnp.sum(y * dx, -1, keepdims=True))
 
 
-def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) -> jax.Array:
+def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array,
+                     segments_bt: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(E), causal) v: [B, T, H, E] from q [B, T, H, E], k and v
     [B, S, K, E] (S = T; grouped-query when K < H: query head h reads key head h // (H/K)).
+    With `segments` [B, T] (a packed window's documents, models/documents.py) a query sees
+    only the keys of its own document too.
 
     The arithmetic of jax.nn.dot_product_attention(is_causal=True)'s XLA path: scores in
     float32 whatever the input dtype, scaled after the product, masked and normalised by
@@ -145,6 +149,9 @@ def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array) ->
     q = q_bthe.reshape(b, t, k, h // k, e)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_bske, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(1.0 / np.sqrt(e))  # as jax.nn.dot_product_attention rounds it
+    if segments_bt is not None:  # masked to the same value, so causal_softmax zeroes them alike
+        same = documents.same_segment(segments_bt, segments_bt)[:, :, None]  # [B, 1, 1, T, S]
+        scores = jnp.where(same, scores, jnp.float32(_MASKED))
     probs = causal_softmax(scores).astype(v_bske.dtype)
     return jnp.einsum("bkgts,bske->btkge", probs, v_bske).reshape(b, t, h, e)
 
@@ -164,7 +171,8 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
            context: str = "allgather") -> tuple[jax.Array, Cache | None]:
     """-> (out [B, T, H, E], cache).
 
-    Without a cache, position i attends to positions <= i of this call, with the chosen
+    Without a cache, position i attends to positions <= i of this call (of its own
+    document when `constrain.documents` says the window is packed so), with the chosen
     `implementation` (already resolved by `choose`: xla or cudnn), k and v repeated
     to the H query heads first when K < H. When the layout splits the positions over
     devices, the rows are in its zigzag order (layouts/sequence.py), `context`
@@ -179,9 +187,12 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
             return context_attention.attend(q_bthe, k_btke, v_btke, kind=context, constrain=constrain), None
         if k_btke.shape[2] < q_bthe.shape[2]:
             k_btke, v_btke = (_query_heads(a, q_bthe.shape[2], constrain) for a in (k_btke, v_btke))
+        docs = constrain.documents
+        segments_bt = None if docs is None else docs.segments
         if implementation == "xla":
-            return causal_attention(q_bthe, k_btke, v_btke), None
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True,
+            return causal_attention(q_bthe, k_btke, v_btke, segments_bt), None
+        mask = None if docs is None else documents.same_segment(segments_bt, segments_bt)
+        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True,
                                             implementation=implementation), None
     ck, cv = cache
     ck = jax.lax.dynamic_update_slice_in_dim(ck, k_btke.astype(ck.dtype), pos, axis=1)

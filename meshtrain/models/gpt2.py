@@ -225,10 +225,13 @@ class GPT2(nnx.Module):
         return constrain(self.wte[...].astype(self.cfg.dtype), ("vocab", "embed"))
 
     def _embed(self, wte_vd, tokens_bt, pos, constrain, key) -> jax.Array:
-        """pos None: a whole sequence in the layout's order; else positions pos..pos+t-1."""
+        """pos None: a whole sequence in the layout's order (each row's documents' positions
+        when the window is packed so); else positions pos..pos+t-1."""
         t = tokens_bt.shape[1]
         order = None if pos is not None else constrain.order(t)
-        if order is None:
+        if pos is None and constrain.documents is not None:
+            wpe_td = jnp.take(self.wpe[...], constrain.documents.positions, axis=0)  # [B, T, D]
+        elif order is None:
             wpe_td = jax.lax.dynamic_slice_in_dim(self.wpe[...], 0 if pos is None else pos, t, axis=0)
         else:
             wpe_td = jnp.take(self.wpe[...], order, axis=0)

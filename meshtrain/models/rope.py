@@ -46,8 +46,10 @@ def inverse_frequencies(cfg) -> np.ndarray:
 
 
 def rope(x_bthe: jax.Array, positions_t: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates each head's pair (i, i + E/2) by position * inv_freq[i] (rotate_half)."""
-    angles_tf = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles_tf)[None, :, None], jnp.sin(angles_tf)[None, :, None]
+    """Rotates each head's pair (i, i + E/2) by position * inv_freq[i] (rotate_half).
+    positions [T] for every row, or [B, T] (a packed window's documents)."""
+    angles = positions_t.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, E/2]
+    angles_btf = angles if angles.ndim == 3 else angles[None]
+    cos, sin = jnp.cos(angles_btf)[:, :, None], jnp.sin(angles_btf)[:, :, None]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_bthe.dtype)

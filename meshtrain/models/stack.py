@@ -10,8 +10,10 @@ stages); the model never knows how its layers are scheduled.
                                                 constrain(x, axes) pins an activation to the
                                                 layout; `stored`, `natural` and `positions`
                                                 read the order a sequence is stored in
-    run_layers(make_layer, stacked, x, key) -> x
+    run_layers(make_layer, stacked, x, key, documents) -> x
         make_layer(constrain) -> layer(x, one layer's params, key) -> x
+        documents: constrain.documents (models/documents.py) or None; a pipeline
+        gives each microbatch's layers their rows
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def natural(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
 
 
 def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax.Array:
-    """The positions [t] of a sequence's rows as stored: pos..pos+t-1 when decoding (a
-    cache is never reordered), else the layout's order."""
+    """The positions of a sequence's rows as stored: [t], pos..pos+t-1 when decoding (a
+    cache is never reordered), else the layout's order; or [B, t] when the window is
+    packed as documents (`constrain.documents`), each restarting at its document's start."""
+    if pos is None and constrain.documents is not None:
+        return constrain.documents.positions
     order = None if pos is not None else constrain.order(t)
     if order is not None:
         return jnp.asarray(order)
@@ -132,7 +137,7 @@ def run_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, key: jax.
     """
     make_layer, stacked = layer_maker(blocks, remat_policy, **layer_kwargs)
     if runner is not None:
-        return runner(make_layer, stacked, x, key)
+        return runner(make_layer, stacked, x, key, constrain.documents)
     keys = None if key is None else jax.random.split(key, num_layers)
     return run_stack(make_layer(constrain), stacked, x, keys, scan=scan)
 

@@ -25,6 +25,10 @@ Either way one [2c x c] or [c x 2c] block, unmasked, equal work on every device 
 step; the masked half is never computed. Per device: 4 c^2 + (n-1) 2 c^2 score entries,
 against (2nc)^2 / 2n = 2 n c^2 for a perfect split of the causal triangle, (n+1)/n of it.
 
+A packed window's documents (models/documents.py) add a mask inside the blocks: each
+device's segment ids [B, 2c] travel with its k and v (gathered, or round the ring), and a
+query sees a key of its own segment only. Which blocks are computed does not change.
+
 Arithmetic: scores in float32, scaled after the product, probabilities cast to v's dtype
 for the second matmul, as models/attention.causal_attention. Masked scores are not used
 at all (exp is where'd to 0), so a row's running max is always a real score: every row
@@ -100,35 +104,50 @@ def _query_heads(q, k, v, heads):
     return jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2)
 
 
-def _allgather(q, k, v, pos_q, *, axes, heads):
+def _documents(seg_q, seg_k):
+    """The segment mask [B, 1, q, k], or None for a window packed as one stream."""
+    return None if seg_q is None else (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
+
+
+def _and(a, b):
+    return a if b is None else (b if a is None else a & b)
+
+
+def _allgather(q, k, v, pos_q, seg_q=None, *, axes, heads):
     k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
     pos_k = jax.lax.all_gather(pos_q, axes, axis=0, tiled=True)
-    o, _, l = _block(q, *_query_heads(q, k_all, v_all, heads), pos_q[:, None] >= pos_k[None, :])
+    seg_k = None if seg_q is None else jax.lax.all_gather(seg_q, axes, axis=1, tiled=True)
+    mask = _and(pos_q[:, None] >= pos_k[None, :], _documents(seg_q, seg_k))
+    o, _, l = _block(q, *_query_heads(q, k_all, v_all, heads), mask)
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
 
 
-def _ring(q, k, v, pos_q, *, axes, n, heads):
+def _ring(q, k, v, pos_q, seg_q=None, *, axes, n, heads):
     c = q.shape[1] // 2
     me = jax.lax.axis_index(axes)
     shift = [(i, (i + 1) % n) for i in range(n)]
-    acc = _block(q, *_query_heads(q, k, v, heads), pos_q[:, None] >= pos_q[None, :])
+    acc = _block(q, *_query_heads(q, k, v, heads), _and(pos_q[:, None] >= pos_q[None, :], _documents(seg_q, seg_q)))
 
-    # The kv heads travel; each branch repeats them to the query heads once received.
-    def early_keys(acc, q, k, v):  # s < i: all 2c queries, the first c keys
-        k, v = _query_heads(q, k, v, heads)
-        return _merge(acc, _block(q, k[:, :c], v[:, :c]))
+    # The kv heads travel (with their segment ids when documents are kept apart); each
+    # branch repeats them to the query heads once received.
+    def early_keys(acc, q, kv):  # s < i: all 2c queries, the first c keys
+        k, v = _query_heads(q, kv[0], kv[1], heads)
+        mask = _documents(seg_q, None if seg_q is None else kv[2][:, :c])
+        return _merge(acc, _block(q, k[:, :c], v[:, :c], mask))
 
-    def late_queries(acc, q, k, v):  # s > i: the last c queries, all 2c keys
-        k, v = _query_heads(q, k, v, heads)
+    def late_queries(acc, q, kv):  # s > i: the last c queries, all 2c keys
+        k, v = _query_heads(q, kv[0], kv[1], heads)
+        mask = _documents(None if seg_q is None else seg_q[:, c:], None if seg_q is None else kv[2])
         o, m, l = acc
-        o2, m2, l2 = _merge((o[:, c:], m[..., c:], l[..., c:]), _block(q[:, c:], k, v))
+        o2, m2, l2 = _merge((o[:, c:], m[..., c:], l[..., c:]), _block(q[:, c:], k, v, mask))
         return (o.at[:, c:].set(o2), m.at[..., c:].set(m2), l.at[..., c:].set(l2))
 
+    kv = (k, v) if seg_q is None else (k, v, seg_q)
     for j in range(1, n):
-        k, v = jax.lax.ppermute((k, v), axes, shift)
+        kv = jax.lax.ppermute(kv, axes, shift)
         source = (me - j) % n
-        acc = jax.lax.cond(source < me, early_keys, late_queries, acc, q, k, v)
+        acc = jax.lax.cond(source < me, early_keys, late_queries, acc, q, kv)
     o, _, l = acc
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
 
@@ -160,7 +179,8 @@ def attend(q_bthe, k_btke, v_btke, *, kind: str, constrain: Constrain):
 
     q [B, T, H, E], k and v [B, T, K, E] (K divides H: grouped-query attention; only the K
     kv heads travel, each device repeats them to its query heads), stored in the layout's
-    zigzag order (`constrain.order`)."""
+    zigzag order (`constrain.order`). A packed window's documents (`constrain.documents`)
+    mask across segments too."""
     spec = constrain.spec(BTHE)
     kv_spec = spec if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
     positions_t = jnp.asarray(constrain.order(q_bthe.shape[1]))
@@ -175,5 +195,7 @@ def attend(q_bthe, k_btke, v_btke, *, kind: str, constrain: Constrain):
     axis = axes[0] if len(axes) == 1 else axes
     body = (functools.partial(_allgather, axes=axis, heads=heads) if kind == "allgather"
             else functools.partial(_ring, axes=axis, n=n, heads=heads))
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P(spec[1])), out_specs=spec,
-                         check_vma=False)(q_bthe, k_btke, v_btke, positions_t)
+    args, in_specs = (q_bthe, k_btke, v_btke, positions_t), (spec, kv_spec, kv_spec, P(spec[1]))
+    if constrain.documents is not None:
+        args, in_specs = (*args, constrain.documents.segments), (*in_specs, P(spec[0], spec[1]))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)

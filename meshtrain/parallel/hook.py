@@ -7,12 +7,16 @@ is laid out, it calls the hook it was given:
     constrain.order(t)          positions [t] in the order a sequence is stored under
                                 context parallelism (layouts/sequence.py), or None
     constrain.sharded           whether there is a mesh at all
+    constrain.documents         the documents of a packed window (models/documents.py:
+                                segment ids and positions [B, T], stored order), or None
 
 `UNSHARDED` is the hook without a mesh (one device, tests, tracing shapes): it pins
 nothing and stores sequences in position order. The models own no mesh: the kernels
 XLA cannot split by itself (parallel/context_attention.py, parallel/experts.py,
 parallel/sequence.py) take the hook and read its mesh and specs there. The step, the
-pipeline's stages and the loss's chunks each make theirs, with the layout they see.
+pipeline's stages and the loss's chunks each make theirs, with the layout they see; a
+task packing documents adds them (`with_documents`), and a pipeline stage gets its
+microbatch's rows of them.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ Axes = tuple[str | None, ...]
 
 
 class Constrain:
-    def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None):
+    def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None, documents=None):
         """Both or neither: a layout on a mesh, or no sharding at all."""
         if (layout is None) != (mesh is None):
             raise ValueError("Constrain takes a layout and a mesh, or neither")
-        self.layout, self.mesh = layout, mesh
+        self.layout, self.mesh, self.documents = layout, mesh, documents
+
+    def with_documents(self, documents) -> "Constrain":
+        """The same hook for a batch whose windows keep documents apart (or None)."""
+        return Constrain(self.layout, self.mesh, documents)
 
     @property
     def sharded(self) -> bool:

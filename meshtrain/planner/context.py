@@ -12,6 +12,9 @@ microbatch each device sends:
     allgather  forward   k and v all-gathered: 2 all-gathers, (n-1) blocks each
                backward  dk and dv reduce-scattered: 2 of (n-1) blocks each
                and once per step the positions, an int32 all-gather of T x 4 bytes
+    segments   data.packing=documents: each device's segment ids, b x T/n int32, go with k
+               and v (ring: n-1 collective-permutes; allgather: one all-gather), once a
+               step, since every layer sends the same ones
     remat full or save_dots: the forward's again ("recompute", known excess)
 
 Attention's matmul FLOPs per device and microbatch, forward, 2 dots of 2 x b x H/t x E per
@@ -62,7 +65,8 @@ def _dims(exp) -> dict:
 
 def traffic(exp) -> Traffic | None:
     """The formulas of the module docstring for a built Experiment, a Traffic of forward,
-    recompute (remat's, known excess), backward and positions, with figures {"kind",
+    recompute (remat's, known excess), backward, positions (allgather) and segments
+    (data.packing=documents), with figures {"kind",
     "block_bytes", "attention_flops", "ideal_attention_flops" (per device per step)}; None
     when attention's positions are whole; not counted inside a pipeline."""
     n, axes = split(exp)
@@ -91,7 +95,14 @@ def traffic(exp) -> Traffic | None:
                           f"the forward's k and v exchange (planner/context.py)"),
         "backward": Term(sends if ring else "reduce-scatter", per_pass, ops, True,
                          forward if ring else "context attention: dk and dv reduce-scattered backward"),
-        "positions": Term("all-gather", 0.0 if ring else (n - 1) / n * t * 4, 0 if ring else 1, True, forward)}
+    }
+    if not ring:
+        out.terms["positions"] = Term("all-gather", (n - 1) / n * t * 4, 1, True, forward)
+    if exp.cfg.data.get("packing") == "documents":  # the same for every layer: XLA sends them once
+        rows = d["rows"] * t * 4 * d["micro"]
+        out.terms["segments"] = Term(sends, (n - 1) / n * rows,
+                                     (n - 1 if ring else 1) * d["micro"], True,
+                                     "data.packing=documents: the segment ids travel with k and v, once a step")
     entries = t * t * (n + 1) / (2 * n * n) if ring else t * t / n
     per_entry = 4 * d["rows"] * d["heads"] * d["head_dim"] * m.cfg.num_layers * d["micro"] * (3 + again)
     out.figures.update(block_bytes=block, attention_flops=per_entry * entries,

@@ -28,6 +28,7 @@ from meshtrain.cluster import distributed
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
 from meshtrain.layouts import Layout, sequence
+from meshtrain.models import documents
 from meshtrain.run import loop
 from meshtrain.runlog import trackers
 from meshtrain.step import tasks
@@ -128,6 +129,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     grad_reduce.check_layout(cfg.train.grad_dtype, layout)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
+    documents.check_packing(cfg.data.packing, source.info, fam.task)
     vocab = (init_from.vocab_size(src, source.vocab_size) if src
              else _model_vocab(cfg.model, source, cfg.data.kind))
     model_cfg = models.model_config(cfg.model, vocab_size=vocab, vocab_shards=vocab_shards(layout, mesh),
@@ -257,7 +259,7 @@ class Experiment:
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
         shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats)
-        task = tasks.for_family(model.task, source.info)
+        task = tasks.for_family(model.task, source.info, cfg.data)
         batch_sharding = step_lib.batch_sharding(layout, mesh, task.batch_fields(model.cfg, 1))
         accum = cfg.train.accum_gather if cfg.train.accum_gather != "auto" else "each"
         train_step = _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum,

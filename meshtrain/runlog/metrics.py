@@ -98,8 +98,9 @@ def run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:
     }
 
 
-def data_line(info: dict, vocab: int, windows: int) -> str:
-    """What the run reads, and how far into it the run goes (`windows`: the examples it reads)."""
+def data_line(info: dict, vocab: int, windows: int, packing: str = "concat") -> str:
+    """What the run reads, and how far into it the run goes (`windows`: the examples it
+    reads), and how its windows are packed (data.packing)."""
     if "best_accuracy" in info:
         return (f"data: {info['kind']} images, {vocab} classes, best possible accuracy "
                 f"{100 * info['best_accuracy']:.2f}%")
@@ -115,7 +116,8 @@ def data_line(info: dict, vocab: int, windows: int) -> str:
     return (f"data: {info['kind']} {what} | tokenizer {info['tokenizer']} ({info['vocab_size']} ids, "
             f"log vocab = {math.log(vocab):.4f}) | train {info['train_tokens']:,} tokens, "
             f"eval {info['val_tokens']:,} | this run reads {windows / max(info['train_windows'], 1):.2f} "
-            f"epochs{' of random-offset windows' if info.get('random_offsets') else ''}")
+            f"epochs{' of random-offset windows' if info.get('random_offsets') else ''}"
+            f"{' | documents kept apart at end-of-text id ' + str(info['eot_id']) if packing == 'documents' else ''}")
 
 
 def pipeline_info(pipe) -> dict | None:

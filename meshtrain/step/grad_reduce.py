@@ -190,13 +190,13 @@ def constrain_both_ways(x: jax.Array, forward: NamedSharding, backward: NamedSha
 
 
 def sequential_runner(pins, constrain: Constrain, *, scan: bool) -> Callable:
-    """run_layers(make_layer, stacked, x, key) -> x (models/stack.py's runner seam): the
+    """run_layers(make_layer, stacked, x, key, documents) -> x (models/stack.py's runner seam): the
     layers in order, one key per layer as the model runs them itself, with
     `pinned_in_backward(pins)` on each layer's params inside the scanned body."""
     pinned = pinned_in_backward(pins)
 
-    def run_layers(make_layer, stacked, x, key):
-        layer = make_layer(constrain)
+    def run_layers(make_layer, stacked, x, key, documents=None):
+        layer = make_layer(constrain.with_documents(documents))
         keys = None if key is None else jax.random.split(key, jax.tree.leaves(stacked)[0].shape[0])
         return run_stack(lambda x, params, k: layer(x, pinned(params), k), stacked, x, keys, scan=scan)
     return run_layers

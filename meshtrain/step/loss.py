@@ -87,44 +87,51 @@ def check_split(loss_chunk: int, seq_len: int, layout: Layout, shape) -> None:
 
 
 @jax.custom_vjp
-def summed_cross_entropy(logits_nv: jax.Array, targets_n: jax.Array) -> jax.Array:
-    """sum over n of logsumexp(logits[n]) - logits[n, targets[n]], in float32, for logits
-    [..., V] in their own dtype (bf16 under bf16 compute) and integer targets [...].
+def summed_cross_entropy(logits_nv: jax.Array, targets_n: jax.Array, weights_n: jax.Array | None = None) -> jax.Array:
+    """sum over n of weights[n] (logsumexp(logits[n]) - logits[n, targets[n]]), in float32,
+    for logits [..., V] in their own dtype (bf16 under bf16 compute), integer targets
+    [...] and float32 weights [...] (None: all 1; a packed window's documents give 0 to
+    the target across a boundary, models/documents.py).
 
     Float32 exists only inside the reductions and the gradient's element-wise pass, which
     read the logits in their dtype: nothing [..., V] is written in float32. The gradient,
     softmax(logits) - onehot(targets), is written by hand (as llm.c's fused classifier
     does) and comes out in the logits' dtype, as autodiff of a float32 upcast gave it."""
-    return _summed_forward(logits_nv, targets_n)[0]
+    return _summed_forward(logits_nv, targets_n, weights_n)[0]
 
 
-def _summed_forward(logits_nv, targets_n):
+def _summed_forward(logits_nv, targets_n, weights_n=None):
     z = logits_nv.astype(jnp.float32)
     m_n = jax.lax.stop_gradient(z.max(axis=-1))
     lse_n = m_n + jnp.log(jnp.exp(z - m_n[..., None]).sum(axis=-1))
     picked_n = jnp.take_along_axis(logits_nv, targets_n[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    return (lse_n - picked_n).sum(), (logits_nv, targets_n, lse_n)
+    each_n = lse_n - picked_n
+    total = each_n.sum() if weights_n is None else (weights_n * each_n).sum()
+    return total, (logits_nv, targets_n, weights_n, lse_n)
 
 
 def _summed_backward(residuals, g):
-    logits_nv, targets_n, lse_n = residuals
+    logits_nv, targets_n, weights_n, lse_n = residuals
     p_nv = jnp.exp(logits_nv.astype(jnp.float32) - lse_n[..., None])
     hit = jax.lax.broadcasted_iota(targets_n.dtype, logits_nv.shape, logits_nv.ndim - 1) == targets_n[..., None]
-    return (g * jnp.where(hit, p_nv - 1.0, p_nv)).astype(logits_nv.dtype), None
+    g_n = g if weights_n is None else (g * weights_n)[..., None]
+    return (g_n * jnp.where(hit, p_nv - 1.0, p_nv)).astype(logits_nv.dtype), None, None
 
 
 summed_cross_entropy.defvjp(_summed_forward, _summed_backward)
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token loss in float32 over whole logits [B, T, V] (`summed_cross_entropy`)."""
-    return summed_cross_entropy(logits_btv, targets_bt) / targets_bt.size
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None) -> jax.Array:
+    """Next-token loss in float32 over whole logits [B, T, V] (`summed_cross_entropy`),
+    divided by the B T positions (with weights too: see `next_token_loss`)."""
+    return summed_cross_entropy(logits_btv, targets_bt, weights_bt) / targets_bt.size
 
 
 def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, targets_bt: jax.Array,
-                          chunks: int, layout: Layout, mesh: Mesh) -> jax.Array:
-    """`cross_entropy(project(h, w), targets)` over `chunks` equal pieces of the length,
-    with its gradient computed alongside (module docstring). h [B, T, D], targets [B, T].
+                          chunks: int, layout: Layout, mesh: Mesh, weights_bt: jax.Array | None = None) -> jax.Array:
+    """`cross_entropy(project(h, w), targets, weights)` over `chunks` equal pieces of the
+    length, with its gradient computed alongside (module docstring). h [B, T, D], targets
+    and weights [B, T] (weights None: all 1).
 
     project(h [b, c, D], w, constrain) -> logits [b, c, V] in w's dtype, for the b rows of
     one batch shard; it must read nothing but its arguments (a custom VJP cannot pass a
@@ -152,17 +159,16 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     # over positions, so which rows make up a chunk does not change it.
     q = layout.split(BTD, "length", mesh.shape)[0]
     qt = q // nc
-    # [B, T, D] -> [chunks, nb x nc, B/nb, c/nc, D]: shard (k, j) keeps batch shard k's rows
-    # and context piece j's positions; chunk i holds rows i*c/q .. (i+1)*c/q - 1 of each of
-    # the q pieces of each row.
-    h = (h_btd.reshape(nb, b // nb, nc, qt, chunks, c // q, d).transpose(4, 0, 2, 1, 3, 5, 6)
-         .reshape(chunks, n, b // nb, c // nc, d))
-    h = jax.lax.with_sharding_constraint(h, NamedSharding(
-        mesh, P(None, shard, *inner.spec(BTD, "activations"))))
-    y = (targets_bt.reshape(nb, b // nb, nc, qt, chunks, c // q).transpose(4, 0, 2, 1, 3, 5)
-         .reshape(chunks, n, b // nb, c // nc))
-    y = jax.lax.with_sharding_constraint(y, NamedSharding(
-        mesh, P(None, shard, *inner.spec(("batch", "length"), "activations"))))
+    # [B, T, ...] -> [chunks, nb x nc, B/nb, c/nc, ...]: shard (k, j) keeps batch shard k's
+    # rows and context piece j's positions; chunk i holds rows i*c/q .. (i+1)*c/q - 1 of
+    # each of the q pieces of each row.
+    def per_chunk(a, axes):
+        rest = a.shape[2:]
+        a = (a.reshape(nb, b // nb, nc, qt, chunks, c // q, *rest).transpose(4, 0, 2, 1, 3, 5, *range(6, 6 + len(rest)))
+             .reshape(chunks, n, b // nb, c // nc, *rest))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, shard, *inner.spec(axes, "activations"))))
+    h, y = per_chunk(h_btd, BTD), per_chunk(targets_bt, BTD[:2])
+    wts = None if weights_bt is None else per_chunk(weights_bt, BTD[:2])
     # One copy of w per shard: each shard sums its gradient over the chunks, and autodiff's
     # transpose of the copy reduces the shards' sums over the batch (and context) axes once,
     # in w's dtype, as narrow as without chunks.
@@ -172,47 +178,53 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     def zeros_n():  # [n] float32, a sum per batch shard
         return jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), NamedSharding(mesh, P(shard)))
 
-    def shard_loss(w, h_bcd, y_bc):  # one shard, one chunk: h [B/nb, c/nc, D] -> summed loss
-        return summed_cross_entropy(project(h_bcd, w, inner_constrain), y_bc)
+    def shard_loss(w, h_bcd, y_bc, w_bc):  # one shard, one chunk: h [B/nb, c/nc, D] -> summed loss
+        return summed_cross_entropy(project(h_bcd, w, inner_constrain), y_bc, w_bc)
 
-    def shard_grads(w, h_bcd, y_bc):  # -> (summed loss, its gradient for w in float32, for h)
-        loss, (dw, dh) = jax.value_and_grad(shard_loss, argnums=(0, 1))(w, h_bcd, y_bc)
+    def shard_grads(w, h_bcd, y_bc, w_bc):  # -> (summed loss, its gradient for w in float32, for h)
+        loss, (dw, dh) = jax.value_and_grad(shard_loss, argnums=(0, 1))(w, h_bcd, y_bc, w_bc)
         return loss, dw.astype(jnp.float32), dh
 
     @jax.custom_vjp
-    def summed(copies, h, y):  # -> [n] each shard's summed loss
+    def summed(copies, h, y, wts):  # -> [n] each shard's summed loss
         def body(total_n, hy):
             return total_n + jax.vmap(shard_loss, spmd_axis_name=shard)(copies, *hy), None
-        return jax.lax.scan(body, zeros_n(), (h, y))[0]
+        return jax.lax.scan(body, zeros_n(), (h, y, wts))[0]
 
-    def summed_fwd(copies, h, y):
+    def summed_fwd(copies, h, y, wts):
         def body(carry, hy):
             total_n, dw_n = carry
             loss_n, dw, dh = jax.vmap(shard_grads, spmd_axis_name=shard)(copies, *hy)
             return (total_n + loss_n, dw_n + dw), dh
         dw0 = jax.lax.with_sharding_constraint(jnp.zeros(copies.shape, jnp.float32), per_shard)
-        (total_n, dw_n), dh = jax.lax.scan(body, (zeros_n(), dw0), (h, y))
+        (total_n, dw_n), dh = jax.lax.scan(body, (zeros_n(), dw0), (h, y, wts))
         return total_n, (dw_n, dh)
 
     def summed_bwd(residuals, g_n):  # g_n [n]: the cotangent of each shard's sum
         dw_n, dh = residuals
         dw = (g_n.reshape(n, *(1,) * w.ndim) * dw_n).astype(w.dtype)
-        return dw, (g_n.reshape(1, n, 1, 1, 1) * dh).astype(dh.dtype), None
+        return dw, (g_n.reshape(1, n, 1, 1, 1) * dh).astype(dh.dtype), None, None
 
     summed.defvjp(summed_fwd, summed_bwd)
-    return summed(copies, h, y).sum() / (b * t)
+    return summed(copies, h, y, wts).sum() / (b * t)
 
 
 def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: jax.Array | None,
                     run_layers: RunLayers | None, *, constrain: Constrain, layout: Layout, mesh: Mesh,
-                    loss_chunk: int, train: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    loss_chunk: int, train: bool = True,
+                    weights_bt: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean loss, statistics {name: []}) of a bound model on inputs [B, T] against targets
     [B, T]: over whole logits when the sequence is one chunk or the model has no
     hidden/project seam. A model with auxiliary losses (`hidden_aux`, models/family.py)
-    adds them in training and reports their statistics."""
+    adds them in training and reports their statistics.
+
+    weights [B, T] (position order; None: all 1) scale each target's loss, and the sum
+    is still divided by B T: a target weighing 0 (the boundary of a packed document,
+    models/documents.py) counts as a position whose loss is 0, so the loss of any cut of
+    the batch (replicas, microbatches, stages) adds up to the whole batch's."""
     chunks = num_chunks(inputs_bt.shape[1], loss_chunk)
     if not has_seam(module):
-        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt), {}
+        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt, weights_bt), {}
     # hidden's rows are in the layout's storage order (context parallelism reorders them,
     # layouts/sequence.py); the targets are put in the same order, so nothing is re-sorted.
     aux, stats = 0.0, {}
@@ -221,8 +233,9 @@ def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: ja
     else:
         h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
     targets_bt = stack.stored(targets_bt, constrain)
+    weights_bt = None if weights_bt is None else stack.stored(weights_bt, constrain)
     if chunks == 1:
-        ce = cross_entropy(module.project(h_btd, w, constrain), targets_bt)
+        ce = cross_entropy(module.project(h_btd, w, constrain), targets_bt, weights_bt)
     else:
-        ce = chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh)
+        ce = chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh, weights_bt)
     return (ce + aux if train else ce), stats

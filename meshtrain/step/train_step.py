@@ -151,8 +151,8 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 
     of loss_chunk positions when that is below T (meshtrain/step/loss.py; 0: whole)."""
     if model.stats_shapes:
         raise ValueError("a model with BatchStat state has no loss of params alone: use make_objective")
-    objective = _task_objective(model, layout, mesh, tasks.for_family(model.task) if task is None else task,
-                                loss_chunk)
+    task = tasks.for_family(model.task) if task is None else task
+    objective = _task_objective(model, layout, mesh, task, loss_chunk)
 
     def loss_fn(params, batch, key):
         return objective(params, {}, batch, key)[0]
@@ -164,7 +164,7 @@ def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 
     plan = pipeline.stage_plan(model.pipeline, layout, mesh, blocks_axes,
                                grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
     return pipeline_1f1b.make_loss_fn(model, plan, loss_fn, constrain=constrain, cast=cast,
-                                      loss_chunk=loss_chunk)
+                                      loss_chunk=loss_chunk, documents=getattr(task, "documents", None))
 
 
 NONFINITE_POLICIES = ("crash", "skip")

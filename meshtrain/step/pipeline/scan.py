@@ -305,18 +305,18 @@ class StagePlan:
         num_layers = s * jax.tree.leaves(stacked)[0].shape[1]
         return to_stages(jax.random.split(key, num_layers), self.pipe).reshape(s, r, -1)
 
-    def chunk_fn(self, make_layer, *, scan_layers: bool) -> Callable:
+    def chunk_fn(self, make_layer, *, scan_layers: bool, documents=None) -> Callable:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
-        with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys."""
-        n, shard = self.n_shards, self.shard
-        layer = make_layer(Constrain(self.inner, self.mesh))
-        if self.grads_pins is not None:
-            pinned = grad_reduce.pinned_in_backward(self.grads_pins)
-            run_one = lambda x, params, k: layer(x, pinned(params), k)  # noqa: E731
-        else:
-            run_one = layer
+        with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys.
+        `documents` (models/documents.py: [B, T] leaves, or None) are the whole batch's;
+        the layers of microbatch m see its rows, as `inputs` cuts them."""
+        n, shard, n_micro = self.n_shards, self.shard, self.pipe.microbatches
+        micro_docs = jax.tree.map(lambda a: a.reshape(a.shape[0] // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1), documents)
+        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
 
-        def shard_fn(w, k, x, shard_index):  # one stage, one batch shard: x [mb/n, T, D]
+        def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]
+            layer = make_layer(Constrain(self.inner, self.mesh, docs))
+            run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
             return run_stack(run_one, w, x, k, scan=scan_layers)
@@ -325,8 +325,10 @@ class StagePlan:
             mb, t, d = x.shape
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
-            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0), spmd_axis_name=shard)(
-                w, k, x.reshape(n, mb // n, t, d), jnp.arange(n))
+            docs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)
+                                .reshape(n, mb // n, *a.shape[2:]), micro_docs)
+            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
+                w, k, x.reshape(n, mb // n, t, d), jnp.arange(n), docs)
             return y.reshape(mb, t, d)
         return chunk
 
@@ -348,7 +350,7 @@ def stage_plan(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, grads_pi
 
 def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
                 scan_layers: bool = True, grads_pins=None) -> Callable:
-    """run_layers(make_layer, stacked, x [B, T, D], key) -> [B, T, D] for a model's forward
+    """run_layers(make_layer, stacked, x [B, T, D], key, documents) -> [B, T, D] for a model's forward
     pass under the gpipe or circular schedule (and the forward-only pass of 1f1b and
     interleaved: eval, logits); backward by autodiff through the ticks.
 
@@ -367,8 +369,8 @@ def make_runner(pipe: Pipeline, layout: Layout, mesh: Mesh, blocks_axes, *,
     plan = stage_plan(pipe, layout, mesh, blocks_axes, grads_pins)
     buf_spec = plan.slot_spec()
 
-    def run_layers(make_layer, stacked, x_btd, key):
-        chunk = plan.chunk_fn(make_layer, scan_layers=scan_layers)
+    def run_layers(make_layer, stacked, x_btd, key, documents=None):
+        chunk = plan.chunk_fn(make_layer, scan_layers=scan_layers, documents=documents)
         b, t, d = x_btd.shape
         mb = b // n_micro
         inputs = plan.inputs(x_btd)

@@ -102,7 +102,8 @@ class Schedule:
     """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop:
     what one configuration fixes (the model, the stage plan, the head's layout and specs)."""
 
-    def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, loss_chunk: int):
+    def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, loss_chunk: int,
+                 documents: Callable | None = None):
         pipe = plan.pipe
         if not family.implements(model.family.module, family.PipelineEnds):
             raise UserError(
@@ -112,6 +113,9 @@ class Schedule:
                 f"or give the family those two methods.")
         self.model, self.plan, self.pipe, self.mesh = model, plan, pipe, plan.mesh
         self.constrain, self.cast, self.loss_chunk = constrain, cast, loss_chunk
+        # documents(tokens [B, T+1], constrain) -> (constrain, weights [B, T] or None): the
+        # task's (tasks/language.py); None packs windows as one stream.
+        self.documents = documents or (lambda tokens, constrain: (constrain, None))
         self.k_slots = stash_slots(pipe)
         self.head_layout = head_layout(plan.inner, plan.mesh.shape, model.cfg.padded_vocab_size)
         self.head_constrain = Constrain(self.head_layout, plan.mesh)
@@ -134,6 +138,7 @@ class TickLoop:
     def __init__(self, sched: Schedule, params, tokens_bt1, key):
         self.sched, model, plan = sched, sched.model, sched.plan
         inputs_bt, targets_bt = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+        constrain, weights_bt = sched.documents(tokens_bt1, sched.constrain)
         self.b, self.t = inputs_bt.shape
         self.mb = self.b // sched.pipe.microbatches
         k_embed, k_layers = (None, None) if key is None else tuple(jax.random.split(key))
@@ -143,7 +148,7 @@ class TickLoop:
         def prepare(params):  # -> (inputs, stage weights, head copies), under one vjp
             cast_params = sched.cast(params)
             module = model.bind(cast_params)
-            inputs = plan.inputs(module.embed_tokens(inputs_bt, sched.constrain, k_embed))
+            inputs = plan.inputs(module.embed_tokens(inputs_bt, constrain, k_embed))
             head = {k: p for k, p in cast_params.items() if k != stacked}
             head = jax.tree.map(lambda p, axes: jax.lax.with_sharding_constraint(
                 jnp.broadcast_to(p[None], (plan.n_shards, *p.shape)), sched.copies_spec(axes)), head, head_axes)
@@ -152,11 +157,13 @@ class TickLoop:
         (self.inputs, self.weights, self.head), self.prepare_vjp = jax.vjp(prepare, params)
         self.keys = plan.keys(k_layers, params[stacked])
         make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
-        self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers)
+        self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
-        # layouts/sequence.py); the targets follow them.
-        targets_bt = stack.stored(targets_bt, sched.constrain)
-        self.targets = targets_bt.reshape(self.mb, sched.pipe.microbatches, self.t).swapaxes(0, 1)  # [M, mb, T]
+        # layouts/sequence.py); the targets and their weights follow them.
+        micro = lambda a: stack.stored(a, sched.constrain).reshape(  # noqa: E731
+            self.mb, sched.pipe.microbatches, self.t).swapaxes(0, 1)  # [M, mb, T]
+        self.targets = micro(targets_bt)
+        self.target_weights = None if weights_bt is None else micro(weights_bt)
         self.chunks = loss_lib.num_chunks(self.t, sched.loss_chunk)
         self.blocks = params[stacked]
         self.head_grad = jax.vmap(jax.value_and_grad(self.shard_head, argnums=(0, 1)), spmd_axis_name=plan.shard)
@@ -164,16 +171,16 @@ class TickLoop:
 
     # -- one stage, one item -----------------------------------------------------------
 
-    def shard_head(self, head_params, x_btd, y_bt):
-        """One batch shard's head -> its loss summed over its targets."""
+    def shard_head(self, head_params, x_btd, y_bt, w_bt=None):
+        """One batch shard's head -> its loss summed over its targets (weighted by w)."""
         sched = self.sched
         bound = sched.model.bind({**head_params, sched.model.stacked: self.blocks})
         h_btd, w = bound.head(x_btd, sched.head_constrain)
         if self.chunks == 1 or not loss_lib.has_seam(bound):
-            mean = loss_lib.cross_entropy(bound.project(h_btd, w, sched.head_constrain), y_bt)
+            mean = loss_lib.cross_entropy(bound.project(h_btd, w, sched.head_constrain), y_bt, w_bt)
         else:
             mean = loss_lib.chunked_cross_entropy(bound.project, h_btd, w, y_bt, self.chunks,
-                                                  sched.head_layout, sched.mesh)
+                                                  sched.head_layout, sched.mesh, w_bt)
         return mean * y_bt.size
 
     def stage_keys(self, i):
@@ -226,8 +233,9 @@ class TickLoop:
         s, v, n, mb, t = sched.pipe.stages, sched.pipe.repeats, sched.plan.n_shards, self.mb, self.t
         valid = fv[s - 1] & (fi[s - 1] == v - 1)
         y_last = jax.lax.with_sharding_constraint(y[s - 1], sched.head_in)
-        tgt = jax.lax.dynamic_index_in_dim(self.targets, fm[s - 1], 0, keepdims=False)
-        loss_n, (d_head, dy) = self.head_grad(self.head, y_last.reshape(n, mb // n, t, -1), tgt.reshape(n, mb // n, t))
+        tgt, wts = (None if a is None else jax.lax.dynamic_index_in_dim(a, fm[s - 1], 0, keepdims=False)
+                    .reshape(n, mb // n, t) for a in (self.targets, self.target_weights))
+        loss_n, (d_head, dy) = self.head_grad(self.head, y_last.reshape(n, mb // n, t, -1), tgt, wts)
         scale = jnp.where(valid, 1.0 / (self.b * t), 0.0)
         acc = jax.tree.map(lambda a, d: a + scale * d.astype(a.dtype), carry.d_head, d_head)
         dy = (dy.reshape(mb, t, -1) * scale).astype(y.dtype)
@@ -312,10 +320,11 @@ class TickLoop:
 
 
 def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Constrain,
-                 cast: Callable, loss_chunk: int) -> Callable:
+                 cast: Callable, loss_chunk: int, documents: Callable | None = None) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss: `forward_loss` (the forward-only
     ticks) when no gradient is taken, the tick loop's loss and gradients under autodiff."""
-    loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, loss_chunk=loss_chunk)
+    loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, loss_chunk=loss_chunk,
+                              documents=documents)
 
     @jax.custom_vjp
     def loss_fn(params, tokens, key):

@@ -30,10 +30,14 @@ def kind(name: str) -> type:
     return TASKS[name]
 
 
-def for_family(name: str, data_info: dict | None = None) -> Task:
+def for_family(name: str, data_info: dict | None = None, data_cfg=None) -> Task:
     """The task a family serves (`Family.task`), set up for its data (`source.info`: the
-    classifier normalises with the data's per-channel mean and std)."""
-    return kind(name).from_data(data_info or {})
+    classifier normalises with the data's per-channel mean and std; a language model
+    packing documents splits at the data's end-of-text id) and data.* (`data_cfg`)."""
+    task = kind(name)
+    if name == "lm" and data_cfg is not None:
+        return task.from_data(data_info or {}, data_cfg.get("packing", "concat"))
+    return task.from_data(data_info or {})
 
 
 __all__ = ["Classification", "Field", "LanguageModelling", "TASKS", "Task", "for_family", "kind"]

@@ -6,10 +6,18 @@
             a model's auxiliary losses (a mixture of experts' router losses), whose
             statistics are the metrics
     unit    tokens: T per row
+
+With data.packing=documents (models/documents.py) the task derives each window's
+documents from its end-of-text ids and hands them to the model on its `Constrain`; the
+target that crosses a boundary weighs 0. The loss stays a sum divided by the B T
+positions, so it is the same whatever cuts the batch (replicas, microbatches, pipeline
+stages), and B T times a packed window's loss is the sum of its documents' summed
+losses, each run alone.
 """
 
 from __future__ import annotations
 
+from meshtrain.models import documents, stack
 from meshtrain.step import loss as loss_lib
 from meshtrain.step.tasks.task import Field
 
@@ -19,9 +27,20 @@ class LanguageModelling:
     unit = "tokens"
     eval_metrics: tuple[str, ...] = ()
 
+    def __init__(self, eot_id: int | None = None):
+        self.eot_id = eot_id  # None: windows packed as one stream (data.packing=concat)
+
     @classmethod
-    def from_data(cls, info: dict) -> "LanguageModelling":
-        return cls()
+    def from_data(cls, info: dict, packing: str = "concat") -> "LanguageModelling":
+        return cls(documents.check_packing(packing, info))
+
+    def documents(self, tokens_bt1, constrain):
+        """tokens [B, T+1] -> (constrain, with the window's documents when they are kept
+        apart, and the targets' weights [B, T] in position order, or None)."""
+        if self.eot_id is None:
+            return constrain, None
+        docs, weights = documents.of_window(tokens_bt1, self.eot_id, lambda a: stack.stored(a, constrain))
+        return constrain.with_documents(docs), weights
 
     def batch_fields(self, cfg, rows: int) -> Field:
         return Field((rows, cfg.seq_len + 1), "int32", ("batch", None))
@@ -43,5 +62,7 @@ class LanguageModelling:
 
     def loss(self, module, tokens, key, run_layers, *, constrain, layout, mesh, loss_chunk, train):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        constrain, weights = self.documents(tokens, constrain)
         return loss_lib.next_token_loss(module, inputs, targets, key, run_layers, constrain=constrain,
-                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk, train=train)
+                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk, train=train,
+                                        weights_bt=weights)
