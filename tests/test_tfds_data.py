@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from meshtrain.data import make_source, tfds_source
+from meshtrain.data import catalog, make_source
 from meshtrain.data.prepare import main as prepare
 from meshtrain.data.tokenizers import load_tokenizer
 from meshtrain.errors import UserError
@@ -148,7 +148,7 @@ def test_other_tfds_dataset_is_tokenized_once(tmp_path, monkeypatch):
         np.testing.assert_array_equal(row, val[i * SEQ: i * SEQ + SEQ + 1])
     assert source.info["name"] == "sentences__text_train_test_byte"
     calls = []
-    monkeypatch.setattr(tfds_source, "_convert", lambda *a: calls.append(a))
+    monkeypatch.setattr(catalog, "convert", lambda *a: calls.append(a))
     again = make_source(cfg, vocab_size=-1, seq_len=SEQ, seed=0)  # reads the cache
     assert calls == [] and again.fingerprint() == source.fingerprint()
     with pytest.raises(UserError, match=r"no feature 'body'.*\['text'\]"):
@@ -181,6 +181,30 @@ def test_two_processes_read_disjoint_shards_of_the_global_batch(tmp_path):
         assert not rows  # no window read twice
         for p in range(2):  # the global array every process sees is the global batch
             np.testing.assert_array_equal(np.load(out / f"global_p{p}_b{b}.npy"), want)
+
+
+@pytest.mark.slow
+def test_two_processes_convert_a_catalog_dataset_as_one_does(tmp_path):
+    """Each of 2 processes tokenizes its share of the records with 2 workers; the dataset
+    is byte for byte the one a single process writes (meshtrain/data/catalog.py)."""
+    _text_dataset(tmp_path)
+    make_source(_cfg(name="sentences", data_dir=str(tmp_path), eval_split="test", feature="text",
+                     cache_dir=str(tmp_path / "one")), vocab_size=-1, seq_len=SEQ, seed=0)
+    out = tmp_path / "two"
+    out.mkdir()
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "data_worker.py"), str(p), "2", port,
+                               str(tmp_path), str(out), "catalog"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for p in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    assert "process 1 of 2" in logs[1], logs[1][-2000:]
+    files = lambda root: {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}  # noqa: E731
+    one, two = files(tmp_path / "one"), files(out)
+    assert sorted(one) == sorted(two) and any(str(f).endswith("array_record-00000-of-00001") for f in one)
+    assert all(one[f] == two[f] for f in one), [str(f) for f in one if one[f] != two[f]]
 
 
 # --- errors ------------------------------------------------------------------------

@@ -185,10 +185,21 @@ class Corpus:
                 f"any bytes.") from None
 
 
-def encode_group(tok, docs: list[str]) -> Iterator[np.ndarray]:
+def encode_group(tok, docs: list) -> Iterator[np.ndarray]:
+    """Documents, all text (str) or all token ids already (int arrays: a catalog dataset's
+    id feature, checked against the vocabulary) -> ids [n + 1] each, end of text last."""
     if not docs:
         return
-    for ids in tok.encode_batch(docs):
+    if isinstance(docs[0], str):
+        docs = tok.encode_batch(docs)
+    else:
+        top = max((int(d.max()) for d in docs if d.size), default=0)
+        if top >= tok.vocab_size:
+            raise UserError(
+                f"The dataset's token ids reach {top}, beyond the {tok.vocab_size} ids of "
+                f"data.tokenizer ({tok.describe()}). Set data.tokenizer to the tokenizer the "
+                f"dataset was made with.")
+    for ids in docs:
         yield np.append(np.asarray(ids, np.int32), np.int32(tok.eot_id))
 
 

@@ -8,7 +8,8 @@
     hf       a directory written by Hugging Face `datasets`' save_to_disk: its Arrow files
              read directly (pyarrow, no `datasets` needed); a DatasetDict's `train` split
     tokens   .bin: token ids already, as nanoGPT writes them (raw uint16) or llm.c (a
-             header of 256 int32: magic 20240520, version 1 (uint16) or 2 (uint32), count)
+             header of 256 int32: magic 20240520, version 1 (uint16) or 2 (uint32), count),
+             or Megatron-LM's indexed dataset (PREFIX.bin beside its index PREFIX.idx)
 
 A reader yields (documents, input bytes they came from): the bytes drive the progress bar.
 A file whose first bytes say it is compressed or columnar is never read as text: the
@@ -31,11 +32,15 @@ from meshtrain.errors import UserError
 FORMATS = ("text", "jsonl", "parquet", "hf", "tokens")
 JSONL = (".jsonl", ".json", ".ndjson")
 LLMC_MAGIC = 20240520
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+# Megatron-core's DType codes of integers; 6 (float64) and 7 (float32) hold no token ids.
+MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
 DOCS_PER_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
 # First bytes that no text file starts with, and what they are.
 _MAGIC = {b"PAR1": "a parquet file (--format=parquet)", b"\x28\xb5\x2f\xfd": "zstd-compressed (.zst)",
           b"\x1f\x8b": "gzip-compressed (.gz)", b"ARROW1": "an Arrow file", b"\xff\xff\xff\xff": "an Arrow stream",
-          b"PK\x03\x04": "a zip archive"}
+          b"PK\x03\x04": "a zip archive",
+          MEGATRON_MAGIC: "a Megatron-LM index (.idx): pass its .bin (--input=PREFIX.bin), read with it"}
 
 
 def format_of(path: Path, given: str = "auto") -> str:
@@ -56,7 +61,7 @@ def format_of(path: Path, given: str = "auto") -> str:
 def sniff(path: Path) -> None:
     """Refuses a file taken as text whose first bytes say it is something else."""
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
     for magic, what in _MAGIC.items():
         if head.startswith(magic):
             raise UserError(f"{str(path)!r} is {what}, not text: reading its bytes as text would train on "
@@ -195,9 +200,23 @@ class TokenFile:
                 f.seek(self.offset + lo * np.dtype(self.dtype).itemsize)
                 yield np.frombuffer(f.read((min(lo + size, b) - lo) * np.dtype(self.dtype).itemsize), self.dtype)
 
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
 
-def token_file(path: Path) -> TokenFile:
-    """A .bin file of token ids: llm.c's (its header read) or nanoGPT's (raw uint16)."""
+    def scan(self, eot: int) -> tuple[int, "TokenFile"]:
+        """(its largest id, -1 if none; its stream: itself, its documents ended by end of text already)."""
+        return max((int(c.max()) for c in self.chunks() if len(c)), default=-1), self
+
+
+def token_file(path: Path) -> "TokenFile | MegatronFile":
+    """A .bin file of token ids: Megatron-LM's (a .idx of the same stem beside it), llm.c's
+    (its header read) or nanoGPT's (raw uint16)."""
+    if path.suffix.lower() == ".idx":
+        raise UserError(f"{str(path)!r} is a Megatron-LM index, read with its .bin: name the .bin files "
+                        f"(--input='DIR/*.bin'), not the .idx.")
+    if path.with_suffix(".idx").exists():
+        return megatron_file(path, path.with_suffix(".idx"))
     size = path.stat().st_size
     header = np.fromfile(path, np.int32, count=256) if size >= 1024 else np.zeros(0, np.int32)
     if len(header) and header[0] == LLMC_MAGIC:

@@ -8,8 +8,9 @@ Two kinds of dataset are read:
     whose `data.feature` is text (tokenized with `data.tokenizer`) or token ids.
     The first run tokenizes the two splits once, with a progress bar, into a
     meshtrain token dataset in `data.cache_dir` (default: data.data_dir) named
-    NAME__FEATURE_SPLIT_EVALSPLIT_TOKENIZER; later runs read that. On several
-    processes, process 0 writes it while the others wait.
+    NAME__FEATURE_SPLIT_EVALSPLIT_TOKENIZER (meshtrain/data/catalog.py: every process
+    tokenizes a share of the records, each with data.workers worker processes); later
+    runs read that.
 
 Nothing here downloads: a catalog dataset must already be prepared as
 ArrayRecord under data.data_dir (TensorFlow is needed only for that step).
@@ -21,15 +22,13 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
 import tensorflow_datasets as tfds
 
-from meshtrain.data import token_dataset
+from meshtrain.data import catalog, token_dataset
 from meshtrain.data.source import DataSource
-from meshtrain.data.tokenizers import check_tokenizer_spec, load_tokenizer, make_tokenizer
+from meshtrain.data.tokenizers import check_tokenizer_spec, load_tokenizer
 from meshtrain.data.windows import RecordStream, stream_source
 from meshtrain.errors import UserError, warn
-from meshtrain.progress import Progress
 
 
 def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
@@ -133,53 +132,9 @@ def _converted(builder, data_cfg, split: str, eval_split: str):
     cache = data_cfg.get("cache_dir") or data_cfg.get("data_dir") or os.environ.get(
         "TFDS_DATA_DIR", "~/tensorflow_datasets")
     if not token_dataset.dataset_dir(cache, name).exists():
-        _convert(builder, feature, {"train": split, "validation": eval_split}, spec, name, cache)
+        catalog.convert(builder, feature, {"train": split, "validation": eval_split}, spec, name, cache,
+                        max(int(data_cfg.get("workers") or 0), 1))
     return open_builder(name, cache)
-
-
-def _convert(builder, feature: str, splits: dict, spec: str, name: str, cache: str) -> None:
-    import jax
-    from jax.experimental import multihost_utils
-
-    if jax.process_index() == 0:
-        tok = make_tokenizer(spec)
-        sources = builder.as_data_source()
-        bar = Progress(f"tokenize {builder.name}", sum(len(sources[s]) for s in splits.values()),
-                       unit=" docs")
-        docs = {ours: (lambda s=theirs: _documents(sources[s], feature, tok, bar.update))
-                for ours, theirs in splits.items()}
-        token_dataset.write_token_dataset(
-            name, cache, tok, docs,
-            extra_metadata={"source": {"tfds": builder.name, "feature": feature, "splits": splits}})
-        bar.close()
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"meshtrain tokenized {name}")
-
-
-def _documents(source, feature: str, tok, progress, group: int = 512):
-    """Records -> token arrays ending in end of text, read `group` records at a time."""
-    for start in range(0, len(source), group):
-        recs = source.__getitems__(list(range(start, min(start + group, len(source)))))
-        values = [r[feature] for r in recs]
-        if values and isinstance(values[0], (bytes, str)):
-            texts = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
-                     for v in values]
-            ids = tok.encode_batch(texts)
-        else:
-            ids = [np.asarray(v).reshape(-1) for v in values]
-            _check_ids(ids, tok)
-        progress(len(values))
-        for doc in ids:
-            yield np.append(np.asarray(doc, np.int32), np.int32(tok.eot_id))
-
-
-def _check_ids(ids, tok) -> None:
-    top = max((int(a.max()) for a in ids if a.size), default=0)
-    if top >= tok.vocab_size:
-        raise UserError(
-            f"The dataset's token ids reach {top}, beyond the {tok.vocab_size} ids of "
-            f"data.tokenizer ({tok.describe()}). Set data.tokenizer to the tokenizer the "
-            f"dataset was made with.")
 
 
 def _cache_name(dataset: str, feature, split, eval_split, spec) -> str:

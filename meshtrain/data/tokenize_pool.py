@@ -120,11 +120,14 @@ def run(fn, tasks: list[tuple], executor, done) -> None:
         done(futures[f], f.result())
 
 
-def tokenize(corpus, units: list[Unit], work: Work, tokenizer_path: Path, executor, progress) -> None:
-    """Every unit not done yet, on `executor` (a `pool`); `progress(n)` gets each unit's
-    input bytes, those done before at once."""
-    todo = [k for k in range(len(units)) if not work.done(k)]
-    progress(sum(units[k].nbytes for k in set(range(len(units))) - set(todo)))
+def tokenize(corpus, units: list[Unit], work: Work, tokenizer_path: Path, executor, progress,
+             only: list[int] | None = None) -> None:
+    """Every unit not done yet (of `only`, indices into `units`, when given: this process's
+    share), on `executor` (a `pool`); `progress(n)` gets each unit's input bytes, those
+    done before at once."""
+    share = range(len(units)) if only is None else only
+    todo = [k for k in share if not work.done(k)]
+    progress(sum(units[k].nbytes for k in set(share) - set(todo)))
     run(tokenize_unit, [(corpus, units[k], k, str(work.root), str(tokenizer_path)) for k in todo], executor,
         lambda task, nbytes: progress(nbytes))
 
