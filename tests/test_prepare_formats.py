@@ -1,10 +1,13 @@
 """`meshtrain prepare` on the corpora people have (meshtrain/data/formats.py, inputs.py):
 the same documents as JSON lines (zstd), parquet and a Hugging Face dataset saved to disk
 prepare to one token stream; token files made by numpy (nanoGPT's raw uint16, llm.c's
-header) prepare to the tokens they hold and train to the losses of the same text; a
-compressed or columnar file is never read as text."""
+header) prepare to the tokens they hold and train to the losses of the same text, and
+Megatron-LM's .bin + .idx to the tokens of the same documents; a compressed or columnar
+file is never read as text."""
 
 import json
+import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +109,92 @@ def test_token_files_train_to_the_losses_of_the_same_tokens_prepared_from_text(t
     assert runs["bin"] == runs["text"] and len(runs["text"]) == 3
 
 
+def _write_megatron(prefix, documents, dtype, code: int | None = None) -> Path:
+    """PREFIX.bin and PREFIX.idx as Megatron-core's IndexedDatasetBuilder writes them, byte for
+    byte; `documents`: each a list of sequences (id arrays)."""
+    sequences = [s for doc in documents for s in doc]
+    lengths = np.array([len(s) for s in sequences], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * np.dtype(dtype).itemsize
+    firsts = np.cumsum([0] + [len(doc) for doc in documents], dtype=np.int64)  # D = documents + 1: 0 ... S
+    np.concatenate(sequences).astype(dtype).tofile(f"{prefix}.bin")
+    code = code or {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}[np.dtype(dtype)]
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, code, len(lengths), len(firsts)))
+        f.write(lengths.astype("<i4").tobytes() + offsets.astype("<i8").tobytes() + firsts.astype("<i8").tobytes())
+    return Path(f"{prefix}.bin")
+
+
+def _megatron_documents(ids, eod: bool, eot: int) -> list:
+    """Documents' ids as Megatron's preprocess_data.py stores them: in sentences (here every
+    other document in two), end of text after the last under --append-eod; without it, also
+    an empty document and one of an empty sentence, which the stream leaves out."""
+    docs = [[d[:len(d) // 2], d[len(d) // 2:]] if k % 2 else [d] for k, d in enumerate(ids)]
+    if eod:
+        return [doc[:-1] + [np.append(doc[-1], eot)] for doc in docs]
+    return docs[:5] + [[], [np.zeros(0, np.int64)]] + docs[5:]
+
+
+@pytest.mark.parametrize("eod", [True, False], ids=["append_eod", "no_eod"])
+def test_a_megatron_dataset_prepares_to_the_stream_of_the_same_documents(tmp_path, documents, eod):
+    """Megatron-LM's PREFIX.bin + PREFIX.idx (uint16, or int32 ids) prepare to the stream of the
+    same documents as JSON lines (with --val_input) and as a nanoGPT .bin (the held-out tail cut
+    at an end of text): each document ended by end of text, its own (--append-eod) or inserted."""
+    tok, data = make_tokenizer("byte"), tmp_path / "d"
+    ids, dtype = [tok.encode(d) for d in documents], np.uint16 if eod else np.int32
+    for split, part in (("train", slice(0, 150)), ("val", slice(150, None))):
+        _write_megatron(tmp_path / f"m_{split}", _megatron_documents(ids[part], eod, tok.eot_id), dtype)
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[part]))
+    _write_megatron(tmp_path / "m_all", _megatron_documents(ids, eod, tok.eot_id), dtype)
+    np.concatenate([np.append(i, tok.eot_id) for i in ids]).astype(np.uint16).tofile(tmp_path / "all.bin")
+    inputs = {"jsonl": ("train.jsonl", "val.jsonl"), "megatron_val": ("m_train.bin", "m_val.bin"),
+              "nanogpt": ("all.bin", ""), "megatron": ("m_all.bin", "")}
+    for name, (train, val) in inputs.items():
+        assert prepare([f"--input={tmp_path / train}", *([f"--val_input={tmp_path / val}"] if val else []),
+                        f"--name={name}", f"--data_dir={data}", "--tokenizer=byte", f"--val_fraction={FRACTION}",
+                        "--record_tokens=100"]) == 0
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(_stream(data, "megatron_val", split), _stream(data, "jsonl", split))
+        np.testing.assert_array_equal(_stream(data, "megatron", split), _stream(data, "nanogpt", split))
+    meta = {name: json.loads((data / name / "1.0.0" / "metadata.json").read_text()) for name in inputs}
+    assert meta["megatron_val"]["num_documents"] == meta["jsonl"]["num_documents"] == {"train": 150, "validation": 50}
+
+
+def test_a_megatron_stream_reads_any_range_with_its_ends_of_text(tmp_path):
+    """A piece of the stream, read from anywhere in pieces of any size, is that piece of the
+    whole: a document keeps its own end of text, one without gets one after it."""
+    eot, rng = 9, np.random.default_rng(1)
+    ids = [rng.integers(0, eot, rng.integers(1, 6)) for _ in range(30)]
+    ids = [np.append(d, eot) if k % 3 == 0 else d for k, d in enumerate(ids)]
+    whole = np.concatenate([d if d[-1] == eot else np.append(d, eot) for d in ids])
+    top, stream = formats.token_file(_write_megatron(tmp_path / "m", _megatron_documents(ids, False, eot),
+                                                     np.uint16)).scan(eot)
+    assert top == eot and stream.count == len(whole)
+    ends = np.flatnonzero(whole == eot)  # ranges from and around ends of text, their own or inserted
+    ranges = [(0, len(whole)), *((e, e + 1) for e in ends), *((e, len(whole)) for e in ends),
+              *(sorted(rng.integers(0, len(whole) + 1, 2)) for _ in range(40))]
+    for a, b in ranges:
+        for size in (1, 3, 64):
+            got = list(stream.chunks(a, b, size))
+            np.testing.assert_array_equal(np.concatenate(got) if got else [], whole[a:b])
+
+
+def test_a_damaged_megatron_dataset_is_named_with_the_fix(tmp_path, capsys):
+    good = _write_megatron(tmp_path / "good", [[np.arange(5)], [np.arange(3), np.arange(4)]], np.uint16)
+    idx, ids = good.with_suffix(".idx").read_bytes(), good.read_bytes()
+    cases = {"magic": (b"MMIDIDY\x00\x00" + idx[9:], ids,
+                       "starts b'MMIDIDY\\x00\\x00', not b'MMIDIDX\\x00\\x00': not a Megatron-LM index"),
+             "short": (idx, ids[:-2],
+                       "its index says 12 uint16 ids from byte 0, 24 bytes; the .bin holds 22: truncated"),
+             "cut": (idx[:-8], ids, "where its 3 sequences and 3 document indices take 94: truncated"),
+             "float": (idx[:17] + bytes([7]) + idx[18:], ids, "dtype code 7 (float32), not token ids")}
+    for name, (index, content, want) in cases.items():
+        (tmp_path / f"{name}.idx").write_bytes(index)
+        (tmp_path / f"{name}.bin").write_bytes(content)
+        assert prepare([f"--input={tmp_path / name}.bin", "--name=x", f"--data_dir={tmp_path / 'd'}"]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "preprocess_data.py" in err and "Traceback" not in err, err
+
+
 def test_a_compressed_or_columnar_file_is_never_read_as_text(tmp_path, documents, capsys):
     parquet = _write("parquet", tmp_path / "c.parquet", documents)
     zst = _write("jsonl.zst", tmp_path / "c.jsonl.zst", documents)
@@ -120,9 +209,10 @@ def test_a_compressed_or_columnar_file_is_never_read_as_text(tmp_path, documents
 
 def test_bad_records_are_named_with_the_fix(tmp_path, capsys):
     cases = {"nofield.jsonl": '{"body": "a"}\n', "broken.jsonl": '{"text": "a"}\n{"text": \n',
-             "odd.bin": "abc"}
+             "odd.bin": "abc", "alone.idx": "MMIDIDX"}
     want = {"nofield.jsonl": "line 1: no field 'text' (it has ['body']). Pass --text_field=NAME.",
-            "broken.jsonl": "line 2: not JSON", "odd.bin": "odd number of bytes"}
+            "broken.jsonl": "line 2: not JSON", "odd.bin": "odd number of bytes",
+            "alone.idx": "is a Megatron-LM index, read with its .bin: name the .bin files"}
     for name, content in cases.items():
         (tmp_path / name).write_text(content)
         assert prepare([f"--input={tmp_path / name}", "--name=x", f"--data_dir={tmp_path / 'd'}"]) == 2

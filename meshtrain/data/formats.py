@@ -40,7 +40,7 @@ DOCS_PER_BATCH = 1024  # documents read per batch: small against memory, large f
 _MAGIC = {b"PAR1": "a parquet file (--format=parquet)", b"\x28\xb5\x2f\xfd": "zstd-compressed (.zst)",
           b"\x1f\x8b": "gzip-compressed (.gz)", b"ARROW1": "an Arrow file", b"\xff\xff\xff\xff": "an Arrow stream",
           b"PK\x03\x04": "a zip archive",
-          MEGATRON_MAGIC: "a Megatron-LM index (.idx): pass its .bin (--input=PREFIX.bin), read with it"}
+          MEGATRON_MAGIC: "a Megatron-LM index (.idx; pass its .bin)"}
 
 
 def format_of(path: Path, given: str = "auto") -> str:
@@ -55,7 +55,9 @@ def format_of(path: Path, given: str = "auto") -> str:
     if suffixes and suffixes[-1] in (".gz", ".zst"):
         suffixes = suffixes[:-1]
     last = suffixes[-1] if suffixes else ""
-    return {".parquet": "parquet", ".bin": "tokens", ".arrow": "hf"}.get(last, "jsonl" if last in JSONL else "text")
+    # a .idx is half of Megatron's token files: token_file names it and asks for its .bin
+    names = {".parquet": "parquet", ".bin": "tokens", ".idx": "tokens", ".arrow": "hf"}
+    return names.get(last, "jsonl" if last in JSONL else "text")
 
 
 def sniff(path: Path) -> None:
@@ -231,3 +233,129 @@ def token_file(path: Path) -> "TokenFile | MegatronFile":
         raise UserError(f"{str(path)!r} has an odd number of bytes ({size:,}): not a nanoGPT token file "
                         f"(uint16 ids) nor an llm.c one (a 1,024-byte header of magic {LLMC_MAGIC}).")
     return TokenFile(path, 0, "uint16", size // 2)
+
+
+# Megatron-LM's indexed dataset is read with numpy: Megatron-core itself (torch, its C++
+# dataset helpers, NVIDIA's training stack) is a heavyweight library to import for a
+# 34-byte header and three arrays.
+_MEGATRON_HEADER = 34  # magic (9 bytes), version (uint64), dtype code (uint8), S and D (uint64)
+
+
+def megatron_file(path: Path, idx: Path) -> "MegatronFile":
+    """PREFIX.bin read by its index PREFIX.idx. The .bin is read front to back, so its
+    sequences must lie one after another in order, as Megatron's preprocess_data.py and
+    IndexedDatasetBuilder write them."""
+    dtype, lengths, offsets, firsts = _megatron_index(idx)
+    where = f"{str(path)!r} (with {idx.name!r})"
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # [S + 1]: each sequence's first id
+    base = int(offsets[0]) if len(offsets) else 0
+    moved = np.flatnonzero(offsets != base + starts[:-1] * dtype.itemsize)
+    if len(moved):
+        i = int(moved[0])
+        raise UserError(f"{where}: sequence {i} is at byte {offsets[i]:,}, not {base + starts[i] * dtype.itemsize:,} "
+                        f"right after the one before: meshtrain reads the sequences one after another, as "
+                        f"Megatron writes them. Rewrite the dataset with Megatron's IndexedDatasetBuilder.")
+    size, want = path.stat().st_size, base + int(starts[-1]) * dtype.itemsize
+    if size != want:
+        raise UserError(f"{where}: its index says {int(starts[-1]):,} {dtype.name} ids from byte {base:,}, "
+                        f"{want:,} bytes; the .bin holds {size:,}: {'truncated' if size < want else 'longer'}, "
+                        f"or not the .bin of this index. Copy the .bin and .idx of one preprocess_data.py run again.")
+    ends, begins = starts[firsts[1:]], starts[firsts[:-1]]
+    return MegatronFile(path, base, dtype.name, int(starts[-1]), ends[ends > begins])
+
+
+def _megatron_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """A checked .idx (little-endian: b"MMIDIDX\\0\\0", version 1, dtype code, S, D) -> (the ids'
+    dtype, lengths int32[S], byte offsets int64[S], each document's first sequence int64[D]:
+    0 first, S last)."""
+    with open(idx, "rb") as f:
+        head = f.read(_MEGATRON_HEADER)
+    where, fix = str(idx), "Copy the .bin and .idx of one preprocess_data.py run again, or rerun it."
+    if head[:9] != MEGATRON_MAGIC:
+        raise UserError(f"{where!r} starts {head[:9]!r}, not {MEGATRON_MAGIC!r}: not a Megatron-LM index, so "
+                        f"{idx.with_suffix('.bin').name!r} beside it cannot be read. {fix} (A .bin of nanoGPT's "
+                        f"or llm.c's has no .idx beside it.)")
+    if len(head) < _MEGATRON_HEADER:
+        raise UserError(f"{where!r}: {len(head)} bytes, shorter than a Megatron index's 34-byte header. {fix}")
+    version, code = np.frombuffer(head, "<u8", 1, 9)[0], head[17]
+    if version != 1:
+        raise UserError(f"{where!r}: Megatron index version {version}; meshtrain reads version 1, the one "
+                        f"Megatron-core's IndexedDataset writes. {fix}")
+    if code not in MEGATRON_DTYPES:
+        what = {6: "float64", 7: "float32"}.get(code, "unknown")
+        raise UserError(f"{where!r}: dtype code {code} ({what}), not token ids: known are "
+                        f"{', '.join(f'{c} ({d})' for c, d in MEGATRON_DTYPES.items())}. {fix}")
+    s, d = (int(n) for n in np.frombuffer(head, "<u8", 2, 18))  # sequences S, document indices D
+    size, want = idx.stat().st_size, _MEGATRON_HEADER + 12 * s + 8 * d
+    if size != want:
+        raise UserError(f"{where!r}: {size:,} bytes, where its {s:,} sequences and {d:,} document indices take "
+                        f"{want:,}: truncated, or damaged (a multimodal index, with sequence modes, is not "
+                        f"token text). {fix}")
+    lengths = np.fromfile(idx, "<i4", s, offset=_MEGATRON_HEADER)
+    offsets = np.fromfile(idx, "<i8", s, offset=_MEGATRON_HEADER + 4 * s)
+    firsts = np.fromfile(idx, "<i8", d, offset=_MEGATRON_HEADER + 12 * s)
+    if d < 1 or firsts[0] != 0 or firsts[-1] != s or np.any(np.diff(firsts) < 0) or np.any(lengths < 0):
+        raise UserError(f"{where!r}: its document indices are not 0, ..., {s:,} in order, or a sequence "
+                        f"length is negative: a damaged index. {fix}")
+    return np.dtype(MEGATRON_DTYPES[code]), lengths, offsets, firsts
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFile(TokenFile):
+    """A Megatron-LM dataset's ids (its sequences, one after another) and `ends` [documents]
+    int64: the id position after each document that has ids (empty ones are left out)."""
+
+    ends: np.ndarray
+
+    def scan(self, eot: int) -> tuple[int, "Ended"]:
+        """(its largest id; its stream: `eot` inserted after each document not ending in it,
+        as Megatron's preprocess_data.py writes them without --append-eod). One pass, in pieces."""
+        last, top, lo = self.ends - 1, -1, 0
+        tails = np.empty(len(last), np.int64)  # each document's last id
+        for chunk in self.chunks():
+            if chunk.min() < 0:  # a signed dtype's damage would pass the vocabulary check
+                raise UserError(f"{str(self.path)!r} holds token id {int(chunk.min())}: a damaged file. "
+                                f"Copy the .bin and .idx of one preprocess_data.py run again.")
+            top = max(top, int(chunk.max()))
+            i, j = np.searchsorted(last, [lo, lo + len(chunk)])
+            tails[i:j] = chunk[last[i:j] - lo]
+            lo += len(chunk)
+        return top, Ended(self, self.ends[tails != eot], eot)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """A file's stream: its ids with `eot` inserted before the id positions `at` [k] int64
+    (increasing), read as int32 pieces."""
+
+    ids: TokenFile
+    at: np.ndarray
+    eot: int
+
+    @property
+    def count(self) -> int:
+        return self.ids.count + len(self.at)
+
+    @property
+    def itemsize(self) -> int:
+        return self.ids.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+    def chunks(self, a: int = 0, b: int | None = None, size: int = 1 << 22) -> Iterator[np.ndarray]:
+        """Stream ids [a, b): pieces of at most `size` file ids and the ids inserted among them."""
+        b = self.count if b is None else b
+        placed = self.at + np.arange(len(self.at))  # the inserted ids' stream positions
+        k, before_b = (int(n) for n in np.searchsorted(placed, [a, b]))  # how many lie before a, before b
+        lo, pos = a - k, a  # lo: the file position of stream position a, or of the id after it
+        if k < len(placed) and placed[k] == a < b:  # a is an inserted id: it ends the document before lo
+            yield np.array([self.eot], np.int32)
+            k, pos = k + 1, a + 1
+        for chunk in self.ids.chunks(lo, b - before_b, size):
+            hi = lo + len(chunk)
+            j = int(np.searchsorted(self.at, hi, "right"))  # the ids inserted after file ids [lo, hi)
+            piece = np.insert(chunk.astype(np.int32), self.at[k:j] - lo, self.eot)[:b - pos]
+            yield piece
+            lo, k, pos = hi, j, pos + len(piece)

@@ -1,6 +1,7 @@
 """What `meshtrain prepare --input=...` reads when the input is not plain text: documents
 from records (JSON lines, parquet, a saved Hugging Face dataset), or token ids already
-made (.bin token files), each with its held-out split. Plain text is
+made (.bin token files: nanoGPT's, llm.c's, Megatron-LM's with its .idx), each with its
+held-out split. Plain text is
 meshtrain/data/corpus.py's Corpus; all three give prepare the same interface:
 
     files, total (input bytes: the progress bar's), info(), describe_split()
@@ -12,7 +13,8 @@ The held-out split, records: the documents of `--val_input` when given, else a s
 `val_fraction` of the documents spread evenly over the stream (document i is held out when
 floor((i + 1) f) > floor(i f)), so it is read in one pass whatever the format and the same
 documents in any format split the same way. Token files: `--val_input`'s files, else the
-stream's tail from the first end of text at or after its (1 - f) point.
+stream's tail from the first end of text at or after its (1 - f) point; a Megatron-LM
+file's stream has an end of text after each document that lacks one (formats.MegatronFile).
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ class Records:
 
 
 class TokenFiles:
-    """Token ids already made (.bin files): the stream as it is, no tokenizer run."""
+    """Token ids already made (.bin files): the stream as it is, no tokenizer run. A file is
+    read once the tokenizer is known (`check`): Megatron-LM's documents then get its end
+    of text where they lack one."""
 
     fmt = "tokens"
 
@@ -91,14 +95,16 @@ class TokenFiles:
         self.total = sum(t.nbytes for t in self.ids.values())
 
     def check(self, tok) -> None:
-        """Every id within `tok`'s vocabulary; without --val_input, where the held-out split starts."""
-        for f, t in self.ids.items():
-            top = max((int(c.max()) for c in t.chunks() if len(c)), default=-1)
+        """Every id within `tok`'s vocabulary; each file's stream, its documents ended by `tok`'s
+        end of text (one pass a file); without --val_input, where the held-out split starts."""
+        self.eot = tok.eot_id
+        for f, t in list(self.ids.items()):
+            top, self.ids[f] = t.scan(self.eot)
             if top >= tok.vocab_size:
                 raise UserError(f"{str(f)!r} holds token id {top}, outside tokenizer {tok.describe()} "
                                 f"({tok.vocab_size} ids): pass the --tokenizer these ids were made with "
                                 f"(nanoGPT's and llm.c's GPT-2 files: --tokenizer=gpt2).")
-        self.eot = tok.eot_id
+        self.total = sum(t.nbytes for t in self.ids.values())  # what tokens() reports: the ids inserted too
         if not self.val_files:
             self.cut = self._cut()
 
@@ -135,8 +141,8 @@ class TokenFiles:
         for t, a, b in ranges:
             for chunk in t.chunks(a, b):
                 if progress is not None:
-                    progress(chunk.nbytes)
-                yield chunk.astype(np.int32)
+                    progress(len(chunk) * t.itemsize)
+                yield chunk.astype(np.int32, copy=False)
 
     def describe_split(self) -> str:
         return (f"validation = {len(self.val_files)} file(s) of --val_input" if self.val_files else
@@ -150,7 +156,8 @@ class TokenFiles:
 def input_paths(path, key: str) -> list[Path]:
     """A path's or glob's files, and the save_to_disk directories it names (a directory
     is one input)."""
-    return resolve_paths(path, key, is_input_dir=lambda d: any((d / f).exists() for f in ("state.json", "dataset_dict.json")))
+    saved = ("state.json", "dataset_dict.json")  # what save_to_disk writes
+    return resolve_paths(path, key, is_input_dir=lambda d: any((d / f).exists() for f in saved))
 
 
 def _size(path: Path) -> int:

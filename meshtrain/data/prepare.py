@@ -32,7 +32,8 @@ def parser() -> cli.Parser:
     p = cli.command_parser("meshtrain prepare", __doc__)
     p.add_argument("--input", default="",
                    help="a file, a glob ('data/*.jsonl.zst') or a save_to_disk directory: text, "
-                        "jsonl (.gz/.zst), parquet, a Hugging Face dataset or .bin token files")
+                        "jsonl (.gz/.zst), parquet, a Hugging Face dataset or .bin token files (nanoGPT, "
+                        "llm.c, Megatron-LM's .bin beside its .idx)")
     p.add_argument("--format", default="auto",
                    help="auto (by the file names) | text | jsonl | parquet | hf | tokens")
     p.add_argument("--text_field", default="text", help="the JSON field or column holding each document")
@@ -222,7 +223,7 @@ def _open(args, spec: str):
     if fmt == "tokens":
         if spec in ("char", "bpe"):
             raise UserError(f"--input {args.input!r} holds token ids already: pass the --tokenizer they were "
-                            f"made with (nanoGPT's and llm.c's GPT-2 files: --tokenizer=gpt2), not one built "
+                            f"made with (nanoGPT's, llm.c's and Megatron's GPT-2 files: --tokenizer=gpt2), not one built "
                             f"from the corpus ({spec}).")
         return inputs.TokenFiles(args.input, val_fraction=args.val_fraction, val_path=args.val_input)
     if fmt != "text":
