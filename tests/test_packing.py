@@ -87,8 +87,6 @@ def test_a_packed_window_equals_its_documents_alone(one_device):
     np.testing.assert_allclose(loss * positions, alone, rtol=1e-5)
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g * positions, r, rtol=2e-4, atol=1e-5 * np.abs(r).max()),
                  grads, alone_grads)
-    concat, _ = packed_loss_and_grads(exp, LanguageModelling(), batch)
-    assert abs(concat - loss) > 1e-3, "packing documents should change the loss of a packed window"
 
 
 def test_documents_never_see_each_other(one_device):
@@ -114,24 +112,32 @@ CASES = {  # name: (config, mesh, overrides)
     "gpt2_fsdp_loss_chunks": ("gpt2_tiny_dp8", "fsdp:8", {"layout": "fsdp", "train.loss_chunk": 16}),
     "gpt2_ring": ("gpt2_tiny_dp8", "data:2,context:4", {"layout": "dp_cp", "model.context_attention": "ring"}),
     "gpt2_1f1b": ("gpt2_tiny_pp2_dp4", "data:4,stage:2", {"pipeline.schedule": "1f1b"}),
-    "llama_dp_tp": ("llama_tiny_dp8", "data:2,tensor:4", {"layout": "dp_tp"}),
+    "llama_dp_tp_sp": ("llama_tiny_dp8", "data:2,tensor:4", {"layout": "dp_tp_sp"}),
     "llama_ring_gqa": ("llama_tiny_dp8", "context:4,tensor:2", {"layout": "dp_tp_cp", "model.context_attention": "ring"}),
     "llama_allgather": ("llama_tiny_dp8", "data:2,context:4", {"layout": "dp_cp"}),
     "llama_gpipe": ("llama_tiny_pp2_dp4", "data:4,stage:2", {}),
 }
 
 
+@pytest.fixture(scope="module")
+def references():
+    """One device's packed loss and gradients, per (family, layer count): computed once."""
+    return {}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_packed_documents_on_a_layout_equal_one_device(case):
+def test_packed_documents_on_a_layout_equal_one_device(case, references):
     name, mesh, overrides = CASES[case]
     exp = experiment(name, mesh, **overrides)
-    layers = exp.model.cfg.num_layers
-    ref = experiment(name, "data:1", **{"layout": "dp", "pipeline.microbatches": 0, "model.num_layers": layers})
-    vocab = exp.model.cfg.vocab_size
+    cfg = exp.model.cfg
+    vocab, key = cfg.vocab_size, (exp.model.family.name, cfg.num_layers, cfg.seq_len)
     task = LanguageModelling(eot_id=vocab - 1)
-    batch = windows(exp.model.cfg.seq_len, vocab - 1, vocab, seed=1)
+    batch = windows(cfg.seq_len, vocab - 1, vocab, seed=1)
     loss, grads = packed_loss_and_grads(exp, task, batch)
-    ref_loss, ref_grads = packed_loss_and_grads(ref, task, batch)
+    if key not in references:
+        ref = experiment(name, "data:1", **{"layout": "dp", "pipeline.microbatches": 0, "model.num_layers": key[1]})
+        references[key] = packed_loss_and_grads(ref, task, batch)
+    ref_loss, ref_grads = references[key]
     assert abs(loss - ref_loss) / ref_loss < 1e-5, (loss, ref_loss)
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6 * np.abs(r).max()),
                  grads, ref_grads)

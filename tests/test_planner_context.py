@@ -60,7 +60,8 @@ def test_compiled_context_traffic_equals_the_formula(name, planned):
     rows = 8 // exp.layout.shards("batch", exp.mesh.shape)[0]
     block = rows * 512 // 4 * kv_heads * cfg.head_dim * 4
     passes = 3 if cfg.remat == "full" else 2
-    assert c["bytes"] - c["terms"]["positions"] == passes * cfg.num_layers * 2 * 3 * block
+    assert ("positions" in c["terms"]) == (c["kind"] == "allgather")  # the ring sends none
+    assert c["bytes"] - c["terms"].get("positions", 0.0) == passes * cfg.num_layers * 2 * 3 * block
     if c["kind"] == "ring":
         assert c["count"] == passes * cfg.num_layers * 2 * 3
 

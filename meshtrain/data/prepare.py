@@ -223,8 +223,8 @@ def _open(args, spec: str):
     if fmt == "tokens":
         if spec in ("char", "bpe"):
             raise UserError(f"--input {args.input!r} holds token ids already: pass the --tokenizer they were "
-                            f"made with (nanoGPT's, llm.c's and Megatron's GPT-2 files: --tokenizer=gpt2), not one built "
-                            f"from the corpus ({spec}).")
+                            f"made with (nanoGPT's, llm.c's and Megatron's GPT-2 files: --tokenizer=gpt2), "
+                            f"not one built from the corpus ({spec}).")
         return inputs.TokenFiles(args.input, val_fraction=args.val_fraction, val_path=args.val_input)
     if fmt != "text":
         return inputs.Records(args.input, fmt, args.text_field, val_fraction=args.val_fraction,

@@ -152,8 +152,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     nc, context_axes = sequence.split(layout, mesh.shape)
     n, axes = nb * nc, (*batch_axes, *context_axes)
     inner = layout.without(*axes)
-    shard = axes or None
-    inner_constrain = Constrain(inner, mesh)
+    shard, inner_constrain = axes or None, Constrain(inner, mesh)
     # The stream's positions are in q pieces (nc context pieces of qt each): each chunk takes
     # c/q rows from every piece, so no chunk moves a row between devices. The loss is a sum
     # over positions, so which rows make up a chunk does not change it.
@@ -166,7 +165,8 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
         rest = a.shape[2:]
         a = (a.reshape(nb, b // nb, nc, qt, chunks, c // q, *rest).transpose(4, 0, 2, 1, 3, 5, *range(6, 6 + len(rest)))
              .reshape(chunks, n, b // nb, c // nc, *rest))
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, shard, *inner.spec(axes, "activations"))))
+        where = NamedSharding(mesh, P(None, shard, *inner.spec(axes, "activations")))
+        return jax.lax.with_sharding_constraint(a, where)
     h, y = per_chunk(h_btd, BTD), per_chunk(targets_bt, BTD[:2])
     wts = None if weights_bt is None else per_chunk(weights_bt, BTD[:2])
     # One copy of w per shard: each shard sums its gradient over the chunks, and autodiff's

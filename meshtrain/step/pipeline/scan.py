@@ -311,7 +311,8 @@ class StagePlan:
         `documents` (models/documents.py: [B, T] leaves, or None) are the whole batch's;
         the layers of microbatch m see its rows, as `inputs` cuts them."""
         n, shard, n_micro = self.n_shards, self.shard, self.pipe.microbatches
-        micro_docs = jax.tree.map(lambda a: a.reshape(a.shape[0] // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1), documents)
+        micro_docs = jax.tree.map(  # [B, T] -> [M, mb, T], rows i*M + j in microbatch j
+            lambda a: a.reshape(a.shape[0] // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1), documents)
         pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
 
         def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]
