@@ -170,6 +170,27 @@ def bpe(path: Path, vocab: int = 300) -> str:
     return f"--tokenizer=bpe:{path}"
 
 
+def _arithmetic(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def host_ceiling(n: int = 30_000_000) -> float:
+    """What 2 processes of pure Python arithmetic gain over 1 on this host (the most
+    `--workers=2` could gain): 2 x one's time / the pair's time, on a warm pool."""
+    import concurrent.futures
+    t = time.perf_counter()
+    _arithmetic(n)
+    one = time.perf_counter() - t
+    with concurrent.futures.ProcessPoolExecutor(2) as ex:
+        list(ex.map(_arithmetic, [1, 1]))
+        t = time.perf_counter()
+        list(ex.map(_arithmetic, [n, n]))
+        return 2 * one / (time.perf_counter() - t)
+
+
 def prepare_rows(args) -> None:
     if args.tokenizer == "bpe":
         TOKENIZER[0] = bpe(Path(tempfile.mkdtemp()) / "bpe.json")
@@ -186,6 +207,7 @@ def prepare_rows(args) -> None:
             if args.kill_check:
                 print(kill_check(source, Path(tmp) / f"{fmt}-kill", fmt == "text"), flush=True)
                 args.kill_check = False
+    print(f"\nthis host's ceiling for 2 processes: {host_ceiling():.2f}x one (pure Python arithmetic)")
 
 
 def main() -> None:
