@@ -15,11 +15,10 @@ An image classifier (task "classify") reads images and labels instead:
     ArrayRecord image dataset (cifar10, imagenet2012, `prepare --images=DIR`).
 """
 
+from __future__ import annotations
+
 import numbers
 
-from meshtrain.data.source import DataSource
-from meshtrain.data.synthetic import make_synthetic_source
-from meshtrain.data.text import make_text_source
 from meshtrain.data.tokenizers import TOKENIZERS, load_tokenizer
 from meshtrain.errors import UserError
 
@@ -35,8 +34,8 @@ DEFAULT_SYNTHETIC_CLASSES = 10
 
 
 def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int, task: str = "lm",
-                image_size: int = 0, image_channels: int = 3) -> DataSource:
-    """The DataSource that `data_cfg.kind` names, for the model's task.
+                image_size: int = 0, image_channels: int = 3):
+    """-> the DataSource (meshtrain/data/source.py) that `data_cfg.kind` names, for the model's task.
 
     Args:
       data_cfg: ConfigDict with kind, path, tokenizer, name, data_dir, split,
@@ -68,8 +67,10 @@ def make_source(data_cfg, *, vocab_size: int, seq_len: int, seed: int, task: str
     if kind == "synthetic":
         vocab = DEFAULT_SYNTHETIC_VOCAB if vocab_size in (-1, None) else vocab_size
         _check_synthetic_vocab(vocab)
+        from meshtrain.data.synthetic import make_synthetic_source
         return make_synthetic_source(vocab_size=vocab, seq_len=seq_len, seed=seed)
     if kind == "text":
+        from meshtrain.data.text import make_text_source
         return make_text_source(
             data_cfg.get("path"), tokenizer=data_cfg.get("tokenizer", "byte"),
             val_fraction=data_cfg.get("val_fraction", 0.05), seq_len=seq_len, seed=seed,
@@ -163,3 +164,12 @@ def _check_seed(seed: int) -> None:
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def __getattr__(name: str):
+    # The sources import grain (2 s): prepare's spawned workers import this package for
+    # its readers alone, so the sources load when a run asks for one.
+    if name == "DataSource":
+        from meshtrain.data.source import DataSource
+        return DataSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

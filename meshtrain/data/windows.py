@@ -15,10 +15,8 @@ stream position p starts at hash(seed, p) mod (n - T), any token offset, drawn
 independently; an "epoch" is then just (n - 1) // T positions.
 """
 
-import grain
 import numpy as np
 
-from meshtrain.data.source import DataSource
 from meshtrain.errors import UserError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -94,8 +92,13 @@ def splitmix64(x):
 
 
 def stream_source(train, val, *, seq_len: int, seed: int, random_offsets: bool,
-                  vocab_size: int, info: dict, tokenizer, where: str) -> DataSource:
+                  vocab_size: int, info: dict, tokenizer, where: str):
     """A DataSource over two token streams (train and held-out)."""
+    # grain loads here, not with the module: prepare's workers use this module's
+    # token_dtype and would pay grain's 1-2 s import each.
+    import grain
+
+    from meshtrain.data.source import DataSource
     for name, s in (("training", train), ("held-out (eval)", val)):
         if s.num_tokens < seq_len + 1:
             raise UserError(
