@@ -22,6 +22,7 @@ import numpy as np
 
 from meshtrain.data import token_dataset, tokenize_pool
 from meshtrain.data.corpus import Unit
+from meshtrain.errors import UserError
 from meshtrain.progress import Progress
 
 RECORDS_PER_GROUP = 512  # records read at once: one batched ArrayRecord read
@@ -106,6 +107,12 @@ def convert(builder, feature: str, splits: dict[str, str], spec: str, name: str,
         tokenize_pool.tokenize(records, units, work, root / "tokenizer.json", executor, bar.update, only=mine)
         bar.close()
         barrier("units tokenized for")
+        missing = [k for k in range(len(units)) if not work.done(k)] if me == 0 else []
+        if missing:  # the other processes wrote theirs where process 0 cannot see them
+            raise UserError(
+                f"Converting {dataset}: units {missing[:5]} of {len(units)} were tokenized by other "
+                f"processes but are not in {str(root)!r} here: data.cache_dir must be a directory every "
+                f"process sees (a shared filesystem). Set data.cache_dir to one, or convert on one host.")
         if me == 0:
             streams = tokenize_pool.streams(work, units, token_dtype(tok.vocab_size), 0.0)
             token_dataset.write_token_streams(
