@@ -109,10 +109,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0,
                    mu_dtype="", momentum=0.9, nesterov=False, trust_coefficient=0.001,
                    lr_batch_size=0)
-    # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain
-    # worker processes, prefetch is batches read ahead by threads. packing: concat (a
-    # window is one stream) | documents (attention, positions and the loss kept per
-    # document, models/documents.py).
+    # data.* is read by meshtrain/data (docs/data.md); workers > 0 reads in grain workers,
+    # prefetch is batches read ahead; packing: concat | documents (models/documents.py).
     c.data = dict(kind="synthetic", path="", tokenizer="byte", name="", data_dir="",
                   split="train", eval_split="validation", feature="", cache_dir="",
                   val_fraction=0.05, random_offsets=False, workers=0, prefetch=2, packing="concat",

@@ -237,8 +237,8 @@ class Training:
         from meshtrain.runlog import metrics
         from meshtrain.step import optim
         exp, cfg, say, checkpointer = self.exp, self.cfg, self.say, self.checkpointer
-        say(metrics.data_line(exp.source.info, exp.model.cfg.vocab_size, cfg.train.steps * cfg.train.batch_size,
-                              cfg.data.packing))
+        windows = cfg.train.steps * cfg.train.batch_size
+        say(metrics.data_line(exp.source.info, exp.model.cfg.vocab_size, windows, cfg.data.packing))
         lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at,
                                               batch_size=cfg.train.batch_size)
         say(lr_line)

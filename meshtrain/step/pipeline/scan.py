@@ -253,14 +253,16 @@ class StagePlan:
         microbatch j, so each batch shard keeps its own rows. Only stage 0 reads inputs:
         they sit in its slot of a stage-sharded buffer, so the per-tick read and its
         gradient stay on the device."""
-        s, n_micro = self.pipe.stages, self.pipe.microbatches
-        b, t, d = x_btd.shape
-        x_mbtd = x_btd.reshape(b // n_micro, n_micro, t, d).swapaxes(0, 1)
+        s, x_mbtd = self.pipe.stages, self.microbatches(x_btd)
         first_slot = (jnp.arange(s) == 0)[:, None, None, None, None]
         spec = self.slot_spec().spec
         return jax.lax.with_sharding_constraint(
             jnp.where(first_slot, x_mbtd[None], jnp.zeros_like(x_mbtd[None])),
             self.sharding(spec[0], None, *spec[1:]))
+
+    def microbatches(self, a):
+        """[B, ...] -> [M, B/M, ...]: row i*M + j goes to microbatch j (`inputs`)."""
+        return a.reshape(a.shape[0] // self.pipe.microbatches, self.pipe.microbatches, *a.shape[1:]).swapaxes(0, 1)
 
     @property
     def copies(self) -> bool:
@@ -307,12 +309,10 @@ class StagePlan:
 
     def chunk_fn(self, make_layer, *, scan_layers: bool, documents=None) -> Callable:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
-        with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys.
-        `documents` (models/documents.py: [B, T] leaves, or None) are the whole batch's;
-        the layers of microbatch m see its rows, as `inputs` cuts them."""
-        n, shard, n_micro = self.n_shards, self.shard, self.pipe.microbatches
-        micro_docs = jax.tree.map(  # [B, T] -> [M, mb, T], rows i*M + j in microbatch j
-            lambda a: a.reshape(a.shape[0] // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1), documents)
+        with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys;
+        microbatch m's layers see its rows of the batch's `documents` (models/documents.py)."""
+        n, shard = self.n_shards, self.shard
+        micro_docs = jax.tree.map(self.microbatches, documents)
         pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
 
         def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]

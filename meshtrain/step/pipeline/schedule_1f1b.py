@@ -160,10 +160,8 @@ class TickLoop:
         self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
         # layouts/sequence.py); the targets and their weights follow them.
-        micro = lambda a: stack.stored(a, sched.constrain).reshape(  # noqa: E731
-            self.mb, sched.pipe.microbatches, self.t).swapaxes(0, 1)  # [M, mb, T]
-        self.targets = micro(targets_bt)
-        self.target_weights = None if weights_bt is None else micro(weights_bt)
+        micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731
+        self.targets, self.target_weights = micro(targets_bt), micro(weights_bt)  # [M, mb, T]
         self.chunks = loss_lib.num_chunks(self.t, sched.loss_chunk)
         self.blocks = params[stacked]
         self.head_grad = jax.vmap(jax.value_and_grad(self.shard_head, argnums=(0, 1)), spmd_axis_name=plan.shard)

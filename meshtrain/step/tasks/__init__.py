@@ -34,10 +34,7 @@ def for_family(name: str, data_info: dict | None = None, data_cfg=None) -> Task:
     """The task a family serves (`Family.task`), set up for its data (`source.info`: the
     classifier normalises with the data's per-channel mean and std; a language model
     packing documents splits at the data's end-of-text id) and data.* (`data_cfg`)."""
-    task = kind(name)
-    if name == "lm" and data_cfg is not None:
-        return task.from_data(data_info or {}, data_cfg.get("packing", "concat"))
-    return task.from_data(data_info or {})
+    return kind(name).from_data(data_info or {}, data_cfg)
 
 
 __all__ = ["Classification", "Field", "LanguageModelling", "TASKS", "Task", "for_family", "kind"]

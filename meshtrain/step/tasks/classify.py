@@ -32,7 +32,7 @@ class Classification:
         self.mean, self.std = tuple(mean), tuple(std)
 
     @classmethod
-    def from_data(cls, info: dict) -> "Classification":
+    def from_data(cls, info: dict, data_cfg=None) -> "Classification":
         return cls(info.get("mean", (0.5,)), info.get("std", (0.5,)))
 
     def batch_fields(self, cfg, rows: int) -> dict[str, Field]:

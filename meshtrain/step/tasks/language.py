@@ -31,8 +31,8 @@ class LanguageModelling:
         self.eot_id = eot_id  # None: windows packed as one stream (data.packing=concat)
 
     @classmethod
-    def from_data(cls, info: dict, packing: str = "concat") -> "LanguageModelling":
-        return cls(documents.check_packing(packing, info))
+    def from_data(cls, info: dict, data_cfg=None) -> "LanguageModelling":
+        return cls(documents.check_packing((data_cfg or {}).get("packing", "concat"), info))
 
     def documents(self, tokens_bt1, constrain):
         """tokens [B, T+1] -> (constrain, with the window's documents when they are kept
