@@ -91,6 +91,45 @@ def test_token_records_are_the_bytes_tfds_serializes():
     rng = np.random.default_rng(0)
     for dtype in (np.uint16, np.int32):
         features = token_dataset.token_features(np.dtype(dtype))
-        for n in (0, 1, 4096):
+        for n in (0, 1, 4095, 4096):
             tokens = rng.integers(0, 50257, n).astype(dtype)
             assert token_dataset.serialize(tokens) == features.serialize_example({"tokens": tokens})
+
+
+def test_shards_written_before_a_stop_are_kept_and_free_their_units(tmp_path):
+    """The dataset's shards go to the work directory as they are written; a unit's tokens are
+    deleted once every shard reading them is; a prepare stopped part way through the shards
+    and rerun writes only the rest, without the freed units, and ends with the unbroken
+    run's files."""
+    from meshtrain.data import inputs, token_dataset, tokenize_pool
+    from meshtrain.data.tokenizers import make_tokenizer
+    corpus = inputs.Records(f"{_corpus(tmp_path / 'in', files=6, docs=800)}/*.jsonl", "jsonl", "text",
+                            val_fraction=0.1)
+    tok, units = make_tokenizer("byte"), corpus.units()
+
+    def write(data_dir, progress):
+        work = tokenize_pool.Work(tmp_path / f"work-{data_dir}", {"plan": 1})
+        tok.save(work.root / "tokenizer.json")
+        tokenize_pool.tokenize(corpus, units, work, work.root / "tokenizer.json", None, lambda n: None)
+        streams = tokenize_pool.streams(work, units, np.uint16, 0.1)
+        token_dataset.write_token_streams("c", tmp_path / data_dir, tok, streams, record_tokens=256, executor=None,
+                                          work=work, shard_bytes=4096, progress=progress)
+        return work
+
+    write("whole", lambda n: None)
+    written = []
+
+    def stop(n):
+        written.append(n)
+        if len(written) == 1 + 30:  # the kept shards' tokens (none), then 30 shards
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write("cut", stop)
+    work = tmp_path / "work-cut"
+    assert len(list((work / "shards").glob("*.done"))) == 30 and not (tmp_path / "cut" / "c" / "1.0.0").exists()
+    freed = [k for k in range(len(units)) if not (work / f"unit-{k}.tokens").exists()]
+    assert 0 < len(freed) < len(units), "the validation shards, then train's first, free the first units"
+    write("cut", written.append)
+    assert written[31] == sum(written[1:31]), "the rerun's progress starts at the kept shards' tokens"
+    assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
+    assert len(list((tmp_path / "whole" / "c" / "1.0.0").glob("*.array_record-*"))) > 20

@@ -116,7 +116,7 @@ def convert(builder, feature: str, splits: dict[str, str], spec: str, name: str,
         if me == 0:
             streams = tokenize_pool.streams(work, units, token_dtype(tok.vocab_size), 0.0)
             token_dataset.write_token_streams(
-                name, cache, tok, streams, record_tokens=token_dataset.DEFAULT_RECORD_TOKENS, executor=executor,
+                name, cache, tok, streams, record_tokens=token_dataset.DEFAULT_RECORD_TOKENS, executor=executor, work=work,
                 extra_metadata={"source": {"tfds": dataset, "feature": feature, "splits": splits}})
             work.remove()
     barrier("dataset written:")

@@ -188,8 +188,16 @@ class Corpus:
 def encode_group(tok, docs: list) -> Iterator[np.ndarray]:
     """Documents, all text (str) or all token ids already (int arrays: a catalog dataset's
     id feature, checked against the vocabulary) -> ids [n + 1] each, end of text last."""
+    ids, lengths = encode_joined(tok, docs, np.int32)
+    yield from np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else ()
+
+
+def encode_joined(tok, docs: list, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """encode_group's documents as one array: ([sum(n_i + 1)] ids in `dtype`, each document's
+    end of text after it; [d] int64 lengths n_i + 1). One cast and one insert a group: a
+    document at a time cost a quarter of prepare's tokenizing with the byte tokenizer."""
     if not docs:
-        return
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
     if isinstance(docs[0], str):
         docs = tok.encode_batch(docs)
     else:
@@ -199,8 +207,9 @@ def encode_group(tok, docs: list) -> Iterator[np.ndarray]:
                 f"The dataset's token ids reach {top}, beyond the {tok.vocab_size} ids of "
                 f"data.tokenizer ({tok.describe()}). Set data.tokenizer to the tokenizer the "
                 f"dataset was made with.")
-    for ids in docs:
-        yield np.append(np.asarray(ids, np.int32), np.int32(tok.eot_id))
+    lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+    flat = np.concatenate([np.asarray(d).ravel() for d in docs]).astype(dtype, copy=False)
+    return np.insert(flat, np.cumsum(lengths), tok.eot_id), lengths + 1
 
 
 def check_val_fraction(val_fraction) -> float:

@@ -103,9 +103,12 @@ def execute(args) -> int:
         with tokenize_pool.pool(args.workers) as executor:
             tok, work, streams = _tokenize(args, spec, corpus, executor)
             _remove(out)
-            writing = time.perf_counter()
+            writing, bar = time.perf_counter(), Progress("records", sum(s.tokens for s in streams.values()),
+                                                         unit=" tokens")
             meta = token_dataset.write_token_streams(args.name, args.data_dir, tok, streams, executor=executor,
-                                                     record_tokens=args.record_tokens, extra_metadata=source)
+                                                     work=work, record_tokens=args.record_tokens,
+                                                     extra_metadata=source, progress=bar.update)
+            bar.close()
         work.remove()
     n = meta["num_tokens"]
     print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)} (the records "
@@ -183,7 +186,7 @@ def _tokenize(args, spec: str, corpus, executor):
     files = list(corpus.files) + list(getattr(corpus, "val_files", []))
     plan = {"inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             **{k: getattr(args, k) for k in ("format", "text_field", "val_fraction", "val_input", "doc_separator",
-                                            "tokenizer", "train_bpe")}}
+                                            "tokenizer", "train_bpe", "record_tokens")}}
     work = tokenize_pool.Work(Path(args.data_dir).expanduser() / f".{args.name}.prepare", plan)
     saved = work.root / "tokenizer.json"
     if saved.exists():

@@ -14,7 +14,11 @@ frombuffer), R = record_tokens; only the last record is shorter. A window at any
 token offset is then one or two record reads, whatever seq_len is.
 """
 
+import collections
+import functools
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -76,12 +80,15 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     return dict(metadata)
 
 
-def write_token_streams(name: str, data_dir, tokenizer, streams: dict, *, record_tokens: int, executor,
-                        extra_metadata: dict | None = None, shard_bytes: int = TOKEN_SHARD_BYTES) -> dict:
+def write_token_streams(name: str, data_dir, tokenizer, streams: dict, *, record_tokens: int, executor, work,
+                        extra_metadata: dict | None = None, shard_bytes: int = TOKEN_SHARD_BYTES,
+                        progress=lambda n: None) -> dict:
     """Writes the dataset from token streams already on disk (tokenize_pool.Stream), each
     shard by a worker of `executor` (tokenize_pool.pool; None: here): shard j of a split holds its records
     [j S, (j+1) S), S records of about `shard_bytes`, so the files are the same whatever
-    the workers. -> the metadata."""
+    the workers. The shards go to `work` (a tokenize_pool.Work) first: those an earlier run
+    finished are kept, and a unit's tokens are freed once its shards are written.
+    `progress(n)` gets each shard's tokens. -> the metadata."""
     from meshtrain.data import tokenize_pool
     dtype = np.dtype(token_dtype(tokenizer.vocab_size))
     metadata = _metadata(tokenizer, record_tokens, dtype, extra_metadata)
@@ -89,38 +96,77 @@ def write_token_streams(name: str, data_dir, tokenizer, streams: dict, *, record
     metadata["num_documents"] = {split: s.documents for split, s in streams.items()}
     per_shard = max(shard_bytes // (record_tokens * dtype.itemsize), 1) * record_tokens
     with Incomplete(name, data_dir, token_features(dtype), _description(tokenizer), metadata) as out:
-        tasks, written = [], {}
-        for split, s in streams.items():
+        def split_tasks(split, s):
             n = max(-(-s.tokens // per_shard), 1)
-            tasks += [(s, j * per_shard, min((j + 1) * per_shard, s.tokens), record_tokens,
-                       str(out.shard_path(split, j, n))) for j in range(n)]
-        tokenize_pool.run(write_token_shard, tasks, executor, lambda task, result: written.update({task[4]: result}))
-        out.finish([out.split_info(split, *_lengths(out, split, streams[split], per_shard, written))
-                    for split in streams])
+            return [(s.slice(j * per_shard, (j + 1) * per_shard), record_tokens,
+                     str(work.shard(out.shard_path(split, j, n).name))) for j in range(n)]
+        shards = {split: split_tasks(split, s) for split, s in streams.items()}
+        # validation first: its documents are spread over every unit, so train's shards,
+        # written after it in order, free the units one after another
+        tasks = [task for split in sorted(shards, key=lambda split: split != "validation") for task in shards[split]]
+        todo = [task for task in tasks if work.written(task[2]) is None]
+        readers = collections.Counter(k for task in todo for k in task[0].units())
+        for k in {k for task in tasks for k in task[0].units()} - set(readers):
+            work.free(k)  # every shard reading it was written by an earlier run
+        progress(sum(task[0].tokens for task in tasks) - sum(task[0].tokens for task in todo))
+
+        def done(task, result):
+            work.wrote(task[2], result)
+            for k in task[0].units():
+                readers[k] -= 1
+                if readers[k] == 0:
+                    work.free(k)
+            progress(task[0].tokens)
+        tokenize_pool.run(write_token_shard, todo, executor, done)
+        infos = []
+        for split, its in shards.items():
+            results = [work.written(path) for _, _, path in its]
+            for _, _, path in its:  # linked, not moved: a kill before the rename keeps them for a rerun
+                _link(Path(path), out.root / Path(path).name)
+            infos.append(out.split_info(split, [r for r, _ in results], sum(b for _, b in results)))
+        out.finish(infos)
     return dict(metadata)
 
 
-def _lengths(out, split, stream, per_shard: int, written: dict) -> tuple[list[int], int]:
-    n = max(-(-stream.tokens // per_shard), 1)
-    results = [written[str(out.shard_path(split, j, n))] for j in range(n)]
-    return [r for r, _ in results], sum(b for _, b in results)
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copyfile(src, dst)
 
 
-def write_token_shard(stream, lo: int, hi: int, record_tokens: int, path: str) -> tuple[int, int]:
-    """In a worker: tokens [lo, hi) of `stream` as records of `record_tokens` in one shard,
-    uncompressed (token ids barely compress, and training reads them back at every step)."""
-    tokens = stream.read(lo, hi)
-    return write_shard(Path(path), (serialize(tokens[i:i + record_tokens]) for i in range(0, len(tokens), record_tokens)),
-                       "group_size:1,uncompressed")
+def write_token_shard(stream, record_tokens: int, path: str) -> tuple[int, int]:
+    """In a worker: `stream`'s tokens as records of `record_tokens` in one shard,
+    uncompressed (token ids barely compress, and training reads them back at every step);
+    written to PATH.tmp and renamed. -> (records, bytes)."""
+    def records():
+        step = record_tokens * max(1, (1 << 20) // record_tokens)  # about 1M tokens a read: a buffer reused
+        for a in range(0, stream.tokens, step):
+            tokens = stream.read(a, min(a + step, stream.tokens))
+            yield from (serialize(tokens[i:i + record_tokens]) for i in range(0, len(tokens), record_tokens))
+    result = write_shard(Path(f"{path}.tmp"), records(), "group_size:1,uncompressed,max_parallelism:1")
+    os.replace(f"{path}.tmp", path)
+    return result
 
 
 def serialize(tokens: np.ndarray) -> bytes:
-    """One record as TFDS's token_features serializes it (the same bytes, tested), built
-    from TFDS's protos directly: 2.3x faster, and the shards' writing is prepare's
-    longest serial part."""
+    """One record as TFDS's token_features serializes it (the same bytes, tested): the
+    raw ids are the innermost, last field of the tf.Example, so a record is the protos'
+    own header for that many bytes, built once per length, then the ids. A proto per
+    record cost as much as writing the shards; every record but a split's last has one
+    length."""
+    raw = tokens.tobytes()
+    return _header(len(raw)) + raw
+
+
+@functools.lru_cache(maxsize=8)
+def _header(nbytes: int) -> bytes:
     from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
-    raw = tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[tokens.tobytes()]))
-    return tf_example_pb2.Example(features=tf_feature_pb2.Features(feature={FEATURE: raw})).SerializeToString()
+    fill = b"\0" * nbytes
+    raw = tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[fill]))
+    whole = tf_example_pb2.Example(features=tf_feature_pb2.Features(feature={FEATURE: raw})).SerializeToString()
+    assert whole.endswith(fill), "the ids are no longer the tf.Example's last field"
+    return whole[:len(whole) - nbytes]
 
 
 def token_features(dtype):

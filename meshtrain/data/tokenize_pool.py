@@ -10,6 +10,11 @@ tokens, in input order, become the two splits' token streams.
                          dataset's dtype, written to .tmp and renamed
       unit-K.ends        [documents] int64: where each document ends in unit-K.tokens
       unit-K.done        written last: the unit is whole
+      shards/            the dataset's shards as workers finish them (SHARD, then SHARD.done
+                         with its record and byte counts); a unit's tokens are deleted once
+                         every shard that reads them is written, so the work directory
+                         never holds the corpus's tokens twice, and a rerun writes only
+                         the shards left
 
 A unit is a file of the input (or the part of one before or after plain text's held-out
 cut). Its split is fixed (plain text; records with --val_input), or set when the streams are
@@ -34,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.data import formats
-from meshtrain.data.corpus import Unit, encode_group
+from meshtrain.data.corpus import Unit, encode_joined
 from meshtrain.data.windows import token_dtype
 
 
@@ -64,6 +69,25 @@ class Work:
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def shard(self, name: str) -> Path:
+        """Where the dataset's shard `name` is written, and kept for a rerun (module docstring)."""
+        (self.root / "shards").mkdir(exist_ok=True)
+        return self.root / "shards" / name
+
+    def written(self, path: Path) -> tuple[int, int] | None:
+        """(records, bytes) of a shard an earlier run (or this one) finished, else None."""
+        done = Path(f"{path}.done")
+        return tuple(json.loads(done.read_text())) if done.exists() else None
+
+    def wrote(self, path: Path, result: tuple[int, int]) -> None:
+        Path(f"{path}.done.tmp").write_text(json.dumps(list(result)))
+        os.replace(f"{path}.done.tmp", f"{path}.done")
+
+    def free(self, k: int) -> None:
+        """Unit k's tokens, once every shard that reads them is written; its ends and its
+        done mark stay, for the streams a rerun rebuilds."""
+        (self.root / f"unit-{k}.tokens").unlink(missing_ok=True)
+
 
 _TOKENIZERS: dict = {}  # a worker loads the tokenizer once
 
@@ -79,11 +103,10 @@ def tokenize_unit(corpus, unit: Unit, k: int, root: str, tokenizer_path: str) ->
     with open(f"{base}.tokens.tmp", "wb") as out:
         def flush():  # one write a group: a write and a cast per document cost a quarter of the unit
             nonlocal n
-            docs = list(encode_group(tok, group))
-            if docs:
-                ends.extend((n + np.cumsum([len(d) for d in docs])).tolist())
-                n = ends[-1]
-                out.write(np.concatenate(docs).astype(dtype).tobytes())
+            ids, lengths = encode_joined(tok, group, dtype)
+            ends.extend((n + np.cumsum(lengths)).tolist())
+            n += len(ids)
+            out.write(ids.data)
             group.clear()
         for doc in corpus.unit_documents(unit):
             group.append(doc)
@@ -147,26 +170,45 @@ class Stream:
     def tokens(self) -> int:
         return sum(hi - lo for _, lo, hi in self.pieces)
 
+    def units(self) -> set[int]:
+        return {k for k, _, _ in self.pieces}
+
+    def slice(self, a: int, b: int) -> "Stream":
+        """Tokens [a, b) as a stream of their own (a shard's: its pieces alone travel to its worker)."""
+        pieces, at = [], 0
+        for k, lo, hi in self.pieces:
+            x, y = max(lo, lo + a - at), min(hi, lo + b - at)
+            if x < y:
+                pieces.append((k, x, y))
+            at += hi - lo
+        return Stream(self.root, self.dtype, tuple(pieces), 0)
+
     def read(self, a: int, b: int) -> np.ndarray:
-        """Tokens [a, b) of the stream."""
+        """Tokens [a, b) of the stream, read into one array (no copy after the read)."""
         starts = np.cumsum([0] + [hi - lo for _, lo, hi in self.pieces])
-        i, out, files = int(np.searchsorted(starts, a, side="right")) - 1, [], {}
-        size = np.dtype(self.dtype).itemsize
+        i, files = int(np.searchsorted(starts, a, side="right")) - 1, {}
+        out = np.empty(max(b - a, 0), self.dtype)
+        view, size, at = memoryview(out).cast("B"), out.itemsize, 0
         try:
             while a < b:
                 k, lo, hi = self.pieces[i]
                 if k not in files:  # a unit's runs of documents are many pieces: open its file once
-                    files[k] = open(Path(self.root) / f"unit-{k}.tokens", "rb")
+                    files[k] = open(Path(self.root) / f"unit-{k}.tokens", "rb", buffering=0)
                 x, y = lo + a - int(starts[i]), min(hi, lo + b - int(starts[i]))
                 # read, not mapped: a mapping's pages of every unit a held-out split touches
                 # would stay in this process's memory
                 files[k].seek(x * size)
-                out.append(np.frombuffer(files[k].read((y - x) * size), self.dtype))
+                end = at + (y - x) * size
+                while at < end:
+                    got = files[k].readinto(view[at:end])
+                    if not got:
+                        raise OSError(f"{files[k].name} ends before token {y}: a damaged work directory")
+                    at += got
                 a, i = a + y - x, i + 1
         finally:
             for f in files.values():
                 f.close()
-        return np.concatenate(out) if out else np.zeros(0, self.dtype)
+        return out
 
 
 def streams(work: Work, units: list[Unit], dtype, fraction: float) -> dict[str, Stream]:
