@@ -24,6 +24,7 @@ with 2 workers, byte-identical after a kill.
 """
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -122,19 +123,29 @@ def make_corpus(root: Path, fmt: str, mb: int, files: int = 16) -> str:
 TOKENIZER = ["--tokenizer=byte"]  # set by --tokenizer (bpe: trained on a sample, then bpe:PATH)
 
 
+# Starts the command and prints the largest RSS among its processes (kB). A small process of
+# its own: a child forked from this one, which holds the corpus it generated, would count
+# this process's pages in its peak.
+_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
+         "stderr=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
 def run_prepare(source: str, data_dir: Path, workers: int, separator: bool) -> tuple[float, int, float]:
     """(seconds, tokens, peak RSS of the largest process in GB) of one prepare."""
     import json
-    import resource
+    import shutil
     import subprocess
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # every run from the same state, untimed: no earlier dataset to replace, and the writes
+    # before it (the corpus, the last run's dataset) on disk, not in the page cache
+    shutil.rmtree(data_dir, ignore_errors=True)
+    os.sync()
     t = time.perf_counter()
     cmd = [sys.executable, "-m", "meshtrain", "prepare", f"--input={source}", "--name=bench", f"--data_dir={data_dir}",
-           *TOKENIZER, f"--workers={workers}", "--overwrite"] + (["--doc_separator=\\n\\n"] if separator else [])
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   cwd=Path(__file__).resolve().parents[1])
+           *TOKENIZER, f"--workers={workers}"] + (["--doc_separator=\\n\\n"] if separator else [])
+    out = subprocess.run([sys.executable, "-c", _PEAK, *cmd], check=True, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
     seconds = time.perf_counter() - t
-    peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 2**20  # kB -> GB
+    peak = int(out.stdout.split()[-1]) / 2**20  # kB -> GB
     meta = json.loads((data_dir / "bench" / "1.0.0" / "metadata.json").read_text())
     return seconds, sum(meta["num_tokens"].values()), peak
 

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from meshtrain.data.prepare import main as prepare
 from meshtrain.errors import UserError
@@ -96,40 +97,53 @@ def test_token_records_are_the_bytes_tfds_serializes():
             assert token_dataset.serialize(tokens) == features.serialize_example({"tokens": tokens})
 
 
-def test_shards_written_before_a_stop_are_kept_and_free_their_units(tmp_path):
-    """The dataset's shards go to the work directory as they are written; a unit's tokens are
-    deleted once every shard reading them is; a prepare stopped part way through the shards
-    and rerun writes only the rest, without the freed units, and ends with the unbroken
-    run's files."""
-    from meshtrain.data import inputs, token_dataset, tokenize_pool
+def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
+    """The dataset's shards are written as soon as the units they read are done, into the
+    work directory; a unit's ids are deleted once every shard reading them is written; a
+    prepare stopped part way and rerun writes only what is left, without the freed units,
+    and ends with the files of an unbroken run."""
+    from meshtrain.data import inputs, token_shards, tokenize_pool
     from meshtrain.data.tokenizers import make_tokenizer
+    from meshtrain.progress import Progress
     corpus = inputs.Records(f"{_corpus(tmp_path / 'in', files=6, docs=800)}/*.jsonl", "jsonl", "text",
                             val_fraction=0.1)
     tok, units = make_tokenizer("byte"), corpus.units()
+    events = []
 
-    def write(data_dir, progress):
-        work = tokenize_pool.Work(tmp_path / f"work-{data_dir}", {"plan": 1})
-        tok.save(work.root / "tokenizer.json")
-        tokenize_pool.tokenize(corpus, units, work, work.root / "tokenizer.json", None, lambda n: None)
-        streams = tokenize_pool.streams(work, units, np.uint16, 0.1)
-        token_dataset.write_token_streams("c", tmp_path / data_dir, tok, streams, record_tokens=256, executor=None,
-                                          work=work, shard_bytes=4096, progress=progress)
-        return work
+    class Bar(Progress):  # what ran when: ("units", tokenized) at each unit, ("shards", written) at each shard
+        def __init__(self, stop=None):
+            super().__init__("tokenize", 1)
+            self.stop = stop
 
-    write("whole", lambda n: None)
-    written = []
+        def update(self, n):
+            events.append(("units", sum((work / f"unit-{k}.done").exists() for k in range(len(units)))))
+            if self.stop and events[-1][1] >= self.stop:
+                raise KeyboardInterrupt
 
-    def stop(n):
-        written.append(n)
-        if len(written) == 1 + 30:  # the kept shards' tokens (none), then 30 shards
-            raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        write("cut", stop)
+    def write(data_dir, bar):
+        w = tokenize_pool.Work(tmp_path / f"work-{data_dir}", {"plan": 1})
+        tok.save(w.root / "tokenizer.json")
+        return token_shards.write("c", tmp_path / data_dir, tok, corpus, units, w, None, workers=1, fraction=0.1,
+                                  record_tokens=256, tokenize_bar=bar, shard_bytes=4096)
+
+    work = tmp_path / "work-whole"
+    write("whole", Bar())
+    assert len(list((tmp_path / "whole" / "c" / "1.0.0").glob("*train.array_record-*"))) > 20
+    docs = [json.loads(line)["text"] for f in sorted((tmp_path / "in").glob("*.jsonl")) for line in f.open()]
+    held = [np.floor((i + 1) * 0.1) > np.floor(i * 0.1) for i in range(len(docs))]
+    for split in ("train", "validation"):  # each split's documents in order, across shards and units
+        want = np.concatenate([np.append(tok.encode(d), tok.eot_id) for d, h in zip(docs, held)
+                               if h == (split == "validation")])
+        got = tfds.data_source("c", data_dir=str(tmp_path / "whole"))[split]
+        np.testing.assert_array_equal(np.concatenate([got[k]["tokens"] for k in range(len(got))]), want)
     work = tmp_path / "work-cut"
-    assert len(list((work / "shards").glob("*.done"))) == 30 and not (tmp_path / "cut" / "c" / "1.0.0").exists()
-    freed = [k for k in range(len(units)) if not (work / f"unit-{k}.tokens").exists()]
-    assert 0 < len(freed) < len(units), "the validation shards, then train's first, free the first units"
-    write("cut", written.append)
-    assert written[31] == sum(written[1:31]), "the rerun's progress starts at the kept shards' tokens"
+    with pytest.raises(KeyboardInterrupt):
+        write("cut", Bar(stop=3))
+
+    written = len(list((work / "shards").glob("*.done")))
+    done = [k for k in range(len(units)) if (work / f"unit-{k}.done").exists()]
+    freed = [k for k in done if not (work / f"unit-{k}.tokens").exists()]
+    assert len(done) < len(units) and written > 0 and 0 < len(freed) < len(done), (done, written, freed)
+    assert not (tmp_path / "cut" / "c" / "1.0.0").exists()
+    write("cut", Bar())
     assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
-    assert len(list((tmp_path / "whole" / "c" / "1.0.0").glob("*.array_record-*"))) > 20

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from meshtrain.data import token_dataset, tokenize_pool
+from meshtrain.data import token_dataset, token_shards, tokenize_pool
 from meshtrain.data.corpus import Unit
 from meshtrain.errors import UserError
 from meshtrain.progress import Progress
@@ -79,7 +79,6 @@ def convert(builder, feature: str, splits: dict[str, str], spec: str, name: str,
     import jax
     from jax.experimental import multihost_utils
     from meshtrain.data.tokenizers import load_tokenizer, make_tokenizer
-    from meshtrain.data.windows import token_dtype
 
     me, count = jax.process_index(), jax.process_count()
 
@@ -114,9 +113,9 @@ def convert(builder, feature: str, splits: dict[str, str], spec: str, name: str,
                 f"processes but are not in {str(root)!r} here: data.cache_dir must be a directory every "
                 f"process sees (a shared filesystem). Set data.cache_dir to one, or convert on one host.")
         if me == 0:
-            streams = tokenize_pool.streams(work, units, token_dtype(tok.vocab_size), 0.0)
-            token_dataset.write_token_streams(
-                name, cache, tok, streams, record_tokens=token_dataset.DEFAULT_RECORD_TOKENS, executor=executor, work=work,
+            token_shards.write(
+                name, cache, tok, records, units, work, executor, workers=workers, fraction=0.0,
+                record_tokens=token_dataset.DEFAULT_RECORD_TOKENS,
                 extra_metadata={"source": {"tfds": dataset, "feature": feature, "splits": splits}})
             work.remove()
     barrier("dataset written:")

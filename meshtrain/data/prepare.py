@@ -90,29 +90,27 @@ def execute(args) -> int:
         print(f"prepare: tokenizer {tok.describe()} (the ids as they are)", file=sys.stderr)
         corpus.check(tok)
         _remove(out)
-        writing, bar = time.perf_counter(), Progress("copy", corpus.total)
+        bar = Progress("copy", corpus.total)
         meta = token_dataset.write_token_dataset(
             args.name, args.data_dir, tok, {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
                                             for split in token_dataset.SPLITS},
             record_tokens=args.record_tokens, extra_metadata=source)
         bar.close()
     else:
-        from meshtrain.data import tokenize_pool
+        from meshtrain.data import token_shards, tokenize_pool
         if args.workers < 1:
             raise UserError(f"--workers={args.workers}: must be >= 1 (processes that tokenize at once).")
         with tokenize_pool.pool(args.workers) as executor:
-            tok, work, streams = _tokenize(args, spec, corpus, executor)
-            _remove(out)
-            writing, bar = time.perf_counter(), Progress("records", sum(s.tokens for s in streams.values()),
-                                                         unit=" tokens")
-            meta = token_dataset.write_token_streams(args.name, args.data_dir, tok, streams, executor=executor,
-                                                     work=work, record_tokens=args.record_tokens,
-                                                     extra_metadata=source, progress=bar.update)
-            bar.close()
+            tok, work, units = _work(args, spec, corpus)
+            fraction = getattr(corpus, "val_fraction", 0.0)
+            meta = token_shards.write(
+                args.name, args.data_dir, tok, corpus, units, work, executor, workers=args.workers,
+                fraction=fraction, record_tokens=args.record_tokens, extra_metadata=source, replace=True,
+                tokenize_bar=Progress("tokenize", sum(u.nbytes for u in units)),
+                check=lambda: _check_split(corpus, units, work, fraction))
         work.remove()
     n = meta["num_tokens"]
-    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)} (the records "
-          f"{format_duration(time.perf_counter() - writing)}): "
+    print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
           f"train {n['train']:,} tokens ({meta['num_documents']['train']:,} document(s)), "
           f"validation {n['validation']:,} tokens; vocab {tok.vocab_size}.\n"
           f"train with: python -m meshtrain.train --config=gpt2_tiny_dp8 "
@@ -177,12 +175,11 @@ def _remove(out: Path) -> None:
         shutil.rmtree(out)
 
 
-def _tokenize(args, spec: str, corpus, executor):
-    """The corpus's units tokenized by --workers processes into the work directory, kept there
-    until the dataset is written (a rerun resumes); -> (tokenizer, work, {split: Stream})."""
+def _work(args, spec: str, corpus):
+    """The work directory (a rerun with the same inputs and options resumes it), its
+    tokenizer and the corpus's units; -> (tokenizer, work, units)."""
     from meshtrain.data import tokenize_pool
     from meshtrain.data.tokenizers import load_tokenizer
-    from meshtrain.data.windows import token_dtype
     files = list(corpus.files) + list(getattr(corpus, "val_files", []))
     plan = {"inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             **{k: getattr(args, k) for k in ("format", "text_field", "val_fraction", "val_input", "doc_separator",
@@ -197,14 +194,9 @@ def _tokenize(args, spec: str, corpus, executor):
     print(f"prepare: tokenizer {tok.describe()}", file=sys.stderr)
     units = corpus.units()
     resumed = sum(work.done(k) for k in range(len(units)))
-    print(f"prepare: {len(units)} unit(s) to tokenize with {args.workers} worker(s)"
-          + (f"; {resumed} done by an earlier run, kept" if resumed else ""), file=sys.stderr)
-    bar = Progress("tokenize", sum(u.nbytes for u in units))
-    tokenize_pool.tokenize(corpus, units, work, saved, executor, bar.update)
-    bar.close()
-    fraction = getattr(corpus, "val_fraction", 0.0)
-    _check_split(corpus, units, work, fraction)
-    return tok, work, tokenize_pool.streams(work, units, token_dtype(tok.vocab_size), fraction)
+    print(f"prepare: {len(units)} unit(s) to tokenize with {args.workers} worker(s), the records written as "
+          f"they are done" + (f"; {resumed} done by an earlier run, kept" if resumed else ""), file=sys.stderr)
+    return tok, work, units
 
 
 def _check_split(corpus, units, work, fraction: float) -> None:

@@ -74,9 +74,12 @@ class Incomplete:
         return tfds.core.SplitInfo(name=split, shard_lengths=shard_lengths, num_bytes=nbytes,
                                    filename_template=template)
 
-    def finish(self, split_infos) -> None:
+    def finish(self, split_infos, replace: bool = False) -> None:
+        """replace: a dataset already at the final path goes (--overwrite), just before the rename."""
         self.info.set_splits(tfds.core.SplitDict(split_infos))
         self.info.write_to_directory(self.root)
+        if replace and self.final.exists():
+            shutil.rmtree(self.final)
         os.rename(self.root, self.final)
 
     def __exit__(self, *exc):

@@ -14,18 +14,16 @@ frombuffer), R = record_tokens; only the last record is shorter. A window at any
 token offset is then one or two record reads, whatever seq_len is.
 """
 
-import collections
 import functools
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from meshtrain.data.tfds_writer import Incomplete, dataset_dir, write_dataset, write_shard  # noqa: F401 (dataset_dir re-exported)
+from meshtrain.data.tfds_writer import dataset_dir, write_dataset, write_shard  # noqa: F401 (dataset_dir re-exported)
 from meshtrain.data.windows import token_dtype
 from meshtrain.errors import UserError
 
@@ -65,7 +63,7 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     """
     check_name(name)
     dtype = token_dtype(tokenizer.vocab_size)
-    metadata = _metadata(tokenizer, record_tokens, dtype, extra_metadata)
+    metadata = token_metadata(tokenizer, record_tokens, dtype, extra_metadata)
 
     def examples(split):
         counts = {"tokens": 0, "documents": 0}
@@ -74,65 +72,10 @@ def write_token_dataset(name: str, data_dir, tokenizer,
         metadata["num_tokens"][split] = counts["tokens"]
         metadata["num_documents"][split] = counts["documents"]
 
-    write_dataset(name, data_dir, metadata=metadata, description=_description(tokenizer),
+    write_dataset(name, data_dir, metadata=metadata, description=description(tokenizer),
                   features=token_features(dtype), splits={split: (lambda split=split: examples(split))
                                                           for split in documents})
     return dict(metadata)
-
-
-def write_token_streams(name: str, data_dir, tokenizer, streams: dict, *, record_tokens: int, executor, work,
-                        extra_metadata: dict | None = None, shard_bytes: int = TOKEN_SHARD_BYTES,
-                        progress=lambda n: None) -> dict:
-    """Writes the dataset from token streams already on disk (tokenize_pool.Stream), each
-    shard by a worker of `executor` (tokenize_pool.pool; None: here): shard j of a split holds its records
-    [j S, (j+1) S), S records of about `shard_bytes`, so the files are the same whatever
-    the workers. The shards go to `work` (a tokenize_pool.Work) first: those an earlier run
-    finished are kept, and a unit's tokens are freed once its shards are written.
-    `progress(n)` gets each shard's tokens. -> the metadata."""
-    from meshtrain.data import tokenize_pool
-    dtype = np.dtype(token_dtype(tokenizer.vocab_size))
-    metadata = _metadata(tokenizer, record_tokens, dtype, extra_metadata)
-    metadata["num_tokens"] = {split: s.tokens for split, s in streams.items()}
-    metadata["num_documents"] = {split: s.documents for split, s in streams.items()}
-    per_shard = max(shard_bytes // (record_tokens * dtype.itemsize), 1) * record_tokens
-    with Incomplete(name, data_dir, token_features(dtype), _description(tokenizer), metadata) as out:
-        def split_tasks(split, s):
-            n = max(-(-s.tokens // per_shard), 1)
-            return [(s.slice(j * per_shard, (j + 1) * per_shard), record_tokens,
-                     str(work.shard(out.shard_path(split, j, n).name))) for j in range(n)]
-        shards = {split: split_tasks(split, s) for split, s in streams.items()}
-        # validation first: its documents are spread over every unit, so train's shards,
-        # written after it in order, free the units one after another
-        tasks = [task for split in sorted(shards, key=lambda split: split != "validation") for task in shards[split]]
-        todo = [task for task in tasks if work.written(task[2]) is None]
-        readers = collections.Counter(k for task in todo for k in task[0].units())
-        for k in {k for task in tasks for k in task[0].units()} - set(readers):
-            work.free(k)  # every shard reading it was written by an earlier run
-        progress(sum(task[0].tokens for task in tasks) - sum(task[0].tokens for task in todo))
-
-        def done(task, result):
-            work.wrote(task[2], result)
-            for k in task[0].units():
-                readers[k] -= 1
-                if readers[k] == 0:
-                    work.free(k)
-            progress(task[0].tokens)
-        tokenize_pool.run(write_token_shard, todo, executor, done)
-        infos = []
-        for split, its in shards.items():
-            results = [work.written(path) for _, _, path in its]
-            for _, _, path in its:  # linked, not moved: a kill before the rename keeps them for a rerun
-                _link(Path(path), out.root / Path(path).name)
-            infos.append(out.split_info(split, [r for r, _ in results], sum(b for _, b in results)))
-        out.finish(infos)
-    return dict(metadata)
-
-
-def _link(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or one without hard links
-        shutil.copyfile(src, dst)
 
 
 def write_token_shard(stream, record_tokens: int, path: str) -> tuple[int, int]:
@@ -193,7 +136,7 @@ def _records(docs: Iterable[np.ndarray], size: int, counts: dict, eot: int):
         yield np.concatenate(buf)
 
 
-def _metadata(tokenizer, record_tokens: int, dtype, extra: dict | None):
+def token_metadata(tokenizer, record_tokens: int, dtype, extra: dict | None):
     return _TokenMetadata(
         tokenizer, format=FORMAT, feature=FEATURE, record_tokens=record_tokens,
         tokenizer={"name": tokenizer.name, "describe": tokenizer.describe()},
@@ -201,7 +144,7 @@ def _metadata(tokenizer, record_tokens: int, dtype, extra: dict | None):
         num_tokens={}, num_documents={}, **(extra or {}))
 
 
-def _description(tokenizer) -> str:
+def description(tokenizer) -> str:
     return f"Token ids of local text ({tokenizer.describe()}), written by meshtrain.data.prepare in {FORMAT}."
 
 

@@ -10,19 +10,16 @@ tokens, in input order, become the two splits' token streams.
                          dataset's dtype, written to .tmp and renamed
       unit-K.ends        [documents] int64: where each document ends in unit-K.tokens
       unit-K.done        written last: the unit is whole
-      shards/            the dataset's shards as workers finish them (SHARD, then SHARD.done
-                         with its record and byte counts); a unit's tokens are deleted once
-                         every shard that reads them is written, so the work directory
-                         never holds the corpus's tokens twice, and a rerun writes only
-                         the shards left
+      shards/            the dataset's shards (meshtrain/data/token_shards.py); a unit's
+                         tokens are deleted once every shard that reads them is written
 
 A unit is a file of the input (or the part of one before or after plain text's held-out
 cut). Its split is fixed (plain text; records with --val_input), or set when the streams are
 read: records hold out document i of the whole input when floor((i + 1) f) > floor(i f),
-which needs only the documents' count before each unit, known once the units are done.
-The streams are then slices of the units' files (`Stream`), and workers write the
-dataset's shards from them (token_dataset.write_token_streams). Workers share nothing but
-the files; the result is the same for any --workers.
+which needs only the documents' count before each unit, known once the units before it
+are done. The streams are then slices of the units' files (`Stream`), and workers write
+the dataset's shards from them as the units are done (meshtrain/data/token_shards.py).
+Workers share nothing but the files; the result is the same for any --workers.
 """
 
 from __future__ import annotations
@@ -173,16 +170,6 @@ class Stream:
     def units(self) -> set[int]:
         return {k for k, _, _ in self.pieces}
 
-    def slice(self, a: int, b: int) -> "Stream":
-        """Tokens [a, b) as a stream of their own (a shard's: its pieces alone travel to its worker)."""
-        pieces, at = [], 0
-        for k, lo, hi in self.pieces:
-            x, y = max(lo, lo + a - at), min(hi, lo + b - at)
-            if x < y:
-                pieces.append((k, x, y))
-            at += hi - lo
-        return Stream(self.root, self.dtype, tuple(pieces), 0)
-
     def read(self, a: int, b: int) -> np.ndarray:
         """Tokens [a, b) of the stream, read into one array (no copy after the read)."""
         starts = np.cumsum([0] + [hi - lo for _, lo, hi in self.pieces])
@@ -209,26 +196,3 @@ class Stream:
             for f in files.values():
                 f.close()
         return out
-
-
-def streams(work: Work, units: list[Unit], dtype, fraction: float) -> dict[str, Stream]:
-    """Both splits' streams from the done units: a unit's split where it has one, else
-    each document's (held_out, counting the documents of the units before)."""
-    pieces, docs, first = {"train": [], "validation": []}, {"train": 0, "validation": 0}, 0
-    for k, unit in enumerate(units):
-        ends = np.load(work.root / f"unit-{k}.ends")
-        if unit.split is not None:
-            if len(ends):
-                pieces[unit.split].append((k, 0, int(ends[-1])))
-                docs[unit.split] += len(ends)
-            continue
-        held = held_out(first, len(ends), fraction)
-        first += len(ends)
-        starts = np.concatenate([[0], ends[:-1]])
-        for split, keep in (("train", ~held), ("validation", held)):
-            docs[split] += int(keep.sum())
-            # runs of consecutive kept documents, one slice each
-            edges = np.flatnonzero(np.diff(np.concatenate([[False], keep, [False]]).astype(np.int8)))
-            pieces[split] += [(k, int(starts[a]), int(ends[b - 1])) for a, b in zip(edges[::2], edges[1::2])]
-    return {split: Stream(str(work.root), np.dtype(dtype).name, tuple(pieces[split]), docs[split])
-            for split in pieces}
