@@ -108,16 +108,16 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
     corpus = inputs.Records(f"{_corpus(tmp_path / 'in', files=6, docs=800)}/*.jsonl", "jsonl", "text",
                             val_fraction=0.1)
     tok, units = make_tokenizer("byte"), corpus.units()
-    events = []
 
-    class Bar(Progress):  # what ran when: ("units", tokenized) at each unit, ("shards", written) at each shard
-        def __init__(self, stop=None):
+    class Stop(Progress):
+        """The tokenize bar, which stops the prepare (as Ctrl-C would) once `units` units are done."""
+
+        def __init__(self, units=None):
             super().__init__("tokenize", 1)
-            self.stop = stop
+            self.units = units
 
         def update(self, n):
-            events.append(("units", sum((work / f"unit-{k}.done").exists() for k in range(len(units)))))
-            if self.stop and events[-1][1] >= self.stop:
+            if self.units and sum((work / f"unit-{k}.done").exists() for k in range(len(units))) >= self.units:
                 raise KeyboardInterrupt
 
     def write(data_dir, bar):
@@ -127,7 +127,7 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
                                   record_tokens=256, tokenize_bar=bar, shard_bytes=4096)
 
     work = tmp_path / "work-whole"
-    write("whole", Bar())
+    write("whole", Stop())
     assert len(list((tmp_path / "whole" / "c" / "1.0.0").glob("*train.array_record-*"))) > 20
     docs = [json.loads(line)["text"] for f in sorted((tmp_path / "in").glob("*.jsonl")) for line in f.open()]
     held = [np.floor((i + 1) * 0.1) > np.floor(i * 0.1) for i in range(len(docs))]
@@ -138,12 +138,11 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
         np.testing.assert_array_equal(np.concatenate([got[k]["tokens"] for k in range(len(got))]), want)
     work = tmp_path / "work-cut"
     with pytest.raises(KeyboardInterrupt):
-        write("cut", Bar(stop=3))
-
+        write("cut", Stop(units=3))
     written = len(list((work / "shards").glob("*.done")))
     done = [k for k in range(len(units)) if (work / f"unit-{k}.done").exists()]
     freed = [k for k in done if not (work / f"unit-{k}.tokens").exists()]
     assert len(done) < len(units) and written > 0 and 0 < len(freed) < len(done), (done, written, freed)
     assert not (tmp_path / "cut" / "c" / "1.0.0").exists()
-    write("cut", Bar())
+    write("cut", Stop())
     assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
