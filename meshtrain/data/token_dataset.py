@@ -15,7 +15,6 @@ token offset is then one or two record reads, whatever seq_len is.
 """
 
 import functools
-import os
 import re
 from pathlib import Path
 from typing import Callable, Iterable
@@ -23,7 +22,7 @@ from typing import Callable, Iterable
 import numpy as np
 import tensorflow_datasets as tfds
 
-from meshtrain.data.tfds_writer import dataset_dir, write_dataset, write_shard  # noqa: F401 (dataset_dir re-exported)
+from meshtrain.data.tfds_writer import dataset_dir, write_dataset  # noqa: F401 (dataset_dir re-exported)
 from meshtrain.data.windows import token_dtype
 from meshtrain.errors import UserError
 
@@ -78,20 +77,6 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     return dict(metadata)
 
 
-def write_token_shard(stream, record_tokens: int, path: str) -> tuple[int, int]:
-    """In a worker: `stream`'s tokens as records of `record_tokens` in one shard,
-    uncompressed (token ids barely compress, and training reads them back at every step);
-    written to PATH.tmp and renamed. -> (records, bytes)."""
-    def records():
-        step = record_tokens * max(1, (1 << 20) // record_tokens)  # about 1M tokens a read: a buffer reused
-        for a in range(0, stream.tokens, step):
-            tokens = stream.read(a, min(a + step, stream.tokens))
-            yield from (serialize(tokens[i:i + record_tokens]) for i in range(0, len(tokens), record_tokens))
-    result = write_shard(Path(f"{path}.tmp"), records(), "group_size:1,uncompressed,max_parallelism:1")
-    os.replace(f"{path}.tmp", path)
-    return result
-
-
 def serialize(tokens: np.ndarray) -> bytes:
     """One record as TFDS's token_features serializes it (the same bytes, tested): the
     raw ids are the innermost, last field of the tf.Example, so a record is the protos'
@@ -99,11 +84,12 @@ def serialize(tokens: np.ndarray) -> bytes:
     record cost as much as writing the shards; every record but a split's last has one
     length."""
     raw = tokens.tobytes()
-    return _header(len(raw)) + raw
+    return record_header(len(raw)) + raw
 
 
 @functools.lru_cache(maxsize=8)
-def _header(nbytes: int) -> bytes:
+def record_header(nbytes: int) -> bytes:
+    """The bytes before `nbytes` of ids in a record (`serialize`)."""
     from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
     fill = b"\0" * nbytes
     raw = tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[fill]))

@@ -1,6 +1,6 @@
 """prepare's two kinds of work, interleaved on one pool: units tokenized
 (tokenize_pool.tokenize_unit) and the dataset's shards written from them
-(token_dataset.write_token_shard).
+(tokenize_pool.write_token_shard).
 
 A shard is written as soon as the units it reads are done: the splits' token streams
 grow unit by unit, in input order, over the run of units done from the first
@@ -45,6 +45,7 @@ class Splits:
 
     def __init__(self, work: tokenize_pool.Work, units: list, dtype, fraction: float):
         self.work, self.units, self.dtype, self.fraction = work, units, np.dtype(dtype).name, fraction
+        self.itemsize = np.dtype(dtype).itemsize
         self.pieces = {s: [] for s in SPLITS}  # (unit, lo, hi) slices of the units' files
         self.starts = {s: [0] for s in SPLITS}  # where each piece starts in its stream, then the end
         self.documents = {s: 0 for s in SPLITS}
@@ -106,12 +107,12 @@ class Splits:
 
 
 class Shards:
-    """Each split's shards made so far, `[j] (stream, record_tokens, path)`, those ready to
+    """Each split's shards made so far, `[j] (stream, record_tokens, path, headers)`, those ready to
     write, and the units they still read."""
 
     def __init__(self, name: str, splits: Splits, per_shard: int, record_tokens: int):
         self.name, self.splits, self.per_shard, self.record_tokens = name, splits, per_shard, record_tokens
-        self.made = {s: [] for s in SPLITS}
+        self.made = {s: [] for s in SPLITS}  # [j] (stream, record_tokens, path, headers)
         self.ready = collections.deque()
         self.readers = collections.Counter()  # unit -> shards made, not written yet, that read it
         self.live = []  # units done whose ids are still on disk
@@ -126,11 +127,18 @@ class Shards:
             n = max(-(-tokens // size), 1) if splits.complete else tokens // size
             while len(its) < n:
                 j = len(its)
-                its.append((splits.slice(split, j * size, min((j + 1) * size, tokens)), self.record_tokens,
-                            str(work.shard(f"{self.name}-{split}.array_record-{j:05d}"))))
+                stream = splits.slice(split, j * size, min((j + 1) * size, tokens))
+                its.append((stream, self.record_tokens, str(work.shard(f"{self.name}-{split}.array_record-{j:05d}")),
+                            self.headers(stream.tokens)))
                 if work.written(its[-1][2]) is None:
                     self.ready.append(its[-1])
                     self.readers.update(its[-1][0].units())
+
+    def headers(self, tokens: int) -> dict[int, bytes]:
+        """{bytes: header} of the records of a shard of `tokens` (all whole but a split's last)."""
+        r, size = self.record_tokens, self.splits.itemsize
+        lengths = ({r} if tokens >= r else set()) | ({tokens % r} if tokens % r else set())
+        return {n * size: token_dataset.record_header(n * size) for n in lengths}
 
     def wrote(self, task, result) -> None:
         self.splits.work.wrote(task[2], result)
@@ -174,7 +182,7 @@ def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_po
         while len(running) < 2 * max(workers, 1) and (todo or shards.ready):
             if shards.ready:  # shards first: they free units, so the work directory stays small
                 task = shards.ready.popleft()
-                running[here.submit(token_dataset.write_token_shard, *task)] = ("shard", task)
+                running[here.submit(tokenize_pool.write_token_shard, *task)] = ("shard", task)
             else:
                 k = todo.popleft()
                 task = (corpus, units[k], k, str(work.root), str(work.root / "tokenizer.json"))
@@ -207,9 +215,10 @@ def _finish(name, data_dir, tokenizer, dtype, record_tokens, splits, shards, ext
                     metadata) as out:
         infos = []
         for split in SPLITS:
-            results = [splits.work.written(path) for _, _, path in shards[split]]
-            for j, (_, _, path) in enumerate(shards[split]):  # linked, not moved: a kill before the rename keeps them
-                _link(Path(path), out.shard_path(split, j, len(shards[split])))
+            paths = [task[2] for task in shards[split]]
+            results = [splits.work.written(path) for path in paths]
+            for j, path in enumerate(paths):  # linked, not moved: a kill before the rename keeps them
+                _link(Path(path), out.shard_path(split, j, len(paths)))
             infos.append(out.split_info(split, [r for r, _ in results], sum(b for _, b in results)))
         out.finish(infos, replace=replace)
     return dict(metadata)

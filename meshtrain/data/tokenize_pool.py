@@ -118,6 +118,26 @@ def tokenize_unit(corpus, unit: Unit, k: int, root: str, tokenizer_path: str) ->
     return unit.nbytes
 
 
+def write_token_shard(stream: "Stream", record_tokens: int, path: str, headers: dict[int, bytes]) -> tuple[int, int]:
+    """In a worker: `stream`'s tokens as records of `record_tokens` in one shard of the
+    dataset, uncompressed (token ids barely compress, and training reads them back at every
+    step); written to PATH.tmp and renamed. A record is headers[its bytes] then its ids
+    (token_dataset.serialize: made here without TFDS, which would cost each worker 0.55 s
+    to import). -> (records, bytes)."""
+    from meshtrain.data.tfds_writer import write_shard
+
+    def records():
+        step = record_tokens * max(1, (1 << 20) // record_tokens)  # about 1M tokens a read: a buffer reused
+        for a in range(0, stream.tokens, step):
+            tokens = stream.read(a, min(a + step, stream.tokens))
+            for i in range(0, len(tokens), record_tokens):
+                raw = tokens[i:i + record_tokens].tobytes()
+                yield headers[len(raw)] + raw
+    result = write_shard(Path(f"{path}.tmp"), records(), "group_size:1,uncompressed,max_parallelism:1")
+    os.replace(f"{path}.tmp", path)
+    return result
+
+
 @contextlib.contextmanager
 def pool(workers: int):
     """The worker processes every phase of one prepare shares (None for 1: in this process)."""
