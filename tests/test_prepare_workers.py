@@ -86,15 +86,16 @@ def test_data_kind_text_sends_records_and_large_corpora_to_prepare(tmp_path, mon
 
 
 def test_token_records_are_the_bytes_tfds_serializes():
-    """token_dataset.serialize builds each record from TFDS's protos directly; what TFDS's
-    own features would write, so tfds.data_source decodes it."""
+    """A record is token_dataset.record_header for its length, then the ids (what prepare's
+    workers write); what TFDS's own features would write, so tfds.data_source decodes it."""
     from meshtrain.data import token_dataset
     rng = np.random.default_rng(0)
     for dtype in (np.uint16, np.int32):
         features = token_dataset.token_features(np.dtype(dtype))
         for n in (0, 1, 4095, 4096):
             tokens = rng.integers(0, 50257, n).astype(dtype)
-            assert token_dataset.serialize(tokens) == features.serialize_example({"tokens": tokens})
+            record = token_dataset.record_header(tokens.nbytes) + tokens.tobytes()
+            assert record == features.serialize_example({"tokens": tokens})
 
 
 def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):

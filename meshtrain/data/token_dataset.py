@@ -77,19 +77,13 @@ def write_token_dataset(name: str, data_dir, tokenizer,
     return dict(metadata)
 
 
-def serialize(tokens: np.ndarray) -> bytes:
-    """One record as TFDS's token_features serializes it (the same bytes, tested): the
-    raw ids are the innermost, last field of the tf.Example, so a record is the protos'
-    own header for that many bytes, built once per length, then the ids. A proto per
-    record cost as much as writing the shards; every record but a split's last has one
-    length."""
-    raw = tokens.tobytes()
-    return record_header(len(raw)) + raw
-
-
 @functools.lru_cache(maxsize=8)
 def record_header(nbytes: int) -> bytes:
-    """The bytes before `nbytes` of ids in a record (`serialize`)."""
+    """The bytes before `nbytes` of ids in a record, as TFDS's token_features serializes it
+    (the same bytes, tested): the raw ids are the innermost, last field of the tf.Example,
+    so a record is this header, built once per length from TFDS's protos, then the ids. A
+    proto per record cost as much as writing the shards; every record but a split's last
+    has one length."""
     from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
     fill = b"\0" * nbytes
     raw = tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[fill]))

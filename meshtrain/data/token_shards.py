@@ -103,7 +103,7 @@ class Splits:
             if x < y:
                 out.append((k, x, y))
             i += 1
-        return tokenize_pool.Stream(str(self.work.root), self.dtype, tuple(out), 0)
+        return tokenize_pool.Stream(str(self.work.root), self.dtype, tuple(out))
 
 
 class Shards:

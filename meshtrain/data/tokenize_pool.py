@@ -122,7 +122,7 @@ def write_token_shard(stream: "Stream", record_tokens: int, path: str, headers: 
     """In a worker: `stream`'s tokens as records of `record_tokens` in one shard of the
     dataset, uncompressed (token ids barely compress, and training reads them back at every
     step); written to PATH.tmp and renamed. A record is headers[its bytes] then its ids
-    (token_dataset.serialize: made here without TFDS, which would cost each worker 0.55 s
+    (token_dataset.record_header: made by the parent, as TFDS would cost each worker 0.55 s
     to import). -> (records, bytes)."""
     from meshtrain.data.tfds_writer import write_shard
 
@@ -175,13 +175,12 @@ def tokenize(corpus, units: list[Unit], work: Work, tokenizer_path: Path, execut
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """A split's token stream: slices (unit, lo, hi) of the units' token files, in order,
-    and the documents they hold."""
+    """A split's token stream, or a shard's part of it: slices (unit, lo, hi) of the units'
+    token files, in order."""
 
     root: str
     dtype: str
     pieces: tuple[tuple[int, int, int], ...]
-    documents: int
 
     @property
     def tokens(self) -> int:
