@@ -221,6 +221,7 @@ def test_prepare_errors(tmp_path, capsys, monkeypatch):
     assert "holds no text" in _error(capsys, tmp=tmp_path, text="")
     assert "not a valid TFDS name" in _error(capsys, tmp=tmp_path, name="My-Data")
     assert "--train_bpe=2048" in _error(capsys, "--tokenizer=bpe", tmp=tmp_path)
+    assert "--workers=0: must be >= 1" in _error(capsys, "--workers=0", tmp=tmp_path)
     assert "does not exist" in _error(capsys, "--tokenizer=bpe:/no/tokenizer.json", tmp=tmp_path)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
     assert "gpt2:DIR" in _error(capsys, "--tokenizer=gpt2", tmp=tmp_path)

@@ -63,6 +63,15 @@ def parser() -> cli.Parser:
 
 
 def execute(args) -> int:
+    from meshtrain.data import tokenize_pool
+    if args.workers < 1:
+        raise UserError(f"--workers={args.workers}: must be >= 1 (processes that tokenize at once).")
+    # the workers start while this process imports TFDS and reads the input's layout
+    with tokenize_pool.pool(args.workers if args.input else 1) as executor:
+        return _execute(args, executor)
+
+
+def _execute(args, executor) -> int:
     from meshtrain.data import token_dataset  # imports TFDS: after argument errors
 
     token_dataset.check_name(args.name)
@@ -97,17 +106,14 @@ def execute(args) -> int:
             record_tokens=args.record_tokens, extra_metadata=source)
         bar.close()
     else:
-        from meshtrain.data import token_shards, tokenize_pool
-        if args.workers < 1:
-            raise UserError(f"--workers={args.workers}: must be >= 1 (processes that tokenize at once).")
-        with tokenize_pool.pool(args.workers) as executor:
-            tok, work, units = _work(args, spec, corpus)
-            fraction = getattr(corpus, "val_fraction", 0.0)
-            meta = token_shards.write(
-                args.name, args.data_dir, tok, corpus, units, work, executor, workers=args.workers,
-                fraction=fraction, record_tokens=args.record_tokens, extra_metadata=source, replace=True,
-                tokenize_bar=Progress("tokenize", sum(u.nbytes for u in units)),
-                check=lambda: _check_split(corpus, units, work, fraction))
+        from meshtrain.data import token_shards
+        tok, work, units = _work(args, spec, corpus)
+        fraction = getattr(corpus, "val_fraction", 0.0)
+        meta = token_shards.write(
+            args.name, args.data_dir, tok, corpus, units, work, executor, workers=args.workers,
+            fraction=fraction, record_tokens=args.record_tokens, extra_metadata=source, replace=True,
+            tokenize_bar=Progress("tokenize", sum(u.nbytes for u in units)),
+            check=lambda: _check_split(corpus, units, work, fraction))
         work.remove()
     n = meta["num_tokens"]
     print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "

@@ -146,7 +146,16 @@ def pool(workers: int):
         return
     # spawn: the parent has TensorFlow Datasets (and its threads) loaded; a fork would copy them.
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for _ in range(workers):  # each starts and imports now, while the caller goes on (about 1 s)
+            ex.submit(_start)
         yield ex
+
+
+def _start() -> None:
+    """A worker's imports, before its first task: what a unit's and a shard's tasks load."""
+    import importlib
+    for module in ("meshtrain.data.inputs", "meshtrain.data.tfds_writer", "meshtrain.data.tokenizers"):
+        importlib.import_module(module)
 
 
 def run(fn, tasks: list[tuple], executor, done) -> None:
