@@ -147,3 +147,27 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
     assert not (tmp_path / "cut" / "c" / "1.0.0").exists()
     write("cut", Stop())
     assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
+
+
+def test_a_large_jsonl_file_is_cut_into_units_of_lines(tmp_path, monkeypatch, capsys):
+    """A plain .jsonl file past formats.UNIT_BYTES is cut into units that end after a line
+    break: the dataset is the one whole-file units give, byte for byte, and a bad line in
+    a later unit is named by its line in the file."""
+    from meshtrain.data import formats, inputs
+    corpus = _corpus(tmp_path / "in", files=2, docs=700)
+    args = [f"--input={corpus}/*.jsonl", "--tokenizer=byte", "--record_tokens=512"]
+    assert prepare([*args, "--name=whole", f"--data_dir={tmp_path / 'd'}"]) == 0
+    monkeypatch.setattr(formats, "UNIT_BYTES", 2000)
+    units = inputs.Records(f"{corpus}/*.jsonl", "jsonl", "text", val_fraction=0.1).units()
+    assert len(units) > 20 and all(u.where[1] == 0 or (corpus / "part-00.jsonl").read_bytes()[u.where[1] - 1:u.where[1]]
+                                   in (b"\n", b"") for u in units if u.where[0].endswith("part-00.jsonl"))
+    assert prepare([*args, "--name=cut", f"--data_dir={tmp_path / 'd'}", "--workers=2"]) == 0
+    whole, cut = (_files(tmp_path / "d" / name / "1.0.0") for name in ("whole", "cut"))
+    for k in whole:  # the records; the dataset's name differs in the metadata
+        if ".array_record-" in k:
+            assert whole[k] == cut[k.replace("whole", "cut")], k
+    lines = (corpus / "part-01.jsonl").read_text().splitlines()
+    lines[600] = "{not json"
+    (corpus / "part-01.jsonl").write_text("\n".join(lines) + "\n")
+    assert prepare([*args, "--name=bad", f"--data_dir={tmp_path / 'd'}"]) == 2
+    assert "part-01.jsonl' line 601: not JSON" in capsys.readouterr().err

@@ -36,6 +36,9 @@ MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron-core's DType codes of integers; 6 (float64) and 7 (float32) hold no token ids.
 MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
 DOCS_PER_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
+# A plain .jsonl file is cut into units of about this many bytes (prepare's workers share
+# out units): a whole file of 128 MB left one worker idle for its last 2-3 s.
+UNIT_BYTES = 32 << 20
 # First bytes that no text file starts with, and what they are.
 _MAGIC = {b"PAR1": "a parquet file (--format=parquet)", b"\x28\xb5\x2f\xfd": "zstd-compressed (.zst)",
           b"\x1f\x8b": "gzip-compressed (.gz)", b"ARROW1": "an Arrow file", b"\xff\xff\xff\xff": "an Arrow stream",
@@ -84,30 +87,63 @@ def open_text(path: Path):
     return io.TextIOWrapper(raw, encoding="utf-8"), raw
 
 
-def _field(record, field: str, where: str) -> str:
+def spans(path: Path, size: int) -> list[tuple[int, int]]:
+    """[(start, end)] byte ranges of a plain .jsonl file, each of about UNIT_BYTES and
+    ending after a line break; [(0, size)] for a compressed or small one."""
+    if path.suffix.lower() in (".gz", ".zst") or size <= UNIT_BYTES:
+        return [(0, size)]
+    cuts = [0]
+    with open(path, "rb") as f:
+        while cuts[-1] + UNIT_BYTES < size:
+            f.seek(cuts[-1] + UNIT_BYTES)
+            f.readline()  # on to the start of the next line
+            if f.tell() >= size:
+                break
+            cuts.append(f.tell())
+    return list(zip(cuts, cuts[1:] + [size]))
+
+
+def _field(record, field: str, where) -> str:
+    """record[field], text; where() names the record in an error."""
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UserError(f"{where}: no field {field!r} (it has {keys}). Pass --text_field=NAME.")
+        raise UserError(f"{where()}: no field {field!r} (it has {keys}). Pass --text_field=NAME.")
     value = record[field]
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {field!r} is a {type(value).__name__}, not text. Pass the "
+        raise UserError(f"{where()}: field {field!r} is a {type(value).__name__}, not text. Pass the "
                         f"--text_field that holds the documents' text.")
     return value
 
 
-def jsonl(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
-    text, raw = open_text(path)
+def jsonl(path: Path, field: str, span: tuple[int, int] | None = None) -> Iterator[tuple[list[str], int]]:
+    """Batches of documents of a .jsonl (.gz, .zst) file, or of its bytes [start, end) of
+    `spans`, with the input bytes each batch read."""
+    if span is None:
+        text, raw = open_text(path)
+        before = 0
+    else:  # a unit of a plain file: its lines read as the whole file's reader reads them
+        with open(path, "rb") as f:
+            f.seek(span[0])
+            raw = io.BytesIO(f.read(span[1] - span[0]))
+        text, before = io.TextIOWrapper(raw, encoding="utf-8"), None
+
+    def line(n: int) -> str:  # "line N" of the whole file; counted only for an error
+        nonlocal before
+        if before is None:
+            with open(path, "rb") as f:
+                before = f.read(span[0]).count(b"\n")
+        return f"{str(path)!r} line {before + n}"
     docs, seen = [], 0
     with text:
-        for n, line in enumerate(_lines(text, path), 1):
-            if not line.strip():
+        for n, row in enumerate(_lines(text, path), 1):
+            if not row.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(row)
             except json.JSONDecodeError as e:
-                raise UserError(f"{str(path)!r} line {n}: not JSON ({e.msg} at column {e.colno}); each line "
+                raise UserError(f"{line(n)}: not JSON ({e.msg} at column {e.colno}); each line "
                                 f"of a .jsonl file is one JSON object.") from None
-            docs.append(_field(record, field, f"{str(path)!r} line {n}"))
+            docs.append(_field(record, field, lambda: line(n)))
             if len(docs) == DOCS_PER_BATCH:
                 yield docs, raw.tell() - seen
                 docs, seen = [], raw.tell()

@@ -53,16 +53,22 @@ class Records:
                 i += 1
 
     def units(self) -> list[Unit]:
-        """A unit a file; the held-out documents are chosen as the streams are read."""
-        train = "train" if self.val_files else None
-        return ([Unit((str(f),), _size(f), train) for f in self.files]
-                + [Unit((str(f),), _size(f), "validation") for f in self.val_files])
+        """A unit a file, or a run of lines of a large plain .jsonl file (formats.spans); the
+        held-out documents are chosen as the streams are read."""
+        def of(files, split):
+            if self.fmt != "jsonl":
+                return [Unit((str(f),), _size(f), split) for f in files]
+            return [Unit((str(f),) if (a, b) == (0, _size(f)) else (str(f), a, b), b - a, split)
+                    for f in files for a, b in formats.spans(f, _size(f))]
+        return of(self.files, "train" if self.val_files else None) + of(self.val_files, "validation")
 
     def unit_documents(self, unit: Unit) -> Iterator[str]:
-        return self._read(Path(unit.where[0]), None)
+        return self._read(Path(unit.where[0]), None, tuple(unit.where[1:]) or None)
 
-    def _read(self, path: Path, progress) -> Iterator[str]:
-        for docs, nbytes in formats.READERS[self.fmt](path, self.field):
+    def _read(self, path: Path, progress, span: tuple[int, int] | None = None) -> Iterator[str]:
+        """The documents of a file (of its bytes [start, end) for a jsonl unit)."""
+        read = formats.READERS[self.fmt]
+        for docs, nbytes in (read(path, self.field) if span is None else read(path, self.field, span)):
             yield from (d for d in docs if d)
             if progress is not None:
                 progress(nbytes)

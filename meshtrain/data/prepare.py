@@ -184,12 +184,13 @@ def _remove(out: Path) -> None:
 def _work(args, spec: str, corpus):
     """The work directory (a rerun with the same inputs and options resumes it), its
     tokenizer and the corpus's units; -> (tokenizer, work, units)."""
-    from meshtrain.data import tokenize_pool
+    from meshtrain.data import formats, tokenize_pool
     from meshtrain.data.tokenizers import load_tokenizer
     files = list(corpus.files) + list(getattr(corpus, "val_files", []))
     plan = {"inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             **{k: getattr(args, k) for k in ("format", "text_field", "val_fraction", "val_input", "doc_separator",
-                                            "tokenizer", "train_bpe", "record_tokens")}}
+                                            "tokenizer", "train_bpe", "record_tokens")},
+            "unit_bytes": formats.UNIT_BYTES}  # how the units are cut: another cut, other units
     work = tokenize_pool.Work(Path(args.data_dir).expanduser() / f".{args.name}.prepare", plan)
     saved = work.root / "tokenizer.json"
     if saved.exists():

@@ -13,8 +13,8 @@ tokens, in input order, become the two splits' token streams.
       shards/            the dataset's shards (meshtrain/data/token_shards.py); a unit's
                          tokens are deleted once every shard that reads them is written
 
-A unit is a file of the input (or the part of one before or after plain text's held-out
-cut). Its split is fixed (plain text; records with --val_input), or set when the streams are
+A unit is a file of the input (a run of lines of a large plain .jsonl file; the part of
+a text file before or after plain text's held-out cut). Its split is fixed (plain text; records with --val_input), or set when the streams are
 read: records hold out document i of the whole input when floor((i + 1) f) > floor(i f),
 which needs only the documents' count before each unit, known once the units before it
 are done. The streams are then slices of the units' files (`Stream`), and workers write
