@@ -14,12 +14,13 @@ tokens, in input order, become the two splits' token streams.
                          tokens are deleted once every shard that reads them is written
 
 A unit is a file of the input (a run of lines of a large plain .jsonl file; the part of
-a text file before or after plain text's held-out cut). Its split is fixed (plain text; records with --val_input), or set when the streams are
-read: records hold out document i of the whole input when floor((i + 1) f) > floor(i f),
-which needs only the documents' count before each unit, known once the units before it
-are done. The streams are then slices of the units' files (`Stream`), and workers write
-the dataset's shards from them as the units are done (meshtrain/data/token_shards.py).
-Workers share nothing but the files; the result is the same for any --workers.
+a text file before or after plain text's held-out cut). Its split is fixed (plain text;
+records with --val_input), or set when the streams are read: records hold out document i
+of the whole input when floor((i + 1) f) > floor(i f), which needs only the documents'
+count before each unit, known once the units before it are done. The streams are then
+slices of the units' files (`Stream`), and workers write the dataset's shards from them
+as the units are done (meshtrain/data/token_shards.py). Workers share nothing but the
+files; the result is the same for any --workers.
 """
 
 from __future__ import annotations
