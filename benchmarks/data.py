@@ -25,6 +25,7 @@ with 2 workers, byte-identical after a kill.
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -158,16 +159,23 @@ def kill_check(source: str, tmp: Path, separator: bool) -> str:
     run_prepare(source, whole, 1, separator)
     cmd = [sys.executable, "-m", "meshtrain", "prepare", f"--input={source}", "--name=bench", f"--data_dir={cut}",
            *TOKENIZER, "--workers=1"] + (["--doc_separator=\\n\\n"] if separator else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while len(list((cut / ".bench.prepare").glob("unit-*.done"))) < 8 and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    log = tmp / "cut.log"
+    with open(log, "w") as err:  # prepare says how many units it cut the input into
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        units = None
+        while proc.poll() is None:
+            units = units or re.search(r"(\d+) unit\(s\) to tokenize", log.read_text())
+            if units and len(list((cut / ".bench.prepare").glob("unit-*.done"))) >= int(units[1]) // 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     done = len(list((cut / ".bench.prepare").glob("unit-*.done")))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     files = sorted(p.name for p in (whole / "bench" / "1.0.0").iterdir())
     same = all((whole / "bench" / "1.0.0" / f).read_bytes() == (cut / "bench" / "1.0.0" / f).read_bytes() for f in files)
-    return f"killed with {done} of 16 units done, rerun: {len(files)} files, byte-identical: {same}"
+    total = units[1] if units else "?"
+    return f"killed (SIGKILL) with {done} of {total} units done, rerun: {len(files)} files, byte-identical: {same}"
 
 
 def bpe(path: Path, vocab: int = 300) -> str:

@@ -144,9 +144,37 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
     done = [k for k in range(len(units)) if (work / f"unit-{k}.done").exists()]
     freed = [k for k in done if not (work / f"unit-{k}.tokens").exists()]
     assert len(done) < len(units) and written > 0 and 0 < len(freed) < len(done), (done, written, freed)
+    assert token_shards.shard_tokens(units, 0.1, 2048, 256) == {"train": 2048, "validation": 256}
     assert not (tmp_path / "cut" / "c" / "1.0.0").exists()
     write("cut", Stop())
     assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
+
+
+def test_units_held_out_per_document_are_freed_as_fast_as_the_training_shards_read_them(tmp_path):
+    """A validation shard of documents held out per document holds the held-out share of a
+    training shard's tokens, so it spans the units a training shard does: a unit's ids wait
+    on disk for the next shards only, not for one validation shard that spans 1 / fraction
+    of the units (here every one)."""
+    from meshtrain.data import inputs, token_shards, tokenize_pool
+    from meshtrain.data.tokenizers import make_tokenizer
+    from meshtrain.progress import Progress
+    corpus = inputs.Records(f"{_corpus(tmp_path / 'in', files=20, docs=40)}/*.jsonl", "jsonl", "text",
+                            val_fraction=0.1)
+    tok, units, work = make_tokenizer("byte"), corpus.units(), tokenize_pool.Work(tmp_path / "work", {"plan": 1})
+    tok.save(work.root / "tokenizer.json")
+    on_disk = []
+
+    class Count(Progress):
+        def update(self, n):  # after each unit: how many units' ids are on disk
+            on_disk.append(len(list(work.root.glob("unit-*.tokens"))))
+
+    meta = token_shards.write("c", tmp_path / "d", tok, corpus, units, work, None, workers=1, fraction=0.1,
+                              record_tokens=256, tokenize_bar=Count("tokenize", 1), shard_bytes=4096)
+    assert token_shards.shard_tokens(units, 0.1, 2048, 256) == {"train": 2048, "validation": 256}
+    assert token_shards.shard_tokens(units[:1], 0.0, 2048, 256)["validation"] == 2048
+    shards = sorted((tmp_path / "d" / "c" / "1.0.0").glob("*validation.array_record-*"))
+    assert len(shards) == -(-meta["num_tokens"]["validation"] // 256)  # one record each
+    assert max(on_disk) <= 5, on_disk  # full-size validation shards keep every unit: 20 at the end
 
 
 def test_a_large_jsonl_file_is_cut_into_units_of_lines(tmp_path, monkeypatch, capsys):

@@ -9,8 +9,9 @@ shards' writing overlaps the tokenizing instead of following it, and what bounds
 prepare on a slow disk, the ids written twice (units, then shards), is spread over the
 whole run. A unit's ids are deleted once no shard will read them again (every shard
 that covers them is written): the work directory never holds the corpus's ids twice,
-only the units whose shards are not all written (with records held out per document,
-the units one validation shard spans: 64 MB of held-out ids). Every file is the same
+only the units whose shards are not all written (a validation shard of records held out
+per document holds that share of a shard's size, so it spans the units a training shard
+does: `shard_tokens`). Every file is the same
 for any worker count and for a run stopped and rerun at any point
 (tests/test_prepare_workers.py).
 
@@ -110,7 +111,7 @@ class Shards:
     """Each split's shards made so far, `[j] (stream, record_tokens, path, headers)`, those ready to
     write, and the units they still read."""
 
-    def __init__(self, name: str, splits: Splits, per_shard: int, record_tokens: int):
+    def __init__(self, name: str, splits: Splits, per_shard: dict[str, int], record_tokens: int):
         self.name, self.splits, self.per_shard, self.record_tokens = name, splits, per_shard, record_tokens
         self.made = {s: [] for s in SPLITS}  # [j] (stream, record_tokens, path, headers)
         self.ready = collections.deque()
@@ -123,7 +124,7 @@ class Shards:
         splits.advance()
         self.live.extend(range(added, splits.ready))
         for split in reversed(SPLITS):  # validation's first: one of its shards reads many units
-            tokens, its, size = splits.tokens(split), self.made[split], self.per_shard
+            tokens, its, size = splits.tokens(split), self.made[split], self.per_shard[split]
             n = max(-(-tokens // size), 1) if splits.complete else tokens // size
             while len(its) < n:
                 j = len(its)
@@ -146,13 +147,25 @@ class Shards:
 
     def free(self) -> None:
         """Units no shard will read again: every shard covering them made, and written."""
-        made = {s: len(self.made[s]) * self.per_shard for s in SPLITS}
+        made = {s: len(self.made[s]) * self.per_shard[s] for s in SPLITS}
         for k in list(self.live):
             if not all(self.splits.covered(k, s, made[s]) for s in SPLITS):
                 break  # the units after it are not covered either
             if self.readers[k] == 0:
                 self.splits.work.free(k)
                 self.live.remove(k)
+
+
+def shard_tokens(units: list, fraction: float, tokens: int, record_tokens: int) -> dict[str, int]:
+    """{split: tokens a shard holds}: about `tokens`, in whole records. With records held out
+    per document, a validation shard holds the held-out share of that, so that it spans
+    about the units a training shard does: a unit's ids are deleted once both shards that
+    read them are written, and with validation shards of full size every unit would wait
+    on disk for the one validation shard spanning 1 / fraction of them (at 0.05, 1.3 GB of
+    ids for 64 MB shards, which a disk then writes out only to delete them)."""
+    whole = max(tokens // record_tokens, 1)
+    held = max(int(whole * fraction), 1) if any(u.split is None for u in units) and fraction > 0 else whole
+    return {"train": whole * record_tokens, "validation": held * record_tokens}
 
 
 def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_pool.Work, executor, *,
@@ -166,7 +179,7 @@ def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_po
     replaced at the end. -> the metadata."""
     dtype = np.dtype(token_dataset.token_dtype(tokenizer.vocab_size))
     splits = Splits(work, units, dtype, fraction)
-    shards = Shards(name, splits, max(shard_bytes // (record_tokens * dtype.itemsize), 1) * record_tokens,
+    shards = Shards(name, splits, shard_tokens(units, fraction, shard_bytes // dtype.itemsize, record_tokens),
                     record_tokens)
     todo = collections.deque(k for k in range(len(units)) if not work.done(k))
     tokenize_bar = tokenize_bar or Progress("tokenize", 0, stream=_Silent())
