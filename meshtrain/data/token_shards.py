@@ -123,7 +123,7 @@ class Shards:
         splits, work, added = self.splits, self.splits.work, self.splits.ready
         splits.advance()
         self.live.extend(range(added, splits.ready))
-        for split in reversed(SPLITS):  # validation's first: one of its shards reads many units
+        for split in SPLITS:
             tokens, its, size = splits.tokens(split), self.made[split], self.per_shard[split]
             n = max(-(-tokens // size), 1) if splits.complete else tokens // size
             while len(its) < n:
@@ -162,7 +162,7 @@ def shard_tokens(units: list, fraction: float, tokens: int, record_tokens: int) 
     about the units a training shard does: a unit's ids are deleted once both shards that
     read them are written, and with validation shards of full size every unit would wait
     on disk for the one validation shard spanning 1 / fraction of them (at 0.05, 1.3 GB of
-    ids for 64 MB shards, which a disk then writes out only to delete them)."""
+    ids for 64 MB shards, which the kernel writes out to disk only for them to be deleted)."""
     whole = max(tokens // record_tokens, 1)
     held = max(int(whole * fraction), 1) if any(u.split is None for u in units) and fraction > 0 else whole
     return {"train": whole * record_tokens, "validation": held * record_tokens}
