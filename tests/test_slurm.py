@@ -47,7 +47,10 @@ bash "$FAKE/task" & task=$!
 echo $task > "$FAKE/task.pid"
 trap 'echo "srun got SIGTERM: killed its task" >> "$FAKE/events"; kill -KILL $task; exit 137' TERM
 while kill -0 $task 2>/dev/null; do wait $task; done; wait $task""",
-    "task": """trap 'echo "task saved" >> "$FAKE/events"; exit ${FAKE_STATUS:-0}' TERM
+    # FAKE_PREEMPTED: the task writes run.json's summary on SIGTERM, with this "preempted"
+    "task": """trap 'echo "task saved" >> "$FAKE/events"
+[[ -n ${FAKE_PREEMPTED:-} ]] && echo "{\\"summary\\": {\\"end_step\\": 9, \\"preempted\\": $FAKE_PREEMPTED}}" > "$WORKDIR/run.json"
+exit ${FAKE_STATUS:-0}' TERM
 echo "task started" >> "$FAKE/events"
 for _ in $(seq ${FAKE_TICKS:-600}); do sleep 0.05; done
 echo "task finished" >> "$FAKE/events"; exit ${FAKE_STATUS:-0}""",
@@ -121,6 +124,24 @@ def test_a_finished_run_is_not_requeued_and_a_preempted_one_is(tmp_path):
     status, out = finish(job)
     assert events(fake) == ["task started", "task saved", "scontrol requeue 42"] and status == 0, out
     assert "preemption: requeueing" in out
+
+
+def test_a_run_that_ends_as_the_time_limit_warning_comes_is_not_requeued(tmp_path):
+    """The warning came as the run took its last step: run.json's summary, written by this
+    run, says nothing stopped it early (preempted null), so the job ends instead of
+    requeueing a run with nothing left to train. A summary that says SIGTERM, or one left
+    by an earlier run, is requeued."""
+    for case, preempted, requeued in (("ended", "null", False), ("saved", '"SIGTERM"', True), ("old", "", True)):
+        (tmp_path / case / "w").mkdir(parents=True)
+        if case == "old":  # a finished run's summary from before this job
+            (tmp_path / case / "w" / "run.json").write_text('{"summary": {"end_step": 9, "preempted": null}}')
+            os.utime(tmp_path / case / "w" / "run.json", (time.time() - 60,) * 2)
+        job, fake = fake_job(tmp_path / case, FAKE_PREEMPTED=preempted)
+        os.kill(job.pid, signal.SIGUSR1)
+        status, out = finish(job)
+        assert status == 0 and ("scontrol requeue 42" in events(fake)) == requeued, (case, out)
+        assert ("the run reached its end as the time limit came: nothing to requeue" in out) == (not requeued)
+        assert "resubmit" not in out, out
 
 
 def test_a_hang_is_requeued_once_per_job_then_fails(tmp_path):
