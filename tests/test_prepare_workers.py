@@ -144,7 +144,6 @@ def test_shards_are_written_as_units_finish_and_a_stop_keeps_them(tmp_path):
     done = [k for k in range(len(units)) if (work / f"unit-{k}.done").exists()]
     freed = [k for k in done if not (work / f"unit-{k}.tokens").exists()]
     assert len(done) < len(units) and written > 0 and 0 < len(freed) < len(done), (done, written, freed)
-    assert token_shards.shard_tokens(units, 0.1, 2048, 256) == {"train": 2048, "validation": 256}
     assert not (tmp_path / "cut" / "c" / "1.0.0").exists()
     write("cut", Stop())
     assert _files(tmp_path / "cut" / "c" / "1.0.0") == _files(tmp_path / "whole" / "c" / "1.0.0")
