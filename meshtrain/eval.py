@@ -58,8 +58,9 @@ def parser() -> cli.Parser:
                    help="one JSON object on stdout (loss, perplexity, tokens, batches, split, step, mesh, "
                         "layout, seconds) instead of the line")
     p.add_argument("--dump_logits", metavar="FILE.npz",
-                   help="write the evaluated tokens [N, T], targets [N, T] and float32 logits [N, T, V] "
-                        "(vocabulary padding stripped) to FILE.npz, for parity checks")
+                   help="write the evaluated tokens [N, T], targets [N, T], the targets' loss weights [N, T] "
+                        "(0 across a document's end under data.packing=documents) and float32 logits "
+                        "[N, T, V] (vocabulary padding stripped) to FILE.npz, for parity checks")
     return p
 
 
@@ -200,14 +201,15 @@ def run_eval(exp, params, split: str, n: int, dump: str | None, say, stats=None)
     progress = Progress(f"eval {split}", n * per_batch, unit=f" {exp.task.unit}")
     kept: list = []
     if dump:
-        logits_step = step_lib.make_logits_step(exp.model, exp.layout, exp.mesh, exp.shardings.params)
+        # The run's task: under data.packing=documents its forward masks each document.
+        logits_step = step_lib.make_logits_step(exp.model, exp.layout, exp.mesh, exp.shardings.params, exp.task)
         say(f"--dump_logits: {n * b} x {t} x {vocab} float32 logits, {mib(n * b * t * vocab * 4)}, are "
             f"kept in host memory and written to {dump} at the end")
 
     def each(tokens, loss):
         if dump:
-            logits = np.asarray(jax.device_get(logits_step(params, tokens[:, :-1])))[..., :vocab]
-            kept.append((np.asarray(jax.device_get(tokens)), logits))
+            logits, weights = jax.device_get(logits_step(params, tokens))
+            kept.append((np.asarray(jax.device_get(tokens)), np.asarray(logits)[..., :vocab], np.asarray(weights)))
         jax.block_until_ready(loss)
         progress.update(per_batch)
 
@@ -220,10 +222,11 @@ def run_eval(exp, params, split: str, n: int, dump: str | None, say, stats=None)
     tokens = np.concatenate([k[0] for k in kept])
     with open(dump, "wb") as f:  # a file object: np.savez adds no second .npz
         np.savez(f, tokens=tokens[:, :-1], targets=tokens[:, 1:],
-                 logits=np.concatenate([k[1] for k in kept]).astype(np.float32))
+                 logits=np.concatenate([k[1] for k in kept]).astype(np.float32),
+                 weights=np.concatenate([k[2] for k in kept]).astype(np.float32))
     size, rows = pathlib.Path(dump).stat().st_size, len(tokens)
-    return loss, seconds, (f"--dump_logits: wrote {dump} ({mib(size)}: tokens and targets [{rows}, {t}], "
-                           f"logits [{rows}, {t}, {vocab}])")
+    return loss, seconds, (f"--dump_logits: wrote {dump} ({mib(size)}: tokens, targets and weights "
+                           f"[{rows}, {t}], logits [{rows}, {t}, {vocab}])")
 
 
 def mib(nbytes: int) -> str:

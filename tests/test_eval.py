@@ -1,6 +1,7 @@
 """meshtrain eval: a run's workdir gives that run's last eval_loss, on its own mesh and on
 another; a converted Hugging Face GPT-2 dumps the logits transformers computes on the
-same tokens; bad input is one paragraph with status 2."""
+same tokens; the dumped logits and weights give back the reported loss under either
+data.packing; bad input is one paragraph with status 2."""
 
 import json
 import math
@@ -90,6 +91,44 @@ def test_dump_logits_of_a_converted_gpt2_equal_transformers(hf_ckpt, tmp_path, c
     # The loss is transformers' mean next-token loss on the same windows.
     windows = np.concatenate([d["tokens"], d["targets"][:, -1:]], axis=1)
     assert got["loss"] == pytest.approx(hf_models.loss(hf, windows), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def documents_corpus(tmp_path_factory) -> tuple[str, int]:
+    """(a glob of 120 one-line files, each a document of 3 to 9 words, so a window of 32
+    characters spans several; the char tokenizer's end-of-text id over them)."""
+    root = tmp_path_factory.mktemp("eval_docs")
+    words = "the quick brown fox jumps over a lazy dog".split()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, rng.integers(3, 10))) for _ in range(120)]
+    for i, text in enumerate(texts):
+        (root / f"{i:03d}.txt").write_text(text)
+    return str(root / "*.txt"), len(set("".join(texts)))  # char ids: the sorted characters, then eot
+
+
+@pytest.mark.parametrize("packing", ["concat", "documents"])
+def test_dumped_logits_and_weights_recompute_the_reported_loss(run_dir, documents_corpus, packing, tmp_path,
+                                                                capsys):
+    """docs/eval.md's rule: loss = sum(weights * cross entropy(logits, targets)) / weights.size,
+    under either data.packing (the logits masked per document as the loss's are)."""
+    corpus, eot = documents_corpus
+    dump = tmp_path / "logits.npz"
+    got, _ = _eval_json(capsys, f"--workdir={run_dir}", "--config.data.kind=text", f"--config.data.path={corpus}",
+                        "--config.data.tokenizer=char", f"--config.data.packing={packing}",
+                        "--config.model.seq_len=32", "--config.train.batch_size=4", "--batches=2",
+                        f"--dump_logits={dump}")
+    d = np.load(dump)
+    assert d["weights"].shape == d["targets"].shape == (8, 32) and d["weights"].dtype == np.float32
+    # The target after an end-of-text id is the next document's first: it weighs 0 under documents.
+    boundary = d["tokens"] == eot
+    assert boundary.sum() >= 8, "the windows should cross several documents"
+    np.testing.assert_array_equal(d["weights"], np.where(boundary, 0.0, 1.0) if packing == "documents" else 1.0)
+    z = d["logits"].astype(np.float64)
+    top = z.max(-1, keepdims=True)
+    nll = (np.log(np.exp(z - top).sum(-1)) + top[..., 0]
+           - np.take_along_axis(z, d["targets"][..., None], -1)[..., 0])
+    recomputed = (d["weights"] * nll).sum() / d["weights"].size
+    assert abs(recomputed - got["loss"]) <= 1e-6, (packing, recomputed, got["loss"])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -331,15 +331,28 @@ def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
                    out_shardings=NamedSharding(mesh, P()))
 
 
-def make_logits_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings) -> Callable:
-    """logits_step(params, tokens [B, T] int32) -> float32 logits [B, T, V padded] (no
-    dropout): the model the loss takes, whole, laid out like the activations ("batch",
-    "length", "vocab"). The model masks the logits of padding ids; callers strip them
-    ([..., :model.cfg.vocab_size]). For parity checks (meshtrain eval --dump_logits):
-    training never holds these [B, T, V] float32 logits when train.loss_chunk < T."""
+def make_logits_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
+                     task: tasks.LanguageModelling | None = None) -> Callable:
+    """logits_step(params, tokens [B, T+1] int32) -> (logits [B, T, V padded] float32,
+    weights [B, T] float32), without dropout: the model the loss takes, whole, on the
+    inputs tokens[:, :-1] with the task's packing (a packed window's documents masked
+    apart, tasks/language.py), and the weight the loss gives each target tokens[:, 1:]
+    (1; 0 across a document's end under data.packing=documents), both in position order
+    and laid out like the activations. So sum(weights * cross entropy(logits, targets))
+    / (B T) is the eval step's loss. The model masks the logits of padding ids; callers
+    strip them ([..., :model.cfg.vocab_size]). For parity checks (meshtrain eval
+    --dump_logits): training never holds these [B, T, V] float32 logits when
+    train.loss_chunk < T. `task` None: a language model packed as one stream (concat)."""
+    task = tasks.LanguageModelling() if task is None else task
     constrain, cast, run_layers = forward_parts(model, layout, mesh)
 
-    def logits_step(params, tokens_bt):
-        return model.bind(cast(params))(tokens_bt, constrain, None, run_layers).astype(jnp.float32)
+    def logits_step(params, tokens_bt1):
+        # The task's documents: the same segment ids and positions its loss hands the model.
+        docs_constrain, weights_bt = task.documents(tokens_bt1, constrain)
+        logits_btv = model.bind(cast(params))(tokens_bt1[:, :-1], docs_constrain, None, run_layers)
+        # Weights under either packing: one rule recomputes the loss from what is returned.
+        weights_bt = jnp.ones(tokens_bt1[:, 1:].shape, jnp.float32) if weights_bt is None else weights_bt
+        return logits_btv.astype(jnp.float32), weights_bt
     return jax.jit(logits_step, in_shardings=(param_shardings, batch_sharding(layout, mesh)),
-                   out_shardings=NamedSharding(mesh, layout.spec(("batch", "length", "vocab"), "activations")))
+                   out_shardings=(NamedSharding(mesh, layout.spec(("batch", "length", "vocab"), "activations")),
+                                  NamedSharding(mesh, layout.spec(("batch", "length"), "activations"))))
