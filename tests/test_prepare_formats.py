@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from meshtrain.data import formats
+from meshtrain.data import token_files
 from meshtrain.data.prepare import main as prepare
 from meshtrain.data.tokenizers import make_tokenizer
 from support.processes import losses
@@ -92,7 +92,7 @@ def test_token_files_train_to_the_losses_of_the_same_tokens_prepared_from_text(t
         tokens = _stream(data, "text", split).astype(np.uint16)
         with open(tmp_path / f"{split}.bin", "wb") as f:
             if header:
-                np.array([formats.LLMC_MAGIC, 1, len(tokens)] + [0] * 253, np.int32).tofile(f)
+                np.array([token_files.LLMC_MAGIC, 1, len(tokens)] + [0] * 253, np.int32).tofile(f)
             tokens.tofile(f)
     assert prepare([f"--input={tmp_path / 'train.bin'}", f"--val_input={tmp_path / 'validation.bin'}",
                     "--name=bin", f"--data_dir={data}", "--tokenizer=byte"]) == 0
@@ -166,9 +166,9 @@ def test_a_megatron_stream_reads_any_range_with_its_ends_of_text(tmp_path):
     ids = [rng.integers(0, eot, rng.integers(1, 6)) for _ in range(30)]
     ids = [np.append(d, eot) if k % 3 == 0 else d for k, d in enumerate(ids)]
     whole = np.concatenate([d if d[-1] == eot else np.append(d, eot) for d in ids])
-    top, stream = formats.token_file(_write_megatron(tmp_path / "m", _megatron_documents(ids, False, eot),
-                                                     np.uint16)).scan(eot)
-    assert top == eot and stream.count == len(whole)
+    (low, top), stream = token_files.token_file(_write_megatron(tmp_path / "m", _megatron_documents(ids, False, eot),
+                                                                np.uint16)).scan(eot)
+    assert (low, top) == (0, eot) and stream.count == len(whole)
     ends = np.flatnonzero(whole == eot)  # ranges from and around ends of text, their own or inserted
     ranges = [(0, len(whole)), *((e, e + 1) for e in ends), *((e, len(whole)) for e in ends),
               *(sorted(rng.integers(0, len(whole) + 1, 2)) for _ in range(40))]
@@ -211,10 +211,79 @@ def test_bad_records_are_named_with_the_fix(tmp_path, capsys):
     cases = {"nofield.jsonl": '{"body": "a"}\n', "broken.jsonl": '{"text": "a"}\n{"text": \n',
              "odd.bin": "abc", "alone.idx": "MMIDIDX"}
     want = {"nofield.jsonl": "line 1: no field 'text' (it has ['body']). Pass --text_field=NAME.",
-            "broken.jsonl": "line 2: not JSON", "odd.bin": "odd number of bytes",
+            "broken.jsonl": "line 2: not JSON (Expecting value at column 11)", "odd.bin": "odd number of bytes",
             "alone.idx": "is a Megatron-LM index, read with its .bin: name the .bin files"}
     for name, content in cases.items():
         (tmp_path / name).write_text(content)
         assert prepare([f"--input={tmp_path / name}", "--name=x", f"--data_dir={tmp_path / 'd'}"]) == 2
         err = capsys.readouterr().err
         assert want[name] in err and "Traceback" not in err, err
+
+
+def _llama3_tokenizer(folder) -> str:
+    """hf:DIR of a tokenizer laid out as Llama 3's: 128,000 tiktoken ranks, then its 256 special
+    tokens (<|begin_of_text|> 128,000, <|end_of_text|> 128,001): 128,256 ids."""
+    import base64
+    folder.mkdir()
+    ranks = [bytes([b]) for b in range(256)] + [bytes([a, b, c]) for a in range(1, 3) for b in range(256)
+                                                for c in range(256)][:128000 - 256]
+    lines = (f"{base64.b64encode(r).decode()} {i}\n" for i, r in enumerate(ranks))
+    (folder / "tokenizer.model").write_text("".join(lines))
+    return f"hf:{folder}"
+
+
+def test_an_llmc_llama3_file_prepares_to_its_ids_and_another_vocabulary_is_refused_naming_its_header(tmp_path, capsys):
+    """llm.c's write_datafile(..., "llama-3"): 256 int32 (20240801, 7, count, zeros), then uint32
+    ids, <|begin_of_text|> (128,000) before each document (dev/data/*.py). With a 128,256-id
+    tokenizer it prepares to exactly its ids, the held-out split cut at a document's start;
+    with GPT-2's it is refused naming the header and the ids' range, not the tokenizer passed."""
+    from support.tokenizer_files import fake_gpt2_dir
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 128000, rng.integers(5, 60)) for _ in range(120)]
+    docs[7][0] = 127999  # ids past uint16's
+    stream = np.concatenate([np.concatenate([[128000], d]) for d in docs]).astype(np.uint32)
+    header = np.zeros(256, np.int32)
+    header[:3] = 20240801, 7, len(stream)
+    (tmp_path / "llama.bin").write_bytes(header.tobytes() + stream.tobytes())
+    llama, data = _llama3_tokenizer(tmp_path / "llama3"), tmp_path / "d"
+    assert prepare([f"--input={tmp_path / 'llama.bin'}", "--name=l3", f"--data_dir={data}", f"--tokenizer={llama}",
+                    f"--val_fraction={FRACTION}", "--record_tokens=100"]) == 0
+    train, val = _stream(data, "l3", "train"), _stream(data, "l3", "validation")
+    np.testing.assert_array_equal(np.concatenate([train, val]), stream)
+    assert train[-1] == 128000 and len(val) < len(stream) * (FRACTION + 0.05)  # cut after a separator near 1 - f
+    meta = json.loads((data / "l3" / "1.0.0" / "metadata.json").read_text())
+    # a document is a run between separators: train ends with the separator that leads validation's first
+    assert meta["num_documents"] == {"train": np.count_nonzero(train == 128000) - 1,
+                                     "validation": np.count_nonzero(val == 128000) + 1}
+    gpt2 = f"gpt2:{fake_gpt2_dir(tmp_path)[0]}"
+    assert prepare([f"--input={tmp_path / 'llama.bin'}", "--name=g", f"--data_dir={data}", f"--tokenizer={gpt2}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "llm.c's Llama 3 format: header magic 20240801, version 7, uint32 ids" in err, err
+    assert f"holds ids {int(stream.min()):,} to 128,000" in err and "--tokenizer=hf:DIR" in err, err
+    assert "--tokenizer=gpt2" not in err and err.count("262 ids") == 1, err
+
+
+def test_an_empty_split_is_refused_at_prepare_naming_its_input_and_at_train_in_one_line(tmp_path, documents, capsys):
+    from meshtrain import train
+    from meshtrain.data.token_dataset import write_token_dataset
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[:20]))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    np.arange(50, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    cases = {("empty.jsonl", "val.jsonl"): "--input '{}' (1 file(s) of jsonl) holds no document with text",
+             ("val.jsonl", "empty.jsonl"): "--val_input '{}' (1 file(s)) holds no document with text",
+             ("empty.bin", "val.bin"): "--input '{}' holds no token ids",
+             ("val.bin", "empty.bin"): "--val_input '{}' holds no token ids"}
+    for (train_file, val_file), want in cases.items():
+        assert prepare([f"--input={tmp_path / train_file}", f"--val_input={tmp_path / val_file}", "--name=x",
+                        f"--data_dir={tmp_path / 'd'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        empty = train_file if want.startswith("--input") else val_file
+        assert want.format(tmp_path / empty) in err[-1] and "Traceback" not in "".join(err), err
+    tok = make_tokenizer("byte")
+    write_token_dataset("hollow", tmp_path / "d", tok, {"train": lambda: [tok.encode("a" * 500)],
+                                                        "validation": lambda: []})
+    assert train.main(["--config=gpt2_tiny_dp8", "--config.data.kind=tfds", "--config.data.name=hollow",
+                       f"--config.data.data_dir={tmp_path / 'd'}", "--config.train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "split 'validation' holds no tokens" in err and "Traceback" not in err, err

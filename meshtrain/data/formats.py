@@ -7,34 +7,35 @@
     parquet  .parquet: the `field` column, read a row group at a time (pyarrow)
     hf       a directory written by Hugging Face `datasets`' save_to_disk: its Arrow files
              read directly (pyarrow, no `datasets` needed); a DatasetDict's `train` split
-    tokens   .bin: token ids already, as nanoGPT writes them (raw uint16) or llm.c (a
-             header of 256 int32: magic 20240520, version 1 (uint16) or 2 (uint32), count),
-             or Megatron-LM's indexed dataset (PREFIX.bin beside its index PREFIX.idx)
+    tokens   .bin: token ids already (meshtrain/data/token_files.py: nanoGPT's, llm.c's,
+             Megatron-LM's beside its .idx)
 
 A reader yields (documents, input bytes they came from): the bytes drive the progress bar.
 A file whose first bytes say it is compressed or columnar is never read as text: the
 error names its format (`sniff`).
+
+Every container is read to its end and checked by what its writer stored, so a damaged
+or cut file is refused, never read as a shorter corpus: gzip to its trailer (CRC-32 and
+length), each zstd frame to its end (its content size and checksum where the writer
+stored them: `ZstdFrames`), parquet by its footer's row counts and its pages' CRCs where
+written, an Arrow stream to its end-of-stream marker with its arrays validated. Plain
+text, plain JSON lines and raw ids carry nothing to check: docs/data.md, "Damaged inputs".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import io
 import json
+import zlib
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
+from meshtrain.data.token_files import MEGATRON_MAGIC
 from meshtrain.errors import UserError
 
 FORMATS = ("text", "jsonl", "parquet", "hf", "tokens")
 JSONL = (".jsonl", ".json", ".ndjson")
-LLMC_MAGIC = 20240520
-MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-# Megatron-core's DType codes of integers; 6 (float64) and 7 (float32) hold no token ids.
-MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
 DOCS_PER_BATCH = 1024  # documents read per batch: small against memory, large for the tokenizer's threads
 # A plain .jsonl file is cut into units of about this many bytes (prepare's workers share
 # out units): a whole file of 128 MB left one worker idle for its last 2-3 s.
@@ -77,14 +78,59 @@ def sniff(path: Path) -> None:
 def open_text(path: Path):
     """A text stream of a .jsonl, .jsonl.gz or .jsonl.zst file, and its raw byte stream
     (whose position is the input read so far)."""
-    raw = open(path, "rb")
     suffix = path.suffix.lower()
+    if suffix in (".gz", ".zst") and path.stat().st_size == 0:
+        raise UserError(f"{str(path)!r} is empty (0 bytes), where even a compressed empty file has a header and an "
+                        f"end: a copy cut at its start. Copy or download the file again.")
+    raw = open(path, "rb")
     if suffix == ".gz":
         return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8"), raw
     if suffix == ".zst":
-        import zstandard
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8"), raw
+        return io.TextIOWrapper(io.BufferedReader(ZstdFrames(raw, path)), encoding="utf-8"), raw
     return io.TextIOWrapper(raw, encoding="utf-8"), raw
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decoded bytes of a .zst file's frames, each decoded to its end. zstandard's
+    stream_reader ends quietly where a cut file ends, inside a frame, so a copy cut at a
+    line break read as a shorter corpus; here input that ends inside a frame is a UserError
+    naming the byte. zstd itself checks a frame's content size and checksum where the
+    writer stored them (the zstd tool stores the checksum by default)."""
+
+    def __init__(self, raw, path: Path):
+        import zstandard
+        self.raw, self.path, self.error = raw, path, zstandard.ZstdError
+        self.dctx = zstandard.ZstdDecompressor()
+        self.frame = None  # the frame being decoded, None between frames
+        self.frames, self.fed, self.began = 0, 0, 0  # frames begun; input bytes read; where this frame began
+        self.left, self.out = b"", b""  # input after a frame's end; output not returned yet
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.out:
+            data, self.left = self.left or self.raw.read(1 << 20), b""
+            if not data:
+                if self.frame is not None:
+                    raise UserError(f"{str(self.path)!r} is truncated: it ends at byte {self.fed:,}, inside zstd "
+                                    f"frame {self.frames} (from byte {self.began:,}) before that frame's end. "
+                                    f"Copy or download the file again (`zstd -t` checks a copy).")
+                return 0
+            if self.frame is None:
+                self.frame, self.frames, self.began = self.dctx.decompressobj(), self.frames + 1, self.fed
+            self.fed += len(data)
+            try:
+                self.out = self.frame.decompress(data)
+            except self.error as e:
+                raise UserError(f"{str(self.path)!r} is damaged: zstd frame {self.frames} (from byte "
+                                f"{self.began:,}) does not decode ({e}). Copy or download the file again.") from None
+            if self.frame.eof:  # the rest of the input is the next frame's
+                self.left, self.frame = self.frame.unused_data, None
+                self.fed -= len(self.left)
+        n = min(len(buffer), len(self.out))
+        buffer[:n], self.out = self.out[:n], self.out[n:]
+        return n
 
 
 def spans(path: Path, size: int) -> list[tuple[int, int]]:
@@ -140,9 +186,11 @@ def jsonl(path: Path, field: str, span: tuple[int, int] | None = None) -> Iterat
                 continue
             try:
                 record = json.loads(row)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{line(n)}: not JSON ({e.msg} at column {e.colno}); each line "
-                                f"of a .jsonl file is one JSON object.") from None
+            except json.JSONDecodeError as e:  # e.msg may end in "at" ("Unterminated string starting at")
+                cut = "" if row.endswith("\n") else (" It is the file's last line and no line break ends it: "
+                                                     "the file looks cut short. Copy it again.")
+                raise UserError(f"{line(n)}: not JSON ({e.msg.removesuffix(' at')} at column {e.pos + 1}); "
+                                f"each line of a .jsonl file is one JSON object.{cut}") from None
             docs.append(_field(record, field, lambda: line(n)))
             if len(docs) == DOCS_PER_BATCH:
                 yield docs, raw.tell() - seen
@@ -155,31 +203,68 @@ def _lines(text, path: Path):
         yield from text
     except UnicodeDecodeError as e:
         raise UserError(f"{str(path)!r} is not UTF-8 JSON lines ({e.reason}).") from None
-    except (EOFError, OSError) as e:  # a truncated or damaged .gz / .zst
-        raise UserError(f"{str(path)!r} cannot be decompressed to the end: {e}") from None
+    except EOFError as e:  # gzip: the input ended before a member's end
+        raise UserError(f"{str(path)!r} is truncated: {e}. Copy or download the file again "
+                        f"(`gzip -t` checks a copy).") from None
+    except (OSError, zlib.error) as e:  # gzip: a bad header, CRC-32 or length; deflate data that does not decode
+        raise UserError(f"{str(path)!r} is damaged: {e}. Copy or download the file again.") from None
 
 
 def parquet(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
+    """Row groups of the `field` column, each checked against the footer's row count; pages
+    checked against their CRC-32 where the writer stored one (pyarrow's write_page_checksum)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
+    where = str(path)
     try:
-        f = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises its own ArrowInvalid for a damaged file
-        raise UserError(f"{str(path)!r} is not a readable parquet file: {e}") from None
+        f = pq.ParquetFile(path, page_checksum_verification=True)
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{where!r} is not a readable parquet file ({_reason(e)}): a file cut short loses the "
+                        f"footer at its end. Copy or download the file again.") from None
     if field not in f.schema_arrow.names:
-        raise UserError(f"{str(path)!r}: no column {field!r} (it has {f.schema_arrow.names}). "
+        raise UserError(f"{where!r}: no column {field!r} (it has {f.schema_arrow.names}). "
                         f"Pass --text_field=NAME.")
     size, rows = path.stat().st_size, max(f.metadata.num_rows, 1)
     for g in range(f.num_row_groups):
-        column = f.read_row_group(g, columns=[field]).column(0)
+        want = f.metadata.row_group(g).num_rows
+        try:
+            column = f.read_row_group(g, columns=[field]).column(0)
+            column.validate(full=True)
+        except (OSError, pa.ArrowException) as e:
+            raise UserError(f"{where!r} is damaged: row group {g} does not read ({_reason(e)}). Copy or "
+                            f"download the file again.") from None
+        if column.length() != want:
+            raise UserError(f"{where!r} is damaged: row group {g} holds {column.length():,} rows, its footer says "
+                            f"{want:,}. Copy or download the file again.")
         yield [_checked(v, field, path) for v in column.to_pylist()], size * column.length() // rows
 
 
+ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-stream marker
+
+
 def hf(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
+    """Batches of the `field` column of a saved dataset's Arrow streams, each read to its
+    end-of-stream marker (a stream cut between batches reads as fewer rows without it) and
+    its arrays validated (offsets within their buffers, UTF-8)."""
     import pyarrow as pa
     for arrow in hf_files(path):
+        where = str(arrow)
         size = arrow.stat().st_size
-        with pa.memory_map(str(arrow)) as source:  # mapped: the table's columns stay on disk
-            table = pa.ipc.open_stream(source).read_all()
+        with pa.memory_map(where) as source:  # mapped: the table's columns stay on disk
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+                ended = source.tell()
+                source.seek(max(size - len(ARROW_END), 0))
+                tail = source.read(len(ARROW_END))
+                if field in table.column_names:
+                    table.column(field).validate(full=True)
+            except (OSError, pa.ArrowException) as e:
+                raise UserError(f"{where!r} is damaged: not a readable Arrow stream ({_reason(e)}). Copy the "
+                                f"save_to_disk directory again.") from None
+            if ended != size or tail != ARROW_END:
+                how = f"ends at byte {ended:,} of {size:,}" if ended != size else "has no end-of-stream marker"
+                raise UserError(f"{where!r} is truncated or damaged: its Arrow stream {how}. Copy the save_to_disk "
+                                f"directory again.")
             if field not in table.column_names:
                 raise UserError(f"{str(path)!r}: no column {field!r} (it has {table.column_names}). "
                                 f"Pass --text_field=NAME.")
@@ -188,22 +273,48 @@ def hf(path: Path, field: str) -> Iterator[tuple[list[str], int]]:
                 yield [_checked(v, field, arrow) for v in rows], size * len(rows) // max(table.num_rows, 1)
 
 
+def _reason(e: Exception) -> str:
+    """A library's error in one line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def hf_files(path: Path) -> list[Path]:
-    """The Arrow files of a save_to_disk directory (a DatasetDict: its train split), in order."""
+    """The Arrow files of a save_to_disk directory (a DatasetDict: its train split), in order;
+    a UserError when its JSON is damaged or a file it lists is missing."""
     if path.suffix == ".arrow":
         return [path]
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        if "train" not in splits:
+        splits = _json(path / "dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list) or "train" not in splits:
             raise UserError(f"{str(path)!r} is a DatasetDict without a 'train' split (it has {splits}); "
-                            f"pass the split's directory, e.g. --input={str(path / splits[0]) if splits else 'DIR'}.")
+                            f"pass the split's directory, e.g. --input="
+                            f"{str(path / str(splits[0])) if isinstance(splits, list) and splits else 'DIR'}.")
         path = path / "train"
+    state = _json(path / "state.json")
     try:
-        state = json.loads((path / "state.json").read_text())
-        return [path / f["filename"] for f in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        files = [path / f["filename"] for f in state["_data_files"]]
+    except (KeyError, TypeError) as e:
         raise UserError(f"{str(path)!r} is not a directory written by Hugging Face datasets' save_to_disk "
-                        f"(its state.json lists the Arrow files: {e}).") from None
+                        f"(its state.json lists the Arrow files: {e!r} is missing).") from None
+    for f in files:
+        if not f.is_file():
+            raise UserError(f"{str(f)!r} is missing: {str(path / 'state.json')!r} lists it among the dataset's "
+                            f"Arrow files. Copy the whole save_to_disk directory again.")
+    return files
+
+
+def _json(path: Path) -> dict:
+    """A save_to_disk directory's JSON file, as a dict, or a UserError naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{str(path.parent)!r} is not a directory written by Hugging Face datasets' save_to_disk: "
+                        f"its {path.name} {'is missing' if isinstance(e, FileNotFoundError) else 'does not read'} "
+                        f"({_reason(e)}).") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{str(path)!r} holds a JSON {type(value).__name__}, not the object save_to_disk writes: "
+                        f"a damaged file. Copy the save_to_disk directory again.")
+    return value
 
 
 def _checked(value, field: str, path: Path) -> str:
@@ -214,184 +325,3 @@ def _checked(value, field: str, path: Path) -> str:
 
 
 READERS = {"jsonl": jsonl, "parquet": parquet, "hf": hf}
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenFile:
-    """The token ids of a .bin file: `count` of `dtype` from byte `offset`, read in pieces
-    (a mapping of the whole file would keep every page it touched in memory)."""
-
-    path: Path
-    offset: int
-    dtype: str
-    count: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * np.dtype(self.dtype).itemsize
-
-    def chunks(self, a: int = 0, b: int | None = None, size: int = 1 << 22) -> Iterator[np.ndarray]:
-        """Ids [a, b), `size` at most a piece."""
-        b = self.count if b is None else b
-        with open(self.path, "rb") as f:
-            for lo in range(a, b, size):
-                f.seek(self.offset + lo * np.dtype(self.dtype).itemsize)
-                yield np.frombuffer(f.read((min(lo + size, b) - lo) * np.dtype(self.dtype).itemsize), self.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
-
-    def scan(self, eot: int) -> tuple[int, "TokenFile"]:
-        """(its largest id, -1 if none; its stream: itself, its documents ended by end of text already)."""
-        return max((int(c.max()) for c in self.chunks() if len(c)), default=-1), self
-
-
-def token_file(path: Path) -> "TokenFile | MegatronFile":
-    """A .bin file of token ids: Megatron-LM's (a .idx of the same stem beside it), llm.c's
-    (its header read) or nanoGPT's (raw uint16)."""
-    if path.suffix.lower() == ".idx":
-        raise UserError(f"{str(path)!r} is a Megatron-LM index, read with its .bin: name the .bin files "
-                        f"(--input='DIR/*.bin'), not the .idx.")
-    if path.with_suffix(".idx").exists():
-        return megatron_file(path, path.with_suffix(".idx"))
-    size = path.stat().st_size
-    header = np.fromfile(path, np.int32, count=256) if size >= 1024 else np.zeros(0, np.int32)
-    if len(header) and header[0] == LLMC_MAGIC:
-        if header[1] not in (1, 2):
-            raise UserError(f"{str(path)!r}: llm.c token file of version {header[1]}; known: 1 (uint16), 2 (uint32).")
-        dtype = np.dtype(np.uint16 if header[1] == 1 else np.uint32)
-        if (size - 1024) // dtype.itemsize != header[2] or (size - 1024) % dtype.itemsize:
-            raise UserError(f"{str(path)!r}: its llm.c header says {header[2]:,} tokens, the file holds "
-                            f"{(size - 1024) / dtype.itemsize:,.1f}: a truncated or damaged file.")
-        return TokenFile(path, 1024, dtype.name, int(header[2]))
-    if size % 2:
-        raise UserError(f"{str(path)!r} has an odd number of bytes ({size:,}): not a nanoGPT token file "
-                        f"(uint16 ids) nor an llm.c one (a 1,024-byte header of magic {LLMC_MAGIC}).")
-    return TokenFile(path, 0, "uint16", size // 2)
-
-
-# Megatron-LM's indexed dataset is read with numpy: Megatron-core itself (torch, its C++
-# dataset helpers, NVIDIA's training stack) is a heavyweight library to import for a
-# 34-byte header and three arrays.
-_MEGATRON_HEADER = 34  # magic (9 bytes), version (uint64), dtype code (uint8), S and D (uint64)
-
-
-def megatron_file(path: Path, idx: Path) -> "MegatronFile":
-    """PREFIX.bin read by its index PREFIX.idx. The .bin is read front to back, so its
-    sequences must lie one after another in order, as Megatron's preprocess_data.py and
-    IndexedDatasetBuilder write them."""
-    dtype, lengths, offsets, firsts = _megatron_index(idx)
-    where = f"{str(path)!r} (with {idx.name!r})"
-    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # [S + 1]: each sequence's first id
-    base = int(offsets[0]) if len(offsets) else 0
-    moved = np.flatnonzero(offsets != base + starts[:-1] * dtype.itemsize)
-    if len(moved):
-        i = int(moved[0])
-        raise UserError(f"{where}: sequence {i} is at byte {offsets[i]:,}, not {base + starts[i] * dtype.itemsize:,} "
-                        f"right after the one before: meshtrain reads the sequences one after another, as "
-                        f"Megatron writes them. Rewrite the dataset with Megatron's IndexedDatasetBuilder.")
-    size, want = path.stat().st_size, base + int(starts[-1]) * dtype.itemsize
-    if size != want:
-        raise UserError(f"{where}: its index says {int(starts[-1]):,} {dtype.name} ids from byte {base:,}, "
-                        f"{want:,} bytes; the .bin holds {size:,}: {'truncated' if size < want else 'longer'}, "
-                        f"or not the .bin of this index. Copy the .bin and .idx of one preprocess_data.py run again.")
-    ends, begins = starts[firsts[1:]], starts[firsts[:-1]]
-    return MegatronFile(path, base, dtype.name, int(starts[-1]), ends[ends > begins])
-
-
-def _megatron_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
-    """A checked .idx (little-endian: b"MMIDIDX\\0\\0", version 1, dtype code, S, D) -> (the ids'
-    dtype, lengths int32[S], byte offsets int64[S], each document's first sequence int64[D]:
-    0 first, S last)."""
-    with open(idx, "rb") as f:
-        head = f.read(_MEGATRON_HEADER)
-    where, fix = str(idx), "Copy the .bin and .idx of one preprocess_data.py run again, or rerun it."
-    if head[:9] != MEGATRON_MAGIC:
-        raise UserError(f"{where!r} starts {head[:9]!r}, not {MEGATRON_MAGIC!r}: not a Megatron-LM index, so "
-                        f"{idx.with_suffix('.bin').name!r} beside it cannot be read. {fix} (A .bin of nanoGPT's "
-                        f"or llm.c's has no .idx beside it.)")
-    if len(head) < _MEGATRON_HEADER:
-        raise UserError(f"{where!r}: {len(head)} bytes, shorter than a Megatron index's 34-byte header. {fix}")
-    version, code = np.frombuffer(head, "<u8", 1, 9)[0], head[17]
-    if version != 1:
-        raise UserError(f"{where!r}: Megatron index version {version}; meshtrain reads version 1, the one "
-                        f"Megatron-core's IndexedDataset writes. {fix}")
-    if code not in MEGATRON_DTYPES:
-        what = {6: "float64", 7: "float32"}.get(code, "unknown")
-        raise UserError(f"{where!r}: dtype code {code} ({what}), not token ids: known are "
-                        f"{', '.join(f'{c} ({d})' for c, d in MEGATRON_DTYPES.items())}. {fix}")
-    s, d = (int(n) for n in np.frombuffer(head, "<u8", 2, 18))  # sequences S, document indices D
-    size, want = idx.stat().st_size, _MEGATRON_HEADER + 12 * s + 8 * d
-    if size != want:
-        raise UserError(f"{where!r}: {size:,} bytes, where its {s:,} sequences and {d:,} document indices take "
-                        f"{want:,}: truncated, or damaged (a multimodal index, with sequence modes, is not "
-                        f"token text). {fix}")
-    lengths = np.fromfile(idx, "<i4", s, offset=_MEGATRON_HEADER)
-    offsets = np.fromfile(idx, "<i8", s, offset=_MEGATRON_HEADER + 4 * s)
-    firsts = np.fromfile(idx, "<i8", d, offset=_MEGATRON_HEADER + 12 * s)
-    if d < 1 or firsts[0] != 0 or firsts[-1] != s or np.any(np.diff(firsts) < 0) or np.any(lengths < 0):
-        raise UserError(f"{where!r}: its document indices are not 0, ..., {s:,} in order, or a sequence "
-                        f"length is negative: a damaged index. {fix}")
-    return np.dtype(MEGATRON_DTYPES[code]), lengths, offsets, firsts
-
-
-@dataclasses.dataclass(frozen=True)
-class MegatronFile(TokenFile):
-    """A Megatron-LM dataset's ids (its sequences, one after another) and `ends` [documents]
-    int64: the id position after each document that has ids (empty ones are left out)."""
-
-    ends: np.ndarray
-
-    def scan(self, eot: int) -> tuple[int, "Ended"]:
-        """(its largest id; its stream: `eot` inserted after each document not ending in it,
-        as Megatron's preprocess_data.py writes them without --append-eod). One pass, in pieces."""
-        last, top, lo = self.ends - 1, -1, 0
-        tails = np.empty(len(last), np.int64)  # each document's last id
-        for chunk in self.chunks():
-            if chunk.min() < 0:  # a signed dtype's damage would pass the vocabulary check
-                raise UserError(f"{str(self.path)!r} holds token id {int(chunk.min())}: a damaged file. "
-                                f"Copy the .bin and .idx of one preprocess_data.py run again.")
-            top = max(top, int(chunk.max()))
-            i, j = np.searchsorted(last, [lo, lo + len(chunk)])
-            tails[i:j] = chunk[last[i:j] - lo]
-            lo += len(chunk)
-        return top, Ended(self, self.ends[tails != eot], eot)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ended:
-    """A file's stream: its ids with `eot` inserted before the id positions `at` [k] int64
-    (increasing), read as int32 pieces."""
-
-    ids: TokenFile
-    at: np.ndarray
-    eot: int
-
-    @property
-    def count(self) -> int:
-        return self.ids.count + len(self.at)
-
-    @property
-    def itemsize(self) -> int:
-        return self.ids.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.itemsize
-
-    def chunks(self, a: int = 0, b: int | None = None, size: int = 1 << 22) -> Iterator[np.ndarray]:
-        """Stream ids [a, b): pieces of at most `size` file ids and the ids inserted among them."""
-        b = self.count if b is None else b
-        placed = self.at + np.arange(len(self.at))  # the inserted ids' stream positions
-        k, before_b = (int(n) for n in np.searchsorted(placed, [a, b]))  # how many lie before a, before b
-        lo, pos = a - k, a  # lo: the file position of stream position a, or of the id after it
-        if k < len(placed) and placed[k] == a < b:  # a is an inserted id: it ends the document before lo
-            yield np.array([self.eot], np.int32)
-            k, pos = k + 1, a + 1
-        for chunk in self.ids.chunks(lo, b - before_b, size):
-            hi = lo + len(chunk)
-            j = int(np.searchsorted(self.at, hi, "right"))  # the ids inserted after file ids [lo, hi)
-            piece = np.insert(chunk.astype(np.int32), self.at[k:j] - lo, self.eot)[:b - pos]
-            yield piece
-            lo, k, pos = hi, j, pos + len(piece)

@@ -120,6 +120,16 @@ class TiktokenTokenizer(GPT2Tokenizer):
         return f"hf ({self.source}, tiktoken, {self.vocab_size} ids, end of text {self.eot!r})"
 
 
+def special_id(tok, token: str) -> int | None:
+    """The id of special token `token` ("<|begin_of_text|>") in a model's tokenizer; None for
+    another tokenizer or one without it."""
+    if isinstance(tok, HFTokenizer):
+        return tok.hf.token_to_id(token)
+    if isinstance(tok, TiktokenTokenizer):
+        return tok.enc._special_tokens.get(token)
+    return None
+
+
 def load(directory) -> HFTokenizer | TiktokenTokenizer:
     """The tokenizer of a model directory (see the module docstring)."""
     from tokenizers import Tokenizer

@@ -14,17 +14,19 @@ The held-out split, records: the documents of `--val_input` when given, else a s
 floor((i + 1) f) > floor(i f)), so it is read in one pass whatever the format and the same
 documents in any format split the same way. Token files: `--val_input`'s files, else the
 stream's tail from the first end of text at or after its (1 - f) point; a Megatron-LM
-file's stream has an end of text after each document that lacks one (formats.MegatronFile).
+file's stream has an end of text after each document that lacks one (token_files.MegatronFile).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from meshtrain.data import formats
+from meshtrain.data import formats, token_files
 from meshtrain.data.corpus import Unit, check_val_fraction, resolve_paths
 from meshtrain.data.tokenize_pool import held_out
 from meshtrain.errors import UserError
@@ -36,7 +38,7 @@ class Records:
     def __init__(self, path, fmt: str, field: str, *, val_fraction, val_path: str = ""):
         self.files = input_paths(path, "--input")
         self.val_files = input_paths(val_path, "--val_input") if val_path else []
-        self.fmt, self.field, self.path = fmt, field, str(path)
+        self.fmt, self.field, self.path, self.val_path = fmt, field, str(path), str(val_path)
         self.val_fraction = check_val_fraction(val_fraction)
         self.total = sum(_size(f) for f in self.files + self.val_files)
 
@@ -93,24 +95,37 @@ class TokenFiles:
     fmt = "tokens"
 
     def __init__(self, path, *, val_fraction, val_path: str = ""):
-        self.files = input_paths(path, "--input")
-        self.val_files = input_paths(val_path, "--val_input") if val_path else []
-        self.path = str(path)
+        self.files = token_paths(path, "--input")
+        self.val_files = token_paths(val_path, "--val_input") if val_path else []
+        self.path, self.val_path = str(path), str(val_path)
         self.val_fraction = check_val_fraction(val_fraction)
-        self.ids = {f: formats.token_file(f) for f in self.files + self.val_files}
+        self.ids = {f: token_files.token_file(f) for f in self.files + self.val_files}
         self.total = sum(t.nbytes for t in self.ids.values())
 
-    def check(self, tok) -> None:
-        """Every id within `tok`'s vocabulary; each file's stream, its documents ended by `tok`'s
-        end of text (one pass a file); without --val_input, where the held-out split starts."""
-        self.eot = tok.eot_id
+    def check(self, tok, spec: str = "") -> None:
+        """Every id within `tok`'s vocabulary (`spec`: the --tokenizer that made it); each
+        file's stream, its documents ended by `tok`'s end of text (one pass a file); both
+        splits hold tokens; without --val_input, where the held-out split starts."""
+        self.eot = self.separator = tok.eot_id
+        named = {t.separator for t in self.ids.values()}
+        if len(named) > 1:
+            raise UserError(f"--input and --val_input mix token files whose documents are separated differently "
+                            f"({', '.join(sorted(t.kind for t in self.ids.values()))}): prepare each kind apart.")
+        if named != {""}:  # llm.c's Llama 3 files: <|begin_of_text|> before each document
+            from meshtrain.data.hf_tokenizer import special_id
+            self.separator = special_id(tok, named.pop())
+            self.separator = tok.eot_id if self.separator is None else self.separator
         for f, t in list(self.ids.items()):
-            top, self.ids[f] = t.scan(self.eot)
-            if top >= tok.vocab_size:
-                raise UserError(f"{str(f)!r} holds token id {top}, outside tokenizer {tok.describe()} "
-                                f"({tok.vocab_size} ids): pass the --tokenizer these ids were made with "
-                                f"(nanoGPT's and llm.c's GPT-2 files: --tokenizer=gpt2).")
+            (lo, hi), self.ids[f] = t.scan(self.eot)
+            if lo < 0 or hi >= tok.vocab_size:
+                raise UserError(_outside(f, t, lo, hi, tok, spec))
         self.total = sum(t.nbytes for t in self.ids.values())  # what tokens() reports: the ids inserted too
+        for key, path, files in (("--input", self.path, self.files), ("--val_input", self.val_path, self.val_files)):
+            if files and not sum(self.ids[f].count for f in files):
+                raise UserError(f"{key} {path!r} holds no token ids ({len(files)} file(s): "
+                                f"{', '.join(repr(str(f)) for f in files[:3])}{' ...' if len(files) > 3 else ''}), "
+                                f"so the {'training' if key == '--input' else 'held-out'} split would be empty. "
+                                f"Point {key} at the files that hold the ids.")
         if not self.val_files:
             self.cut = self._cut()
 
@@ -122,12 +137,18 @@ class TokenFiles:
             t = self.ids[f]
             lo = max(want - start, 0)
             for chunk in (t.chunks(lo) if lo < t.count else ()):
-                ends = np.flatnonzero(chunk == self.eot)
+                ends = np.flatnonzero(chunk == self.separator)
                 if len(ends):
-                    return start + lo + int(ends[0]) + 1
+                    cut = start + lo + int(ends[0]) + 1
+                    if cut == n:
+                        raise UserError(f"--input {self.path!r}: its only document separator (id "
+                                        f"{self.separator}) in the last {self.val_fraction:g} of its {n:,} tokens is "
+                                        f"its last token, so the held-out split would be empty: pass --val_input "
+                                        f"with the held-out tokens, or a larger --val_fraction.")
+                    return cut
                 lo += len(chunk)
             start += t.count
-        raise UserError(f"--input {self.path!r}: no end of text (id {self.eot}) in the last "
+        raise UserError(f"--input {self.path!r}: no document separator (id {self.separator}) in the last "
                         f"{self.val_fraction:g} of its {n:,} tokens to cut the held-out split at: pass "
                         f"--val_input with the held-out tokens, or the --tokenizer these ids were made with.")
 
@@ -159,10 +180,53 @@ class TokenFiles:
                 "tokens": sum(t.count for t in self.ids.values())}
 
 
+def _outside(path: Path, t, lo: int, hi: int, tok, spec: str) -> str:
+    """Why a token file's ids [lo, hi] do not fit `tok` (made from --tokenizer=`spec`), and
+    the tokenizer its format implies when it is not the one passed."""
+    said = (f"{str(path)!r} ({t.kind}) holds ids {lo:,} to {hi:,}; tokenizer {tok.describe()} has ids 0 to "
+            f"{tok.vocab_size - 1:,}")
+    if lo < 0:
+        return f"{said}: a negative id is no token, so the file is damaged. Copy it again from where it was made."
+    if t.tokenizer and t.tokenizer != spec:
+        return f"{said}: its format holds ids of --tokenizer={t.tokenizer}. Pass that."
+    if not t.tokenizer and spec != "gpt2":
+        return (f"{said}: pass the --tokenizer these ids were made with (nanoGPT's, llm.c's and Megatron's "
+                f"GPT-2 files: --tokenizer=gpt2).")
+    return (f"{said}: ids of a vocabulary of at least {hi + 1:,}, not this tokenizer's. Pass the --tokenizer these "
+            f"ids were made with, or copy the file again if it should hold ids of this one.")
+
+
+def token_paths(path, key: str) -> list[Path]:
+    """input_paths of .bin token files, with no Megatron-LM file missing: an .idx the pattern
+    names whose .bin is gone would drop its documents unseen, and a .bin whose .idx is gone,
+    among others that have theirs, would read as raw ids."""
+    pattern = os.path.expanduser(str(path))
+    indexes = sorted(Path(p) for p in glob.glob(pattern[:-4] + ".idx", recursive=True)) \
+        if pattern.lower().endswith(".bin") else []
+    orphans = [i for i in indexes if not i.with_suffix(".bin").exists()]
+    if orphans:
+        raise UserError(f"{key} {str(path)!r}: the Megatron-LM index {str(orphans[0])!r} has no "
+                        f"{orphans[0].with_suffix('.bin').name!r} beside it (the ids), so its documents would be "
+                        f"left out. Copy the .bin of the same preprocess_data.py run beside it, or move the .idx "
+                        f"away.")
+    files = input_paths(path, key)
+    indexed = [f for f in files if f.with_suffix(".idx").exists()]
+    if indexed and len(indexed) < len(files):
+        bare = next(f for f in files if f not in indexed)
+        raise UserError(f"{key} {str(path)!r} mixes Megatron-LM files (a .idx beside each) with {str(bare)!r}, "
+                        f"which has none: a Megatron .bin whose .idx is missing would be read as raw ids. Copy its "
+                        f".idx beside it, or prepare the two kinds apart.")
+    return files
+
+
 def input_paths(path, key: str) -> list[Path]:
     """A path's or glob's files, and the save_to_disk directories it names (a directory
     is one input)."""
     saved = ("state.json", "dataset_dict.json")  # what save_to_disk writes
+    folder = Path(os.path.expanduser(str(path)))
+    if folder.is_dir() and not any((folder / f).exists() for f in saved) and any(folder.glob("*.arrow")):
+        raise UserError(f"{key} {str(path)!r} holds Arrow files but no state.json, which Hugging Face datasets' "
+                        f"save_to_disk writes to list them in order: a partial copy. Copy the whole directory again.")
     return resolve_paths(path, key, is_input_dir=lambda d: any((d / f).exists() for f in saved))
 
 

@@ -97,13 +97,17 @@ def _execute(args, executor) -> int:
     if corpus.fmt == "tokens":
         tok = _build_tokenizer(spec, args, corpus)
         print(f"prepare: tokenizer {tok.describe()} (the ids as they are)", file=sys.stderr)
-        corpus.check(tok)
+        corpus.check(tok, spec)
+        if any(t.kind.startswith("nanoGPT") for t in corpus.ids.values()):
+            print("prepare: note: nanoGPT's raw uint16 files carry no header, so a copy cut short cannot be told "
+                  "from a whole one; llm.c's header (write_datafile) records the count (docs/data.md, 'Damaged "
+                  "inputs')", file=sys.stderr)
         _remove(out)
         bar = Progress("copy", corpus.total)
         meta = token_dataset.write_token_dataset(
             args.name, args.data_dir, tok, {split: (lambda split=split: corpus.tokens(tok, split, bar.update))
                                             for split in token_dataset.SPLITS},
-            record_tokens=args.record_tokens, extra_metadata=source)
+            record_tokens=args.record_tokens, extra_metadata=source, separator=corpus.separator)
         bar.close()
     else:
         from meshtrain.data import token_shards
@@ -113,7 +117,7 @@ def _execute(args, executor) -> int:
             args.name, args.data_dir, tok, corpus, units, work, executor, workers=args.workers,
             fraction=fraction, record_tokens=args.record_tokens, extra_metadata=source, replace=True,
             tokenize_bar=Progress("tokenize", sum(u.nbytes for u in units)),
-            check=lambda: _check_split(corpus, units, work, fraction))
+            check=lambda splits: _check_splits(corpus, units, splits, fraction))
         work.remove()
     n = meta["num_tokens"]
     print(f"prepare: wrote {str(out)!r} in {format_duration(time.perf_counter() - started)}: "
@@ -206,22 +210,36 @@ def _work(args, spec: str, corpus):
     return tok, work, units
 
 
-def _check_split(corpus, units, work, fraction: float) -> None:
-    """Both splits hold documents (records choose the held-out ones per document)."""
-    per_document = sum(work.documents(k) for k, u in enumerate(units) if u.split is None)
-    if any(u.split is None for u in units):
-        held = int(per_document * fraction)
-        if held == 0 or held == per_document:
-            raise UserError(f"--val_fraction={fraction:g} of {per_document:,} document(s) leaves "
-                            f"{'no held-out' if held == 0 else 'no training'} document: use more documents, "
-                            f"another --val_fraction, or --val_input with the held-out files.")
+def _check_splits(corpus, units, splits, fraction: float) -> None:
+    """Both splits hold documents (`splits`: token_shards.Splits, every unit done); an empty
+    one is named by the input it comes from."""
+    val_files = getattr(corpus, "val_files", [])
+    what = f"--input {corpus.path!r} ({len(corpus.files)} file(s) of {corpus.fmt})"
+    train, held = splits.documents["train"], splits.documents["validation"]
+    if train + (0 if val_files else held) == 0:
+        raise UserError(f"{what} holds no document with text (empty lines, empty files and empty "
+                        f"{'--text_field values' if corpus.fmt != 'text' else 'pieces'} are skipped): point --input "
+                        f"at the corpus's files{', or pass --text_field=NAME' if corpus.fmt != 'text' else ''}.")
+    if val_files and held == 0:
+        raise UserError(f"--val_input {corpus.val_path!r} ({len(val_files)} file(s)) holds no document with text, so "
+                        f"the held-out split would be empty: point --val_input at the held-out files, or leave it "
+                        f"out to hold out --val_fraction of --input's documents.")
+    if any(u.split is None for u in units) and held in (0, train + held):
+        raise UserError(f"--val_fraction={fraction:g} of the {train + held:,} document(s) of {what} leaves "
+                        f"{'no held-out' if held == 0 else 'no training'} document: use more documents, another "
+                        f"--val_fraction, or --val_input with the held-out files.")
+    if train == 0 or held == 0:
+        raise UserError(f"{what}: its {'held-out part' if held == 0 else 'training part'} "
+                        f"({corpus.describe_split()}) holds no document with text: use another --val_fraction.")
 
 
 def _open(args, spec: str):
     """The corpus --input names, by its format (meshtrain/data/formats.py)."""
     from meshtrain.data import formats, inputs
-    first = inputs.input_paths(args.input, "--input")[0]
-    fmt = formats.format_of(first, args.format)
+    if args.format in ("auto", "tokens") and str(args.input).lower().endswith(".bin"):
+        fmt = "tokens"  # named so before its files are listed: a Megatron .idx left alone is told apart
+    else:
+        fmt = formats.format_of(inputs.input_paths(args.input, "--input")[0], args.format)
     if fmt == "tokens":
         if spec in ("char", "bpe"):
             raise UserError(f"--input {args.input!r} holds token ids already: pass the --tokenizer they were "

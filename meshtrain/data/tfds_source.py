@@ -40,6 +40,12 @@ def make_tfds_source(data_cfg, *, seq_len: int, seed: int) -> DataSource:
         builder = _converted(builder, data_cfg, split, eval_split)
         meta, split, eval_split = dict(builder.info.metadata), "train", "validation"
     check_splits(builder, (split, eval_split))
+    for s in (split, eval_split):
+        if not int((meta.get("num_tokens") or {}).get(s) or 0):
+            raise UserError(
+                f"TFDS dataset {builder.name!r} split {s!r} holds no tokens (metadata.json in "
+                f"{str(builder.data_dir)!r}), so there is nothing to {'train on' if s == split else 'evaluate'}. "
+                f"Prepare it again from inputs whose {s} part holds documents (prepare --overwrite).")
     tok = load_tokenizer(Path(str(builder.data_dir)) / "tokenizer.json")
     asked = data_cfg.get("tokenizer") or "byte"
     if asked not in ("byte", tok.name) and "source" in meta and "tfds" not in meta["source"]:

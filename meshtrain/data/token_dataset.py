@@ -49,13 +49,14 @@ def check_name(name) -> str:
 def write_token_dataset(name: str, data_dir, tokenizer,
                         documents: dict[str, Callable[[], Iterable[np.ndarray]]], *,
                         record_tokens: int = DEFAULT_RECORD_TOKENS,
-                        extra_metadata: dict | None = None) -> dict:
+                        extra_metadata: dict | None = None, separator: int | None = None) -> dict:
     """Writes the dataset; returns its metadata.
 
     Args:
       documents: split -> a function returning that split's token stream as int arrays
         [n_i]: documents each ending in end of text (Corpus.tokens), or runs of them.
       extra_metadata: JSON facts kept in metadata.json (e.g. the source files).
+      separator: the id between documents, for their count (default: end of text).
 
     The records are written by tfds_writer.write_dataset (atomically: an
     interrupted run leaves no dataset that looks finished).
@@ -66,7 +67,8 @@ def write_token_dataset(name: str, data_dir, tokenizer,
 
     def examples(split):
         counts = {"tokens": 0, "documents": 0}
-        for chunk in _records(documents[split](), record_tokens, counts, tokenizer.eot_id):
+        sep = tokenizer.eot_id if separator is None else separator
+        for chunk in _records(documents[split](), record_tokens, counts, sep):
             yield {FEATURE: chunk.astype(dtype)}
         metadata["num_tokens"][split] = counts["tokens"]
         metadata["num_documents"][split] = counts["documents"]
@@ -98,13 +100,18 @@ def token_features(dtype):
 
 
 def _records(docs: Iterable[np.ndarray], size: int, counts: dict, eot: int):
-    """Chunks of exactly `size` tokens of the concatenated docs, then the rest; a document
-    is counted at each end of text (a pre-tokenized stream comes in runs of documents)."""
+    """Chunks of exactly `size` tokens of the concatenated docs, then the rest. A document
+    is a run of ids between ends of text: a pre-tokenized stream comes in runs of documents,
+    its end of text after each (nanoGPT, Megatron) or before each (llm.c), so counting the
+    ends of text would count one too many or too few per split."""
     buf: list[np.ndarray] = []
-    held = 0
+    held, after_eot = 0, True  # the stream starts as after an end of text
     for doc in docs:
         counts["tokens"] += len(doc)
-        counts["documents"] += int(np.count_nonzero(doc == eot))
+        if len(doc):
+            ends = doc == eot
+            counts["documents"] += int(np.count_nonzero(~ends & np.concatenate([[after_eot], ends[:-1]])))
+            after_eot = bool(ends[-1])
         buf.append(doc)
         held += len(doc)
         if held >= size:

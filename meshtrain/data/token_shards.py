@@ -34,6 +34,7 @@ import numpy as np
 
 from meshtrain.data import token_dataset, tokenize_pool
 from meshtrain.data.tfds_writer import Incomplete
+from meshtrain.errors import UserError
 from meshtrain.progress import Progress
 
 SPLITS = ("train", "validation")
@@ -169,16 +170,17 @@ def shard_tokens(units: list, fraction: float, tokens: int, record_tokens: int) 
 
 
 def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_pool.Work, executor, *,
-          workers: int, fraction: float, record_tokens: int, tokenize_bar: Progress | None = None, check=lambda: None,
+          workers: int, fraction: float, record_tokens: int, tokenize_bar: Progress | None = None, check=None,
           extra_metadata: dict | None = None, shard_bytes: int = token_dataset.TOKEN_SHARD_BYTES,
           replace: bool = False, records_label: str = "records") -> dict:
     """The units not done yet tokenized and the dataset's shards written, on `executor` (a
     tokenize_pool.pool of `workers`; None: here). `tokenize_bar` counts the units' input
-    bytes (None: no bar); once every unit is done, `check()` (it may refuse the splits), then a bar
-    counts the tokens of the shards still to write. replace: an existing dataset of that name is
-    replaced at the end. -> the metadata."""
+    bytes (None: no bar); once every unit is done, `check(splits)` (it may refuse the splits; by
+    default an empty split is refused), then a bar counts the tokens of the shards still to
+    write. replace: an existing dataset of that name is replaced at the end. -> the metadata."""
     dtype = np.dtype(token_dataset.token_dtype(tokenizer.vocab_size))
     splits = Splits(work, units, dtype, fraction)
+    check = check or _no_empty_split
     shards = Shards(name, splits, shard_tokens(units, fraction, shard_bytes // dtype.itemsize, record_tokens),
                     record_tokens)
     todo = collections.deque(k for k in range(len(units)) if not work.done(k))
@@ -189,7 +191,7 @@ def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_po
     while todo or shards.ready or running:
         if splits.complete and bar is None:
             tokenize_bar.close()
-            check()
+            check(splits)
             left = [t for t in shards.ready] + [t for kind, t in running.values() if kind == "shard"]
             bar = Progress(records_label, sum(t[0].tokens for t in left), unit=" tokens")  # a true rate
         while len(running) < 2 * max(workers, 1) and (todo or shards.ready):
@@ -213,10 +215,17 @@ def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_po
         shards.free()
     if bar is None:  # nothing was left to do
         tokenize_bar.close()
-        check()
+        check(splits)
     else:
         bar.close()
     return _finish(name, data_dir, tokenizer, dtype, record_tokens, splits, shards.made, extra_metadata, replace)
+
+
+def _no_empty_split(splits: Splits) -> None:
+    for split in SPLITS:
+        if splits.tokens(split) == 0:
+            raise UserError(f"The {split} split holds no document with text, so there would be nothing to "
+                            f"{'train on' if split == 'train' else 'evaluate'}. Check the input's documents.")
 
 
 def _finish(name, data_dir, tokenizer, dtype, record_tokens, splits, shards, extra_metadata, replace) -> dict:
