@@ -120,3 +120,19 @@ def test_a_zst_file_cut_at_a_line_break_among_others_is_refused_by_the_workers_t
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"meshtrain prepare: error: '{cut}' is truncated: it ends at byte "), err[-1]
     assert "Traceback" not in "\n".join(err)
+
+
+def test_a_zst_file_of_several_frames_prepares_like_one_frame(tmp_path, documents):
+    """Frames one after another (pzstd's output, files joined with cat) and a skippable frame
+    among them read as the whole: a frame's end is not the file's."""
+    import zstandard
+    text = "".join(f'{{"text": "{d}"}}\n' for d in documents).encode()
+    c = zstandard.ZstdCompressor(write_checksum=True)
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+    (tmp_path / "one.jsonl.zst").write_bytes(c.compress(text))
+    (tmp_path / "many.jsonl.zst").write_bytes(c.compress(text[:3000]) + skippable + c.compress(text[3000:7000])
+                                             + c.compress(text[7000:]))
+    for name in ("one", "many"):
+        assert prepare_module.main([f"--input={tmp_path / name}.jsonl.zst", f"--name={name}",
+                                    f"--data_dir={tmp_path / 'd'}"]) == 0
+    assert _dataset(tmp_path / "d", "many") == _dataset(tmp_path / "d", "one")
