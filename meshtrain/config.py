@@ -90,8 +90,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
     # every_minutes also saves at the first log step that many minutes after the last save
-    # (0: off), so a long run always has a recent step; keep=0 keeps all.
-    c.checkpoint = {"dir": "", "every": 1000, "every_minutes": 30.0, "keep": 3, "async": True}
+    # (0: off), so a long run always has a recent step; keep=0 keeps all. skip_disk_check:
+    # start even when the disk cannot hold the checkpoints the run keeps (checkpoints/disk_space.py).
+    c.checkpoint = {"dir": "", "every": 1000, "every_minutes": 30.0, "keep": 3, "async": True,
+                    "skip_disk_check": False}
     # init.from: a checkpoint to start from (fine-tuning): its params, step 0, fresh optimizer.
     c.init = {"from": ""}
     # Pipeline over the mesh `stage` axis (meshtrain/step/pipeline/scan.py); microbatches=0 is off.

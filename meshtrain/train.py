@@ -330,7 +330,7 @@ def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
 
 def open_checkpoints(cfg, exp, workdir: str | None, say):
     """(Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
-    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.checkpoints import disk_space, store as checkpoint_lib
     ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
     c = cfg.checkpoint
     if ckpt_dir is None or cfg.train.steps == 0:
@@ -345,13 +345,15 @@ def open_checkpoints(cfg, exp, workdir: str | None, say):
         f"SIGTERM or Ctrl-C, keep "
         f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
     step = checkpointer.latest_step()
-    if step is None:
-        return checkpointer, None, None
     try:
-        saved = checkpointer.check_fits(step, exp).get("run", {})
+        saved = None if step is None else checkpointer.check_fits(step, exp).get("run", {})
+        disk_space.check(checkpointer.dir, exp, c, present=len(checkpoint_lib.committed_steps(checkpointer.dir)),
+                         start=step or 0, end=cfg.train.stop_at or cfg.train.steps, say=say)
     except BaseException:
         checkpointer.close()  # the caller never gets it to close
         raise
+    if step is None:
+        return checkpointer, None, None
     by = f" by {saved['processes']} processes" if saved.get("processes", 1) > 1 else ""
     say(f"resuming from step {step} ({checkpointer.where(step)}, saved{by} under layout "
         f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")

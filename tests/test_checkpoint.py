@@ -1,5 +1,6 @@
 """Checkpoints through the CLI, in this process: exact resume, restore onto another layout
-or mesh, shape and dtype mismatches, unfinished or foreign files, the workdir lock.
+or mesh, shape and dtype mismatches, unfinished or foreign files, the workdir lock, a
+checkpoint disk that fills.
 
 The kill and signal tests, which need their own processes, are in test_preemption.py.
 
@@ -12,6 +13,8 @@ faster to compile; a few tiny steps run no slower that matters).
 """
 
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -22,8 +25,9 @@ from meshtrain.run.experiment import Experiment
 from meshtrain.run.loop import train_loop
 from meshtrain.runlog import metrics
 from meshtrain.step.pipeline.scan import from_stages
-from support.checkpoints import assert_requested_shardings, assert_same_values, build, copy, restore_both, train
-from support.processes import losses
+from support.checkpoints import (assert_requested_shardings, assert_same_values, build, copy, restore_both,
+                                 small_disk, train)
+from support.processes import exact_losses, losses, steps_on_disk
 
 
 def committed(workdir) -> list[str]:
@@ -191,24 +195,48 @@ def test_a_second_run_on_a_locked_workdir_refuses_to_start(tmp_path, capsys):
 
 
 class FailingWrite:
-    """An Orbax future whose background write fails, as a full or vanished disk would."""
+    """An Orbax future whose background write fails, as a full disk does."""
 
     def result(self, timeout=None):
         raise OSError(28, "No space left on device (injected)")
 
 
-def test_a_failed_async_save_stops_the_run_with_a_nonzero_exit(tmp_path, capsys, monkeypatch):
+def fail_second_save(monkeypatch):
+    """Orbax's commit of the second save fails as a full disk's does: in its background thread."""
     import orbax.checkpoint as ocp
-    write = ocp.StandardCheckpointHandler.async_save
+    write, saves = ocp.StandardCheckpointHandler.async_save, []
 
     async def failing(self, directory, *args, **kwargs):
         futures = await write(self, directory, *args, **kwargs)
-        return [*(futures or []), FailingWrite()]
+        saves.append(directory)
+        return [*(futures or []), FailingWrite()] if len(saves) == 2 else futures
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
-    assert train("gpt2_tiny_dp8", tmp_path, "--config.checkpoint.every=5") == 1
-    err = capsys.readouterr().err
-    assert "meshtrain train: error: Saving checkpoint step 5 in" in err, err
-    assert "No space left on device (injected)" in err and "The last committed step is None" in err
-    assert max(losses(tmp_path)) < 20  # stopped early instead of training on without checkpoints
-    assert not (tmp_path / "checkpoints" / "step_5").exists()
+
+
+def test_a_checkpoint_disk_that_fills_stops_the_run_at_once_and_a_larger_disk_resumes(
+        straight, tmp_path, capfd, monkeypatch):
+    """On a 2.5 MiB tmpfs one checkpoint of gpt2_tiny (1.5 MiB) fits and a second does not;
+    where no tmpfs may be mounted, the second save's write fails by injection instead."""
+    with small_disk(tmp_path / "disk") as disk:
+        if disk is None:
+            fail_second_save(monkeypatch)
+        w = (disk or tmp_path) / "run"
+        capfd.readouterr()
+        assert train("gpt2_tiny_dp8", w, "--config.train.log_every=5", "--config.checkpoint.every=5",
+                     "--config.checkpoint.skip_disk_check=true") == 1  # the start-up check would refuse the tmpfs
+        out, err = capfd.readouterr()
+        assert "Traceback" not in out + err, out + err
+        assert err.count("meshtrain train: error: Saving checkpoint step 10 in") == 1, err
+        assert "No space left on device" in err and "The last committed step is 5 (" in err
+        assert "the unfinished step 10 was removed" in err and "resumes from step 5" in err
+        stopped = int(re.search(r"The run stopped at step (\d+)\.", err).group(1))
+        assert 10 < stopped < 20 and max(losses(w)) <= 10 + 5  # within one log interval, not at the end
+        assert steps_on_disk(w) == [5]
+        assert "No space left on device" in (w / "checkpoints" / "orbax.log").read_text()  # Orbax's tracebacks
+        w = copy(w, tmp_path)  # to a larger disk
+    monkeypatch.undo()
+    assert train("gpt2_tiny_dp8", w) == 0
+    assert "resuming from step 5" in capfd.readouterr().out
+    assert sorted(losses(w)) == list(range(5, 21))
+    assert exact_losses(w) == {s: x for s, x in exact_losses(straight).items() if s >= 5}

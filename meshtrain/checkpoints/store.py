@@ -25,7 +25,6 @@ the leaf and both shapes.
 
 from __future__ import annotations
 
-import logging
 import os
 import pathlib
 import re
@@ -36,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshtrain import models, tree_paths
-from meshtrain.checkpoints import integrity, restage
+from meshtrain.checkpoints import integrity, orbax_log, restage, save_failure
 from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.checkpoints.lock import LOCK_NAME
 
@@ -149,15 +148,6 @@ def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
         f"checkpoint.dir.")
 
 
-class _SyncPointLines(logging.Filter):
-    """Drops Orbax's "Reached preemption sync point, step=N" warnings, which every process
-    repeats for each thread that asks, after a SIGTERM: the loop says it once
-    ("preempted (SIGTERM) at step N: saved ..."). Orbax's other warnings pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Reached preemption sync point" not in str(record.msg)
-
-
 def _register_array_handler() -> None:
     """Orbax's jax.Array handler, with replica-parallel saves (each replica of a replicated
     array writes a slice of it, so that hosts share the writing) on only where there are
@@ -183,7 +173,8 @@ class Checkpointer:
         found = []
         if jax.process_index() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            found = sorted(e.name for e in self.dir.iterdir() if e.name not in (LOCK_NAME, IGNORED))
+            found = sorted(e.name for e in self.dir.iterdir()
+                           if e.name not in (LOCK_NAME, IGNORED) and not orbax_log.is_log(e.name))
             moved = set_aside_uncommitted(self.dir)
             if moved:
                 warn(f"{self.dir} held {', '.join(moved)}, named like checkpoints but not committed "
@@ -194,11 +185,7 @@ class Checkpointer:
         if jax.process_count() > 1:  # nobody lists steps before process 0 has set junk aside
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("meshtrain checkpoint directory checked")
-        # Orbax logs every save at INFO through absl; keep the run's output readable.
-        absl = logging.getLogger("absl")
-        absl.setLevel(logging.WARNING)
-        if not any(isinstance(f, _SyncPointLines) for f in absl.filters):
-            absl.addFilter(_SyncPointLines())
+        orbax_log.quiet_absl()  # Orbax logs every save at INFO
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None, step_prefix=STEP_PREFIX, cleanup_tmp_directories=True,
             enable_async_checkpointing=use_async, create=True)
@@ -206,6 +193,8 @@ class Checkpointer:
         # Handlers named up front, so a fresh process can read a checkpoint's metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers=handlers)
+        self.log = orbax_log.OrbaxLog(self.dir)  # Orbax's errors and tracebacks, off the console
+        self.pending = self.failure = False  # a save not yet waited for; a failure reported
         self.last_saved = self.manager.latest_step()
         if jax.process_count() > 1:
             self._agree(self.last_saved)
@@ -222,6 +211,7 @@ class Checkpointer:
         chosen = int(multihost_utils.broadcast_one_to_all(np.int32(mine)))
         if chosen != mine:
             self.manager.close()
+            self.log.close(said=True)
             raise UserError(
                 f"Process {jax.process_index()} finds {'no step' if mine < 0 else f'step {mine}'} "
                 f"as the latest checkpoint in {self.dir}, process 0 finds "
@@ -313,7 +303,7 @@ class Checkpointer:
             return
         # Orbax's save waits for the previous one anyway; waiting here first lets a failure
         # of that save be reported under its own step.
-        self.wait()
+        self.wait(step)
         try:
             started = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -322,41 +312,60 @@ class Checkpointer:
         if not started:
             raise RunFailed(f"Orbax declined to save step {step} in {self.dir} (its latest step is "
                             f"{self.manager.latest_step()}); nothing was written.")
-        self.last_saved = step
+        self.last_saved, self.pending = step, True
         self.saved_at = time.monotonic()
 
-    def check_errors(self) -> None:
-        """Raises RunFailed if a background save has failed."""
-        try:
-            self.manager.check_for_errors()
-        except Exception as e:  # noqa: BLE001
-            raise self.failed(self.last_saved, e) from e
+    def check_errors(self, step: int | None = None) -> None:
+        """Raises RunFailed if the last save failed (`step`: where the run is). Orbax's
+        check_for_errors misses it: its finalize thread takes a failed write's error and holds
+        it for whoever waits. That thread ends with the failure, so once no save is in
+        progress, waiting costs nothing and raises it; a save being written is not waited for."""
+        if self.pending and not self.manager.is_saving_in_progress():
+            self.wait(step)
 
-    def wait(self) -> None:
+    def wait(self, step: int | None = None) -> None:
         """Blocks until the last save is committed; raises RunFailed if it failed."""
         try:
             self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            raise self.failed(self.last_saved, e) from e
-        self.check_errors()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 - any failure to write is the same story
+            raise self.failed(self.last_saved, e, step) from e
+        self.pending = False
 
-    def failed(self, step, error: Exception) -> RunFailed:
-        latest = self.last_committed()  # None also when the directory itself broke
-        latest = "unknown" if latest is None and not self.dir.is_dir() else latest
-        return RunFailed(f"Saving checkpoint step {step} in {self.dir} failed: "
-                         f"{type(error).__name__}: {error}. The last committed step is {latest}; "
-                         f"rerunning the same command resumes from it.")
+    def failed(self, step: int, error: Exception, stopped_at: int | None = None) -> RunFailed:
+        """The paragraph a failed save of `step` stops the run with (save_failure.py; `stopped_at`:
+        the step the run had reached), once its unfinished step is removed (process 0)."""
+        self.failure, self.pending = True, False
+        removed = jax.process_index() == 0 and save_failure.remove_unfinished(pathlib.Path(self.where(step)))
+        self.log.flush()  # now that there may be room for it
+        return RunFailed(save_failure.paragraph(self.dir, step, error, stopped_at, self.last_committed(),
+                                                removed, self.log.path if self.log.reports else None))
 
     def close(self) -> None:
-        """Waits for the last save, then releases Orbax's threads; raises RunFailed on failure."""
+        """Waits for the last save, then releases Orbax's threads and hooks; raises RunFailed
+        on a failure not reported yet."""
         try:
-            self.wait()
+            if not self.failure:
+                self.wait()
         finally:
-            self.manager.close()
+            try:
+                # Orbax removes old tmp directories in a thread it waits for only in its first
+                # save; a run stopped before saving (a refused start) would exit under it.
+                cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+                if cleanup is not None:
+                    cleanup.result()
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - after a failure, Orbax repeats it
+                if not self.failure:
+                    raise
+            finally:
+                self.log.close(said=self.failure)
 
 
 def check_config(c) -> None:
-    """checkpoint.* keys: every, every_minutes and keep."""
+    """checkpoint.* keys: every, every_minutes, keep and skip_disk_check."""
+    if not isinstance(c.skip_disk_check, bool):
+        raise UserError(f"checkpoint.skip_disk_check={c.skip_disk_check!r}: must be true or false.")
     if c.every < 0 or c.keep < 0 or c.every_minutes < 0:
         raise UserError(f"checkpoint.every={c.every}, checkpoint.every_minutes={c.every_minutes}, "
                         f"checkpoint.keep={c.keep}: all must be >= 0 (every=0 and every_minutes=0 "

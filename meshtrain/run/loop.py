@@ -224,6 +224,8 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
             with watch.waiting():  # a dispatch may wait for the devices to finish the last step
                 state, metrics = compiled_step(state, batch)
             watch.dispatched(step)
+            if checkpointer is not None:
+                checkpointer.check_errors(step)  # a failed background save stops the run at once
             profiler.after(step, state)
             log_step = step % t.log_every == 0 or step == end
             reader.queue(step, metrics, timed=log_step)
@@ -250,9 +252,6 @@ def train_loop(exp, compiled_step, log: RunLog, state=None, *,
                 log.say(f"{how} at step {step}: {saved}; rerun the same command to resume.")
                 break
             if log_step:
-                if checkpointer is not None:
-                    with clock.time("checkpoint"):
-                        checkpointer.check_errors()  # a failed background save stops the run early
                 clock.save()  # a run killed later keeps its goodput up to here
         began = time.perf_counter()
         reader.flush()

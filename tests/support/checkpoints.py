@@ -1,7 +1,10 @@
 """Checkpoint tests' shared pieces: a short run, its losses, a built experiment, a copied
-workdir, restores compared."""
+workdir, restores compared, a small disk."""
 
+import contextlib
+import pathlib
 import shutil
+import subprocess
 
 import jax
 import numpy as np
@@ -45,3 +48,20 @@ def assert_same_values(a, b):
 def assert_requested_shardings(state, exp):
     for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings), strict=True):
         assert leaf.sharding == want
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, size: str = "2560k"):
+    """A tmpfs of `size` mounted at `path` (made here) and unmounted after; None where this
+    process may not mount one (mounting needs root, and CAP_SYS_ADMIN in a container)."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    try:
+        yield path if mounted else None
+    finally:
+        if mounted and subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "--lazy", str(path)], capture_output=True)  # a file still open
