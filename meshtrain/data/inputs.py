@@ -173,7 +173,7 @@ class TokenFiles:
 
     def describe_split(self) -> str:
         return (f"validation = {len(self.val_files)} file(s) of --val_input" if self.val_files else
-                f"validation = the last {self.val_fraction:g} of the tokens, from an end of text")
+                f"validation = the last {self.val_fraction:g} of the tokens, cut after a document separator")
 
     def info(self) -> dict:
         return {"format": "tokens", "files": len(self.files), "bytes": self.total, "val_files": len(self.val_files),
