@@ -8,6 +8,7 @@ NOT_CHECKED lists it, and docs/data.md ("Damaged inputs") says so."""
 import base64
 import collections
 import functools
+import json
 import shutil
 
 import numpy as np
@@ -40,7 +41,6 @@ def wide_vocabulary(tmp_path_factory):
 
 def _dataset(data_dir, name: str) -> tuple:
     """What a prepared dataset holds: its shards' bytes in order, and its counts."""
-    import json
     root = data_dir / name / "1.0.0"
     meta = json.loads((root / "metadata.json").read_text())
     return (tuple(p.read_bytes() for p in sorted(root.glob("*.array_record-*"))),
@@ -69,11 +69,10 @@ def test_every_format_damaged_every_way_reads_whole_or_is_refused_in_one_line(
                     f"--data_dir={tmp_path / fmt / 'd'}", f"--tokenizer={spec}", "--val_fraction=0.1",
                     "--record_tokens=512", "--overwrite"]
             try:
-                rc = prepare_module.main(args)
+                rc, escaped = prepare_module.main(args), ""
             except Exception as e:  # noqa: BLE001 - what the command line would show as a traceback
-                rc = f"Traceback: {type(e).__name__}: {e}"
-            out = capsys.readouterr()
-            return rc, type(out)(out.out, out.err + (rc if isinstance(rc, str) else ""))
+                rc, escaped = None, f"Traceback: {type(e).__name__}: {e}"
+            return rc, capsys.readouterr().err + escaped
 
         assert prepare(clean, "clean")[0] == 0, fmt
         want = _dataset(tmp_path / fmt / "d", "clean")
@@ -83,9 +82,9 @@ def test_every_format_damaged_every_way_reads_whole_or_is_refused_in_one_line(
                 shutil.rmtree(old, ignore_errors=True)  # each case alone: nothing resumed from the last
             shutil.copytree(clean, copy)
             damage(copy)
-            rc, out = prepare(copy, "damaged")
-            err = out.err.strip().splitlines()
-            if "Traceback" in out.err or rc not in (0, 2):
+            rc, text = prepare(copy, "damaged")
+            err = text.strip().splitlines()
+            if "Traceback" in text or rc not in (0, 2):
                 outcome = "traceback"
             elif rc == 0:
                 outcome = "same" if _dataset(tmp_path / fmt / "d", "damaged") == want else "DIFFERENT"
@@ -95,7 +94,7 @@ def test_every_format_damaged_every_way_reads_whole_or_is_refused_in_one_line(
                 outcome = "refused" if one else "refused, not in one line naming the file"
             table[(fmt, kind)][outcome] += 1
             if outcome not in ("same", "refused"):
-                bad.append(f"{fmt} {label}: {outcome}: {out.err[-600:]}")
+                bad.append(f"{fmt} {label}: {outcome}: {text[-600:]}")
     print("\nformat       damage    cases  same  refused  other")
     for (fmt, kind), seen in table.items():
         other = ", ".join(f"{n} {k}" for k, n in seen.items() if k not in ("same", "refused"))

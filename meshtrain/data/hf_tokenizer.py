@@ -109,7 +109,7 @@ class TiktokenTokenizer(GPT2Tokenizer):
         # Not GPT2Tokenizer.__init__: it takes end of text from "<|endoftext|>".
         self.enc = tiktoken.Encoding(source, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                      special_tokens=special)
-        self.directory, self.vocab_size = None, self.enc.n_vocab
+        self.directory, self.vocab_size, self.special = None, self.enc.n_vocab, special
         self.ranks_text, self.source, self.eot = ranks_text, source, eot
         self.eot_id = special[eot]
 
@@ -126,7 +126,7 @@ def special_id(tok, token: str) -> int | None:
     if isinstance(tok, HFTokenizer):
         return tok.hf.token_to_id(token)
     if isinstance(tok, TiktokenTokenizer):
-        return tok.enc._special_tokens.get(token)
+        return tok.special.get(token)
     return None
 
 

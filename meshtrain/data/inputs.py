@@ -100,6 +100,7 @@ class TokenFiles:
         self.path, self.val_path = str(path), str(val_path)
         self.val_fraction = check_val_fraction(val_fraction)
         self.ids = {f: token_files.token_file(f) for f in self.files + self.val_files}
+        self.headerless = [f for f, t in self.ids.items() if t.kind == token_files.NANOGPT]
         self.total = sum(t.nbytes for t in self.ids.values())
 
     def check(self, tok, spec: str = "") -> None:

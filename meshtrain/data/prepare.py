@@ -98,7 +98,7 @@ def _execute(args, executor) -> int:
         tok = _build_tokenizer(spec, args, corpus)
         print(f"prepare: tokenizer {tok.describe()} (the ids as they are)", file=sys.stderr)
         corpus.check(tok, spec)
-        if any(t.kind.startswith("nanoGPT") for t in corpus.ids.values()):
+        if corpus.headerless:
             print("prepare: note: nanoGPT's raw uint16 files carry no header, so a copy cut short cannot be told "
                   "from a whole one; llm.c's header (write_datafile) records the count (docs/data.md, 'Damaged "
                   "inputs')", file=sys.stderr)
@@ -211,8 +211,9 @@ def _work(args, spec: str, corpus):
 
 
 def _check_splits(corpus, units, splits, fraction: float) -> None:
-    """Both splits hold documents (`splits`: token_shards.Splits, every unit done); an empty
-    one is named by the input it comes from."""
+    """An empty split named by the input it comes from (`splits`: token_shards.Splits, every
+    unit done); token_shards.write refuses any other empty split (plain text's held-out tail
+    of nothing but separators)."""
     val_files = getattr(corpus, "val_files", [])
     what = f"--input {corpus.path!r} ({len(corpus.files)} file(s) of {corpus.fmt})"
     train, held = splits.documents["train"], splits.documents["validation"]
@@ -228,9 +229,6 @@ def _check_splits(corpus, units, splits, fraction: float) -> None:
         raise UserError(f"--val_fraction={fraction:g} of the {train + held:,} document(s) of {what} leaves "
                         f"{'no held-out' if held == 0 else 'no training'} document: use more documents, another "
                         f"--val_fraction, or --val_input with the held-out files.")
-    if train == 0 or held == 0:
-        raise UserError(f"{what}: its {'held-out part' if held == 0 else 'training part'} "
-                        f"({corpus.describe_split()}) holds no document with text: use another --val_fraction.")
 
 
 def _open(args, spec: str):

@@ -39,6 +39,8 @@ LLMC_EVAL_MAGIC = 20240522  # llm.c's write_evalfile: HellaSwag/MMLU examples, n
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron-core's DType codes of integers; 6 (float64) and 7 (float32) hold no token ids.
 MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
+_MAGICS = [np.int32(m).tobytes() for m in sorted({m for m, _ in LLMC_FORMATS} | {LLMC_EVAL_MAGIC})]
+NANOGPT = "nanoGPT's raw uint16 ids, no header"  # a TokenFile's kind: nothing says where the file ends
 _KNOWN = ", ".join(f"{m} version {v} ({d})" for (m, v), (d, *_) in LLMC_FORMATS.items())
 _REFETCH = "Copy the file again from where it was made, or make it again."
 
@@ -57,7 +59,7 @@ class TokenFile:
     count: int
     kind: str
     tokenizer: str
-    separator: str = ""
+    separator: str
 
     @property
     def nbytes(self) -> int:
@@ -85,11 +87,18 @@ class TokenFile:
     def scan(self, eot: int) -> tuple[tuple[int, int], "TokenFile"]:
         """((its smallest id, its largest; (0, -1) if none), its stream: itself, its
         documents ended by end of text already)."""
-        lo, hi = 0, -1
-        for c in self.chunks():
-            if len(c):
-                lo, hi = (int(c.min()), int(c.max())) if hi < 0 else (min(lo, int(c.min())), max(hi, int(c.max())))
-        return (lo, hi), self
+        span = (0, -1)
+        for chunk in self.chunks():
+            span = _widen(span, chunk)
+        return span, self
+
+
+def _widen(span: tuple[int, int], chunk: np.ndarray) -> tuple[int, int]:
+    """(smallest id, largest) of the ids seen so far and `chunk`; (0, -1) before any."""
+    if not len(chunk):
+        return span
+    lo, hi = int(chunk.min()), int(chunk.max())
+    return (lo, hi) if span[1] < 0 else (min(span[0], lo), max(span[1], hi))
 
 
 def token_file(path: Path) -> "TokenFile | MegatronFile":
@@ -113,7 +122,7 @@ def token_file(path: Path) -> "TokenFile | MegatronFile":
     if size % 2:
         raise UserError(f"{where!r} has an odd number of bytes ({size:,}): not nanoGPT's raw uint16 ids, nor an "
                         f"llm.c token file (a {LLMC_HEADER_BYTES:,}-byte header: magic {_KNOWN}). {_REFETCH}")
-    return TokenFile(path, 0, "uint16", size // 2, "nanoGPT's raw uint16 ids, no header", "")
+    return TokenFile(path, 0, "uint16", size // 2, NANOGPT, "", "")
 
 
 def _llmc_shaped(head: bytes, size: int) -> bool:
@@ -122,10 +131,9 @@ def _llmc_shaped(head: bytes, size: int) -> bool:
     three int32 say (a damaged header), the 1,012 zero bytes llm.c writes after them. Raw
     uint16 ids start so only when their first ids spell a date and a small number, or when
     506 ids after the sixth are all 0."""
-    magics = [np.int32(m).tobytes() for m in {m for m, _ in LLMC_FORMATS} | {LLMC_EVAL_MAGIC}]
     if len(head) < 4:
-        return bool(head) and any(m.startswith(head) for m in magics)
-    if head[:4] in magics:
+        return bool(head) and any(m.startswith(head) for m in _MAGICS)
+    if head[:4] in _MAGICS:
         return True
     header = np.frombuffer(head[:len(head) // 4 * 4], "<i4")
     year, month, day = header[0] // 10000, header[0] // 100 % 100, header[0] % 100
@@ -234,23 +242,20 @@ class MegatronFile(TokenFile):
     """A Megatron-LM dataset's ids (its sequences, one after another) and `ends` [documents]
     int64: the id position after each document that has ids (empty ones are left out)."""
 
-    ends: np.ndarray = None
+    ends: np.ndarray
 
     def scan(self, eot: int) -> tuple[tuple[int, int], "Ended"]:
         """((its smallest id, its largest); its stream: `eot` inserted after each document not
         ending in it, as Megatron's preprocess_data.py writes them without --append-eod). One
         pass, in pieces."""
-        last, lo, hi, at = self.ends - 1, 0, -1, 0
+        last, span, at = self.ends - 1, (0, -1), 0
         tails = np.empty(len(last), np.int64)  # each document's last id
         for chunk in self.chunks():
-            if not len(chunk):
-                continue
-            lo, hi = (int(chunk.min()), int(chunk.max())) if hi < 0 else (min(lo, int(chunk.min())),
-                                                                         max(hi, int(chunk.max())))
+            span = _widen(span, chunk)
             i, j = np.searchsorted(last, [at, at + len(chunk)])
             tails[i:j] = chunk[last[i:j] - at]
             at += len(chunk)
-        return (lo, hi), Ended(self, self.ends[tails != eot], eot)
+        return span, Ended(self, self.ends[tails != eot], eot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,18 +278,6 @@ class Ended:
     @property
     def nbytes(self) -> int:
         return self.count * self.itemsize
-
-    @property
-    def kind(self) -> str:
-        return self.ids.kind
-
-    @property
-    def tokenizer(self) -> str:
-        return self.ids.tokenizer
-
-    @property
-    def separator(self) -> str:
-        return self.ids.separator
 
     def chunks(self, a: int = 0, b: int | None = None, size: int = 1 << 22) -> Iterator[np.ndarray]:
         """Stream ids [a, b): pieces of at most `size` file ids and the ids inserted among them."""

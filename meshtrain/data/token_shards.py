@@ -170,28 +170,34 @@ def shard_tokens(units: list, fraction: float, tokens: int, record_tokens: int) 
 
 
 def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_pool.Work, executor, *,
-          workers: int, fraction: float, record_tokens: int, tokenize_bar: Progress | None = None, check=None,
+          workers: int, fraction: float, record_tokens: int, tokenize_bar: Progress | None = None,
+          check=lambda splits: None,
           extra_metadata: dict | None = None, shard_bytes: int = token_dataset.TOKEN_SHARD_BYTES,
           replace: bool = False, records_label: str = "records") -> dict:
     """The units not done yet tokenized and the dataset's shards written, on `executor` (a
     tokenize_pool.pool of `workers`; None: here). `tokenize_bar` counts the units' input
-    bytes (None: no bar); once every unit is done, `check(splits)` (it may refuse the splits; by
-    default an empty split is refused), then a bar counts the tokens of the shards still to
-    write. replace: an existing dataset of that name is replaced at the end. -> the metadata."""
+    bytes (None: no bar); once every unit is done, `check(splits)` (the caller's refusals, naming
+    its inputs), then an empty split is refused, then a bar counts the tokens of the shards
+    still to write. replace: an existing dataset of that name is replaced at the end. -> the
+    metadata."""
     dtype = np.dtype(token_dataset.token_dtype(tokenizer.vocab_size))
     splits = Splits(work, units, dtype, fraction)
-    check = check or _no_empty_split
     shards = Shards(name, splits, shard_tokens(units, fraction, shard_bytes // dtype.itemsize, record_tokens),
                     record_tokens)
     todo = collections.deque(k for k in range(len(units)) if not work.done(k))
     tokenize_bar = tokenize_bar or Progress("tokenize", 0, stream=_Silent())
     tokenize_bar.update(sum(u.nbytes for u in units) - sum(units[k].nbytes for k in todo))
     here, running, bar = _Here() if executor is None else executor, {}, None
+
+    def tokenized():  # every unit done: the splits are whole
+        tokenize_bar.close()
+        check(splits)
+        _no_empty_split(splits)
+
     shards.make()
     while todo or shards.ready or running:
         if splits.complete and bar is None:
-            tokenize_bar.close()
-            check(splits)
+            tokenized()
             left = [t for t in shards.ready] + [t for kind, t in running.values() if kind == "shard"]
             bar = Progress(records_label, sum(t[0].tokens for t in left), unit=" tokens")  # a true rate
         while len(running) < 2 * max(workers, 1) and (todo or shards.ready):
@@ -214,8 +220,7 @@ def write(name: str, data_dir, tokenizer, corpus, units: list, work: tokenize_po
                     bar.update(task[0].tokens)
         shards.free()
     if bar is None:  # nothing was left to do
-        tokenize_bar.close()
-        check(splits)
+        tokenized()
     else:
         bar.close()
     return _finish(name, data_dir, tokenizer, dtype, record_tokens, splits, shards.made, extra_metadata, replace)

@@ -96,11 +96,8 @@ def write(fmt: str, folder: Path, documents: list[str], ids: list[np.ndarray], e
         lead = bos if fmt == "llmc_llama3" else eot
         stream = np.concatenate([np.concatenate([[lead], d]) if fmt != "nanogpt" else np.append(d, eot) for d in ids])
         dtype = np.uint32 if fmt == "llmc_llama3" else np.uint16
-        header = b"" if fmt == "nanogpt" else np.array(
-            [20240801, 7] if fmt == "llmc_llama3" else [20240520, 1], np.int32).tobytes()
-        if header:
-            header = (np.frombuffer(header, np.int32).tolist() + [len(stream)] + [0] * 253)
-            header = np.array(header, np.int32).tobytes()
+        magic = {"llmc_gpt2": [20240520, 1], "llmc_llama3": [20240801, 7]}.get(fmt)  # write_datafile's
+        header = b"" if magic is None else np.array(magic + [len(stream)] + [0] * 253, np.int32).tobytes()
         (folder / "c.bin").write_bytes(header + stream.astype(dtype).tobytes())
         size = np.dtype(dtype).itemsize
         lengths = np.cumsum([len(d) + 1 for d in ids]) * size + len(header)
@@ -169,11 +166,7 @@ def damages(fmt: str, root: Path, ends: dict, rng: np.random.Generator, samples:
                 bit = 1 << int(rng.integers(0, 8))
                 out.append(("flip", f"{rel} byte {at} ^ {bit:#04x}",
                             lambda d, rel=rel, at=at, bit=bit: _flip(d / rel, at, bit)))
-        header = {"jsonl.gz": 10, "jsonl.zst": 6, "parquet": 4, "llmc_gpt2": 1024, "llmc_llama3": 1024}.get(fmt, 0)
-        if name.endswith(".idx"):
-            header = 34
-        if name.endswith(".arrow"):
-            header = 8
+        header = _HEADER.get(Path(name).suffix, _HEADER.get(fmt, 0))
         if header:
             out.append(("zero", f"{rel} first {header} bytes", lambda d, rel=rel, n=header: _zero(d / rel, n)))
         out.append(("empty", f"{rel} made empty", lambda d, rel=rel: (d / rel).write_bytes(b"")))
@@ -187,6 +180,11 @@ def damages(fmt: str, root: Path, ends: dict, rng: np.random.Generator, samples:
         for sibling in ("c_text_document.idx", "c_text_document.bin"):
             out.append(("drop", sibling, lambda d, s=sibling: (d / s).unlink()))
     return out
+
+
+# the bytes "zero" damages: by file suffix, else by format
+_HEADER = {".idx": 34, ".arrow": 8,
+           "jsonl.gz": 10, "jsonl.zst": 6, "parquet": 4, "llmc_gpt2": 1024, "llmc_llama3": 1024}
 
 
 def _truncate(path: Path, n: int) -> None:
