@@ -24,6 +24,13 @@ def shown(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def gib(nbytes: float) -> str:
+    """Bytes as a message says them: GiB (MiB below one GiB), three significant figures or more."""
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:,.1f} MiB"
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:,.1f} GiB"
+
+
 def warn(message: str) -> None:
     """`meshtrain: warning: MESSAGE` on stderr, once per run (process 0 only)."""
     import sys

@@ -16,8 +16,7 @@ import pytest
 
 from meshtrain import train
 from meshtrain.checkpoints import disk_space, store
-from meshtrain.checkpoints.disk_space import size
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, gib
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
 
@@ -46,9 +45,9 @@ def test_a_disk_too_small_for_what_the_run_keeps_is_refused_before_compiling(tin
     err = capsys.readouterr().err
     one, arrays, state = disk_space.checkpoint_bytes(tiny)
     assert err.count("meshtrain train: error:") == 1 and "Traceback" not in err
-    assert (f"has 2.5 MiB free, but this run needs {size(4 * one)} more there: 4 checkpoints at once "
-            f"(checkpoint.keep=3 and the one being written) x {size(one)} = {size(4 * one)} (one checkpoint: "
-            f"the train state's {arrays} arrays, {size(state)}, and up to {size(one - state)} of Orbax's "
+    assert (f"has 2.5 MiB free, but this run needs {gib(4 * one)} more there: 4 checkpoints at once "
+            f"(checkpoint.keep=3 and the one being written) x {gib(one)} = {gib(4 * one)} (one checkpoint: "
+            f"the train state's {arrays} arrays, {gib(state)}, and up to {gib(one - state)} of Orbax's "
             f"metadata)") in err, err
     assert "--config.checkpoint.skip_disk_check=true starts anyway" in err
     assert list((tmp_path / "checkpoints").iterdir()) == []  # nothing written
@@ -67,10 +66,10 @@ def test_what_fits_is_one_line_and_a_smaller_keep_that_fits_is_offered(tiny, tmp
     fake_free(monkeypatch, 5 * one)
     (line,) = check(tiny, tmp_path, present=1, start=5, every=5)  # a resumed run, step 5 there
     assert line == (f"disk check: fits; 4 checkpoints at once (checkpoint.keep=3 and the one being written), "
-                    f"1 there already: 3 more x {size(one)} = {size(3 * one)}, against {size(5 * one)} free "
+                    f"1 there already: 3 more x {gib(one)} = {gib(3 * one)}, against {gib(5 * one)} free "
                     f"in {tmp_path}")
     fake_free(monkeypatch, int(2.5 * one))
-    with pytest.raises(UserError, match=rf"--config.checkpoint.keep=1 needs {size(2 * one)} \(but one step "
+    with pytest.raises(UserError, match=rf"--config.checkpoint.keep=1 needs {gib(2 * one)} \(but one step "
                                         rf"kept has none to fall back to if it is damaged\)"):
         check(tiny, tmp_path, every=5)
 

@@ -31,18 +31,11 @@ import pathlib
 
 import jax
 
-from meshtrain.errors import UserError, warn
+from meshtrain.errors import UserError, gib, warn
 
 METADATA_PER_ARRAY = 2048  # bytes: measured 1.6 KB an array on 8 devices (module docstring)
 METADATA_PER_DEVICE = 16   # bytes an array: a device's entry in the array's _sharding record
 SLACK_PER_PROCESS = 2**16  # bytes: the last blocks of a process's dozen files, 4 KiB each at most
-
-
-def size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} bytes"
 
 
 def checkpoint_bytes(exp) -> tuple[int, int, int]:
@@ -99,7 +92,7 @@ def arithmetic(keep: int, c, present: int, saves: int, one: int) -> tuple[int, s
     else:
         why = f"checkpoint.keep={keep} and the one being written"
     there = f", {present} there already: {new} more" if present else ""
-    return new * one, f"{most} checkpoints at once ({why}){there} x {size(one)} = {size(new * one)}"
+    return new * one, f"{most} checkpoints at once ({why}){there} x {gib(one)} = {gib(new * one)}"
 
 
 def check(directory: pathlib.Path, exp, c, *, present: int, start: int, end: int, say) -> None:
@@ -118,16 +111,16 @@ def check(directory: pathlib.Path, exp, c, *, present: int, start: int, end: int
              f"not checked; this run needs {sums} there.")
         return
     if need <= free:
-        say(f"disk check: fits; {sums}, against {size(free)} free in {directory}")
+        say(f"disk check: fits; {sums}, against {gib(free)} free in {directory}")
         return
     fits = [(k, n) for k in range(c.keep - 1 if c.keep else present + saves - 1, 0, -1)
             if (n := arithmetic(k, c, present, saves, one)[0]) <= free]
     keep = "" if not fits else (
-        f"; --config.checkpoint.keep={fits[0][0]} needs {size(fits[0][1])}"
+        f"; --config.checkpoint.keep={fits[0][0]} needs {gib(fits[0][1])}"
         + (" (but one step kept has none to fall back to if it is damaged)" if fits[0][0] == 1 else ""))
-    paragraph = (f"The checkpoint directory {directory} has {size(free)} free, but this run needs {size(need)} "
-                 f"more there: {sums} (one checkpoint: the train state's {arrays} arrays, {size(state)}, and up "
-                 f"to {size(one - state)} of Orbax's metadata). Free space there, or put --workdir (or "
+    paragraph = (f"The checkpoint directory {directory} has {gib(free)} free, but this run needs {gib(need)} "
+                 f"more there: {sums} (one checkpoint: the train state's {arrays} arrays, {gib(state)}, and up "
+                 f"to {gib(one - state)} of Orbax's metadata). Free space there, or put --workdir (or "
                  f"checkpoint.dir) on a larger disk{keep}.")
     if c.skip_disk_check:
         warn(f"{paragraph} Starting anyway (checkpoint.skip_disk_check=true): a save that fills the disk "

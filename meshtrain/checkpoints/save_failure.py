@@ -15,6 +15,7 @@ import pathlib
 import shutil
 
 from meshtrain.checkpoints import disk_space
+from meshtrain.errors import gib
 
 FULL = ("No space left on device", "Disk quota exceeded")
 
@@ -55,8 +56,8 @@ def paragraph(directory: pathlib.Path, step: int, error: BaseException, stopped_
     if is_full_disk(error):
         free = disk_space.free_space(directory)
         took = disk_space.used_space(latest_dir) if latest_dir is not None else 0
-        text += (f" The disk is full{'' if free is None else f' ({disk_space.size(free)} free now)'}"
-                 f"{f', and one checkpoint of this run takes {disk_space.size(took)}' if took else ''}: free "
+        text += (f" The disk is full{'' if free is None else f' ({gib(free)} free now)'}"
+                 f"{f', and one checkpoint of this run takes {gib(took)}' if took else ''}: free "
                  f"space there, or copy the workdir to a larger disk and run there (or move checkpoint.dir); "
                  f"then the same command {resume}.")
     else:

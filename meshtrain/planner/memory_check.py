@@ -36,9 +36,8 @@ import socket
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError, warn
+from meshtrain.errors import UserError, gib, warn
 
-GIB = 2**30
 MARGIN = {"cpu": 0.90, "accelerator": 0.95}  # share of the budget the estimate may take (docstring)
 FIX_COMPILE_BUDGET_S = 60.0  # compiling candidate fixes stops after this (then formulas only)
 MEMINFO = "/proc/meminfo"
@@ -148,13 +147,6 @@ def local_budget() -> Budget | None:
 
 def fits(peak: float, budget: Budget) -> bool:
     return peak <= budget.per_device
-
-
-def gib(x: float) -> str:
-    """Bytes as GiB (MiB below one GiB), three significant figures or more."""
-    if x < GIB:
-        return f"{x / 2**20:,.1f} MiB"
-    return f"{x / GIB:,.2f} GiB" if x < 10 * GIB else f"{x / GIB:,.1f} GiB"
 
 
 def arithmetic(peak: float, budget: Budget) -> str:
