@@ -28,6 +28,11 @@ Why it looks like this:
   Slurm holds a requeued batch job for cred_expire + 1 s (BeginTime; 121 s by default).
   The time-limit check (and the --signal warning it sends) runs every 30 s whatever the
   settings: PERIODIC_TIMEOUT is compiled into slurmctld.
+* Job ids apart per pytest-xdist worker (FirstJobId): JAX's Slurm detection puts process
+  0's coordination service on port 61440 + job id % 4096, so two clusters that both number
+  their first job 1, running at once on this host, would start both jobs' services on one
+  port, and one job's tasks would talk to the other's service (seen: a job aborted 11 s
+  after start with "Socket closed" from the coordination service).
 """
 from __future__ import annotations
 
@@ -59,6 +64,12 @@ def skip_reason() -> str | None:
     return None
 
 
+def _first_job_id() -> int:
+    """1 for xdist worker gw0 (or no xdist), 1025 for gw1, ...: 1,024 jobs before two meet."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 1 + 1024 * (int(worker[2:]) % 4 if worker[2:].isdigit() else 0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +97,7 @@ class SlurmCluster:
             SlurmctldLogFile=str(d / "slurmctld.log"), SlurmdLogFile=str(d / "slurmd-%n.log"),
             SlurmctldDebug="info", SlurmdDebug="info", PlugStackConfig=str(d / "plugstack.conf"),
             SchedulerParameters="sched_interval=1,bf_interval=1", AuthInfo="cred_expire=5",
+            FirstJobId=str(_first_job_id()),
         )
         settings.update(conf)
         lines = [f"{k}={v}" for k, v in settings.items()]
