@@ -219,7 +219,8 @@ class Training:
                                   resume_step=self.resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
                                   task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
         self.stack.callback(self.log.close)
-        self.clock = goodput.Clock(workdir if self.log.enabled and cfg.train.steps else None)
+        called = time.time() - (time.perf_counter() - self.started_at)  # when execute began
+        self.clock = goodput.Clock(workdir if self.log.enabled and cfg.train.steps else None, goodput.piece_start(called))
         self.clock.add("compile", self.compile_s)
         info = metrics.run_info(self.args.config_name, exp, self.memory, self.compile_s, self.source)
         info["distributed"] = self.cluster.info()

@@ -1,8 +1,8 @@
 """Goodput: where a run's wall time went, and the share of it that trained new steps.
 
 A run may take several *pieces* (starts of the command in one workdir: a preemption, a
-crash, a requeue). Each piece's wall time, from its process start to its last line, is
-split into:
+crash, a requeue). Each piece's wall time, from its process start (its call, for a later run in one
+process or a notebook's: `piece_start`) to its last line, is split into:
 
     start-up    process start to compiling: imports, joining processes, building the
                 model and data, reading the checkpoint back
@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import pathlib
+import sys
 import time
 
 from meshtrain.progress import format_duration
@@ -53,6 +54,18 @@ def process_start() -> float:
 
 
 _IMPORTED = time.time()
+_FIRST = [True]
+
+
+def piece_start(called: float) -> float:
+    """When this piece began. The first run in a process counts from the process start,
+    so the interpreter's and JAX's imports are in its start-up; any later run in the same
+    process (a notebook's second `main`, a test after others) from `called`, when its
+    command was called: the process start would put the time between runs into start-up.
+    A run called from a notebook's kernel counts from `called` too (the kernel may have
+    been open for hours)."""
+    first, _FIRST[0] = _FIRST[0], False
+    return process_start() if first and "ipykernel" not in sys.modules else called
 
 
 class Clock:
