@@ -7,8 +7,8 @@ per device, where GSPMD cannot split a computation by itself (docs/layouts.md).
   context_attention   causal attention over a split sequence: all-gather or ring (shard_map)
   experts             expert parallelism's dispatch: all-to-all to the experts' devices (shard_map)
 
-The layouts (layouts/) say where each logical axis lives; the mesh, built in mesh.py,
+The layouts (parallel/layouts/) say where each logical axis lives; the mesh, built in mesh.py,
 what devices there are. Data parallelism, FSDP/ZeRO and tensor parallelism need nothing
 here: the layout's shardings and XLA's collectives do them. Pipeline parallelism is the
-step's own schedule (step/pipeline/), and gradient reduction its own (step/grad_reduce.py).
+step's own schedule (parallel/pipeline/), and gradient reduction its own (parallel/grad_reduce.py).
 """

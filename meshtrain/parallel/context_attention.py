@@ -2,7 +2,7 @@
 parallelism, `model.context_attention`), written per device with shard_map.
 
 Each of the n devices on attention's `length` axes holds 2c = T/n rows of q, k and v in
-the zigzag order of layouts/sequence.py: chunk i (positions i c .. i c + c-1) and chunk
+the zigzag order of parallel/sequence.py: chunk i (positions i c .. i c + c-1) and chunk
 2n-1-i. Shapes per device: q, k, v [B, 2c, H, E] (B, H: this device's share of the batch
 and heads), positions [2c] int32.
 
@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.parallel.hook import Constrain
 
 KINDS = ("allgather", "ring")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.sequence import BTD
 

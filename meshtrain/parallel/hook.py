@@ -5,7 +5,7 @@ is laid out, it calls the hook it was given:
 
     constrain(x, axes) -> x     x pinned to the layout's activation spec for `axes`
     constrain.order(t)          positions [t] in the order a sequence is stored under
-                                context parallelism (layouts/sequence.py), or None
+                                context parallelism (parallel/sequence.py), or None
     constrain.sharded           whether there is a mesh at all
     constrain.documents         the documents of a packed window (models/documents.py:
                                 segment ids and positions [B, T], stored order), or None
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.layouts import sequence
-from meshtrain.layouts.rules import Layout
+from meshtrain.parallel import sequence
+from meshtrain.parallel.layouts.rules import Layout
 
 Axes = tuple[str | None, ...]
 
@@ -57,7 +57,7 @@ class Constrain:
 
     def for_attention(self, axes: Axes) -> PartitionSpec:
         """The spec of `axes` with positions split only as attention splits them: the two
-        differ under sequence parallelism (layouts/sequence.py)."""
+        differ under sequence parallelism (parallel/sequence.py)."""
         return sequence.for_attention(self.layout, axes)
 
     def order(self, t: int) -> np.ndarray | None:

@@ -7,7 +7,7 @@ Golden copies live in tests/golden/; a change of rules shows up there as a diff.
 from __future__ import annotations
 
 from meshtrain import tree_paths
-from meshtrain.layouts.rules import Layout
+from meshtrain.parallel.layouts.rules import Layout
 
 def _fmt_axes(axes) -> str:
     return "(" + ", ".join("-" if a is None else a for a in axes) + ")"

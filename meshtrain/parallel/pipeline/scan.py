@@ -42,13 +42,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import Layout, mesh_axes_of
+from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
-from meshtrain.step import grad_reduce
+from meshtrain.parallel import grad_reduce
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
-# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/step/pipeline/schedule_1f1b.py):
+# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/parallel/pipeline/schedule_1f1b.py):
 # "inputs" recomputes the chunk from its stashed input; "residuals" keeps autodiff's.
 STASHES = ("inputs", "residuals")
 
@@ -129,14 +129,14 @@ def from_config(p, stages: int, num_layers: int, layout: Layout | None = None) -
 
 def uses_stage(layout: Layout) -> bool:
     """Whether any of the layout's tables puts a logical axis on the `stage` mesh axis."""
-    from meshtrain.layouts.rules import TARGETS
+    from meshtrain.parallel.layouts.rules import TARGETS
     return any("stage" in axes for target in TARGETS for _, axes in layout.rules(target))
 
 
 def check_layout(layout: Layout, pipe: Pipeline | None) -> None:
     """A pipelined run needs the params' `stage` dim on the `stage` mesh axis in every table."""
-    from meshtrain.layouts import PIPELINE_PRESETS
-    from meshtrain.layouts.rules import TARGETS
+    from meshtrain.parallel.layouts import PIPELINE_PRESETS
+    from meshtrain.parallel.layouts.rules import TARGETS
     if pipe is None:
         return
     for target in TARGETS:
@@ -224,7 +224,7 @@ def output_ticks(pipe: Pipeline) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """How the stages run on the mesh: shared by the forward-only schedules' runner here
-    and the 1F1B tick loop (meshtrain/step/pipeline/schedule_1f1b.py).
+    and the 1F1B tick loop (meshtrain/parallel/pipeline/schedule_1f1b.py).
 
     Two vmaps make the per-device program explicit: over stages (mesh axis `stage`)
     and over the n batch shards of a microbatch (`shard`: the mesh axes the layout

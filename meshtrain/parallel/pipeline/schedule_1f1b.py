@@ -1,12 +1,12 @@
 """1F1B and interleaved 1F1B in one SPMD program: the loss and its gradients from one tick
 loop in which every stage runs a forward slot and a backward slot per tick.
 
-Under gpipe and circular (meshtrain/step/pipeline/scan.py) the backward pass is autodiff of the
+Under gpipe and circular (meshtrain/parallel/pipeline/scan.py) the backward pass is autodiff of the
 forward ticks, so each stage keeps every microbatch's activations until all forwards
 are done. Here the backward is written per stage: the loss head runs on the last
 stage's output inside the loop, so microbatch m's backward starts on the tick its
 forward ends, and a stage keeps an item only between its two slots
-(meshtrain/step/pipeline/ticks.py gives the schedule and counts them):
+(meshtrain/parallel/pipeline/ticks.py gives the schedule and counts them):
 
     x = embed(tokens)  -> inputs [S, M, mb, T, D] in stage 0's slot      (vjp kept)
     w = stage weights, copies [n, S, v, Lc, ...] made once per step      (vjp kept)
@@ -39,7 +39,7 @@ gradients for the output meet in one reduction. Without the split, every stage w
 compute the whole head and the tick would last as long.
 
 The loss function this module builds has a custom VJP: its primal (eval, or any call
-without a gradient) runs the forward-only ticks of meshtrain/step/pipeline/scan.py, whose storage
+without a gradient) runs the forward-only ticks of meshtrain/parallel/pipeline/scan.py, whose storage
 order and keys are the same, and its forward under autodiff runs the tick loop and
 keeps the gradients for the backward to scale by the loss's cotangent.
 """
@@ -55,13 +55,13 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
+from meshtrain.parallel.layouts import Layout
 from meshtrain.models import family, stack
 from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
 from meshtrain.step import loss as loss_lib
-from meshtrain.step.pipeline.scan import StagePlan
-from meshtrain.step.pipeline.ticks import backward_items, forward_items, phases, stash_slots
+from meshtrain.parallel.pipeline.scan import StagePlan
+from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, phases, stash_slots
 
 
 def head_layout(inner: Layout, mesh_shape, padded_vocab: int) -> Layout:
@@ -159,7 +159,7 @@ class TickLoop:
         make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
         self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
-        # layouts/sequence.py); the targets and their weights follow them.
+        # parallel/sequence.py); the targets and their weights follow them.
         micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731
         self.targets, self.target_weights = micro(targets_bt), micro(weights_bt)  # [M, mb, T]
         self.chunks = loss_lib.num_chunks(self.t, sched.loss_chunk)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.vocabulary import VOCABULARY
+from meshtrain.parallel.layouts.vocabulary import VOCABULARY
 from meshtrain.mesh import AXES
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -110,7 +110,7 @@ def check_names(axes: Sequence[str | None], where: str = "") -> None:
             raise UserError(
                 f"Unknown logical axis name {name!r}{at} (axes {tuple(axes)}). The "
                 f"vocabulary is: {', '.join(VOCABULARY)}. Use one of these names in the "
-                f"model, or extend meshtrain/layouts/vocabulary.py deliberately.")
+                f"model, or extend meshtrain/parallel/layouts/vocabulary.py deliberately.")
 
 
 def resolve(axes: Sequence[str | None], rules: Rules, where: str = "") -> P:
@@ -165,7 +165,7 @@ def parse(text: str, name: str | None = None) -> Layout:
     Example (ZeRO-1): "batch:data | opt_state=embed:data;mlp:data;head_dim:data".
     Example (ZeRO-2): the same plus "| grads=embed:data;mlp:data;head_dim:data": each
     layer's gradient is reduce-scattered over data inside the backward pass's layer
-    scan (meshtrain/step/grad_reduce.py), so no device holds the stacked gradients whole.
+    scan (meshtrain/parallel/grad_reduce.py), so no device holds the stacked gradients whole.
     """
     base: Rules = ()
     given: dict[str, Rules] = {}

@@ -63,7 +63,7 @@ the tables over `stage` once, in the compute dtype: ZeRO-3 over `stage` for them
 """
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import Layout, parse
+from meshtrain.parallel.layouts.rules import Layout, parse
 
 # Conv nets' channel tensor parallelism: `filters` (the inner conv of a pair) is their mlp.
 _TP = "heads:tensor;mlp:tensor;vocab:tensor;filters:tensor"

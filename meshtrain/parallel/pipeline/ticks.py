@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshtrain.step.pipeline.scan import Pipeline, schedule as forward_items
+from meshtrain.parallel.pipeline.scan import Pipeline, schedule as forward_items
 
 __all__ = ["forward_items", "backward_items", "phases", "in_flight", "stash_slots", "tick_table", "describe"]
 

@@ -30,7 +30,7 @@ to the optimizer's sharding (a reduce-scatter over fsdp); "each" leaves them to 
 which gathers the weights and reduce-scatters their gradients in every microbatch.
 
 ZeRO-2 (a layout whose `grads` table splits block parameters more than its `params`
-table, layouts/rules.py) reduces inside the backward pass instead, layer by layer:
+table, parallel/layouts/rules.py) reduces inside the backward pass instead, layer by layer:
 `pinned_in_backward` is an identity on one layer's params, applied inside the layer
 scan, whose backward pins each gradient to the layer's `grads` spec, so XLA
 reduce-scatters every layer's weight gradient where the scan's backward makes it and
@@ -54,8 +54,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel.layouts import Layout
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
 

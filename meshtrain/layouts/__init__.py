@@ -1,7 +1,0 @@
-"""Layouts map logical axis names to mesh axes; see rules.py for the algorithm."""
-
-from meshtrain.layouts.presets import PIPELINE_PRESETS, PRESETS, get
-from meshtrain.layouts.rules import Layout, parse, resolve
-from meshtrain.layouts.vocabulary import VOCABULARY
-
-__all__ = ["PIPELINE_PRESETS", "PRESETS", "VOCABULARY", "Layout", "get", "parse", "resolve"]
