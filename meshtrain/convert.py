@@ -115,6 +115,9 @@ def _from_hf(model_dir: Path, out: Path, config: dict, conv, arch: dict, say) ->
     generation = model_dir / "generation_config.json"
     meta = {"family": conv.FAMILY, "architecture": init_from.normalize(conv.FAMILY, arch, where),
             "tokenizer": spec,
+            # Prompts are encoded as transformers' tokenizer(prompt) does: with the special
+            # tokens the post-processor adds (Llama's BOS); runs trained from it inherit this.
+            init_from.PROMPT_SPECIAL_TOKENS: spec is not None,
             "source": {"path": str(model_dir), "architecture": conv.ARCHITECTURE,
                        "model_type": conv.MODEL_TYPE, "dtype": dtypes, "config": config,
                        "generation_config": json.loads(generation.read_text()) if generation.is_file() else None}}

@@ -7,7 +7,9 @@ run's mesh (nanoGPT's sample.py, on a device mesh).
 
 --workdir: the run is rebuilt from W/run.json: the model exactly as trained, the same
 mesh shape and layout, the params of the latest committed checkpoint (or --step), and
-the tokenizer of the run's data config (`from_workdir`).
+the tokenizer of the run's data config (`from_workdir`), which encodes the prompt as the
+model the run was fine-tuned from does (a converted Llama's BOS first: the step's meta
+"prompt_special_tokens", init_from.prompt_special_tokens).
 
 --checkpoint: a checkpoint `python -m meshtrain.convert from_hf` wrote (or any other
 that `init.from` accepts): the model is its architecture, with the vocabulary padded

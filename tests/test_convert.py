@@ -2,6 +2,7 @@
 convert to meshtrain checkpoints whose logits match transformers', export back bit for
 bit, and start a fine-tuning run under any layout with the first loss of the HF model."""
 
+import dataclasses
 import json
 import shutil
 
@@ -280,21 +281,35 @@ def test_a_finetuned_run_exports_with_its_origins_config(tmp_path):
     assert np.abs(theirs - hf_models.logits(hf, TOKENS[:, :16])).max() > 1e-4  # it was trained
 
 
-def test_the_cli_finetunes_a_converted_model_exports_it_and_samples(tmp_path, capsys):
-    """from_hf, then `meshtrain.train --config.init.from` on text under dp2_tp4 (the tokenizer
-    follows the checkpoint), then to_hf (transformers loads it) and meshtrain.sample."""
-    from meshtrain import sample, train
-    hf = hf_models.llama(tmp_path / "hf")
-    hf_models.add_tokenizer(hf, eos="</s>")
-    convert.from_hf(hf, tmp_path / "ckpt", say=quiet)
-    text = tmp_path / "corpus.txt"
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """from_hf of a Llama whose tokenizer.json puts "<s>" (BOS) first, then `meshtrain.train
+    --config.init.from` on text under dp2_tp4 (the tokenizer follows the checkpoint):
+    (the Hugging Face directory, CKPT, the run's workdir, what training printed)."""
+    import contextlib
+    import io
+
+    from meshtrain import train
+    d = tmp_path_factory.mktemp("finetuned")
+    hf = hf_models.llama(d / "hf")
+    hf_models.add_tokenizer(hf, eos="</s>", bos=True)
+    convert.from_hf(hf, d / "ckpt", say=quiet)
+    text = d / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    work = tmp_path / "run"
-    assert train.run(["--config=llama_tiny_dp2_tp4", f"--workdir={work}", f"--config.init.from={tmp_path / 'ckpt'}",
-                      "--config.data.kind=text", f"--config.data.path={text}", "--config.model.seq_len=32",
-                      "--config.train.steps=3", "--config.train.batch_size=8", "--config.train.log_every=1",
-                      "--config.train.eval_every=0", "--config.checkpoint.async=false"]) == 0
-    out = capsys.readouterr().out
+    work, out = d / "run", io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert train.run(["--config=llama_tiny_dp2_tp4", f"--workdir={work}", f"--config.init.from={d / 'ckpt'}",
+                          "--config.data.kind=text", f"--config.data.path={text}", "--config.model.seq_len=32",
+                          "--config.train.steps=3", "--config.train.batch_size=8", "--config.train.log_every=1",
+                          "--config.train.eval_every=0", "--config.checkpoint.async=false"]) == 0
+    return hf, d / "ckpt", work, out.getvalue()
+
+
+def test_the_cli_finetunes_a_converted_model_exports_it_and_samples(finetuned, tmp_path, capsys):
+    """The fine-tuned run exports with to_hf (transformers loads it) and meshtrain.sample
+    samples it, its prompt led by the converted Llama's BOS."""
+    from meshtrain import sample
+    _, _, work, out = finetuned
     assert "init.from: " in out and "step 0, fresh optimizer" in out, out
     run = json.loads((work / "run.json").read_text())
     assert run["model"]["family"] == "llama" and run["config"]["data"]["tokenizer"].startswith("hf:")
@@ -302,4 +317,43 @@ def test_the_cli_finetunes_a_converted_model_exports_it_and_samples(tmp_path, ca
     tokens = TOKENS % run["model"]["vocab_size"]
     assert_logits_match(meshtrain_logits(work, tokens), hf_models.logits(tmp_path / "out", tokens))
     assert sample.main([f"--workdir={work}", "--prompt=the quick", "--max_new_tokens=5", "--temperature=0"]) == 0
-    assert capsys.readouterr().out.startswith("the quick")
+    assert capsys.readouterr().out.startswith("<s>the quick")
+
+
+def test_a_finetuned_run_encodes_prompts_as_the_model_it_came_from(finetuned):
+    """What Llama's tokenizer does to a prompt (BOS first, as transformers' tokenizer(text))
+    travels with every checkpoint made from the converted one: sampling the fine-tuned run,
+    by its workdir or as a checkpoint, encodes a prompt to the converted model's ids; a
+    run started from it (init.from) or resumed from it records the same, and a run from
+    scratch does not (its model never saw BOS)."""
+    from transformers import AutoTokenizer
+
+    from meshtrain import sample
+    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.sampling import sources
+    hf, ckpt, work, _ = finetuned
+    text = "hello world, the quick"
+
+    def prompt(**given) -> list[int]:
+        flags = dict(workdir=None, checkpoint=None, step=None, mesh=None, layout=None, dtype=None) | given
+        loaded = (sources.from_workdir if flags["workdir"] else sources.from_checkpoint)(flags)
+        return sample.encode_prompt(text, loaded.tokenizer, loaded.model.cfg.vocab_size)
+    theirs = AutoTokenizer.from_pretrained(hf)
+    expected = theirs(text).input_ids
+    assert expected == [theirs.convert_tokens_to_ids("<s>")] + theirs(text, add_special_tokens=False).input_ids
+    assert prompt(checkpoint=str(ckpt)) == expected
+    assert prompt(checkpoint=str(work)) == expected
+    assert prompt(workdir=str(work)) == expected
+    # A run from the run, or resumed from its checkpoint without init.from, keeps it.
+    src = init_from.read(work)
+    assert src.prompt_special_tokens and src.meta["run"]["prompt_special_tokens"] is True
+    _, cfg = finetune_config(work, "data:1", "dp", seq_len=32)
+    exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
+    assert checkpoint_lib.run_summary(exp)["prompt_special_tokens"] is True
+    scratch = dataclasses.replace(exp, init=None)
+    assert checkpoint_lib.run_summary(scratch, resumed=src.meta["run"])["prompt_special_tokens"] is True
+    assert checkpoint_lib.run_summary(scratch)["prompt_special_tokens"] is False
+    # Checkpoints written before meta carried it: a converted one did, a run as its origin.
+    assert init_from.prompt_special_tokens({"family": "llama", "tokenizer": "hf:tokenizer"})
+    assert init_from.prompt_special_tokens({"run": {"init_from": str(ckpt)}})
+    assert not init_from.prompt_special_tokens({"run": {"init_from": str(work / "gone")}})

@@ -18,7 +18,7 @@ from meshtrain import config as config_lib, sample
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
-from meshtrain.step.pipeline.scan import from_stages
+from meshtrain.parallel.pipeline.scan import from_stages
 from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky, samples
 
 
@@ -253,18 +253,13 @@ def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
     first: the prompt is encoded as transformers' tokenizer encodes it (BOS included),
     and the greedy sample is transformers' generate, decoded."""
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, processors
     from transformers import AutoTokenizer
 
     from meshtrain import convert
     from meshtrain.checkpoints import init_from
     from meshtrain.data.tokenizers import make_tokenizer
     hf = hf_models.llama(tmp_path / "hf", initializer_range=0.5)
-    hf_models.add_tokenizer(hf, eos="</s>")
-    hf_tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
-    hf_tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", hf_tok.token_to_id("<s>"))])
-    hf_tok.save(str(hf / "tokenizer.json"))
+    hf_models.add_tokenizer(hf, eos="</s>", bos=True)
     convert.from_hf(hf, tmp_path / "ckpt", say=_quiet)
     spec = init_from.read(tmp_path / "ckpt").tokenizer
     assert spec == f"hf:{tmp_path / 'ckpt' / 'tokenizer'}"

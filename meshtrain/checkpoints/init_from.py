@@ -16,9 +16,17 @@ A converted checkpoint is a checkpoint directory like a training run's:
 
     CKPT/step_0/state   {"params": params}: OCDBT arrays in the source's dtype, unpadded
                         vocabulary, block leaves stacked [L, ...]
-    CKPT/step_0/meta    JSON {"format", "family", "architecture", "tokenizer", "source"}
+    CKPT/step_0/meta    JSON {"format", "family", "architecture", "tokenizer",
+                        "prompt_special_tokens", "source"}
     CKPT/tokenizer/     the model's tokenizer files; meta "tokenizer" names them relative
                         to CKPT (e.g. "hf:tokenizer")
+
+What a tokenizer does to a prompt travels with the checkpoint too: "prompt_special_tokens"
+(a converted model's meta, a training checkpoint's meta["run"]) says that prompts are
+encoded with the special tokens its tokenizer.json's post-processor adds (Llama's BOS),
+as transformers' `tokenizer(prompt)` does. Conversion sets it; a run started from a
+checkpoint (init.from) or resumed from its own inherits it, so sampling a fine-tuned run
+encodes a prompt as sampling the model it came from does (`prompt_special_tokens`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from meshtrain.errors import UserError
 FORMAT = 1
 CONVERTED_STEP = 0
 TOKENIZER_DIR = "tokenizer"
+PROMPT_SPECIAL_TOKENS = "prompt_special_tokens"  # the meta key (see the module docstring)
 # The dims a run may set differently from the checkpoint it starts from.
 FREE_DIMS = ("seq_len",)
 
@@ -48,6 +57,8 @@ class InitSource:
     source: str                      # one line: what the params are
     pipeline: tuple[int, int] | None = None  # (stages, repeats) the params were saved in
     meta: dict = dataclasses.field(default_factory=dict)  # the checkpoint's meta JSON
+    # Prompts get the special tokens the tokenizer's post-processor adds (Llama's BOS).
+    prompt_special_tokens: bool = False
 
     def model_config(self, **run) -> models.ModelConfig:
         return config_of(self.family, self.architecture, **run)
@@ -167,7 +178,32 @@ def read(path, step: int | None = None) -> InitSource:
         source = f"training checkpoint {step_dir}"
         pipe = restage.arrangement((meta.get("run") or {}).get("pipeline"))
     arch = normalize(family, arch, str(step_dir))
-    return InitSource(step_dir, family, arch, tokenizer, source, pipe, meta)
+    return InitSource(step_dir, family, arch, tokenizer, source, pipe, meta, prompt_special_tokens(meta))
+
+
+def prompt_special_tokens(meta: dict) -> bool:
+    """Whether a checkpoint's prompts get the special tokens its tokenizer's post-processor
+    adds (Llama's BOS), from its meta: a converted model's "prompt_special_tokens", a
+    training checkpoint's meta["run"]'s. Written before they carried it: a converted model
+    did (as transformers encodes), and a training checkpoint does as its init.from did,
+    followed back; False when that is gone, or for a run started from scratch, whose
+    model never saw those tokens (training data is tokenized without them)."""
+    if "family" in meta:  # converted
+        return bool(meta.get(PROMPT_SPECIAL_TOKENS, meta.get("tokenizer") is not None))
+    run = meta.get("run") or {}
+    if PROMPT_SPECIAL_TOKENS in run:
+        return bool(run[PROMPT_SPECIAL_TOKENS])
+    try:
+        return bool(run.get("init_from")) and read(run["init_from"]).prompt_special_tokens
+    except UserError:  # moved or deleted since
+        return False
+
+
+def inherited_prompt_special_tokens(init: InitSource | None, resumed: dict | None) -> bool:
+    """A training run's "prompt_special_tokens" (meta["run"]): how prompts are encoded is
+    the model's, not the run's, so it comes from init.from, else from meta["run"] of the
+    checkpoint the run resumes (a rerun may leave init.from out); False from scratch."""
+    return init.prompt_special_tokens if init is not None else prompt_special_tokens({"run": resumed or {}})
 
 
 # --- the run's config follows the checkpoint -----------------------------------------

@@ -392,8 +392,10 @@ def safe_on_disk(directory: pathlib.Path) -> str:
             f"and rerunning the same command (or resubmitting the job) resumes from it.")
 
 
-def run_summary(exp) -> dict:
-    """What a checkpoint records about the run that saved it (meta["run"])."""
+def run_summary(exp, resumed: dict | None = None) -> dict:
+    """What a checkpoint records about the run that saved it (meta["run"]); `resumed`:
+    meta["run"] of the checkpoint the run resumes from, if any."""
+    from meshtrain.checkpoints import init_from
     m, t = exp.model.cfg, exp.cfg.train
     pipe = exp.model.pipeline
     return {
@@ -402,6 +404,7 @@ def run_summary(exp) -> dict:
         "model": exp.model.family.describe(m),
         "family": exp.model.family.name, "architecture": models.architecture(m),
         "tokenizer": None if exp.cfg.data.kind == "synthetic" else exp.cfg.data.tokenizer,
+        init_from.PROMPT_SPECIAL_TOKENS: init_from.inherited_prompt_special_tokens(exp.init, resumed),
         "init_from": os.path.abspath(exp.cfg.init["from"]) if exp.cfg.init["from"] else None,
         "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
         "processes": jax.process_count(),

@@ -5,7 +5,9 @@ A training run saves its tokenizer whole as WORKDIR/tokenizer.json (train.py's
 save_tokenizer), so a training checkpoint's is read from beside WORKDIR/checkpoints;
 the char tokenizer's vocabulary (the corpus's characters) exists nowhere else. A
 converted checkpoint names its files in meta "tokenizer" (hf:CKPT/tokenizer). Any other
-spec is rebuilt, which reads no data.
+spec is rebuilt, which reads no data. Whether prompts get the special tokens the
+tokenizer's post-processor adds (Llama's BOS) is the checkpoint's too, apart from the
+tokenizer: InitSource.prompt_special_tokens (init_from.py), which sampling applies.
 """
 
 from __future__ import annotations

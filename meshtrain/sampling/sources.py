@@ -1,7 +1,8 @@
 """Where sampling's model, params and tokenizer come from (meshtrain/sample.py):
 
   from_workdir(flags)     a training run: W/run.json's model on its mesh and layout, the
-                          params of a committed step, the run's tokenizer
+                          params of a committed step, the run's tokenizer (encoding
+                          prompts as the step's meta says: prompt_tokenizer)
   from_checkpoint(flags)  a converted Hugging Face checkpoint (meshtrain.convert from_hf):
                           its architecture on --mesh under --layout, its tokenizer
 
@@ -102,10 +103,12 @@ def from_workdir(flags: dict) -> Loaded:
     cfg = run_config(saved_run, flags)
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
+    from meshtrain.checkpoints import init_from, store as checkpoint_lib
     model, layout, mesh, shardings = build(cfg, saved_run, shape, devices, flags["dtype"])
     ckpt_dir, step = workdir_step(cfg, flags["workdir"], flags["step"])
-    return Loaded(model, layout, mesh, shardings, tokenizer(cfg, flags["workdir"], model.cfg),
-                  f"step {step} of {flags['workdir']}", why,
+    meta = step_meta(ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}")
+    tok = prompt_tokenizer(tokenizer(cfg, flags["workdir"], model.cfg), init_from.prompt_special_tokens(meta))
+    return Loaded(model, layout, mesh, shardings, tok, f"step {step} of {flags['workdir']}", why,
                   lambda: restore_params(ckpt_dir, step, model, shardings))
 
 
@@ -115,7 +118,7 @@ def from_checkpoint(flags: dict) -> Loaded:
     path = checkpoint_path(flags["checkpoint"])
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(flags["mesh"] or CHECKPOINT_MESH))
 
-    from meshtrain import layouts
+    from meshtrain.parallel import layouts
     from meshtrain.checkpoints import init_from
     layout = layouts.get(flags["layout"] or CHECKPOINT_LAYOUT)
     src = init_from.read(path, flags["step"])
@@ -132,7 +135,8 @@ def build(cfg, saved_run: dict, shape: dict, devices, dtype: str | None = None):
     layers are put back in layer order: its layout's `stage:stage` rule then places
     nothing, and the stage devices split the batch.
     """
-    from meshtrain import layouts, models
+    from meshtrain import models
+    from meshtrain.parallel import layouts
     from meshtrain.step import state as state_lib
     fam = models.family.get(cfg.model.name)
     saved = saved_run["model"]
@@ -182,22 +186,35 @@ def load_source_params(src, model, shardings):
 def checkpoint_tokenizer(src):
     """The checkpoint's tokenizer (checkpoints/tokenizer.py: a training run's saved
     WORKDIR/tokenizer.json, a converted model's files), or None when it has none: the
-    prompt and the samples are then ids. A converted model's tokenizer.json encodes the
-    prompt as transformers' `tokenizer(prompt)` does (PromptTokenizer)."""
+    prompt and the samples are then ids. A converted model's tokenizer.json, and that of
+    every run trained from one, encodes the prompt as transformers' `tokenizer(prompt)`
+    does (src.prompt_special_tokens, PromptTokenizer)."""
     from meshtrain.checkpoints import tokenizer as checkpoint_tokenizer_lib
-    from meshtrain.data.hf_tokenizer import HFTokenizer
     tok, why = checkpoint_tokenizer_lib.of(src)
     if tok is None and src.tokenizer is not None:  # it had one: prompts are not ids
         raise UserError(f"{src.step_dir} has no tokenizer to read: {why}. Sample the run with "
                         f"--workdir=W, its directory, which rebuilds it from the run's corpus.")
-    return PromptTokenizer(tok) if isinstance(tok, HFTokenizer) and "source" in src.meta else tok
+    return prompt_tokenizer(tok, src.prompt_special_tokens)
+
+
+def prompt_tokenizer(tok, special_tokens: bool):
+    """`tok`, encoding prompts with its post-processor's special tokens where the checkpoint
+    says so (init_from.prompt_special_tokens) and it has a post-processor (a tokenizer.json)."""
+    from meshtrain.data.hf_tokenizer import HFTokenizer
+    return PromptTokenizer(tok) if special_tokens and isinstance(tok, HFTokenizer) else tok
+
+
+def step_meta(where: pathlib.Path) -> dict:
+    """The meta JSON of the committed step directory `where`."""
+    return json.loads((where / "meta" / "metadata").read_text())
 
 
 class PromptTokenizer:
     """A Hugging Face model's tokenizer.json that encodes with the special tokens its
     post-processor adds (Llama's BOS first; none for GPT-2), as transformers'
     `tokenizer(text)` does: the model was trained on text that starts so. Training data
-    is tokenized without them (docs/huggingface.md); everything else is the tokenizer's."""
+    is tokenized without them (docs/huggingface.md), but a run trained from such a model
+    samples so too (init_from.prompt_special_tokens); everything else is the tokenizer's."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -275,7 +292,7 @@ def _read_params(where: pathlib.Path, model, shardings):
 
     from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.checkpoints import restage
-    meta = json.loads((where / "meta" / "metadata").read_text())
+    meta = step_meta(where)
     saved_arr = restage.arrangement((meta.get("run") or {}).get("pipeline"))
     target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                      model.shapes, shardings)}

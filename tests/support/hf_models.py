@@ -80,10 +80,11 @@ def _randomize(model) -> None:
                 p.add_(0.1 * torch.randn_like(p))
 
 
-def add_tokenizer(directory: Path, eos: str = "</s>") -> None:
+def add_tokenizer(directory: Path, eos: str = "</s>", bos: bool = False) -> None:
     """A byte-level BPE tokenizer.json of exactly VOCAB ids, trained offline on a few
-    lines, with "<s>" and `eos` as its special tokens (no "<|endoftext|>")."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    lines, with "<s>" and `eos` as its special tokens (no "<|endoftext|>"); `bos`: its
+    post-processor puts "<s>" first, as Llama's does (transformers' tokenizer(text))."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -92,6 +93,9 @@ def add_tokenizer(directory: Path, eos: str = "</s>") -> None:
     text = ["the quick brown fox jumps over the lazy dog " * 3, "hello world, hello mesh " * 4,
             "training a tiny tokenizer for the tests of meshtrain convert " * 2]
     tok.train_from_iterator(text, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "bos_token": "<s>"}))
 
