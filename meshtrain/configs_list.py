@@ -23,7 +23,8 @@ def parser() -> cli.Parser:
 
 def describe(name: str) -> dict:
     """A config's headline: model (family, size, dims when set), mesh, layout, pipeline."""
-    from meshtrain import layouts, models
+    from meshtrain import models
+    from meshtrain.parallel import layouts
     cfg = config_lib.load(name)
     m = cfg.model
     dims = models.size_dims(m)

@@ -24,11 +24,19 @@ def shown(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+MiB, GiB = 2**20, 2**30  # the byte units every message and report uses
+
+
 def gib(nbytes: float) -> str:
     """Bytes as a message says them: GiB (MiB below one GiB), three significant figures or more."""
-    if nbytes < 2**30:
-        return f"{nbytes / 2**20:,.1f} MiB"
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:,.1f} GiB"
+    if nbytes < GiB:
+        return mib(nbytes)
+    return f"{nbytes / GiB:,.2f} GiB" if nbytes < 10 * GiB else f"{nbytes / GiB:,.1f} GiB"
+
+
+def mib(nbytes: float) -> str:
+    """Bytes in MiB to a tenth, as the planner's figures are set side by side."""
+    return f"{nbytes / MiB:,.1f} MiB"
 
 
 def warn(message: str) -> None:

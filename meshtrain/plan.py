@@ -38,7 +38,7 @@ VERIFY_STEPS = 3
 
 
 def parser() -> cli.Parser:
-    from meshtrain.layouts.presets import PRESET_AXES
+    from meshtrain.parallel.layouts.presets import PRESET_AXES
     from meshtrain.planner import hardware, search
     p = cli.command_parser("meshtrain plan", __doc__, config=True)
     p.add_argument("--hardware", default="h100",
@@ -141,7 +141,7 @@ def execute(args) -> int:
 
 def _verify(name: str, cfg, steps: int, as_json: bool) -> int:
     """`--verify`: 0 when the layout matches one device, 1 when it does not."""
-    from meshtrain.planner import verify
+    from meshtrain.run import verify
     mesh_lib.simulate_cpu_devices(verify.mesh_shape(cfg))  # before anything starts the JAX backend
     say = functools.partial(print, file=sys.stderr if as_json else sys.stdout, flush=True)
     result = verify.run(name, cfg, steps, say=say)
@@ -167,8 +167,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise UserError(" ".join(str(f) for f in errors))
-    exp = Experiment.build(cfg, devices=devices, inputs=inputs)
-    exp, accum_line = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
+    exp = Experiment.build(cfg, devices=devices, inputs=inputs, choose_gather=accumulation.for_hardware(hw))
     # Again with the model (and so the checks that need its parameters): it repeats every
     # check of the first run, whose warnings are therefore dropped, not printed twice.
     findings = lint.lint(cfg, dict(exp.mesh.shape), exp.dcn, exp.model, hw)
@@ -177,7 +176,7 @@ def plan_config(name: str, cfg, hw, say=print, devices=None) -> dict:
     report = report_lib.plan(exp, hw)
     report["config_name"] = name
     report["lint"] = [dataclasses.asdict(f) for f in findings]
-    report["accum_gather"] = accum_line if cfg.train.grad_accum_steps > 1 else None
+    report["accum_gather"] = accumulation.line(exp) if cfg.train.grad_accum_steps > 1 else None
     return report
 
 

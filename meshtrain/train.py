@@ -12,6 +12,7 @@ Bad input exits with status 2 and one paragraph on stderr, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import sys
@@ -38,6 +39,54 @@ def parser() -> cli.Parser:
 FLAGS = ("workdir", "coordinator", "num_processes", "process_id")
 
 
+def execute(args, started: dict | None = None) -> int:
+    """The command, phase by phase, each a function below in this order: join the
+    processes, build the run and say what it is, open its checkpoints, compile, open the
+    run log, train, summarise. `started["cluster"]` receives the joined processes, so
+    `main` can tell the others how this process ended."""
+    started_at = time.perf_counter()
+    flags = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
+    workdir = flags.get("workdir")
+    xla_line = xla_flags.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
+    launch, cluster, source = join(args.config, flags, started)
+
+    from meshtrain.cluster.preemption import Preemption
+    from meshtrain.planner import memory_check
+
+    preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
+    try:
+        with contextlib.ExitStack() as stack:  # what a phase opens, closed in reverse whatever happens
+            exp, node, say = build(args.config, workdir, launch, cluster, source, xla_line)
+            cfg = exp.cfg
+            checkpointer, resume_step, saved_run = open_checkpoints(cfg, exp, workdir, cluster, stack, say)
+            end = cfg.train.stop_at or cfg.train.steps
+            if resume_step is not None and resume_step >= end:
+                say(f"checkpoint step {resume_step} is already at train.stop_at/train.steps ({end}): nothing to train.")
+                return 0
+            compiled, memory, compile_s = compile_step(exp, say)
+            # Before init_state or a restore allocates: a step that cannot fit stops here, with fixes.
+            memory_check.check(exp, memory, say, skip=cfg.train.skip_memory_check, compile_only=not cfg.train.steps)
+            log, clock = open_log(exp, workdir, resume_step, compile_s, started_at, stack)
+            info = run_json(args.config_name, exp, memory, compile_s, source, launch, cluster, compiled, node, say)
+            info["checkpoint"] = {"dir": None if checkpointer is None else str(checkpointer.dir),
+                                  "resumed_from_step": resume_step, "saved_by": saved_run}
+            log.write_run(info)
+            save_tokenizer(exp, workdir)
+            if not cfg.train.steps:
+                say(f"train.steps=0: compile-only check done{f'; wrote {workdir}/run.json' if workdir else ''}.")
+                return 0
+            saved = train(exp, compiled, log, clock, checkpointer, resume_step, saved_run, cluster, preemption,
+                          stack, say)
+            summarise(args, exp, log, clock, saved, workdir, started_at, say)
+        return 0
+    except Exception as e:
+        if not isinstance(e, UserError):
+            cluster.settle()  # a collective's error may be a lost peer's: that is named instead
+        raise
+    finally:
+        preemption.close()
+
+
 def join(cfg, flags: dict, started: dict | None):
     """Who we are and how many, before JAX starts its backend (which fixes the device
     count): -> (launch, cluster, where the devices come from)."""
@@ -51,14 +100,41 @@ def join(cfg, flags: dict, started: dict | None):
     return launch, cluster, source
 
 
+def build(cfg, workdir: str | None, launch, cluster, source: str, xla_line: str):
+    """The experiment (train.accum_gather="auto" decided against this run's devices before
+    its step is built), the start-up report, and the checks before anything is locked:
+    -> (experiment, device id -> node, say)."""
+    import jax
+
+    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.planner import accumulation, memory_check
+    from meshtrain.run.experiment import Experiment
+    exp = Experiment.build(cfg, choose_gather=accumulation.choose)
+    cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
+    memory_check.check_config(cfg.train)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    if xla_line:
+        say(xla_line)
+    node = describe(exp, launch, cluster, source, say)
+    if cfg.train.grad_accum_steps > 1:
+        say(accumulation.line(exp))
+    lint_warnings(exp)
+    if cfg.train.profile and not workdir and cfg.train.steps:
+        raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
+                        f"give --workdir=DIR, or leave train.profile empty.")
+    if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
+        shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, workdir), cluster, cfg.distributed.init_timeout)
+    return exp, node, say
+
+
 def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     """The start-up lines: devices, processes, mesh and layout, nodes, model, pipeline.
     -> device id -> node, for the collectives report."""
     import jax
 
     from meshtrain import models  # here: flax, which `--help` never needs
-    from meshtrain.layouts import sequence
-    from meshtrain.step.pipeline import ticks as pipeline_ticks
+    from meshtrain.parallel import sequence
+    from meshtrain.parallel.pipeline import ticks as pipeline_ticks
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
     if launch.multiprocess:
@@ -84,6 +160,18 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     return node
 
 
+def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
+    """How the mesh meets the nodes (`nodes`: how they were found), and a warning when several
+    hosts have no mesh.dcn (tensor across nodes is the linter's tensor-on-dcn, see lint_warnings)."""
+    if dcn:
+        say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
+            f"inside a node")
+    if dcn is None and len(set(hosts)) > 1:
+        warn(f"the run spans {len(set(hosts))} hosts but mesh.dcn is empty, so any axis may "
+             f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
+             f"data:{len(set(hosts))}, to keep tensor parallelism inside a node.")
+
+
 def lint_warnings(exp) -> None:
     """The layout linter's warnings (meshtrain/planner/lint.py), once each; they include what
     pipeline.warnings_for and mesh.dcn_warnings say, which are therefore not printed too.
@@ -92,6 +180,49 @@ def lint_warnings(exp) -> None:
     for finding in lint.lint(exp.cfg, dict(exp.mesh.shape), exp.dcn, exp.model):
         if finding.severity == "warning":
             warn(str(finding))
+
+
+def open_checkpoints(cfg, exp, workdir: str | None, cluster, stack: contextlib.ExitStack, say):
+    """The directories locked and the checkpoints opened, their closing on `stack`:
+    -> (Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
+    import jax
+
+    from meshtrain.checkpoints import disk_space, store as checkpoint_lib
+    from meshtrain.checkpoints.lock import DirectoryLock
+    ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
+    if jax.process_index() == 0:  # process 0 locks the workdir, and the checkpoint dir when it lies elsewhere
+        if workdir:
+            stack.callback(DirectoryLock(workdir, "workdir").release)
+        if ckpt_dir and not (workdir and os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)):
+            stack.callback(DirectoryLock(ckpt_dir, "checkpoint directory").release)
+    c = cfg.checkpoint
+    if ckpt_dir is None or cfg.train.steps == 0:
+        if cfg.train.steps:
+            say("checkpoints: off (give --workdir or checkpoint.dir to save and resume)")
+        return None, None, None
+    checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, every=c.every, keep=c.keep, use_async=c["async"],
+                                               every_minutes=c.every_minutes)
+    stack.callback(checkpointer.close)  # waits for the last save; a failed one raises RunFailed
+    cluster.set_note(functools.partial(checkpoint_lib.safe_on_disk, checkpointer.dir))
+    every = [f"every {c.every} steps"] if c.every else []
+    every += [f"every {c.every_minutes:g} min"] if c.every_minutes else []
+    say(f"checkpoints: {checkpointer.dir}, {', '.join(every + ['at the end'])} and on "
+        f"SIGTERM or Ctrl-C, keep "
+        f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
+    step = checkpointer.latest_step()
+    saved = None if step is None else checkpointer.check_fits(step, exp).get("run", {})
+    disk_space.check(checkpointer.dir, exp, c, present=len(checkpoint_lib.committed_steps(checkpointer.dir)),
+                     start=step or 0, end=cfg.train.stop_at or cfg.train.steps, say=say)
+    if step is None:
+        return checkpointer, None, None
+    by = f" by {saved['processes']} processes" if saved.get("processes", 1) > 1 else ""
+    say(f"resuming from step {step} ({checkpointer.where(step)}, saved{by} under layout "
+        f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
+    for key in ("steps", "batch_size"):
+        if key in saved and saved[key] != cfg.train[key]:
+            warn(f"train.{key} is {cfg.train[key]}, the checkpoint's run had {saved[key]}"
+                 + (": the lr schedule now spans the new length." if key == "steps" else "."))
+    return checkpointer, step, saved
 
 
 def compile_step(exp, say):
@@ -106,201 +237,34 @@ def compile_step(exp, say):
     return compiled, memory, compile_s
 
 
-def execute(args, started: dict | None = None) -> int:
-    """The command, in phases: config, join the processes, build, checkpoints, compile,
-    train. `started["cluster"]` receives the joined processes, so `main` can tell the
-    others how this process ended."""
-    started_at = time.perf_counter()
-    cfg = args.config
-    flags = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
-    xla_line = xla_flags.apply(os.environ)  # before join() starts the backend, which reads XLA_FLAGS once
-    launch, cluster, source = join(cfg, flags, started)
-
-    from meshtrain.cluster.preemption import Preemption
-
-    preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
-    try:
-        return _train(args, flags, launch, cluster, source, xla_line, started_at, preemption)
-    except Exception as e:
-        if not isinstance(e, UserError):
-            cluster.settle()  # a collective's error may be a lost peer's: that is named instead
-        raise
-    finally:
-        preemption.close()
-
-
-def _train(args, flags, launch, cluster, source, xla_line, started_at, preemption) -> int:
-    """execute's phases after the processes joined (args.config: the config)."""
-    run = Training(args, flags, launch, cluster, source, started_at, preemption)
-    run.build(xla_line)
-    with contextlib.ExitStack() as run.stack:  # what a phase opens, closed in reverse whatever happens
-        if not run.open_checkpoints():
-            return 0
-        run.compile()
-        run.open_log()
-        if run.cfg.train.steps == 0:
-            run.say(f"train.steps=0: compile-only check done{f'; wrote {run.workdir}/run.json' if run.workdir else ''}.")
-            return 0
-        run.train()
-        run.summarise()
-    return 0
-
-
-class Training:
-    """The phases of one training command, in order: build, open_checkpoints, compile,
-    open_log, train, summarise. Each sets what the later ones read."""
-
-    def __init__(self, args, flags, launch, cluster, source, started_at, preemption):
-        self.args, self.launch, self.cluster, self.source = args, launch, cluster, source
-        self.started_at, self.preemption = started_at, preemption
-        self.workdir = flags.get("workdir")
-        self.stack: contextlib.ExitStack | None = None
-        self.checkpointer = self.resume_step = self.saved_run = None
-
-    def build(self, xla_line: str) -> None:
-        """The experiment, the start-up report, and the checks before anything is locked."""
-        import jax
-
-        from meshtrain.checkpoints import store as checkpoint_lib
-        from meshtrain.planner import accumulation, memory_check
-        from meshtrain.run.experiment import Experiment
-        exp = Experiment.build(self.args.config)
-        cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in
-        memory_check.check_config(cfg.train)
-        self.say = say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-        if xla_line:
-            say(xla_line)
-        self.node = describe(exp, self.launch, self.cluster, self.source, say)
-        self.exp, accum_line = accumulation.resolve(exp)  # train.accum_gather="auto" chosen here
-        self.cfg = cfg
-        if cfg.train.grad_accum_steps > 1:
-            say(accum_line)
-        lint_warnings(self.exp)
-        if cfg.train.profile and not self.workdir and cfg.train.steps:
-            raise UserError(f"train.profile={cfg.train.profile!r} writes its trace to WORKDIR/profile: "
-                            f"give --workdir=DIR, or leave train.profile empty.")
-        if cfg.train.steps:  # every process writes its part of each checkpoint into one directory
-            shared_dir.check(checkpoint_lib.checkpoint_dir(cfg, self.workdir), self.cluster,
-                             cfg.distributed.init_timeout)
-
-    def open_checkpoints(self) -> bool:
-        """Locks the directories and opens the checkpoints; False when there is nothing to train."""
-        from meshtrain.checkpoints import store as checkpoint_lib
-        cfg, say = self.cfg, self.say
-        for lock in hold_locks(self.workdir, checkpoint_lib.checkpoint_dir(cfg, self.workdir)):
-            self.stack.callback(lock.release)
-        self.checkpointer, self.resume_step, self.saved_run = open_checkpoints(cfg, self.exp, self.workdir, say)
-        if self.checkpointer is not None:
-            self.stack.callback(self.checkpointer.close)  # waits for the last save; a failed one raises RunFailed
-            self.safe_on_disk = lambda: checkpoint_lib.safe_on_disk(self.checkpointer.dir)
-            self.cluster.set_note(self.safe_on_disk)
-        end = cfg.train.stop_at or cfg.train.steps
-        if self.resume_step is not None and self.resume_step >= end:
-            say(f"checkpoint step {self.resume_step} is already at train.stop_at/train.steps ({end}): nothing to train.")
-            return False
-        return True
-
-    def compile(self) -> None:
-        from meshtrain.planner import memory_check
-        self.compiled, self.memory, self.compile_s = compile_step(self.exp, self.say)
-        # Before init_state or a restore allocates: a step that cannot fit stops here, with fixes.
-        t = self.cfg.train
-        memory_check.check(self.exp, self.memory, self.say, skip=t.skip_memory_check, compile_only=not t.steps)
-
-    def open_log(self) -> None:
-        """The run log and its goodput clock; run.json written."""
-        import jax
-
-        from meshtrain.runlog import goodput, metrics
-        exp, cfg, workdir = self.exp, self.cfg, self.workdir
-        units = exp.units_per_step  # tokens, or images (exp.task.unit)
-        self.log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(exp.model.cfg) * units,
-                                  metrics.peak_flops(jax.devices()[0]), jax.device_count(),
-                                  resume_step=self.resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
-                                  task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
-        self.stack.callback(self.log.close)
-        called = time.time() - (time.perf_counter() - self.started_at)  # when execute began
-        self.clock = goodput.Clock(workdir if self.log.enabled and cfg.train.steps else None, goodput.piece_start(called))
-        self.clock.add("compile", self.compile_s)
-        info = metrics.run_info(self.args.config_name, exp, self.memory, self.compile_s, self.source)
-        info["distributed"] = self.cluster.info()
-        if exp.dcn or self.launch.multiprocess:
-            info["collectives_by_axes"] = _traffic(self.compiled, exp.mesh, self.node, self.say)
-        info["checkpoint"] = {"dir": None if self.checkpointer is None else str(self.checkpointer.dir),
-                              "resumed_from_step": self.resume_step, "saved_by": self.saved_run}
-        self.log.write_run(info)
-        save_tokenizer(exp, workdir)
-
-    def train(self) -> None:
-        """What the run will do, said; the state restored; the loop, watched; the last save."""
-        from meshtrain.checkpoints import store as checkpoint_lib
-        from meshtrain.run.loop import train_loop
-        from meshtrain.runlog import metrics
-        from meshtrain.step import optim
-        exp, cfg, say, checkpointer = self.exp, self.cfg, self.say, self.checkpointer
-        windows = cfg.train.steps * cfg.train.batch_size
-        say(metrics.data_line(exp.source.info, exp.model.cfg.vocab_size, windows, cfg.data.packing))
-        lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at,
-                                              batch_size=cfg.train.batch_size)
-        say(lr_line)
-        for w in lr_warnings:
-            warn(w)
-        if self.resume_step is None and exp.init is not None:
-            say(f"init.from: {exp.init.source} ({exp.init.step_dir}): step 0, fresh optimizer")
-        state, meta = checkpointer.restore(self.resume_step, exp) if self.resume_step is not None else (None, None)
-        watchdog = watchdog_lib.Watchdog.for_run(cfg.train, self.cluster.liveness, self.cluster.table)
-        self.stack.callback(watchdog.stop)
-        if checkpointer is not None:  # for a hang report: what a rerun resumes from
-            watchdog.note = self.safe_on_disk
-        watchdog.on_fire = self.clock.hung
-        train_loop(exp, self.compiled, self.log, state, checkpointer=checkpointer, resume_meta=meta,
-                   run_summary=checkpoint_lib.run_summary(exp), preemption=self.preemption, clock=self.clock,
-                   watchdog=watchdog.start(self.resume_step or 0))
-        watchdog.stop()  # before the wait for the last save, which is no step
-        self.log.update_run(stragglers=watchdog.stragglers())
-        self.saved = None
-        if checkpointer is not None:
-            with self.clock.time("checkpoint"):
-                checkpointer.wait()  # the last save committed before the summary names it
-            last = checkpointer.latest_step()
-            self.saved = None if last is None else checkpointer.where(last)
-
-    def summarise(self) -> None:
-        import jax
-
-        from meshtrain.runlog import goodput, metrics
-        log, clock, args = self.log, self.clock, self.args
-        info = self.exp.source.info
-        wall_s = time.perf_counter() - self.started_at
-        clock.save()
-        for line in metrics.summary(log, best_loss=info.get("best_loss"), vocab=self.exp.model.cfg.vocab_size,
-                                    best_accuracy=info.get("best_accuracy"), wall_s=wall_s, checkpoint=self.saved,
-                                    workdir=self.workdir, command=f"{args.prog} {shlex.join(args.argv)}",
-                                    processes=jax.process_count(), goodput=goodput.line(clock.total())):
-            self.say(line)
-        log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=self.saved),
-                    "goodput": {"this_run": clock.save(), "all_pieces": clock.total()}})
-
-
-def save_tokenizer(exp, workdir: str | None) -> None:
-    """WORKDIR/tokenizer.json: what meshtrain.sample and exports read, so they need neither
-    the corpus nor the network (process 0; synthetic data has no tokenizer)."""
+def open_log(exp, workdir: str | None, resume_step: int | None, compile_s: float, started_at: float,
+             stack: contextlib.ExitStack):
+    """The run log (closed on `stack`) and its goodput clock, the compile counted: -> (log, clock)."""
     import jax
-    tokenizer = getattr(exp.source, "tokenizer", None)
-    if workdir and tokenizer is not None and jax.process_index() == 0:
-        tokenizer.save(os.path.join(workdir, "tokenizer.json"))
+
+    from meshtrain.runlog import goodput, metrics
+    cfg, units = exp.cfg, exp.units_per_step  # tokens, or images (exp.task.unit)
+    log = metrics.RunLog(workdir, cfg.train.steps, units, metrics.flops_per_unit(exp.model.cfg) * units,
+                         metrics.peak_flops(jax.devices()[0]), jax.device_count(),
+                         resume_step=resume_step, trackers=cfg.train.trackers, unit=exp.task.unit,
+                         task_metrics=exp.task.eval_metrics, model_metrics=exp.model.family.metrics)
+    stack.callback(log.close)
+    called = time.time() - (time.perf_counter() - started_at)  # when execute began
+    clock = goodput.Clock(workdir if log.enabled and cfg.train.steps else None, goodput.piece_start(called))
+    clock.add("compile", compile_s)
+    return log, clock
 
 
-def _say_nodes(dcn, nodes: str, hosts: list[str], say) -> None:
-    """How the mesh meets the nodes (`nodes`: how they were found), and a warning when several
-    hosts have no mesh.dcn (tensor across nodes is the linter's tensor-on-dcn, see lint_warnings)."""
-    if dcn:
-        say(f"dcn: {mesh_lib.format_factors(dcn)} across nodes ({nodes}); the rest of each axis stays "
-            f"inside a node")
-    if dcn is None and len(set(hosts)) > 1:
-        warn(f"the run spans {len(set(hosts))} hosts but mesh.dcn is empty, so any axis may "
-             f"cross the slow links between them. Set mesh.dcn, e.g. --config.mesh.dcn="
-             f"data:{len(set(hosts))}, to keep tensor parallelism inside a node.")
+def run_json(config_name, exp, memory: dict, compile_s: float, source: str, launch, cluster, compiled,
+             node: dict[int, int], say) -> dict:
+    """run.json but its checkpoint entry (metrics.run_info), with the processes and, across
+    nodes or processes, the collectives by mesh axes (said too)."""
+    from meshtrain.runlog import metrics
+    info = metrics.run_info(config_name, exp, memory, compile_s, source)
+    info["distributed"] = cluster.info()
+    if exp.dcn or launch.multiprocess:
+        info["collectives_by_axes"] = _traffic(compiled, exp.mesh, node, say)
+    return info
 
 
 def _traffic(compiled, mesh, node: dict[int, int], say) -> dict:
@@ -316,53 +280,67 @@ def _traffic(compiled, mesh, node: dict[int, int], say) -> dict:
     return {"+".join(axes): {"count": dict(e["count"]), "nodes": e["nodes"]} for axes, e in traffic.items()}
 
 
-def hold_locks(workdir: str | None, ckpt_dir: str | None) -> list:
-    """Process 0 locks the workdir, and the checkpoint dir when it lies elsewhere."""
+def save_tokenizer(exp, workdir: str | None) -> None:
+    """WORKDIR/tokenizer.json: what meshtrain.sample and exports read, so they need neither
+    the corpus nor the network (process 0; synthetic data has no tokenizer)."""
+    import jax
+    tokenizer = getattr(exp.source, "tokenizer", None)
+    if workdir and tokenizer is not None and jax.process_index() == 0:
+        tokenizer.save(os.path.join(workdir, "tokenizer.json"))
+
+
+def train(exp, compiled, log, clock, checkpointer, resume_step: int | None, saved_run: dict | None, cluster,
+          preemption, stack: contextlib.ExitStack, say):
+    """What the run will do, said; the state restored; the loop, watched; the last save
+    waited for: -> where the last checkpoint is, or None."""
+    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.run.loop import train_loop
+    from meshtrain.runlog import metrics
+    from meshtrain.step import optim
+    cfg = exp.cfg
+    say(metrics.data_line(exp.source.info, exp.model.cfg.vocab_size, cfg.train.steps * cfg.train.batch_size,
+                          cfg.data.packing))
+    lr_line, lr_warnings = optim.describe(cfg.optim, cfg.train.steps, cfg.train.stop_at,
+                                          batch_size=cfg.train.batch_size)
+    say(lr_line)
+    for w in lr_warnings:
+        warn(w)
+    if resume_step is None and exp.init is not None:
+        say(f"init.from: {exp.init.source} ({exp.init.step_dir}): step 0, fresh optimizer")
+    state, meta = checkpointer.restore(resume_step, exp) if resume_step is not None else (None, None)
+    watchdog = watchdog_lib.Watchdog.for_run(cfg.train, cluster.liveness, cluster.table)
+    stack.callback(watchdog.stop)
+    if checkpointer is not None:  # for a hang report: what a rerun resumes from
+        watchdog.note = functools.partial(checkpoint_lib.safe_on_disk, checkpointer.dir)
+    watchdog.on_fire = clock.hung
+    train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
+               run_summary=checkpoint_lib.run_summary(exp, resumed=saved_run),
+               preemption=preemption, clock=clock, watchdog=watchdog.start(resume_step or 0))
+    watchdog.stop()  # before the wait for the last save, which is no step
+    log.update_run(stragglers=watchdog.stragglers())
+    if checkpointer is None:
+        return None
+    with clock.time("checkpoint"):
+        checkpointer.wait()  # the last save committed before the summary names it
+    last = checkpointer.latest_step()
+    return None if last is None else checkpointer.where(last)
+
+
+def summarise(args, exp, log, clock, saved, workdir: str | None, started_at: float, say) -> None:
+    """The summary lines, and run.json's and the trackers' last entries."""
     import jax
 
-    from meshtrain.checkpoints.lock import DirectoryLock
-    if jax.process_index() != 0:
-        return []
-    locks = [DirectoryLock(workdir, "workdir")] if workdir else []
-    if ckpt_dir and not (workdir and os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)):
-        locks.append(DirectoryLock(ckpt_dir, "checkpoint directory"))
-    return locks
-
-
-def open_checkpoints(cfg, exp, workdir: str | None, say):
-    """(Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
-    from meshtrain.checkpoints import disk_space, store as checkpoint_lib
-    ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
-    c = cfg.checkpoint
-    if ckpt_dir is None or cfg.train.steps == 0:
-        if cfg.train.steps:
-            say("checkpoints: off (give --workdir or checkpoint.dir to save and resume)")
-        return None, None, None
-    checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, every=c.every, keep=c.keep, use_async=c["async"],
-                                               every_minutes=c.every_minutes)
-    every = [f"every {c.every} steps"] if c.every else []
-    every += [f"every {c.every_minutes:g} min"] if c.every_minutes else []
-    say(f"checkpoints: {checkpointer.dir}, {', '.join(every + ['at the end'])} and on "
-        f"SIGTERM or Ctrl-C, keep "
-        f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
-    step = checkpointer.latest_step()
-    try:
-        saved = None if step is None else checkpointer.check_fits(step, exp).get("run", {})
-        disk_space.check(checkpointer.dir, exp, c, present=len(checkpoint_lib.committed_steps(checkpointer.dir)),
-                         start=step or 0, end=cfg.train.stop_at or cfg.train.steps, say=say)
-    except BaseException:
-        checkpointer.close()  # the caller never gets it to close
-        raise
-    if step is None:
-        return checkpointer, None, None
-    by = f" by {saved['processes']} processes" if saved.get("processes", 1) > 1 else ""
-    say(f"resuming from step {step} ({checkpointer.where(step)}, saved{by} under layout "
-        f"{saved.get('layout')!r} on mesh {saved.get('mesh')})")
-    for key in ("steps", "batch_size"):
-        if key in saved and saved[key] != cfg.train[key]:
-            warn(f"train.{key} is {cfg.train[key]}, the checkpoint's run had {saved[key]}"
-                 + (": the lr schedule now spans the new length." if key == "steps" else "."))
-    return checkpointer, step, saved
+    from meshtrain.runlog import goodput, metrics
+    info = exp.source.info
+    wall_s = time.perf_counter() - started_at
+    clock.save()
+    for line in metrics.summary(log, best_loss=info.get("best_loss"), vocab=exp.model.cfg.vocab_size,
+                                best_accuracy=info.get("best_accuracy"), wall_s=wall_s, checkpoint=saved,
+                                workdir=workdir, command=f"{args.prog} {shlex.join(args.argv)}",
+                                processes=jax.process_count(), goodput=goodput.line(clock.total())):
+        say(line)
+    log.finish({**metrics.final_summary(log, wall_s=wall_s, checkpoint=saved),
+                "goodput": {"this_run": clock.save(), "all_pieces": clock.total()}})
 
 
 def run(argv: list[str], started: dict | None = None) -> int:

@@ -6,6 +6,8 @@ analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compil
 those run: a few steps of a tiny model, where slower code costs nothing.
 """
 
+import dataclasses
+import functools
 import math
 import re
 
@@ -14,10 +16,11 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
 from meshtrain.run.experiment import Experiment
+from meshtrain.step import train_step as step_lib
 from meshtrain.train import main as train_main
 from support.configs import configured
 from support.training import loss_curve
@@ -102,8 +105,7 @@ def test_planner_memory_counts_the_gathered_params_and_accumulator(fsdp8):
     """The formula's gradients grow by the gathered params and a float32 accumulator of
     their size (float32 model: 8 bytes per parameter), less the accumulator at the
     optimizer's sharding that "each" keeps."""
-    once = fsdp8["once"]["exp"]
-    each = once.with_accum_gather("each")
+    once, each = fsdp8["once"]["exp"], fsdp8["each"]["exp"]
     extra = analytic.memory(once)["gradients"] - analytic.memory(each)["gradients"]
     assert extra == pytest.approx(2 * param_bytes(once) - param_bytes(once, ("fsdp",)), rel=1e-9)
 
@@ -140,15 +142,25 @@ def budget(per_device):
     return memory_check.Budget(per_device, 1, 1.0, "a test", host=False)
 
 
+def chosen(cfg, per_device: float | None) -> Experiment:
+    """`cfg` built with train.accum_gather decided under a budget of `per_device` bytes (None: no limit known)."""
+    b = None if per_device is None else budget(per_device)
+    return Experiment.build(cfg, choose_gather=functools.partial(accumulation.choose, budget=b, local=False))
+
+
 def test_auto_chooses_once_when_the_formula_fits(make_config):
-    exp = Experiment.build(make_config("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K}))
-    assert exp.accum_gather == "each"  # until resolved
-    need = sum(analytic.memory(exp.with_accum_gather("once")).values())
-    roomy, line = accumulation.resolve(exp, budget(need), local=False)
+    """Decided before the step is built, which is built once, in the mode chosen."""
+    cfg = make_config("gpt2_tiny_fsdp8", **{"train.grad_accum_steps": K})
+    exp = Experiment.build(cfg)
+    assert exp.accum_gather == "each"  # "auto" without a budget to decide against
+    need = sum(analytic.memory(dataclasses.replace(exp, accum_gather="once")).values())
+    roomy = chosen(cfg, need)
+    line = accumulation.line(roomy)
     assert roomy.accum_gather == "once" and "once per step" in line and "auto" in line
-    tight, line = accumulation.resolve(exp, budget(need * 0.99), local=False)
-    assert tight.accum_gather == "each" and "do not fit" in line
-    assert accumulation.choose(exp, None)[0] == "each"
+    assert analytic.gathered(roomy) == ("fsdp",)
+    tight = chosen(cfg, need * 0.99)
+    assert tight.accum_gather == "each" and "do not fit" in accumulation.line(tight)
+    assert chosen(cfg, None).accum_gather == "each"
 
 
 @pytest.mark.parametrize("name, overrides, mode", [
@@ -156,9 +168,9 @@ def test_auto_chooses_once_when_the_formula_fits(make_config):
     ("gpt2_tiny_fsdp8", {}, "each"),
 ])
 def test_nothing_to_choose_without_sharded_params_or_microbatches(name, overrides, mode, make_config):
-    exp = Experiment.build(make_config(name, **overrides))
-    assert accumulation.choose(exp, budget(1.0))[1].startswith("nothing to choose")
-    assert accumulation.choose(exp, budget(1.0))[0] == mode
+    exp = chosen(make_config(name, **overrides), 1.0)
+    assert exp.accum_why.startswith("nothing to choose")
+    assert exp.accum_gather == mode
     assert analytic.gathered(exp) == ()
 
 
@@ -170,9 +182,13 @@ def test_bad_value_names_the_choices(make_config):
 
 
 def test_train_says_which_it_chose(capfd, monkeypatch, tmp_path):
+    """... and builds its step once, in the mode chosen."""
     monkeypatch.chdir(tmp_path)
+    built, make = [], step_lib.make_train_step
+    monkeypatch.setattr(step_lib, "make_train_step", lambda *a, **k: built.append(k["accum_gather"]) or make(*a, **k))
     status = train_main(["--config=gpt2_tiny_fsdp8", f"--config.train.grad_accum_steps={K}", "--config.train.steps=0"])
     out, err = capfd.readouterr()
     assert status == 0, err
     lines = [line for line in out.splitlines() if line.startswith("gradient accumulation:")]
     assert len(lines) == 1 and "once per step" in lines[0] and "fit" in lines[0], out
+    assert built == ["once"]

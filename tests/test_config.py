@@ -198,7 +198,7 @@ def test_pipeline_validation(name, mesh, message, overrides):
 
 
 def test_few_microbatches_warn():
-    from meshtrain.step.pipeline import scan as pipeline
+    from meshtrain.parallel.pipeline import scan as pipeline
     cfg = config_lib.load("gpt2_tiny_pp4_dp2")
     config_lib.override(cfg, "pipeline.microbatches", "2")
     model = check_config(cfg, abstract_mesh(mesh_lib.parse_shape(cfg.mesh.shape))).model

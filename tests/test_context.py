@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import get, sequence
+from meshtrain.parallel import sequence
+from meshtrain.parallel.layouts import get
 from meshtrain.run.experiment import Experiment, check_config
 from support.configs import configured
 from support.training import assert_equal_training, devices_for, run

@@ -4,7 +4,7 @@ data:8 (dp) with the losses of an unbroken run, and a data:8 run resumes on cont
 on its own mesh and on another, with the same results.
 
 A checkpoint holds the params and moments in model order whatever the layout: context
-parallelism changes only the order activations are stored in (layouts/sequence.py), never
+parallelism changes only the order activations are stored in (parallel/sequence.py), never
 a weight, so restoring onto another mesh is Orbax reading each leaf into new shardings.
 """
 

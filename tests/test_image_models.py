@@ -14,12 +14,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib, models
+from meshtrain import config as config_lib, mesh as mesh_lib, models
+from meshtrain.parallel import layouts
 from meshtrain.errors import UserError
-from meshtrain.layouts import VOCABULARY
+from meshtrain.parallel.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED
+from meshtrain.parallel.hook import Constrain
 from meshtrain.run.experiment import analysis_options
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}

@@ -184,9 +184,24 @@ def test_the_reading_order_says_how_much_it_is():
         f"the reading order's headline should say '{n} files, about {_hundreds(lines)} lines'")
 
 
+def test_parallelism_lives_in_one_room_above_the_models():
+    """The models ask their layout through the hook they are handed (models/hook.py) and
+    import nothing from parallel/; parallel/ takes what it needs of the step (the loss at
+    the last pipeline stage) as an argument and imports nothing from step/. The layer
+    table says the same; this names the two rules the room depends on."""
+    g = graph()
+    wrong = [f"{a} imports {b}" for a, targets in g.items() for b in targets
+             if (a.startswith("meshtrain.models") and b.startswith("meshtrain.parallel"))
+             or (a.startswith("meshtrain.parallel") and b.startswith("meshtrain.step"))]
+    assert not wrong, "\n".join(wrong)
+    outside = [m for m in g if any(w in m for w in ("layouts", "grad_reduce", "pipeline", "context_attention"))
+               and not m.startswith(("meshtrain.parallel", "meshtrain.planner"))]  # the planner's formulas for them
+    assert not outside, f"parallelism outside meshtrain/parallel/: {outside}"
+
+
 def test_models_own_no_mesh():
-    """The models receive the typed hook (parallel/hook.py) and call the kernels in
-    parallel/ with it: no model file imports jax.sharding, calls shard_map itself, or
+    """The models receive the hook (models/hook.py), whose implementation on a mesh is
+    parallel/hook.py: no model file imports jax.sharding, calls shard_map itself, or
     probes the hook with getattr/hasattr."""
     found = []
     for path in sorted((PACKAGE / "models").glob("*.py")):
@@ -208,6 +223,40 @@ def test_models_own_no_mesh():
     assert not found, "models/ must leave meshes to parallel/:\n" + "\n".join(found)
 
 
+def private_uses(path: pathlib.Path, known: set[str]) -> list[str]:
+    """Where a module reaches another module's private name (a leading underscore, not a
+    dunder): `from meshtrain.x import _name`, or `x._name` on a module it imported."""
+    tree = ast.parse(path.read_text(), str(path))
+    found, imported = [], set()
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshtrain"):
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names if private(a.name)]
+            imported |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in known}
+        elif isinstance(node, ast.Import):
+            imported |= {a.asname for a in node.names if a.asname and a.name in known}
+    found += [f"{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in imported and private(node.attr)]
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name one module shares with another is public (no underscore): what is private can
+    change without a look outside its file."""
+    mods = modules()
+    found = [f"{path.relative_to(ROOT)}:{use}" for path in mods.values() for use in private_uses(path, set(mods))]
+    assert not found, "private names used across modules (make them public or keep them home):\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("from meshtrain.planner import hlo\nfrom meshtrain.planner.analytic import _size, gathered\n"
+                 "hlo._calls(x)\nhlo.__name__\n")
+    assert private_uses(a, {"meshtrain.planner.hlo", "meshtrain.planner.analytic"}) == [
+        "2: from meshtrain.planner.analytic import _size", "3: hlo._calls"]
+
+
 # Functions allowed past LONGEST lines, and why: a table read top to bottom, not a procedure.
 LONG_FUNCTIONS = {"meshtrain.config.base": "every config key with its default, one per line"}
 LONGEST = 80
@@ -222,3 +271,34 @@ def test_no_function_is_longer_than_a_reader_can_hold():
                 if lines > LONGEST and f"{name}.{node.name}" not in LONG_FUNCTIONS:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"functions over {LONGEST} lines (name their phases):\n" + "\n".join(long)
+
+
+# Packages whose docstring is an index of their modules, one entry a line ("  name  what it is").
+INDEXED = ["checkpoints", "cluster", "parallel", "parallel/pipeline", "planner", "run", "runlog", "sampling", "step"]
+
+
+def index_entries(package: pathlib.Path) -> set[str]:
+    """The modules a package's docstring indexes: each line's leading name(s), e.g.
+    "  store   ..." or "  save_failure, orbax_log   ..." ("tasks/" names a subpackage)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()), clean=False) or ""
+    names = set()
+    for line in doc.splitlines():
+        m = re.match(r"  ([a-z_0-9]+/?(?:, [a-z_0-9]+/?)*)\s{2,}\S", line)
+        if m:
+            names |= {n.rstrip("/") for n in m.group(1).split(", ")}
+    return names
+
+
+def test_every_package_index_names_each_of_its_modules_once():
+    """A package's index (its __init__ docstring) lists exactly its modules and subpackages,
+    so a module added or moved cannot be missing from it."""
+    wrong = []
+    for rel in INDEXED:
+        package = PACKAGE / rel
+        present = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+        present |= {p.parent.name for p in package.glob("*/__init__.py")}
+        listed = index_entries(package)
+        if listed != present:
+            wrong.append(f"meshtrain/{rel}/__init__.py: not listed {sorted(present - listed)}, "
+                         f"not a module {sorted(listed - present)}")
+    assert not wrong, "\n".join(wrong)

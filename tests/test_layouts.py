@@ -6,11 +6,11 @@ import pathlib
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layouts
+from meshtrain.parallel import layouts
 from meshtrain.errors import UserError
-from meshtrain.layouts.tables import sharding_table
+from meshtrain.parallel.layouts.tables import sharding_table
 from meshtrain.models import model_config
-from meshtrain.step.pipeline.scan import Pipeline
+from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.step.state import abstract_model
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -35,7 +35,7 @@ def test_sections_override_targets():
 
 def test_grads_follows_params_unless_given():
     """zero1 keeps gradients where the weights are until the backward pass ends (grads
-    follows params); zero2 splits them like the moments (layouts/rules.py)."""
+    follows params); zero2 splits them like the moments (parallel/layouts/rules.py)."""
     zero1, zero2 = layouts.get("zero1"), layouts.get("zero2")
     assert zero1.grads == zero1.params and "grads=" not in zero1.describe()
     assert zero2.grads == zero2.opt_state != zero2.params

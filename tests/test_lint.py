@@ -7,13 +7,12 @@ import jax
 import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError
-from meshtrain.planner import hardware, lint
+from meshtrain.errors import MiB, UserError, mib
+from meshtrain.planner import analytic, bounds, hardware, lint, split_cost
 from meshtrain.run.experiment import abstract_mesh, check_config
-from meshtrain.step.pipeline import scan as pipeline
+from meshtrain.parallel.pipeline import scan as pipeline
 from support.configs import configured
 
-MiB = 2**20
 
 
 def plan(cfg):
@@ -36,10 +35,6 @@ def apply(cfg, fix):
     for key, value in pairs:
         config_lib.override(cfg, key, value)
     return pairs
-
-
-def mib(b):
-    return f"{b / MiB:,.1f} MiB"
 
 
 def test_replicated_position_table_under_dp_tp():
@@ -89,9 +84,11 @@ def test_tensor_on_dcn():
     cfg = configured("gpt2_medium_dp8_tp4", **{"mesh.dcn": "data:2,tensor:2"})
     f = only(run_lint(cfg), "tensor-on-dcn")
     assert f.severity == "warning" and "across 2 nodes" in f.what
-    # docs/layouts.md: 4 all-reduces x 24 layers x 2(t-1)/t x [8 rows, 1024, 1024] bf16 = 2,304 MiB.
-    wire = 4 * 24 * 2 * 3 / 4 * 8 * 1024 * 1024 * 2
-    assert f"about {mib(wire)} per device per step" in f.cost and mib(wire) == "2,304.0 MiB"
+    # The plan report's tensor bound (planner/bounds.py): 4 all-reduces x 24 layers x 2(t-1)/t
+    # x [8 rows, 1024, 1024] bf16 = 2,304 MiB, and the vocabulary-parallel embedding's lookup
+    # forward and output projection backward, 2 x 2(t-1)/t x [8, 1024, 1024] bf16 = 48 MiB.
+    wire = (4 * 24 + 2) * 2 * 3 / 4 * 8 * 1024 * 1024 * 2
+    assert f"about {mib(wire)} per device per step" in f.cost and mib(wire) == "2,352.0 MiB"
     # 32 devices on 4 nodes of 8; each tensor ring has 2 devices in a node, so 4 rings share a
     # node's 8 NICs: 8 x 50 GB/s / 4 = 100 GB/s a ring against NVLink's 450 GB/s.
     assert "~100 GB/s a ring" in f.cost and "shared by the 4 tensor rings" in f.cost
@@ -229,7 +226,7 @@ def test_unused_axis(name, mesh, idle, fixed):
 def test_unused_expert_axis():
     """expert > 1 under a layout that never names it is flagged as any idle axis is; the fix
     names a preset that uses data and expert when one exists, else asks for rules."""
-    from meshtrain.layouts.presets import PRESET_AXES
+    from meshtrain.parallel.layouts.presets import PRESET_AXES
     cfg = configured("gpt2_tiny_dp8", **{"mesh.shape": "data:2,expert:4"})
     f = only(run_lint(cfg), "unused-axis")
     assert f.severity == "warning" and "has expert=4, which layout 'dp' never names" in f.what
@@ -257,6 +254,44 @@ def test_expert_on_dcn():
     assert "2.2x slower" in f.cost and "H100 SXM and DGX H100 data sheets" in f.cost
     assert apply(cfg, f.fix) == [("mesh.dcn", "data:2")]
     assert run_lint(cfg) == []
+
+
+def test_tensor_on_dcn_honours_a_context_split():
+    """llama3_8b_fsdp4_cp8_tp4_seq32k with tensor across nodes: each device holds T/8 of a
+    sequence, so Megatron's all-reduces carry [1 row, 32768 / 8, 4096] bf16: 4 x 32 layers x
+    2(t-1)/t of it = 6,144 MiB, and the vocabulary-parallel embedding's 2 = 96 MiB."""
+    cfg = configured("llama3_8b_fsdp4_cp8_tp4_seq32k", **{"mesh.dcn": "tensor:2"})
+    wire = (4 * 32 + 2) * 2 * 3 / 4 * 1 * 32768 / 8 * 4096 * 2
+    assert f"about {mib(wire)} per device per step" in only(lint.lint(cfg), "tensor-on-dcn").cost
+    assert mib(wire) == "6,240.0 MiB"
+
+
+# The plan report's section for each axis the linter flags across nodes (bounds.SPLIT_COSTS).
+SECTIONS = {"tensor": "tensor", "context": "context", "expert": "experts"}
+
+
+def test_dcn_costs_are_the_plan_reports_bounds():
+    """Every shipped config with an axis of even size the linter watches (tensor, context,
+    expert) put across 2 nodes, the acceptance case llama_tiny_dp2_cp4 with
+    mesh.dcn=context:2 among them: the <axis>-on-dcn cost quotes the bound of that axis's
+    section of the plan report (split_cost.report; the formulas need no compile), or no
+    bytes where the report has no formula (a spatial layout's tensor axis)."""
+    checked = []
+    for name in config_lib.available():
+        for axis, section in SECTIONS.items():
+            cfg = configured(name, **{"mesh.dcn": f"{axis}:2"})
+            if mesh_lib.parse_shape(cfg.mesh.shape)[axis] % 2:
+                continue
+            found = [f for f in lint.lint(cfg) if f.code == f"{axis}-on-dcn"]
+            r = split_cost.report(bounds.SPLIT_COSTS[section], analytic.abstract_experiment(cfg), [])
+            if r is None or r["bound_bytes"] is None:
+                assert all(not f.cost.startswith("about") for f in found), (name, axis)
+                continue
+            (f,) = found
+            assert f.cost.startswith(f"about {mib(r['bound_bytes'])} per device per step of"), (name, axis, f.cost)
+            checked.append((name, axis))
+    assert ("llama_tiny_dp2_cp4", "context") in checked and ("llama3_8b_fsdp4_cp8_tp4_seq32k", "context") in checked
+    assert {a for _, a in checked} == set(SECTIONS) and len(checked) >= 15, checked
 
 
 KNOWN = {"gpt2_tiny_pp4_dp2": ["pipeline-bubble"]}

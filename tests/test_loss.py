@@ -34,7 +34,8 @@ def loss_and_grads(exp, chunk, params):
     rows = exp.cfg.train.batch_size
     tokens = np.random.default_rng(0).integers(0, exp.model.cfg.vocab_size, (rows, T + 1), dtype=np.int32)
     tokens = jax.device_put(tokens, exp.batch_sharding)
-    grad_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)),
+    objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh, loss_chunk=chunk)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b, k: objective(p, {}, b, k)[0]),
                       compiler_options=analysis_options())
     return jax.device_get(grad_fn(params, tokens, None))
 
@@ -181,5 +182,6 @@ def test_one_chunk_is_the_plain_loss(make_config):
     args = (exp.abstract_state().params, jax.ShapeDtypeStruct((8, T + 1), np.int32), None)
 
     def program(chunk):
-        return str(jax.make_jaxpr(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk))(*args))
+        objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh, loss_chunk=chunk)
+        return str(jax.make_jaxpr(lambda p, b, k: objective(p, {}, b, k)[0])(*args))
     assert program(T) == program(2 * T) == program(0) != program(CHUNK)

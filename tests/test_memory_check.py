@@ -1,7 +1,8 @@
-"""The memory check between compiling and allocating (meshtrain/planner/memory_check.py).
+"""The memory check between compiling and allocating (meshtrain/planner/memory_check.py,
+its budget meshtrain/run/memory_budget.py).
 
 The command-line tests run gpt2_tiny_dp8 in this process with the host's RAM faked
-(`memory_check.host_available`, the one place the check reads it) so that the tiny step
+(`memory_budget.host_available`, the one place the check reads it) so that the tiny step
 does not fit; the real case, a GPT-2 tiny too wide for this host's real RAM, runs as a command.
 """
 
@@ -15,8 +16,9 @@ import types
 import pytest
 
 from meshtrain import train
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, gib
 from meshtrain.planner import memory_check
+from meshtrain.run import memory_budget
 from meshtrain.run.experiment import Experiment
 from support.processes import ENV, ROOT
 
@@ -26,8 +28,8 @@ TINY = ["--config=gpt2_tiny_dp8", "--config.train.steps=2", "--config.train.eval
 
 def fake_host(monkeypatch, per_device: float, devices: int = 8):
     """The host's RAM set so that each of `devices` CPU devices may use `per_device` bytes."""
-    available = per_device * devices / memory_check.MARGIN["cpu"]
-    monkeypatch.setattr(memory_check, "host_available", lambda: (available, "a test's budget"))
+    available = per_device * devices / memory_budget.MARGIN["cpu"]
+    monkeypatch.setattr(memory_budget, "host_available", lambda: (available, "a test's budget"))
 
 
 @pytest.fixture
@@ -52,9 +54,9 @@ def test_a_step_that_cannot_fit_stops_before_allocating_with_the_arithmetic_and_
     assert train.main(TINY) == 2
     err = capsys.readouterr().err
     assert err.count("meshtrain train: error:") == 1 and "Traceback" not in err
-    assert f"needs {memory_check.gib(tiny_peak)} per device" in err
-    assert f"8 x {memory_check.gib(tiny_peak)} = {memory_check.gib(8 * tiny_peak)} against " \
-           f"{memory_check.gib(tiny_peak * 4 / memory_check.MARGIN['cpu'])} available (a test's budget)" in err
+    assert f"needs {gib(tiny_peak)} per device" in err
+    assert f"8 x {gib(tiny_peak)} = {gib(8 * tiny_peak)} against " \
+           f"{gib(tiny_peak * 4 / memory_budget.MARGIN['cpu'])} available (a test's budget)" in err
     assert "--config.train.skip_memory_check=true" in err
     fix = re.search(r"that fits, compiled here: (.*?) \(.*?\): ([\d.,]+) MiB per device", err)
     assert fix, err
@@ -104,28 +106,28 @@ def test_host_available_takes_the_tighter_of_meminfo_and_the_cgroup(tmp_path):
     (v2 / "job" / "step" / "memory.max").write_text("max\n")
     self_cgroup = tmp_path / "cgroup"
     self_cgroup.write_text("0::/job/step\n")
-    assert memory_check.host_available(str(meminfo), str(v2), str(self_cgroup))[0] == 6 * 2**30
+    assert memory_budget.host_available(str(meminfo), str(v2), str(self_cgroup))[0] == 6 * 2**30
     self_cgroup.write_text("4:memory:/job\n")  # v1: memory.limit_in_bytes, ~2^63 for none
     (tmp_path / "v1" / "memory" / "job").mkdir(parents=True)
     (tmp_path / "v1" / "memory" / "job" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (tmp_path / "v1" / "memory" / "job" / "memory.usage_in_bytes").write_text("1000\n")
-    assert memory_check.host_available(str(meminfo), str(tmp_path / "v1"), str(self_cgroup)) == \
+    assert memory_budget.host_available(str(meminfo), str(tmp_path / "v1"), str(self_cgroup)) == \
         (20000000 * 1024, "MemAvailable in /proc/meminfo")
 
 
 def test_budgets_cpu_devices_share_the_host_and_accelerators_have_their_own():
     cpu = [types.SimpleNamespace(platform="cpu")] * 4
-    b = memory_check.device_budget(cpu, processes_on_host=2, host=lambda: (80 * 2**30, "test"))
+    b = memory_budget.device_budget(cpu, processes_on_host=2, host=lambda: (80 * 2**30, "test"))
     assert (b.sharing, b.per_device) == (8, 80 * 2**30 * 0.9 / 8)
     assert "8 simulated CPU devices (4 in each of 2 processes) share this host's RAM" in \
-        memory_check.arithmetic(2**30, b)
+        memory_budget.arithmetic(2**30, b)
 
     def gpu(limit, used):
         return types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": used})
-    b = memory_check.device_budget([gpu(60 * 2**30, 0), gpu(60 * 2**30, 10 * 2**30)])
+    b = memory_budget.device_budget([gpu(60 * 2**30, 0), gpu(60 * 2**30, 10 * 2**30)])
     assert (b.sharing, b.available, b.per_device) == (1, 50 * 2**30, 50 * 2**30 * 0.95)
     no_stats = types.SimpleNamespace(platform="tpu", memory_stats=lambda: None)
-    assert memory_check.device_budget([no_stats]) is None
+    assert memory_budget.device_budget([no_stats]) is None
 
 
 def test_candidates_move_data_to_fsdp_with_its_dcn_factor(make_config):
@@ -155,7 +157,7 @@ def test_a_step_too_large_for_this_host_stops_before_allocating():
     """The real host and the real command: gpt2_tiny_dp8 with mlp_dim the power of two
     whose step needs 2-4x the RAM this host has available (eight simulated devices share
     it), refused before anything is allocated, with the arithmetic and a fix that fits."""
-    mlp_dim = 2 ** math.ceil(math.log2(2 * memory_check.host_available()[0] / 8 / PEAK_PER_MLP_UNIT))
+    mlp_dim = 2 ** math.ceil(math.log2(2 * memory_budget.host_available()[0] / 8 / PEAK_PER_MLP_UNIT))
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_dp8",
                         f"--config.model.mlp_dim={mlp_dim}"], cwd=ROOT, env=ENV,

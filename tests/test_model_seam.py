@@ -12,7 +12,7 @@ from flax import nnx
 
 from meshtrain import config as config_lib
 from meshtrain.models import family, stack
-from meshtrain.parallel.hook import UNSHARDED
+from meshtrain.models.hook import UNSHARDED
 from support.training import assert_same_training, losses_and_grads, trained
 
 

@@ -141,7 +141,7 @@ def test_refusals(overrides, needle):
 def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
     """Dropless runs per device under shard_map, with embed whole and the experts' mlp on
     axes of its own: other splits are refused with the fix, before anything is traced."""
-    from meshtrain.layouts import get
+    from meshtrain.parallel.layouts import get
     from meshtrain.models import moe_dropless
     from meshtrain.parallel.hook import Constrain
     mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"),

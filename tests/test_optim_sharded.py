@@ -11,7 +11,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib
+from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.parallel import layouts
 from meshtrain.run.experiment import analysis_options
 from meshtrain.step import optim, state as state_lib
 

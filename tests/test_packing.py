@@ -9,10 +9,10 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.models import documents
-from meshtrain.parallel.hook import UNSHARDED
+from meshtrain.models.hook import UNSHARDED
 from meshtrain.run.experiment import analysis_options, Experiment
-from meshtrain.step import loss as loss_lib, train_step as step_lib
-from meshtrain.step.pipeline import scan as pipeline
+from meshtrain.step import train_step as step_lib
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.step.tasks import LanguageModelling
 from support.configs import configured
 from support.training import devices_for
@@ -44,8 +44,8 @@ def experiment(name: str, mesh: str, **overrides) -> Experiment:
 
 def packed_loss_and_grads(exp: Experiment, task, batch) -> tuple[float, dict]:
     """The task's loss of `batch` and its gradients, as the train step computes them."""
-    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, exp.cfg.train.loss_chunk, task)
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
+    objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh, task, exp.cfg.train.loss_chunk)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: objective(p, {}, b, None)[0]),
                              in_shardings=(exp.shardings.params, exp.batch_sharding),
                              compiler_options=analysis_options())
     loss, grads = jax.device_get(value_and_grad(exp.init_state().params, batch))
@@ -59,8 +59,8 @@ def alone_loss_and_grads(exp: Experiment, docs: list[np.ndarray]) -> tuple[float
     of one row, positions from 0), and its gradients."""
     def total(params):
         module = exp.model.bind(params)
-        return sum(loss_lib.next_token_loss(module, d[None, :-1], d[None, 1:], None, None, constrain=UNSHARDED,
-                                            layout=exp.layout, mesh=exp.mesh, loss_chunk=0)[0] * (len(d) - 1)
+        return sum(LanguageModelling().loss(module, d[None], None, None, constrain=UNSHARDED, layout=exp.layout,
+                                            mesh=exp.mesh, loss_chunk=0, train=True)[0] * (len(d) - 1)
                    for d in map(jnp.asarray, docs))
     loss, grads = jax.device_get(jax.jit(jax.value_and_grad(total), compiler_options=analysis_options())(
         exp.init_state().params))

@@ -15,8 +15,8 @@ import pytest
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.step import train_step as step_lib
-from meshtrain.step.pipeline import scan as pipeline
-from meshtrain.step.pipeline.scan import Pipeline
+from meshtrain.parallel.pipeline import scan as pipeline
+from meshtrain.parallel.pipeline.scan import Pipeline
 
 from support.training import loss_and_grads
 
@@ -179,7 +179,8 @@ def test_dropout_inside_the_pipeline_is_deterministic_per_key(make_config):
     exp = Experiment.build(make_config("gpt2_tiny_pp2_dp4", **{"model.dropout": 0.2}))
     params = exp.init_state().params
     batch = exp.put_batch(next(exp.train_batches()))
-    loss_fn = jax.jit(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh), compiler_options=analysis_options())
+    objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh)
+    loss_fn = jax.jit(lambda p, b, k: objective(p, {}, b, k)[0], compiler_options=analysis_options())
     k1, k2 = jax.random.key(1), jax.random.key(2)
     losses = [float(loss_fn(params, batch, k)) for k in (k1, k1, k2, None)]
     assert np.isfinite(losses).all()

@@ -21,8 +21,8 @@ from support.training import loss_and_grads
 from meshtrain import config as config_lib
 from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.step import train_step as step_lib
-from meshtrain.step.pipeline import ticks
-from meshtrain.step.pipeline.scan import Pipeline
+from meshtrain.parallel.pipeline import ticks
+from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.train import main
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -149,7 +149,8 @@ def test_dropout_masks_are_gpipes():
         exp = Experiment.build(config("gpt2_tiny_pp2_dp4", **{"model.dropout": 0.2, "pipeline.schedule": schedule}))
         params = exp.init_state().params
         batch = exp.put_batch(next(exp.train_batches()))
-        loss_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)),
+        objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh)
+        loss_fn = jax.jit(jax.value_and_grad(lambda p, b, k: objective(p, {}, b, k)[0]),
                           compiler_options=analysis_options())
         return jax.device_get(loss_fn(params, batch, jax.random.key(3)))
     (a, ga), (b, gb) = with_key("gpipe"), with_key("1f1b")

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.planner import hlo
-from meshtrain.planner import analytic, hardware, report as report_lib, roofline
+from meshtrain.planner import analytic, hardware, report as report_lib, roofline, split_cost
 from meshtrain.run.experiment import Experiment
 from support.processes import metric_rows
 
@@ -51,18 +51,18 @@ def test_report_has_the_documented_keys(name, planned):
     assert 0 < r["predicted_mfu"] < 1 and r["predicted_step_time_s"] > 0
 
 
-def test_every_split_cost_keeps_the_protocol_and_has_a_report_section(planned):
-    """bounds.SPLIT_COSTS: each entry has split_cost.SplitCost's methods with its
-    parameters, and its key is a section of the plan report."""
+def test_every_split_cost_has_a_report_section(planned):
+    """bounds.SPLIT_COSTS: each entry is a split_cost.SplitCost whose traffic takes the
+    experiment, and whose figures, where it has them, the experiment, its traffic and the
+    compiled step; its key is a section of the plan report."""
     import inspect
 
-    from meshtrain.planner import split_cost
     from meshtrain.planner.bounds import SPLIT_COSTS
     for name, cost in SPLIT_COSTS.items():
         assert all(name in r for _, _, r in planned.values()), f"{name}: no such section in the plan report"
-        for method in ("traffic", "figures"):
-            want = list(inspect.signature(getattr(split_cost.SplitCost, method)).parameters)[1:]
-            assert list(inspect.signature(getattr(cost, method)).parameters) == want, (name, method)
+        assert isinstance(cost, split_cost.SplitCost) and list(inspect.signature(cost.traffic).parameters) == ["exp"]
+        if cost.figures is not None:
+            assert list(inspect.signature(cost.figures).parameters) == ["exp", "traffic", "compiled"], name
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -75,8 +75,7 @@ def test_state_memory_equals_the_formula_and_xla_totals(name, planned):
     assert mem["optimizer"] == pytest.approx(formula["optimizer"], rel=1e-9)
     state = exp.abstract_state()
     scalars = sum(4 for leaf in jax.tree.leaves(state) if leaf.shape == ()) + state.rng.size * 4
-    batch = math.prod(exp.batch_shape) * 4 / math.prod(
-        exp.mesh.shape[a] for a in analytic._shards(exp, "batch")[1])
+    batch = math.prod(exp.batch_shape) * 4 / split_cost.split_over(exp.layout, exp.mesh.shape, "batch")[0]
     assert mem["params"] + mem["optimizer"] + scalars + batch == compiled.memory_analysis().argument_size_in_bytes
 
 
@@ -212,13 +211,13 @@ def test_nodes_follow_dcn_or_the_device_order():
     devices = np.array(jax.devices()[:8]).reshape(2, 1, 1, 4)
     mesh = jax.sharding.Mesh(devices, ("data", "stage", "fsdp", "tensor"))
     in_order = roofline.node_of_position(mesh, 4, None)
-    assert not roofline.crosses_nodes(mesh, ("tensor",), in_order)
-    assert roofline.crosses_nodes(mesh, ("data",), in_order)
+    assert not roofline.placement(mesh, ("tensor",), in_order)["crosses_nodes"]
+    assert roofline.placement(mesh, ("data",), in_order)["crosses_nodes"]
     dcn = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 2}  # as make_mesh lays it out for mesh.dcn
     hybrid = mesh_lib.make_mesh({"data": 2, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}, jax.devices()[:8], dcn=dcn)
     across = roofline.node_of_position(hybrid, 4, dcn)
-    assert roofline.crosses_nodes(hybrid, ("tensor",), across)
-    assert not roofline.crosses_nodes(hybrid, ("data",), across)
+    assert roofline.placement(hybrid, ("tensor",), across)["crosses_nodes"]
+    assert not roofline.placement(hybrid, ("data",), across)["crosses_nodes"]
 
 
 def test_cpu_widened_bf16_reductions_count_at_16_bits():
@@ -379,8 +378,8 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
 
 def test_search_enumerates_expert_only_for_a_model_with_experts(monkeypatch):
     """expert > 1 only when model.num_experts > 1; a preset on data+expert (set here as
-    layouts/presets.py's MoE presets would have it) is tried on every such mesh."""
-    from meshtrain.layouts import presets
+    parallel/layouts/presets.py's MoE presets would have it) is tried on every such mesh."""
+    from meshtrain.parallel.layouts import presets
     from meshtrain.planner import search
     monkeypatch.setitem(presets.PRESET_AXES, "dp_ep", ({"expert"}, {"data", "expert"}))
     dense, _ = search.enumerate_candidates(8, 4, None, ("dp", "dp_ep"), remats=("none",))

@@ -164,11 +164,13 @@ def test_sequence_indivisible():
 
 def test_context_on_dcn():
     """context:4 over 2 nodes of a 16-device data:4,context:4 mesh: k and v of every layer
-    cross the NICs. 2 x 2 layers x 2 (n-1)/n x [16 rows, 128, 64] float32 a device."""
+    cross the NICs, of the K = 2 kv heads alone (not the 4 query heads): forward and backward
+    x 2 layers x k and v x (n-1)/n x [16 rows, 128, 2 x 16] float32 a device (planner/context.py)."""
     cfg = configured("llama_tiny_dp8", **{"mesh.shape": "data:4,context:4", "layout": "dp_cp",
                                     "mesh.dcn": "context:2", "train.batch_size": 64})
     (f,) = [f for f in lint.lint(cfg) if f.code == "context-on-dcn"]
-    wire = 2 * 2 * 2 * 3 / 4 * 16 * 128 * 64 * 4
+    wire = 2 * 2 * 2 * 3 / 4 * 16 * 128 * 2 * 16 * 4
+    assert f"{wire / 2**20:,.1f} MiB" == "1.5 MiB"
     assert f.severity == "warning" and "across 2 nodes" in f.what and f"about {wire / 2**20:,.1f} MiB" in f.cost
     assert lint.fix_overrides(f.fix) == [("mesh.dcn", "data:2")]
     config_lib.override(cfg, "mesh.dcn", "data:2")

@@ -12,9 +12,9 @@ import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib, plan
 from meshtrain.errors import UserError
-from meshtrain.planner import verify
+from meshtrain.run import verify
 from meshtrain.run.experiment import abstract_mesh, validate, read_inputs
-from meshtrain.step import grad_reduce
+from meshtrain.parallel import grad_reduce
 
 STEPS = 2
 
@@ -66,7 +66,7 @@ BROKEN = "blocks/mlp/w_fc"
 
 def test_a_reduction_that_skips_the_data_axis_is_caught(capsys, monkeypatch):
     """A real numerical break: the by-hand gradient reduction over the data replicas
-    (meshtrain/step/grad_reduce.py, taken with train.grad_accum_steps > 1) keeps replica 0's
+    (meshtrain/parallel/grad_reduce.py, taken with train.grad_accum_steps > 1) keeps replica 0's
     gradient of one parameter instead of the mean over all 8. One device has one replica,
     so only the layout's run is wrong; verify names that parameter alone, and the losses
     after the first update."""

@@ -93,8 +93,8 @@ def _report(name: str, overrides: list, hw) -> dict:
         config_lib.override(cfg, key, value)
     n = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
     inputs = read_inputs(cfg)
-    exp = Experiment.build(resolve(cfg, inputs.init), devices=jax.devices()[:n], inputs=inputs)
-    exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)  # as `meshtrain plan`
+    exp = Experiment.build(resolve(cfg, inputs.init), devices=jax.devices()[:n], inputs=inputs,
+                           choose_gather=accumulation.for_hardware(hw))  # as `meshtrain plan`
     return report_lib.plan(exp, hw)
 
 

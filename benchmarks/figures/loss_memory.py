@@ -50,7 +50,8 @@ def agreement(name, overrides, chunks, rows) -> list[str]:
     tokens = jax.device_put(tokens, exp.batch_sharding)
     results = []
     for chunk in chunks:
-        grad_fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)))
+        objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh, loss_chunk=chunk)
+        grad_fn = jax.jit(jax.value_and_grad(lambda p, b, k: objective(p, {}, b, k)[0]))
         t0 = time.perf_counter()
         results.append(jax.device_get(grad_fn(params, tokens, None)))
         print(f"  loss_chunk={chunk}: loss and gradient in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -69,7 +69,8 @@ def _grads(cfg, chunk: int, which: str, params=None):
     rows, t = cfg.train.batch_size, exp.model.cfg.seq_len
     tokens = np.random.default_rng(0).integers(0, exp.model.cfg.vocab_size, (rows, t + 1), dtype=np.int32)
     with traced_with(which):
-        fn = jax.jit(jax.value_and_grad(step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh, chunk)))
+        objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh, loss_chunk=chunk)
+        fn = jax.jit(jax.value_and_grad(lambda p, b, k: objective(p, {}, b, k)[0]))
         loss, grads = jax.device_get(fn(params, tokens, None))
     return float(loss), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], params
 

@@ -97,7 +97,7 @@ SCHEDULES = {  # label: overrides (on top of the config's own)
 def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[str]:
     """One markdown row per schedule of config `name`: memory, FLOPs, idle share, and the
     step time over gpipe's (alternating pairs of steps, `time_pairs` of them)."""
-    from meshtrain.step.pipeline import ticks as pipeline_ticks
+    from meshtrain.parallel.pipeline import ticks as pipeline_ticks
     built, rows = {}, []
     for label in labels:
         cfg = config_lib.load(name)

@@ -20,7 +20,7 @@ from meshtrain.checkpoints import integrity, restage
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.checkpoints.init_from import InitSource, check_model
 from meshtrain.errors import UserError
-from meshtrain.step.pipeline.scan import Pipeline, from_stages, to_stages
+from meshtrain.parallel.pipeline.scan import Pipeline, from_stages, to_stages
 
 
 def saved_params(src: InitSource) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshtrain.step.pipeline.scan import Pipeline, from_stages, to_stages
+from meshtrain.parallel.pipeline.scan import Pipeline, from_stages, to_stages
 
 
 def arrangement(pipe: dict | Pipeline | None) -> tuple[int, int] | None:

@@ -8,7 +8,7 @@ Compile-only check of the layout on any machine (128 simulated CPU devices):
     python -m meshtrain.train --config=llama3_8b_fsdp4_cp8_tp4_seq32k --config.train.steps=0
 
 Each sequence's positions are split over `context` in the load-balanced zigzag order
-(device i holds chunks i and 15-i of 16 chunks of 2,048 tokens: layouts/sequence.py), and
+(device i holds chunks i and 15-i of 16 chunks of 2,048 tokens: parallel/sequence.py), and
 attention passes keys and values round the ring (model.context_attention=ring; `allgather`
 is Llama 3's recipe, Dubey et al. 2024 §3.3.2). Heads and the MLP split over tensor, the
 kv heads too (as llama3_8b_fsdp8_tp4); weights and Adam state over fsdp. What the step
@@ -17,7 +17,7 @@ whole sequences (fsdp:4 x tensor:4): docs/planner.md, "Context parallelism".
 """
 
 from meshtrain.config import base
-from meshtrain.layouts.presets import PRESETS
+from meshtrain.parallel.layouts.presets import PRESETS
 
 # fsdp_tp_cp with the kv heads split over tensor too (4 divides the 8 kv heads).
 LAYOUT = PRESETS["fsdp_tp_cp"].replace("heads:tensor;", "heads:tensor;kv_heads:tensor;")

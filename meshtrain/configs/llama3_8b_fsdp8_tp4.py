@@ -14,7 +14,7 @@ all-gathers and 9% less collective traffic (docs/planner.md).
 """
 
 from meshtrain.config import base
-from meshtrain.layouts.presets import PRESETS
+from meshtrain.parallel.layouts.presets import PRESETS
 
 # fsdp_tp with the kv heads split over tensor too (4 divides the 8 kv heads).
 LAYOUT = PRESETS["fsdp_tp"].replace("heads:tensor;", "heads:tensor;kv_heads:tensor;")

@@ -13,7 +13,7 @@ benchmarks/figures/pipeline.py --schedules compares the two compiled (docs/bench
 """
 
 from meshtrain.configs import llama3_8b_fsdp8_tp4
-from meshtrain.layouts.presets import PRESETS
+from meshtrain.parallel.layouts.presets import PRESETS
 
 # fsdp_pp_tp with the kv heads split over tensor too (4 divides the 8 kv heads).
 LAYOUT = PRESETS["fsdp_pp_tp"].replace("heads:tensor;", "heads:tensor;kv_heads:tensor;")

@@ -14,7 +14,6 @@ import ml_collections
 from meshtrain.errors import UserError
 from meshtrain.models import attention, family, gpt2, llama, mixtral, remat, resnet, vgg  # noqa: F401  (models register themselves)
 from meshtrain.models.family import Family, ModelConfig
-from meshtrain.parallel import context_attention
 
 DTYPES = ("float32", "bfloat16", "float16")
 # model.* keys every family reads; the others are dimensions some family's sizes name.
@@ -67,7 +66,7 @@ def model_config(m: ml_collections.ConfigDict, *, vocab_size: int, vocab_shards:
     if not 0.0 <= m.dropout < 1.0:
         raise UserError(f"model.dropout={m.dropout}: must be in [0, 1).")
     remat.check(m.remat)
-    context_attention.check_kind(m.context_attention)
+    attention.check_context_kind(m.context_attention)
     multiple = math.lcm(max(1, int(m.vocab_multiple)), vocab_shards)
     padded = -(-vocab_size // multiple) * multiple
     known = {f.name for f in dataclasses.fields(fam.config)}

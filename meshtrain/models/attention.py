@@ -34,9 +34,7 @@ import numpy as np
 
 from meshtrain.errors import UserError
 from meshtrain.models import documents
-from meshtrain.parallel import context_attention
-from meshtrain.parallel.context_attention import BTHE
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 Cache = tuple[jax.Array, jax.Array]  # (k [B, S, K, E], v [B, S, K, E])
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -104,6 +102,9 @@ def choose(requested: str, *, platform: Platform, dtype: str, head_dim: int) -> 
 
 
 # What masked scores are set to: jax.nn.dot_product_attention's value for float32 scores.
+CONTEXT_KINDS = ("allgather", "ring")  # model.context_attention: how a split sequence's pieces meet
+BTHE = ("batch", "length", "heads", "head_dim")
+BTKE = ("batch", "length", "kv_heads", "head_dim")
 _MASKED = float(-0.7 * np.finfo(np.float32).max)
 
 
@@ -156,7 +157,14 @@ def causal_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array,
     return jnp.einsum("bkgts,bske->btkge", probs, v_bske).reshape(b, t, h, e)
 
 
-def _query_heads(kv_btke: jax.Array, heads: int, constrain: Constrain) -> jax.Array:
+def check_context_kind(kind: str) -> None:
+    if kind not in CONTEXT_KINDS:
+        raise UserError(f"model.context_attention={kind!r} is not a way to attend across a split "
+                        f"sequence. Choose one of: {', '.join(CONTEXT_KINDS)} (docs/layouts.md, "
+                        f"'Long sequences').")
+
+
+def _query_heads(kv_btke: jax.Array, heads: int, constrain: Hook) -> jax.Array:
     """[B, T, K, E] -> [B, T, H, E]: query head h reads kv head h // (H/K). jnp.repeat keeps
     each group contiguous, so a tensor rank holding a block of query heads needs only its
     rows of the K heads it was given whole."""
@@ -167,7 +175,7 @@ def _query_heads(kv_btke: jax.Array, heads: int, constrain: Constrain) -> jax.Ar
 
 def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
            cache: Cache | None = None, pos: jax.Array | None = None, *,
-           implementation: str = "xla", constrain: Constrain = UNSHARDED,
+           implementation: str = "xla", constrain: Hook = UNSHARDED,
            context: str = "allgather") -> tuple[jax.Array, Cache | None]:
     """-> (out [B, T, H, E], cache).
 
@@ -175,7 +183,7 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     document when `constrain.documents` says the window is packed so), with the chosen
     `implementation` (already resolved by `choose`: xla or cudnn), k and v repeated
     to the H query heads first when K < H. When the layout splits the positions over
-    devices, the rows are in its zigzag order (layouts/sequence.py), `context`
+    devices, the rows are in its zigzag order (parallel/sequence.py), `context`
     (model.context_attention: allgather or ring) says how the pieces meet, and only the K
     heads travel (parallel/context_attention.py). With a cache, k and v are written at cache
     positions pos..pos+T-1 and query i (at position pos + i) attends to cache positions
@@ -183,8 +191,8 @@ def attend(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array,
     query heads over the K cached ones itself.
     """
     if cache is None:
-        if context_attention.splits_length(constrain):
-            return context_attention.attend(q_bthe, k_btke, v_btke, kind=context, constrain=constrain), None
+        if constrain.splits_length:
+            return constrain.attend_split(q_bthe, k_btke, v_btke, context), None
         if k_btke.shape[2] < q_bthe.shape[2]:
             k_btke, v_btke = (_query_heads(a, q_bthe.shape[2], constrain) for a in (k_btke, v_btke))
         docs = constrain.documents

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 # PyTorch's BatchNorm defaults (torchvision builds VGG-bn and ResNet with them): the running
 # statistics keep 0.9 of their value per step (PyTorch writes momentum=0.1 for the new part).
@@ -146,7 +146,7 @@ class ConvBN(nnx.Module):
         self.relu = relu
         self.out_axes = ("batch", "height", "width", axes[1])
 
-    def __call__(self, x_bhwc: jax.Array, constrain: Constrain = UNSHARDED, train: bool = False) -> jax.Array:
+    def __call__(self, x_bhwc: jax.Array, constrain: Hook = UNSHARDED, train: bool = False) -> jax.Array:
         y = self.conv(x_bhwc)
         if self.bn is not None:
             y = self.bn(y, train)

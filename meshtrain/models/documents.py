@@ -14,7 +14,7 @@ Shapes: B batch, T positions (the model's inputs), T+1 the window (inputs and ta
     weight[b, t]   = segment[b, t + 1] == segment[b, t]      (targets[b, t] in the same document)
     attend(q, k)   iff position order allows it (causal) and segment[q] == segment[k]
 
-The model reads `Documents` off its `Constrain` hook (parallel/hook.py), in the layout's
+The model reads `Documents` off its hook (models/hook.py), in the layout's
 storage order like everything else there: attention (models/attention.py and
 parallel/context_attention.py) masks by segment, GPT-2's position table and Llama's
 RoPE take the positions, and a pipeline schedule slices them per microbatch.

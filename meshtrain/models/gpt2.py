@@ -25,7 +25,7 @@ from meshtrain.models import family, sizes
 from meshtrain.models import stack
 from meshtrain.models.attention import Cache, attend
 from meshtrain.models.stack import RunLayers, dropout as _dropout, param
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
         self.b_out = param(rngs, (d,), ("embed",), stack, dt, "zeros")
         self.cfg = cfg
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
+    def __call__(self, x_btd: jax.Array, constrain: Hook, cache: Cache | None = None,
                  pos: jax.Array | None = None):
         """x [B, T, D] -> [B, T, D]; with a KV cache (see attention.attend) -> (y, cache)."""
         dt = x_btd.dtype
@@ -127,7 +127,7 @@ class MLP(nnx.Module):
         self.w_proj = param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
         self.b_proj = param(rngs, (d,), ("embed",), stack, dt, "zeros")
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, constrain: Hook) -> jax.Array:
         dt = x_btd.dtype
         h_btf = x_btd @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt)
         h_btf = constrain(gelu(h_btf), ("batch", "length", "mlp"))
@@ -144,7 +144,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs, stack)
         self.dropout = cfg.dropout
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
+    def __call__(self, x_btd: jax.Array, constrain: Hook, key: jax.Array | None,
                  cache: Cache | None = None, pos: jax.Array | None = None):
         """x [B, T, D] -> x; with a KV cache (decoding, no dropout) -> (x, cache)."""
         return stack.pre_norm_block(x_btd, constrain, key, norm1=self.ln1, attn=self.attn, norm2=self.ln2,
@@ -161,7 +161,7 @@ class GPT2(nnx.Module):
         self.blocks = Block(cfg, rngs, stack=cfg.num_layers)
         self.ln_f = LayerNorm(cfg)
 
-    def __call__(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def __call__(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                  key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
         """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype.
 
@@ -171,7 +171,7 @@ class GPT2(nnx.Module):
         logits_btv = self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
         return stack.natural(logits_btv, constrain)
 
-    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def hidden(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """tokens [B, T] int32 -> (h [B, T, D] after the final LayerNorm, the tied table
         [V, D]), both in the compute dtype: what `project` turns into logits, so the loss
@@ -183,17 +183,17 @@ class GPT2(nnx.Module):
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
         return self.head(x_btd, constrain)
 
-    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def embed_tokens(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                      key: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes, its rows in the
         layout's storage order (stack.stored), each with its position's embedding."""
         return self._embed(self._table(constrain), stack.stored(tokens_bt, constrain), None, constrain, key)
 
-    def head(self, x_btd: jax.Array, constrain: Constrain = UNSHARDED):
+    def head(self, x_btd: jax.Array, constrain: Hook = UNSHARDED):
         """x [B, T, D] out of the last layer -> (h [B, T, D], the tied table [V, D]), as `hidden`."""
         return self.ln_f(x_btd), self._table(constrain)
 
-    def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Constrain = UNSHARDED) -> jax.Array:
+    def project(self, h_btd: jax.Array, wte_vd: jax.Array, constrain: Hook = UNSHARDED) -> jax.Array:
         """h [B, t, D], table [V, D] -> logits [B, t, V], the padding columns masked."""
         logits_btv = jnp.einsum("btd,vd->btv", h_btd, wte_vd)
         return constrain(stack.mask_padding(logits_btv, self.cfg.vocab_size), ("batch", "length", "vocab"))
@@ -210,7 +210,7 @@ class GPT2(nnx.Module):
         return axes, axes
 
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
-               constrain: Constrain = UNSHARDED) -> tuple[jax.Array, Cache]:
+               constrain: Hook = UNSHARDED) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
         wte_vd = self._table(constrain)
         x_btd = self._embed(wte_vd, tokens_bt, pos, constrain, None)

@@ -34,8 +34,7 @@ from meshtrain.models import family, sizes, stack
 from meshtrain.models.attention import Cache, attend
 from meshtrain.models.rope import RopeScaling, inverse_frequencies, rope
 from meshtrain.models.stack import RunLayers, dropout as _dropout, param
-from meshtrain.parallel import sequence
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 BTHE = ("batch", "length", "heads", "head_dim")
 BTKE = ("batch", "length", "kv_heads", "head_dim")
@@ -115,7 +114,7 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), stack, dt, "normal", std_out)
         self.cfg = cfg
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain, cache: Cache | None = None,
+    def __call__(self, x_btd: jax.Array, constrain: Hook, cache: Cache | None = None,
                  pos: jax.Array | None = None):
         """x [B, T, D] at positions pos..pos+T-1 (0.. without a cache) -> y [B, T, D];
         with a K-head cache (k, v [B, S, K, E], see attention.attend) -> (y, cache)."""
@@ -133,7 +132,7 @@ class Attention(nnx.Module):
             # `length:tensor` would claim the tensor axis K heads leave free and split k
             # and v by position, only for them to be gathered again for the heads split.
             # attend repeats them to the query heads (or, positions split, sends the K heads).
-            k, v = (sequence.as_attention_sees(a, constrain, BTKE) for a in (k, v))
+            k, v = (constrain.as_attention_sees(a, BTKE) for a in (k, v))
         else:
             # The cache keeps the K heads: H/K times smaller than a multi-head cache.
             k, v = constrain(k, BTKE), constrain(v, BTKE)
@@ -155,7 +154,7 @@ class MLP(nnx.Module):
         std_out = 0.02 / math.sqrt(2 * cfg.num_layers)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, constrain: Hook) -> jax.Array:
         """SwiGLU: (silu(x W_gate) * (x W_up)) W_down. Gate and up are one matmul against the
         two stacked [D, 2, F], so the backward sums their input gradients before tensor
         parallelism's all-reduce: one all-reduce of [B, T, D], not two."""
@@ -177,7 +176,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs, stack)
         self.dropout = cfg.dropout
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain, key: jax.Array | None,
+    def __call__(self, x_btd: jax.Array, constrain: Hook, key: jax.Array | None,
                  cache: Cache | None = None, pos: jax.Array | None = None):
         """x [B, T, D] -> x; with a KV cache (decoding, no dropout) -> (x, cache)."""
         return stack.pre_norm_block(x_btd, constrain, key, norm1=self.attn_norm, attn=self.attn, norm2=self.mlp_norm,
@@ -197,7 +196,7 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:  # padding columns zero, as the embedding's rows
             self.lm_head = stack.vocab_table(rngs, v, padded, d, dt, ("embed", "vocab"))
 
-    def __call__(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def __call__(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                  key: jax.Array | None = None, run_layers: RunLayers | None = None) -> jax.Array:
         """tokens [B, T] int32 -> logits [B, T, V] in the compute dtype.
 
@@ -207,7 +206,7 @@ class Llama(nnx.Module):
         logits_btv = self.project(*self.hidden(tokens_bt, constrain, key, run_layers), constrain)
         return stack.natural(logits_btv, constrain)
 
-    def hidden(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def hidden(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """tokens [B, T] int32 -> (h [B, T, D] after the final norm, the output projection:
         the tied table [V, D] or the head [D, V]), both in the compute dtype: what `project`
@@ -220,18 +219,18 @@ class Llama(nnx.Module):
                                  num_layers=cfg.num_layers, remat_policy=cfg.remat, scan=cfg.scan_layers)
         return self.head(x_btd, constrain)
 
-    def embed_tokens(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def embed_tokens(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                      key: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] int32 -> x [B, T, D]: what the first layer takes, its rows in the
         layout's storage order (stack.stored)."""
         return self._embed(self._table(constrain), stack.stored(tokens_bt, constrain), constrain, key)
 
-    def head(self, x_btd: jax.Array, constrain: Constrain = UNSHARDED):
+    def head(self, x_btd: jax.Array, constrain: Hook = UNSHARDED):
         """x [B, T, D] out of the last layer -> (h [B, T, D], the output projection), as `hidden`."""
         embed_vd = self._table(constrain) if self.cfg.tie_embeddings else None
         return self.final_norm(x_btd), self._head(embed_vd, constrain)
 
-    def project(self, h_btd: jax.Array, w: jax.Array, constrain: Constrain = UNSHARDED) -> jax.Array:
+    def project(self, h_btd: jax.Array, w: jax.Array, constrain: Hook = UNSHARDED) -> jax.Array:
         """h [B, t, D], w from `hidden` ([V, D] tied, [D, V] untied) -> logits [B, t, V],
         the padding columns masked."""
         spec = "btd,vd->btv" if self.cfg.tie_embeddings else "btd,dv->btv"
@@ -250,7 +249,7 @@ class Llama(nnx.Module):
         return axes, axes
 
     def decode(self, tokens_bt: jax.Array, cache: Cache, pos: jax.Array,
-               constrain: Constrain = UNSHARDED) -> tuple[jax.Array, Cache]:
+               constrain: Hook = UNSHARDED) -> tuple[jax.Array, Cache]:
         """tokens [B, t] at positions pos..pos+t-1 -> (logits [B, t, V], cache with them written)."""
         embed_vd = self._table(constrain)
         x_btd = self._embed(embed_vd, tokens_bt, constrain, None)

@@ -31,7 +31,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import family, llama, moe, moe_dropless, sizes, stack
 from meshtrain.models.attention import Cache
 from meshtrain.models.stack import RunLayers
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ class Block(nnx.Module):
                            run=cfg.moe, param_dtype=cfg.param_dtype, rngs=rngs, stack=stack)
         self.dropout = cfg.dropout
 
-    def __call__(self, carry, constrain: Constrain, key: jax.Array | None, cache: Cache | None = None,
+    def __call__(self, carry, constrain: Hook, key: jax.Array | None, cache: Cache | None = None,
                  pos: jax.Array | None = None):
         """(x [B, T, D], stats [3]) -> the same, stats plus this layer's; decoding (a KV
         cache): x -> (x, cache), the router's statistics dropped."""
@@ -98,7 +98,7 @@ class Block(nnx.Module):
 class Mixtral(llama.Llama):
     block = Block
 
-    def hidden_aux(self, tokens_bt: jax.Array, constrain: Constrain = UNSHARDED,
+    def hidden_aux(self, tokens_bt: jax.Array, constrain: Hook = UNSHARDED,
                    key: jax.Array | None = None, run_layers: RunLayers | None = None):
         """As `hidden`, plus the router's auxiliary loss [] (weighted by moe.*_coef) and
         its statistics {moe_load_balance, moe_z_loss, moe_dropped: [] means over layers,
@@ -178,7 +178,7 @@ def flops_per_token(cfg: MixtralConfig) -> float:
 
 
 def _check(cfg: MixtralConfig) -> None:
-    llama._check(cfg)
+    llama.FAMILY.check(cfg)
     if not 1 <= cfg.experts_per_token <= cfg.num_experts:
         raise UserError(f"model.experts_per_token={cfg.experts_per_token} with model.num_experts="
                         f"{cfg.num_experts}: each token picks between 1 and num_experts experts.")

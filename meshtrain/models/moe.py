@@ -41,7 +41,7 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import moe_dropless
 from meshtrain.models.stack import param
-from meshtrain.parallel.hook import Constrain
+from meshtrain.models.hook import Hook
 
 DISPATCH = ("dropless", "capacity")
 # How dropless computes its grouped matmuls (moe_dropless.grouped_matmul resolves auto).
@@ -124,7 +124,7 @@ def capacity_masks(top_i: jax.Array, weights: jax.Array, num_experts: int, slots
     return dispatch, combine, dropped
 
 
-def swiglu_experts(x_xbcd: jax.Array, w_gate, w_up, w_down, constrain: Constrain) -> jax.Array:
+def swiglu_experts(x_xbcd: jax.Array, w_gate, w_up, w_down, constrain: Hook) -> jax.Array:
     """Each expert's SwiGLU on its buffer: x [X, B, C, D] -> [X, B, C, D]."""
     dt = x_xbcd.dtype
     g = jnp.einsum("xbcd,xdf->xbcf", x_xbcd, w_gate.astype(dt))
@@ -151,7 +151,7 @@ class MoE(nnx.Module):
             self.shared_down = param(rngs, (shared * f, d), ("mlp", "embed"), stack, dt, "normal", std_out)
         self.k, self.num_experts, self.shared, self.run = k, num_experts, shared, run
 
-    def __call__(self, x_btd: jax.Array, constrain: Constrain) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x_btd: jax.Array, constrain: Hook) -> tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> (y [B, T, D], stats [3] float32: load balance, z-loss, dropped share)."""
         top_i, weights, logits, probs = route(x_btd, self.router[...], self.k)
         balance, z = aux_stats(top_i, logits, probs)

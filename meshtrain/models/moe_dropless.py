@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.models import moe_ragged
-from meshtrain.parallel import experts as expert_parallel
-from meshtrain.parallel.hook import Constrain
+from meshtrain.models.hook import Hook
 
 
 # A window is rows / (WINDOWS_PER_GROUP g) rows of one group, so the windows compute at
@@ -97,6 +96,18 @@ def swiglu_grouped(xs_md: jax.Array, order_m: jax.Array, sizes_g: jax.Array, w_g
     return jnp.zeros((m, d), dt).at[jnp.where(mine, rows_iw, m)].add(out_iwd, mode="drop")
 
 
+def combine(out_nkd, w_nk):
+    """Each token's k expert outputs [n, k, D] summed with its routing weights [n, k] -> [n, D]."""
+    return jnp.einsum("nkd,nk->nd", out_nkd, w_nk.astype(out_nkd.dtype))
+
+
+def local_experts(x_nd, e_nk, w_nk, ws, grouped) -> jax.Array:
+    """All X experts on this device: x [n, D], expert ids [n, k], weights [n, k] -> [n, D]."""
+    n, k = e_nk.shape
+    out = grouped(jnp.repeat(x_nd, k, axis=0), e_nk.reshape(-1), ws[0].shape[0], ws)
+    return combine(out.reshape(n, k, -1), w_nk)
+
+
 def _grouped(xs_md, ids_m, groups: int, ws, mode: str = "windowed") -> jax.Array:
     """Rows xs [m, D] with group ids [m] (ids >= groups: no group, output 0) -> [m, D],
     by the windows or ragged_dot (`mode`, resolved)."""
@@ -106,7 +117,7 @@ def _grouped(xs_md, ids_m, groups: int, ws, mode: str = "windowed") -> jax.Array
     return swiglu(xs_md, order, sizes, *ws)
 
 
-def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain: Constrain,
+def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain: Hook,
             grouped: str = "auto") -> jax.Array:
     """x [B, T, D], expert ids and routing weights [B, T, k], ws = (w_gate [X, D, F],
     w_up [X, D, F], w_down [X, F, D]) -> sum_j w_j expert_{e_j}(x) [B, T, D]; `grouped`
@@ -116,6 +127,6 @@ def experts(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain:
     k = e_btk.shape[-1]
     per_device = functools.partial(_grouped, mode=grouped_matmul(grouped))
     if not constrain.sharded:
-        return expert_parallel.local_experts(x_btd.reshape(b * t, d), e_btk.reshape(-1, k),
-                                             w_btk.reshape(-1, k), ws, per_device).reshape(b, t, d)
-    return expert_parallel.dispatch(x_btd, e_btk, w_btk, ws, constrain, per_device)
+        return local_experts(x_btd.reshape(b * t, d), e_btk.reshape(-1, k),
+                             w_btk.reshape(-1, k), ws, per_device).reshape(b, t, d)
+    return constrain.dispatch_experts(x_btd, e_btk, w_btk, ws, per_device)

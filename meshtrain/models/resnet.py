@@ -29,7 +29,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import family
 from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, conv_output_size, global_avg_pool, max_pool, pool_output_size
 from meshtrain.models.stack import mask_padding
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # block output width / its inner width
 STEMS = ("imagenet", "small")
@@ -121,7 +121,7 @@ class Block(nnx.Module):
         self.shortcut = (ConvBN(rngs, 1, c_in, c_out, ("channels", "channels"), stride=stride, relu=False,
                                 param_dtype=pd) if stride != 1 or c_in != c_out else None)
 
-    def __call__(self, x_bhwc: jax.Array, constrain: Constrain, train: bool) -> jax.Array:
+    def __call__(self, x_bhwc: jax.Array, constrain: Hook, train: bool) -> jax.Array:
         y = self.conv2(self.conv1(x_bhwc, constrain, train), constrain, train)
         if self.conv3 is not None:
             y = self.conv3(y, constrain, train)
@@ -142,7 +142,7 @@ class ResNet(nnx.Module):
         self.fc = Dense(rngs, cfg.out_dim, cfg.vocab_size, ("channels", "vocab"), padded=cfg.padded_vocab_size,
                         param_dtype=pd)
 
-    def __call__(self, images_bhwc: jax.Array, constrain: Constrain = UNSHARDED,
+    def __call__(self, images_bhwc: jax.Array, constrain: Hook = UNSHARDED,
                  key: jax.Array | None = None, train: bool = False) -> jax.Array:
         """images [B, H, W, C] float (normalised) -> logits [B, V] in the compute dtype, the
         padding classes masked. train: BatchNorm uses and updates the batch's statistics.

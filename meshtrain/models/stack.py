@@ -3,13 +3,13 @@ sequential pass over a stack of layers.
 
 A model's layers are stored stacked: each layer parameter has a leading `layers` dim,
 and the forward pass runs one layer function over that dim. The caller may take that
-pass over with `run_layers` (meshtrain/step/pipeline/scan.py does, to run the stack as pipeline
+pass over with `run_layers` (meshtrain/parallel/pipeline/scan.py does, to run the stack as pipeline
 stages); the model never knows how its layers are scheduled.
 
-    constrain: Constrain                        the sharding hook (parallel/hook.py):
-                                                constrain(x, axes) pins an activation to the
-                                                layout; `stored`, `natural` and `positions`
-                                                read the order a sequence is stored in
+    constrain: Hook                       what the model asks of its layout (models/hook.py):
+                                          constrain(x, axes) pins an activation to the
+                                          layout; `stored`, `natural` and `positions`
+                                          read the order a sequence is stored in
     run_layers(make_layer, stacked, x, key, documents) -> x
         make_layer(constrain) -> layer(x, one layer's params, key) -> x
         documents: constrain.documents (models/documents.py) or None; a pipeline
@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.models import remat
-from meshtrain.parallel.hook import Constrain
-from meshtrain.parallel.sequence import BTD, sequence_gather
+from meshtrain.models.hook import Axes, Hook
 
-Axes = tuple[str | None, ...]
+BTD = ("batch", "length", "embed")
+
 RunLayers = Callable[..., jax.Array]
 
 
@@ -40,20 +40,20 @@ def is_matrix(axes: Axes) -> bool:
     return sum(a not in ("layers", "stage") for a in axes) >= 2
 
 
-def stored(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
+def stored(x: jax.Array, constrain: Hook, axis: int = 1) -> jax.Array:
     """x with its `axis` (positions 0..t-1) put in the layout's storage order: what the
     model does to its tokens and the loss to its targets. A gather of int32 ids, cheap."""
     order = constrain.order(x.shape[axis])
     return x if order is None else jnp.take(x, order, axis=axis)
 
 
-def natural(x: jax.Array, constrain: Constrain, axis: int = 1) -> jax.Array:
+def natural(x: jax.Array, constrain: Hook, axis: int = 1) -> jax.Array:
     """The inverse of `stored`: x back in position order (logits handed to a caller)."""
     order = constrain.order(x.shape[axis])
     return x if order is None else jnp.take(x, np.argsort(order), axis=axis)
 
 
-def positions(constrain: Constrain, t: int, pos: jax.Array | None = None) -> jax.Array:
+def positions(constrain: Hook, t: int, pos: jax.Array | None = None) -> jax.Array:
     """The positions of a sequence's rows as stored: [t], pos..pos+t-1 when decoding (a
     cache is never reordered), else the layout's order; or [B, t] when the window is
     packed as documents (`constrain.documents`), each restarting at its document's start."""
@@ -127,7 +127,7 @@ def run_stack(layer: Callable, stacked, x: jax.Array, keys: jax.Array | None, *,
     return x
 
 
-def run_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, key: jax.Array | None,
+def run_layers(blocks: nnx.Module, x: jax.Array, constrain: Hook, key: jax.Array | None,
                runner: RunLayers | None, *, num_layers: int, remat_policy: str, scan: bool,
                **layer_kwargs) -> jax.Array:
     """Runs a stacked module `blocks` (built with stack=num_layers) over x.
@@ -147,14 +147,14 @@ def layer_maker(blocks: nnx.Module, remat_policy: str, **layer_kwargs):
     make_layer(constrain) -> layer(x, one layer's params, key) -> x under `remat_policy`."""
     graphdef, stacked = nnx.split(blocks)
 
-    def make_layer(constrain: Constrain):
+    def make_layer(constrain: Hook):
         def layer(x, params, k):
             return nnx.merge(graphdef, params)(x, constrain, k, **layer_kwargs)
         return remat.wrap(layer, remat_policy)
     return make_layer, nnx.to_pure_dict(stacked)
 
 
-def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, cache, pos: jax.Array,
+def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Hook, cache, pos: jax.Array,
                   **layer_kwargs) -> tuple[jax.Array, object]:
     """One pass over a stacked module with a KV cache whose leaves have a leading layer dim.
 
@@ -170,7 +170,7 @@ def decode_layers(blocks: nnx.Module, x: jax.Array, constrain: Constrain, cache,
     return jax.lax.scan(body, x, (stacked, cache))
 
 
-def pre_norm_block(x_btd: jax.Array, constrain: Constrain, key: jax.Array | None, *, norm1, attn,
+def pre_norm_block(x_btd: jax.Array, constrain: Hook, key: jax.Array | None, *, norm1, attn,
                    norm2, mlp, rate: float, cache=None, pos: jax.Array | None = None):
     """x + attn(norm1(x)), then + mlp(norm2(...)), with dropout on each branch and the
     residual pinned to (batch, length, embed): the pre-norm transformer block.
@@ -178,9 +178,9 @@ def pre_norm_block(x_btd: jax.Array, constrain: Constrain, key: jax.Array | None
     x [B, T, D] -> x; with a KV cache (decoding: attn returns (y, cache)) -> (x, cache).
     """
     keys = (None, None) if key is None else tuple(jax.random.split(key))
-    a = attn(sequence_gather(norm1(x_btd), constrain), constrain, cache, pos)
+    a = attn(constrain.gather_sequence(norm1(x_btd)), constrain, cache, pos)
     a, cache = a if cache is not None else (a, None)
     x_btd = constrain(x_btd + dropout(a, rate, keys[0]), BTD)
-    x_btd = x_btd + dropout(mlp(sequence_gather(norm2(x_btd), constrain), constrain), rate, keys[1])
+    x_btd = x_btd + dropout(mlp(constrain.gather_sequence(norm2(x_btd)), constrain), rate, keys[1])
     x_btd = constrain(x_btd, BTD)
     return x_btd if cache is None else (x_btd, cache)

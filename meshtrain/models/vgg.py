@@ -31,7 +31,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import family
 from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, max_pool
 from meshtrain.models.stack import dropout as _dropout, mask_padding
-from meshtrain.parallel.hook import UNSHARDED, Constrain
+from meshtrain.models.hook import UNSHARDED, Hook
 
 # torchvision's cfgs: a width is a 3x3 conv, M a 2x2 max-pool of stride 2.
 _A = "64 M 128 M 256 256 M 512 512 M 512 512 M"
@@ -103,7 +103,7 @@ class VGG(nnx.Module):
         self.fc3 = Dense(rngs, cfg.mlp_dim, cfg.vocab_size, ("embed", "vocab"), padded=cfg.padded_vocab_size,
                          param_dtype=pd)
 
-    def __call__(self, images_bhwc: jax.Array, constrain: Constrain = UNSHARDED,
+    def __call__(self, images_bhwc: jax.Array, constrain: Hook = UNSHARDED,
                  key: jax.Array | None = None, train: bool = False) -> jax.Array:
         """images [B, H, W, C] float (normalised) -> logits [B, V] in the compute dtype, the
         padding classes masked. train: BatchNorm uses and updates the batch's statistics;

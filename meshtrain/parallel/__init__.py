@@ -1,14 +1,18 @@
-"""Parallelism the models call but do not own: the sharding hook and the kernels written
-per device, where GSPMD cannot split a computation by itself (docs/layouts.md).
+"""Every way the work is split over devices (docs/layouts.md, docs/pipeline.md).
 
-  hook                the typed hook every model receives: Constrain(layout, mesh), or
-                      UNSHARDED; pins activations, gives specs and the sequence order
-  sequence            sequence parallelism's pins: Megatron's all-gather `g`, attention's view
+  layouts/            where each logical axis lives: rules, presets, sharding tables, the vocabulary
+  hook                Constrain(layout, mesh): the layout's answer to what a model asks
+                      (models/hook.py): pins, storage order, and the kernels below
+  sequence            sequence and context parallelism's positions: the zigzag order,
+                      Megatron's all-gather `g`, attention's view
   context_attention   causal attention over a split sequence: all-gather or ring (shard_map)
   experts             expert parallelism's dispatch: all-to-all to the experts' devices (shard_map)
+  grad_reduce         the data-parallel replicas' gradient reduction (dtype, accumulation,
+                      ZeRO-2's reduce-scatter in the backward)
+  pipeline/           pipeline stages inside the one step: GPipe and circular as a scan over
+                      ticks, 1F1B and interleaved 1F1B as a tick loop with its own backward
 
-The layouts (parallel/layouts/) say where each logical axis lives; the mesh, built in mesh.py,
-what devices there are. Data parallelism, FSDP/ZeRO and tensor parallelism need nothing
-here: the layout's shardings and XLA's collectives do them. Pipeline parallelism is the
-step's own schedule (parallel/pipeline/), and gradient reduction its own (parallel/grad_reduce.py).
+Data parallelism, FSDP/ZeRO-1/3 and tensor parallelism need no code of their own: the
+layout's shardings and XLA's collectives do them. The models import nothing from here;
+the step (step/) calls into it, handing the schedules what they need of the loss.
 """

@@ -46,26 +46,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.rules import mesh_axes_of
-from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel import sequence
+from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
+from meshtrain.models.attention import BTHE, BTKE, check_context_kind
 
-KINDS = ("allgather", "ring")
-BTHE = ("batch", "length", "heads", "head_dim")
-BTKE = ("batch", "length", "kv_heads", "head_dim")
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # a masked score, as attention._MASKED
-
-
-def check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise UserError(f"model.context_attention={kind!r} is not a way to attend across a split "
-                        f"sequence. Choose one of: {', '.join(KINDS)} (docs/layouts.md, "
-                        f"'Long sequences').")
-
-
-def splits_length(constrain: Constrain) -> bool:
-    """Whether the layout splits q's, k's and v's positions over devices (context
-    parallelism): then attention runs here, not in the model's kernel."""
-    return constrain.sharded and constrain.mesh_size(mesh_axes_of(constrain.spec(BTHE)[1])) > 1
 
 
 def _scores(q_bqhe, k_bkhe):
@@ -174,18 +159,17 @@ def _kv_heads_of(spec: P, kv_spec: P, num_heads: int, num_kv: int, mesh):
     return heads
 
 
-def attend(q_bthe, k_btke, v_btke, *, kind: str, constrain: Constrain):
+def attend(q_bthe, k_btke, v_btke, *, kind: str, layout: Layout, mesh, documents=None):
     """Causal attention with `length` split over devices (`splits_length`): -> [B, T, H, E].
 
     q [B, T, H, E], k and v [B, T, K, E] (K divides H: grouped-query attention; only the K
     kv heads travel, each device repeats them to its query heads), stored in the layout's
-    zigzag order (`constrain.order`). A packed window's documents (`constrain.documents`)
+    zigzag order (parallel/sequence.py). A packed window's `documents` (models/documents.py)
     mask across segments too."""
-    spec = constrain.spec(BTHE)
-    kv_spec = spec if k_btke.shape[2] == q_bthe.shape[2] else constrain.spec(BTKE)
-    positions_t = jnp.asarray(constrain.order(q_bthe.shape[1]))
-    check_kind(kind)
-    mesh = constrain.mesh
+    spec = layout.spec(BTHE, "activations")
+    kv_spec = spec if k_btke.shape[2] == q_bthe.shape[2] else layout.spec(BTKE, "activations")
+    positions_t = jnp.asarray(sequence.order(layout, mesh.shape, q_bthe.shape[1]))
+    check_context_kind(kind)
     axes = mesh_axes_of(spec[1])
     n = math.prod(mesh.shape[a] for a in axes)
     if spec[3] is not None:
@@ -196,6 +180,6 @@ def attend(q_bthe, k_btke, v_btke, *, kind: str, constrain: Constrain):
     body = (functools.partial(_allgather, axes=axis, heads=heads) if kind == "allgather"
             else functools.partial(_ring, axes=axis, n=n, heads=heads))
     args, in_specs = (q_bthe, k_btke, v_btke, positions_t), (spec, kv_spec, kv_spec, P(spec[1]))
-    if constrain.documents is not None:
-        args, in_specs = (*args, constrain.documents.segments), (*in_specs, P(spec[0], spec[1]))
+    if documents is not None:
+        args, in_specs = (*args, documents.segments), (*in_specs, P(spec[0], spec[1]))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)

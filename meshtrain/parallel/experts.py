@@ -23,6 +23,7 @@ Shapes: B batch, T length, D embed, X experts, k per token, F expert mlp, n = B 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -30,25 +31,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.rules import mesh_axes_of
-from meshtrain.parallel.hook import Constrain
-from meshtrain.parallel.sequence import BTD
+from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
+from meshtrain.models.moe_dropless import combine, local_experts
+from meshtrain.parallel.sequence import BTD, for_attention
 
 Grouped = Callable[..., jax.Array]
 W_IN = ("experts", "embed", "mlp")   # the experts' weights' logical axes
 W_OUT = ("experts", "mlp", "embed")
-
-
-def combine(out_nkd, w_nk):
-    """Each token's k expert outputs [n, k, D] summed with its routing weights [n, k] -> [n, D]."""
-    return jnp.einsum("nkd,nk->nd", out_nkd, w_nk.astype(out_nkd.dtype))
-
-
-def local_experts(x_nd, e_nk, w_nk, ws, grouped: Grouped) -> jax.Array:
-    """All X experts on this device: x [n, D], expert ids [n, k], weights [n, k] -> [n, D]."""
-    n, k = e_nk.shape
-    out = grouped(jnp.repeat(x_nd, k, axis=0), e_nk.reshape(-1), ws[0].shape[0], ws)
-    return combine(out.reshape(n, k, -1), w_nk)
 
 
 def owned_experts(x_nd, e_nk, w_nk, ws, grouped: Grouped, ep_axes) -> jax.Array:
@@ -88,16 +77,16 @@ def exchanged_experts(x_nd, e_nk, w_nk, ws, grouped: Grouped, ep_axes, ep: int) 
     return combine(out_flat.reshape(n, k, -1), w_nk)
 
 
-def dispatch(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain: Constrain,
+def dispatch(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, layout: Layout, mesh,
              grouped: Grouped) -> jax.Array:
     """x [B, T, D], expert ids and routing weights [B, T, k], ws = (w_gate [X, D, F],
-    w_up [X, D, F], w_down [X, F, D]) on the hook's mesh -> sum_j w_j expert_{e_j}(x)
+    w_up [X, D, F], w_down [X, F, D]) on the mesh -> sum_j w_j expert_{e_j}(x)
     [B, T, D]."""
     d = x_btd.shape[2]
     k = e_btk.shape[-1]
     # Tokens as attention and the MLP see them (sequence parallelism's stream split undone).
-    x_spec = constrain.for_attention(BTD)
-    w_in, w_out = constrain.spec(W_IN), constrain.spec(W_OUT)
+    x_spec = for_attention(layout, BTD)
+    w_in, w_out = layout.spec(W_IN, "activations"), layout.spec(W_OUT, "activations")
     token_axes = mesh_axes_of(x_spec[0]) + mesh_axes_of(x_spec[1])
     ep_axes, mlp_axes = mesh_axes_of(w_in[0]), mesh_axes_of(w_in[2])
     if x_spec[2] is not None or w_in[1] is not None or w_out[2] is not None:
@@ -109,7 +98,7 @@ def dispatch(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain
         raise UserError(f"the layout splits the experts' `mlp` over mesh axes {mlp_axes} that also split "
                         f"the tokens ({token_axes}) or the experts ({ep_axes}); give `mlp` a mesh axis "
                         f"of its own (the presets use tensor).")
-    ep = constrain.mesh_size(ep_axes)
+    ep = math.prod(mesh.shape[a] for a in ep_axes)
     if ws[0].shape[0] % ep:
         raise UserError(f"{ws[0].shape[0]} experts do not divide over the {ep} devices of mesh axes "
                         f"{'+'.join(ep_axes)}; choose an expert axis size dividing model.num_experts.")
@@ -129,5 +118,5 @@ def dispatch(x_btd: jax.Array, e_btk: jax.Array, w_btk: jax.Array, ws, constrain
             y = jax.lax.psum(y, mlp_axes)
         return y.reshape(bl, tl, d)
 
-    return jax.shard_map(body, mesh=constrain.mesh, in_specs=(x_spec, route_spec, route_spec, w_in, w_in, w_out),
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, route_spec, route_spec, w_in, w_in, w_out),
                          out_specs=x_spec, check_vma=False)(x_btd, e_btk, w_btk, *ws)

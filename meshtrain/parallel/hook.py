@@ -1,22 +1,13 @@
-"""The sharding hook the models receive: a `Constrain` pins activations to a layout.
+"""The hook for a layout on a mesh: `Constrain(layout, mesh)` answers what a model asks
+of its layout (models/hook.py): pins, the sequence's storage order, and the kernels
+written per device where GSPMD cannot split a computation by itself (context attention,
+expert dispatch, sequence parallelism's gather; parallel/context_attention.py,
+parallel/experts.py, parallel/sequence.py).
 
-Models are written with logical axis names only. Where a model says how an activation
-is laid out, it calls the hook it was given:
-
-    constrain(x, axes) -> x     x pinned to the layout's activation spec for `axes`
-    constrain.order(t)          positions [t] in the order a sequence is stored under
-                                context parallelism (parallel/sequence.py), or None
-    constrain.sharded           whether there is a mesh at all
-    constrain.documents         the documents of a packed window (models/documents.py:
-                                segment ids and positions [B, T], stored order), or None
-
-`UNSHARDED` is the hook without a mesh (one device, tests, tracing shapes): it pins
-nothing and stores sequences in position order. The models own no mesh: the kernels
-XLA cannot split by itself (parallel/context_attention.py, parallel/experts.py,
-parallel/sequence.py) take the hook and read its mesh and specs there. The step, the
-pipeline's stages and the loss's chunks each make theirs, with the layout they see; a
-task packing documents adds them (`with_documents`), and a pipeline stage gets its
-microbatch's rows of them.
+`Constrain()` (no layout, no mesh) is the models' `Hook`: nothing pinned or split. The
+step, the pipeline's stages and the loss's chunks each make theirs, with the layout they
+see; a task packing documents adds them (`with_documents`), and a pipeline stage gets
+its microbatch's rows of them.
 """
 
 from __future__ import annotations
@@ -25,21 +16,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.parallel import sequence
-from meshtrain.parallel.layouts.rules import Layout
+from meshtrain.models.hook import Axes, Hook
+from meshtrain.parallel import context_attention, experts, sequence
+from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
 
-Axes = tuple[str | None, ...]
 
-
-class Constrain:
+class Constrain(Hook):
     def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None, documents=None):
         """Both or neither: a layout on a mesh, or no sharding at all."""
         if (layout is None) != (mesh is None):
             raise ValueError("Constrain takes a layout and a mesh, or neither")
-        self.layout, self.mesh, self.documents = layout, mesh, documents
+        super().__init__(documents)
+        self.layout, self.mesh = layout, mesh
 
     def with_documents(self, documents) -> "Constrain":
-        """The same hook for a batch whose windows keep documents apart (or None)."""
         return Constrain(self.layout, self.mesh, documents)
 
     @property
@@ -61,7 +51,6 @@ class Constrain:
         return sequence.for_attention(self.layout, axes)
 
     def order(self, t: int) -> np.ndarray | None:
-        """Positions [t] in the layout's storage order, or None for 0..t-1."""
         return None if self.mesh is None else sequence.order(self.layout, self.mesh.shape, t)
 
     def mesh_size(self, axes: tuple[str, ...]) -> int:
@@ -71,5 +60,22 @@ class Constrain:
             n *= self.mesh.shape[a]
         return n
 
+    def gather_sequence(self, x_btd: jax.Array) -> jax.Array:
+        return x_btd if self.mesh is None else sequence.sequence_gather(x_btd, self.layout, self.mesh)
 
-UNSHARDED = Constrain()
+    def as_attention_sees(self, x: jax.Array, axes: Axes) -> jax.Array:
+        return x if self.mesh is None else sequence.as_attention_sees(x, self.layout, self.mesh, axes)
+
+    @property
+    def splits_length(self) -> bool:
+        """Whether the layout splits q's, k's and v's positions over devices (context
+        parallelism): then attention runs in parallel/context_attention.py."""
+        return self.sharded and self.mesh_size(mesh_axes_of(self.spec(context_attention.BTHE)[1])) > 1
+
+    def attend_split(self, q_bthe, k_btke, v_btke, kind: str) -> jax.Array:
+        return context_attention.attend(q_bthe, k_btke, v_btke, kind=kind, layout=self.layout, mesh=self.mesh,
+                                        documents=self.documents)
+
+    def dispatch_experts(self, x_btd, e_btk, w_btk, ws, grouped) -> jax.Array:
+        return experts.dispatch(x_btd, e_btk, w_btk, ws, self.layout, self.mesh, grouped)
+

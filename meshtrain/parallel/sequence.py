@@ -32,7 +32,6 @@ sequences; `as_attention_sees` and `sequence_gather` say where that changes hand
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -41,9 +40,6 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
-
-if TYPE_CHECKING:
-    from meshtrain.parallel.hook import Constrain
 
 ATTENTION_AXES = ("batch", "length", "heads", "head_dim")
 BTD = ("batch", "length", "embed")
@@ -91,24 +87,23 @@ def for_attention(layout: Layout, axes) -> P:
     return P(*spec[:i], None if not entry else entry[0] if len(entry) == 1 else entry, *spec[i + 1:])
 
 
-def as_attention_sees(x: jax.Array, constrain: Constrain, axes) -> jax.Array:
+def as_attention_sees(x: jax.Array, layout: Layout, mesh, axes) -> jax.Array:
     """x pinned to the layout's spec for `axes` with its positions split only as attention
-    splits them (`constrain(x, axes)` where the two agree, as without sequence parallelism)."""
-    if not constrain.sharded:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(constrain.mesh, constrain.for_attention(axes)))
+    splits them (the layout's own spec where the two agree, as without sequence parallelism)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, for_attention(layout, axes)))
 
 
-def sequence_gather(x_btd: jax.Array, constrain: Constrain) -> jax.Array:
+def sequence_gather(x_btd: jax.Array, layout: Layout, mesh) -> jax.Array:
     """Megatron's `g` under sequence parallelism (Korthikanti et al. 2022, §4.2.2): the
     input of attention or the MLP, split by position over tensor in the residual stream, is
     all-gathered whole in the forward pass, and its gradient, a partial sum on each tensor
     rank, is reduce-scattered back to the split in the backward pass. Left to itself, XLA
     moved q, k and v by all-to-all and gathered weights instead. A no-op unless the layout
     splits the stream's positions more than attention's (x [B, T, D])."""
-    if not constrain.sharded or constrain.for_attention(BTD) == constrain.spec(BTD):
+    attention_spec, stream_spec = for_attention(layout, BTD), layout.spec(BTD, "activations")
+    if attention_spec == stream_spec:
         return x_btd
-    whole, stream = (NamedSharding(constrain.mesh, s) for s in (constrain.for_attention(BTD), constrain.spec(BTD)))
+    whole, stream = NamedSharding(mesh, attention_spec), NamedSharding(mesh, stream_spec)
 
     @jax.custom_vjp
     def gather(x):

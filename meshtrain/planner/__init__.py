@@ -1,7 +1,7 @@
 """The layout planner: what a config will cost before it runs (docs/planner.md).
 
   hardware   the device table (peaks, memory, links) the predictions use
-  analytic   memory and collective lower bounds from the formulas
+  analytic   memory by the formulas; bounds: the collective lower bounds, split_cost: per axis
   beyond_bounds  the traffic those bounds do not count: known excess, axes with no formula
   halo       a spatial layout's halo exchanges (conv rows across split boundaries) by formula
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
@@ -12,13 +12,13 @@
   ranking    the search's ranking, the winner as a command, the config's own layout's rank
   lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
-  verify     a layout trained against one device on a shrunk model (plan --verify)
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   text       the report for a terminal
 
-Beside it: the notebooks' pictures are meshtrain/pictures/, the generators of
-docs/planner.md's tables tools/docs_tables.py (not shipped), and the sequence-parallel
-HLO reader that only the tests use tests/support/sequence_parallel.py.
+Beside it: --verify (a layout trained against one device) is meshtrain/run/verify.py, the
+memory budget the check reads meshtrain/run/memory_budget.py, the notebooks' pictures
+meshtrain/pictures/, the generators of docs/planner.md's tables tools/docs_tables.py (not
+shipped), and the sequence-parallel HLO reader tests/support/sequence_parallel.py.
 """
 
 

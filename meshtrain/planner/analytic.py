@@ -8,7 +8,7 @@ Memory per device (bytes), for fp32 master weights:
   gradients    size / (shards of its grads spec) x param bytes: the params' sharding (the
                backward writes them there), or split like the moments under a layout
                whose grads table reduce-scatters each layer's gradient inside the backward
-               pass (ZeRO-2, layouts/rules.py); plus an fp32 accumulator at the
+               pass (ZeRO-2, parallel/layouts/rules.py); plus an fp32 accumulator at the
                optimizer's sharding when train.grad_accum_steps > 1; with
                train.accum_gather=once (`gathered`) the accumulator has the gathered
                params' sharding (fsdp struck), and the gathered params themselves (matrices
@@ -43,39 +43,22 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import UserError
-from meshtrain.layouts.rules import mesh_axes_of
+from meshtrain.parallel import grad_reduce
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import context, experts, pipeline_memory
-from meshtrain.step import grad_reduce, loss as loss_lib, optim, state as state_lib, train_step as step_lib
+from meshtrain.planner.split_cost import group_size, local_batch, split_over
+from meshtrain.step import loss as loss_lib, optim, state as state_lib, train_step as step_lib
 
-GRAD_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
-
-
-def _axes_of(sharding) -> tuple[str, ...]:
+def spec_axes(sharding) -> tuple[str, ...]:
+    """The mesh axes a NamedSharding splits its array over, any dim."""
     return tuple(a for s in sharding.spec for a in mesh_axes_of(s))
 
 
-def _size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def _shards(exp, name: str, layout=None) -> tuple[int, tuple[str, ...]]:
-    """(pieces, mesh axes) a lone logical dim `name` of the activations is split into."""
-    return (layout or exp.layout).shards(name, exp.mesh.shape)
-
-
-def local_batch(exp) -> dict:
-    """Rows and tokens one device computes at a time: {"rows": per microbatch on a device
-    outside the pipeline, "stage_rows": all microbatches a stage holds, "tensor": heads split,
-    "vocab": vocabulary split, "micro": microbatches a step runs through each layer}."""
-    cfg, pipe = exp.cfg, exp.model.pipeline
-    k = cfg.train.grad_accum_steps
-    shards, _ = _shards(exp, "batch")
-    inner = shards if pipe is None else _shards(exp, "batch", exp.layout.without("stage"))[0]
-    return {"rows": cfg.train.batch_size // k // shards,
-            "stage_rows": cfg.train.batch_size // k // inner,
-            "pipeline_rows": cfg.train.batch_size // k // inner // (pipe.microbatches if pipe else 1),
-            "tensor": _shards(exp, "heads")[0], "vocab": _shards(exp, "vocab")[0],
-            "micro": k * (pipe.microbatches if pipe else 1)}
+def _elements(exp, shardings, whole=()) -> list[float]:
+    """Each parameter's elements on a device under `shardings` (params, opt_state or grads),
+    kept whole over the mesh axes `whole`."""
+    return [math.prod(s.shape) / group_size(exp.mesh.shape, [a for a in spec_axes(sh) if a not in whole])
+            for s, sh in zip(jax.tree.leaves(exp.model.shapes), jax.tree.leaves(shardings))]
 
 
 def attention_on(exp, hw=None) -> str:
@@ -98,20 +81,13 @@ def memory(exp, hw=None) -> dict[str, float]:
     the run would use on `hw` (`attention_on`)."""
     m = exp.model
     pbytes = jnp.dtype(m.cfg.param_dtype).itemsize
-    shapes = jax.tree.leaves(m.shapes)
-    params = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
-                 zip(shapes, jax.tree.leaves(exp.shardings.params)))
-    opt = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
-              zip(shapes, jax.tree.leaves(exp.grad_shardings)))
-    split = sum(math.prod(s.shape) / _size(exp.mesh, _axes_of(sh)) for s, sh in
-                zip(shapes, jax.tree.leaves(state_lib.param_shardings(m, exp.layout, exp.mesh, "grads"))))
+    params, opt = sum(_elements(exp, exp.shardings.params)), sum(_elements(exp, exp.grad_shardings))
+    split = sum(_elements(exp, state_lib.param_shardings(m, exp.layout, exp.mesh, "grads")))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
     once = gathered(exp)
     if once:  # accumulator and gathered params at the params' sharding without `once`
-        inner = [math.prod(s.shape) / _size(exp.mesh, [a for a in _axes_of(sh) if a not in once])
-                 for s, sh in zip(shapes, jax.tree.leaves(exp.shardings.params))]
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
-        grads += sum(n * (4 + w) for n, w in zip(inner, wbytes)) - opt * 4
+        grads += sum(n * (4 + w) for n, w in zip(_elements(exp, exp.shardings.params, once), wbytes)) - opt * 4
     moments = sum(jnp.dtype(d).itemsize for d in optim.moment_dtypes(exp.cfg.optim, m.cfg.param_dtype))
     return {"params": params * pbytes, "optimizer": opt * moments, "gradients": grads,
             "activations": activations(exp, hw)}
@@ -176,8 +152,7 @@ def layer_splits(exp) -> tuple[int, dict]:
 def sequence_parallel(exp) -> int:
     """The tensor ranks a layout splits the residual stream [batch, length, embed] over by
     position (Megatron sequence parallelism, the *_sp presets' `length:tensor`), else 1."""
-    _, axes = _shards(exp, "length")
-    return _size(exp.mesh, [a for a in axes if a == "tensor"])
+    return exp.mesh.shape["tensor"] if "tensor" in split_over(exp.layout, exp.mesh.shape, "length")[1] else 1
 
 
 def pipeline_activations(exp, hw=None, dtype: str | None = None):
@@ -191,9 +166,9 @@ def pipeline_activations(exp, hw=None, dtype: str | None = None):
     t, mb = cfg.seq_len, b["pipeline_rows"]
     recompute = per_layer(cfg, mb * t, b["tensor"], "none") if cfg.remat != "none" else 0.0
     inner = exp.layout.without("stage")
-    pieces = _shards(exp, "length", inner)[0] * _shards(exp, "embed", inner)[0]
-    stream = mb * t * _embed_dim(m) * jnp.dtype(cfg.dtype).itemsize / pieces  # one [mb, T, D]
-    vocab, vocab_axes = _shards(exp, "vocab")
+    pieces = split_over(inner, exp.mesh.shape, "length")[0] * split_over(inner, exp.mesh.shape, "embed")[0]
+    stream = mb * t * embed_dim(m) * jnp.dtype(cfg.dtype).itemsize / pieces  # one [mb, T, D]
+    vocab, vocab_axes = split_over(exp.layout, exp.mesh.shape, "vocab")
     # 1F1B's loss head runs on every tick, its vocabulary split over stage too where it
     # divides (pipeline_1f1b.head_layout)
     over_stage = "stage" not in vocab_axes and cfg.padded_vocab_size % (vocab * pipe.stages) == 0
@@ -221,7 +196,7 @@ def _head(exp, cfg, rows: int, vocab_shards: int) -> float:
     chunks = loss_chunks(exp)
     v_local = cfg.padded_vocab_size / vocab_shards
     logits = rows * cfg.seq_len // chunks * v_local * 2 * jnp.dtype(cfg.dtype).itemsize
-    return logits + (v_local * _embed_dim(exp.model) * 4 if chunks > 1 else 0)
+    return logits + (v_local * embed_dim(exp.model) * 4 if chunks > 1 else 0)
 
 
 def loss_chunks(exp) -> int:
@@ -237,7 +212,7 @@ def has_stream(model) -> bool:
     return _stream_shape(model) is not None
 
 
-def _embed_dim(model) -> int:
+def embed_dim(model) -> int:
     """The residual stream's width, [b, T, D]: read from the activations the family pins."""
     shape = _stream_shape(model)
     if shape is None:

@@ -10,13 +10,11 @@ beside the compiled program's in the report:
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
-from meshtrain import tree_paths
-from meshtrain.planner import analytic, context, halo
-from meshtrain.planner.bounds import SPLIT_COSTS
+from meshtrain.planner import analytic
+from meshtrain.planner.bounds import SPLIT_COSTS, leaves
+from meshtrain.planner.split_cost import group_size, split_over
 
 
 def no_formula(exp) -> list[dict]:
@@ -28,7 +26,7 @@ def no_formula(exp) -> list[dict]:
     if analytic.has_stream(m):
         return []
     names = ("filters", "channels", "mlp", "embed", "vocab", "heads")
-    axes = tuple(dict.fromkeys(a for n in names for a in analytic._shards(exp, n)[1] if mesh.shape[a] > 1))
+    axes = tuple(dict.fromkeys(a for n in names for a in split_over(exp.layout, mesh.shape, n)[1]))
     if not axes:
         return []
     return [{"mesh_axes": axes, "why": f"no formula for the collectives of a classifier's feature maps "
@@ -53,50 +51,40 @@ def known_excess(exp) -> list[dict]:
                    docs/layouts.md) get gradient pieces from every head shard: their weight
                    gradients are summed over tensor (counted), and per layer their output
                    gradients too (named, not counted)"""
-    m, mesh = exp.model, exp.mesh
-    cfg = m.cfg
-    compute = jnp.dtype(cfg.dtype).itemsize
-    flat_axes = tree_paths.flat(m.axes, is_leaf=lambda x: isinstance(x, tuple))
-    params = tree_paths.flat(exp.shardings.params)
-    tied = not any(tuple(a) == ("embed", "vocab") for a in flat_axes.values())
-    _, batch_axes = analytic._shards(exp, "batch")
-    t_axes = analytic._shards(exp, "heads")[1]
-    opt = tree_paths.flat(exp.grad_shardings)
-    convs, spatial = halo.conv_paths(exp), halo.spatial_axes(exp)
+    shape = exp.mesh.shape
+    compute = jnp.dtype(exp.model.cfg.dtype).itemsize
+    params = list(leaves(exp))
+    tied = not any(leaf.axes == ("embed", "vocab") for leaf in params)
+    t_axes = split_over(exp.layout, shape, "heads")[1]
     out, conv_rows, context_rows = [], {}, {}
-    positions = context.split(exp)[1]
-    for path, shape in tree_paths.flat(m.shapes).items():
-        axes, p_axes = flat_axes[path], analytic._axes_of(params[path])
-        local = math.prod(shape.shape) / analytic._size(mesh, p_axes)
-        reduce_axes = [a for a in batch_axes if a not in p_axes and mesh.shape[a] > 1]
-        if tied and tuple(axes) == ("vocab", "embed") and reduce_axes:
-            n = analytic._size(mesh, reduce_axes)
+    for leaf in params:
+        reduce_axes = [a for a in leaf.splits if a not in leaf.params]
+        if tied and leaf.axes == ("vocab", "embed") and reduce_axes:
+            n = group_size(shape, reduce_axes)
             out.append({"kind": "all-reduce", "mesh_axes": tuple(reduce_axes),
-                        "bytes": 2 * (n - 1) / n * local * compute,
-                        "why": f"the tied table {path} is reduced twice, its lookup and its output-"
+                        "bytes": 2 * (n - 1) / n * leaf.local * compute,
+                        "why": f"the tied table {leaf.path} is reduced twice, its lookup and its output-"
                                f"projection gradients apart"})
-        rows_axes = [a for a in spatial if a not in p_axes] if path.startswith(convs) else []
-        plain = [a for a in reduce_axes if a not in analytic._axes_of(opt[path])]
+        plain = [a for a in reduce_axes if a not in leaf.opt]
         # the bound's reduced share (collective_bounds): convs under a row split, every leaf
         # under a context split
-        for rows, first, what, split in ((conv_rows, rows_axes, "conv gradients", "the row split"),
-                                         (context_rows, [a for a in positions if a not in p_axes],
-                                          "gradients", "the context split")):
+        for rows, first, what, split in ((conv_rows, leaf.rows, "conv gradients", "the row split"),
+                                         (context_rows, leaf.positions, "gradients", "the context split")):
             if not (first and plain):
                 continue
-            n, r = analytic._size(mesh, plain), analytic._size(mesh, first)
+            n, r = group_size(shape, plain), group_size(shape, first)
             row = rows.setdefault(tuple(plain), {
                 "kind": "all-reduce", "mesh_axes": tuple(plain), "bytes": 0.0,
                 "why": f"{what} all-reduced whole over {'+'.join(plain)} after their all-reduce over "
                        f"{split} ({'+'.join(first)}), where a reduce-scatter there would leave 1/{r} "
                        f"of them to reduce"})
-            row["bytes"] += 2 * (n - 1) / n * local * compute * (1 - 1 / r)
-        kv_whole = [a for a in t_axes if a not in p_axes and mesh.shape[a] > 1]
-        if "kv_heads" in axes and kv_whole:
-            n = analytic._size(mesh, kv_whole)
+            row["bytes"] += 2 * (n - 1) / n * leaf.local * compute * (1 - 1 / r)
+        kv_whole = [a for a in t_axes if a not in leaf.params]
+        if "kv_heads" in leaf.axes and kv_whole:
+            n = group_size(shape, kv_whole)
             out.append({"kind": "all-reduce", "mesh_axes": tuple(kv_whole),
-                        "bytes": 2 * (n - 1) / n * local * compute,
-                        "why": f"{path} is kept whole over tensor (kv heads unsplit): its gradient "
+                        "bytes": 2 * (n - 1) / n * leaf.local * compute,
+                        "why": f"{leaf.path} is kept whole over tensor (kv heads unsplit): its gradient "
                                f"is summed over the head shards; so are, per layer, the small "
                                f"[b, T, kv_heads, head_dim] gradients of its output (with all-gathers "
                                f"within each kv group): split kv_heads over tensor to remove both"})

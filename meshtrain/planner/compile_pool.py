@@ -60,8 +60,8 @@ def compile_one(name: str, base: list, cand_overrides: list, hw_fields: dict) ->
     if key not in _WORKER_INPUTS:
         _WORKER_INPUTS[key] = read_inputs(config_lib.load(name, base))
     hw = hardware_lib.Hardware(**hw_fields)
-    exp = Experiment.build(config_lib.load(name, [*base, *cand_overrides]), inputs=_WORKER_INPUTS[key])
-    exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
+    exp = Experiment.build(config_lib.load(name, [*base, *cand_overrides]), inputs=_WORKER_INPUTS[key],
+                           choose_gather=accumulation.for_hardware(hw))
     r = report_lib.plan(exp, hw)
     r.pop("config", None)
     return r

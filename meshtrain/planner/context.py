@@ -2,7 +2,7 @@
 parallelism", derives it and sets it beside the compiled step's).
 
 A layout that splits attention's `length` over mesh axes of total size n gives each device
-2c = T/n positions of every sequence, chunks i and 2n-1-i (layouts/sequence.py). With one
+2c = T/n positions of every sequence, chunks i and 2n-1-i (parallel/sequence.py). With one
 device's keys (or values) a block of b x T/n x K' x E x bytes (b rows per microbatch on the
 device, K' the kv heads it holds, which alone travel, E the head width), per layer and
 microbatch each device sends:
@@ -30,37 +30,30 @@ equal matmul FLOPs (planner/hlo_flops.py `conditionals`).
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
-from meshtrain.layouts import sequence
+from meshtrain.parallel import sequence
 from meshtrain.planner import hlo_flops
-from meshtrain.planner.split_cost import Term, Traffic
+from meshtrain.planner.split_cost import RECOMPUTES, Term, Traffic, local_batch, split_over
 
-RECOMPUTES = ("full", "save_dots")  # remat policies that rerun attention in backward
 KINDS = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter")}
 
 
 def split(exp) -> tuple[int, tuple[str, ...]]:
     """(n, mesh axes of size > 1) of attention's `length` split; n = 1 when unsplit."""
-    _, axes = sequence.split(exp.layout, exp.mesh.shape)
-    axes = tuple(a for a in axes if exp.mesh.shape[a] > 1)
-    return math.prod(exp.mesh.shape[a] for a in axes), axes
+    return split_over(exp.layout, exp.mesh.shape, "length", sequence.ATTENTION_AXES)
 
 
 def _dims(exp) -> dict:
     """b rows per microbatch on a device, H/t query heads and K' kv heads (the ones that
     travel), E, T, compute bytes, microbatches."""
     cfg, layout, shape = exp.model.cfg, exp.layout, exp.mesh.shape
-    k = exp.cfg.train.grad_accum_steps
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
-    kv_local = (cfg.num_heads // layout.shards("heads", shape)[0] if kv == cfg.num_heads
-                else kv // layout.shards("kv_heads", shape)[0])
-    return {"rows": exp.cfg.train.batch_size // k // layout.shards("batch", shape)[0],
-            "heads": cfg.num_heads // layout.shards("heads", shape)[0], "kv_heads": kv_local,
-            "head_dim": cfg.head_dim,
-            "seq_len": cfg.seq_len, "bytes": jnp.dtype(cfg.dtype).itemsize, "micro": k}
+    heads = cfg.num_heads // split_over(layout, shape, "heads")[0]
+    return {"rows": local_batch(exp)["rows"], "heads": heads,
+            "kv_heads": heads if kv == cfg.num_heads else kv // split_over(layout, shape, "kv_heads")[0],
+            "head_dim": cfg.head_dim, "seq_len": cfg.seq_len, "bytes": jnp.dtype(cfg.dtype).itemsize,
+            "micro": exp.cfg.train.grad_accum_steps}
 
 
 def traffic(exp) -> Traffic | None:

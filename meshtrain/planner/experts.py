@@ -33,13 +33,13 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.layouts.rules import mesh_axes_of
 from meshtrain.models import moe
 from meshtrain.parallel import experts as expert_parallel
-from meshtrain.planner.split_cost import Term, Traffic
+from meshtrain.parallel.layouts.rules import mesh_axes_of
+from meshtrain.planner import context
+from meshtrain.planner.split_cost import RECOMPUTES, Term, Traffic, local_batch, split_over
 from meshtrain.step import optim
 
-RECOMPUTES = ("full", "save_dots")  # remat policies that rerun the MoE layer in backward
 WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
@@ -50,24 +50,17 @@ def has_experts(exp) -> bool:
 def split(exp) -> tuple[int, tuple[str, ...]]:
     """(e, mesh axes of size > 1) the layout splits `experts` over in the experts' compute;
     (1, ()) for a model without experts."""
-    if not has_experts(exp):
-        return 1, ()
-    _, axes = exp.layout.split(expert_parallel.W_IN, "experts", exp.mesh.shape)
-    axes = tuple(a for a in axes if exp.mesh.shape[a] > 1)
-    return math.prod(exp.mesh.shape[a] for a in axes), axes
+    return split_over(exp.layout, exp.mesh.shape, "experts", expert_parallel.W_IN) if has_experts(exp) else (1, ())
 
 
 def _local(exp) -> dict:
     """rows b per microbatch on a device, tokens n, the batch's mesh axes, capacity slots."""
     cfg, layout, shape = exp.model.cfg, exp.layout, exp.mesh.shape
-    micro = exp.cfg.train.grad_accum_steps
-    rows, batch_axes = layout.shards("batch", shape)
-    length, _ = layout.split(("batch", "length", "heads", "head_dim"), "length", shape)  # attention's split
-    b = exp.cfg.train.batch_size // micro // rows
-    k = cfg.experts_per_token
-    slots = moe.capacity(cfg.seq_len, cfg.num_experts, k, cfg.moe.capacity_factor)
-    return {"rows": b, "tokens": b * cfg.seq_len // length, "batch_axes": batch_axes, "micro": micro,
-            "slots": slots, "bytes": jnp.dtype(cfg.dtype).itemsize}
+    b = local_batch(exp)["rows"]
+    length = context.split(exp)[0]  # attention's split of the positions
+    slots = moe.capacity(cfg.seq_len, cfg.num_experts, cfg.experts_per_token, cfg.moe.capacity_factor)
+    return {"rows": b, "tokens": b * cfg.seq_len // length, "batch_axes": split_over(layout, shape, "batch")[1],
+            "micro": exp.cfg.train.grad_accum_steps, "slots": slots, "bytes": jnp.dtype(cfg.dtype).itemsize}
 
 
 def traffic(exp) -> Traffic | None:
@@ -86,14 +79,14 @@ def traffic(exp) -> Traffic | None:
     layers = cfg.num_layers * d["micro"]
     wire = (e - 1) / e
     if mode == "dropless":
-        exchanged = set(axes) <= set(_axes(exp, ("batch", "length", "embed"), "batch")
-                                     + _axes(exp, ("batch", "length", "embed"), "length"))
+        stream = ("batch", "length", "embed")
+        exchanged = set(axes) <= {a for n in ("batch", "length") for a in split_over(exp.layout, exp.mesh.shape, n, stream)[1]}
         buffer = e * d["tokens"] * k * cfg.embed_dim * d["bytes"]
         ids = e * d["tokens"] * k * 4
         per_pass, ops = 2 * buffer + ids, 3
     else:
         exchanged = set(axes) <= set(d["batch_axes"])
-        embed = exp.layout.split(moe.AT_TOKENS, "embed", exp.mesh.shape)[0]
+        embed = split_over(exp.layout, exp.mesh.shape, "embed", moe.AT_TOKENS)[0]
         buffer = cfg.num_experts * d["rows"] * d["slots"] * cfg.embed_dim / embed * d["bytes"]
         per_pass, ops = 2 * buffer, 2
     if not exchanged:
@@ -114,10 +107,6 @@ def traffic(exp) -> Traffic | None:
     return out
 
 
-def _axes(exp, axes, name) -> tuple[str, ...]:
-    return exp.layout.split(axes, name, exp.mesh.shape)[1]
-
-
 def weights(exp) -> dict | None:
     """The experts' weights per device by the module docstring's formula: {"params",
     "optimizer" (bytes per device), "rest_params", "rest_optimizer" (every other leaf, by
@@ -130,7 +119,7 @@ def weights(exp) -> dict | None:
     size = cfg.num_layers * 3 * cfg.num_experts * cfg.embed_dim * cfg.mlp_dim
 
     def pieces(target):
-        return {n: layout.split(expert_parallel.W_IN, n, shape, target)[0] for n in expert_parallel.W_IN}
+        return {n: split_over(layout, shape, n, expert_parallel.W_IN, target)[0] for n in expert_parallel.W_IN}
     p, o = pieces("params"), pieces("opt_state")
     out = {"params": size / math.prod(p.values()) * pbytes, "optimizer": size / math.prod(o.values()) * moments,
            "split": p}

@@ -2,8 +2,6 @@
 
     Finding(code, severity, what, cost, fix)     # str(f): "what. Cost: cost. Fix: fix"
     fix_overrides(fix) -> [(key, value)]         # the leading --config.key=value tokens
-
-Bytes are bytes, MiB are 2**20 bytes.
 """
 
 from __future__ import annotations
@@ -13,9 +11,8 @@ import math
 import shlex
 
 from meshtrain import mesh as mesh_lib
-from meshtrain.layouts.rules import TARGETS, Layout, format_rules, mesh_axes_of
-
-MiB = 2**20
+from meshtrain.parallel.layouts.rules import TARGETS, Layout, format_rules, mesh_axes_of
+from meshtrain.planner.split_cost import group_size, split_over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +55,6 @@ class Run:
     hw: object  # planner/hardware.Hardware: the links the costs quote
 
 
-def product(shape, axes) -> int:
-    return math.prod(shape[a] for a in axes)
-
-
-def mib(b: float) -> str:
-    return f"{b / MiB:,.1f} MiB"
-
-
 def override(key: str, value) -> str:
     return f"--config.{key}={shlex.quote(str(value))}"
 
@@ -84,16 +73,11 @@ def named_axes(layout: Layout) -> set[str]:
     return {a for t in TARGETS for _, axes in layout.rules(t) for a in axes}
 
 
-def split_axes(layout: Layout, name: str) -> list[str]:
-    """The mesh axes the layout splits logical dim `name` over, in any table, in mesh order."""
-    return sorted({a for t in TARGETS for a in axes_of(layout, (name,), t)}, key=mesh_lib.AXES.index)
-
-
 def surplus_to_data(run: Run, axis: str, over, count: int, key: str) -> str:
     """The fix for model.`key`=count split over the mesh axes `over` and not dividing: `axis`
     (one of `over`) cut to its largest divisor d that makes the split divide count, the surplus
     moved to data; where no d does (or `axis` is not in `over`), what to do, in words."""
-    size, n = run.shape[axis], product(run.shape, over)
+    size, n = run.shape[axis], group_size(run.shape, over)
     d = max((d for d in range(1, size + 1) if size % d == 0 and count % (n // size * d) == 0),
             default=None) if axis in over else None
     if d is None:
@@ -108,10 +92,6 @@ def axes_of(layout: Layout, names, target: str) -> tuple[str, ...]:
     return tuple(a for e in layout.spec(names, target) for a in mesh_axes_of(e))
 
 
-def batch_shards(layout: Layout, shape) -> int:
-    return layout.shards("batch", shape)[0]
-
-
 def batch_multiple(run: Run, m: int) -> int:
     """What train.batch_size must be a multiple of with m pipeline microbatches (check_batch)."""
     return batch_quantum(run.cfg.train.grad_accum_steps, run.layout, run.shape, m)
@@ -120,8 +100,8 @@ def batch_multiple(run: Run, m: int) -> int:
 def batch_quantum(k: int, layout: Layout, shape, m: int) -> int:
     """The smallest batch k accumulation steps and m pipeline microbatches (0: none) divide
     under `layout` on mesh `shape` (experiment.check_batch's arithmetic)."""
-    q = k * batch_shards(layout, shape)
-    return math.lcm(q, k * m * batch_shards(layout.without("stage"), shape)) if m > 0 else q
+    q = k * split_over(layout, shape, "batch")[0]
+    return math.lcm(q, k * m * split_over(layout.without("stage"), shape, "batch")[0]) if m > 0 else q
 
 
 def layout_text(params, opt_state, activations, grads=None) -> str:

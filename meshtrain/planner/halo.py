@@ -1,11 +1,8 @@
 """The halo exchanges of a spatial layout, by formula (docs/planner.md, "Spatial layouts:
 halo exchanges", derives it and sets it beside the compiled step's).
 
-A layout that splits `height` over mesh axes of total size s gives each device h/s
-consecutive rows of every image activation; XLA runs each conv on the local rows and
-fetches the rows its window reaches across a split boundary, one collective-permute per
-direction. For a conv of kernel k, stride t and k//2 = p rows of zero padding, the rows
-from the device above and below, per pass of the train step:
+With `height` split s ways, each conv of kernel k, stride t and k//2 = p rows of padding
+fetches from the devices above and below, one collective-permute per direction and pass:
 
     forward          x (the conv's input)      above p             below max(0, k-1-p-(t-1))
     input gradient   dy (its output gradient)  above (k-1-p)//t    below ceil(p/t)
@@ -27,7 +24,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshtrain.planner.split_cost import Term, Traffic
+from meshtrain.planner.split_cost import Term, Traffic, split_over
 
 PASSES = ("forward", "input gradient", "weight gradient")
 # The passes a step needs at the least: the weight gradient could reuse the forward's rows.
@@ -88,9 +85,7 @@ def exchanges(convs, images: int, dtype_bytes: int, channel_shards=lambda name: 
 
 def spatial_axes(exp) -> tuple[str, ...]:
     """The mesh axes (of size > 1) the layout splits image rows or columns over."""
-    names = ("height", "width")
-    return tuple(dict.fromkeys(a for n in names for a in exp.layout.shards(n, exp.mesh.shape)[1]
-                               if exp.mesh.shape[a] > 1))
+    return tuple(dict.fromkeys(a for n in ("height", "width") for a in split_over(exp.layout, exp.mesh.shape, n)[1]))
 
 
 def conv_paths(exp) -> tuple[str, ...]:
@@ -110,8 +105,8 @@ def traffic(exp) -> Traffic | None:
     gradient's known excess) with figures {"convs": [Exchange.to_json]}; None when the
     layout splits no image rows; not counted for a family without convs."""
     mesh, layout = exp.mesh, exp.layout
-    split, axes = layout.shards("height", mesh.shape)
-    width_split, width_axes = layout.shards("width", mesh.shape)
+    split, axes = split_over(layout, mesh.shape, "height")
+    width_split, width_axes = split_over(layout, mesh.shape, "width")
     if split == 1 and width_split == 1:
         return None
     out = Traffic(tuple(axes), split, ("collective-permute",), figures={"convs": []})
@@ -127,9 +122,9 @@ def traffic(exp) -> Traffic | None:
             out.counted = False
             return out
     cfg = exp.model.cfg
-    images = exp.cfg.train.batch_size // layout.shards("batch", mesh.shape)[0]
+    images = exp.cfg.train.batch_size // split_over(layout, mesh.shape, "batch")[0]
     found = exchanges(family.convs(cfg), images, jnp.dtype(cfg.dtype).itemsize,
-                      lambda name: layout.shards(name, mesh.shape)[0], width_split)
+                      lambda name: split_over(layout, mesh.shape, name)[0], width_split)
     out.figures["convs"] = [e.to_json(split) for e in found]
     for p in PASSES:
         mine = [e for e in found if e.pass_ == p]
@@ -141,7 +136,3 @@ def traffic(exp) -> Traffic | None:
                                f"after one straddles the split boundary and XLA moves rows for it, forward "
                                f"and backward, that the formula does not count")
     return out
-
-
-def figures(exp, traffic: Traffic, compiled=None) -> dict:
-    return {}

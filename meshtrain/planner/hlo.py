@@ -43,8 +43,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")  # name, the rest
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")  # name, the rest
+SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)=\{?(%[^,}\s]+(?:,\s*%[^,}\s]+)*)\}?")
 _PROMOTED = re.compile(r"to_apply=%\S*_promoted\b")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -60,7 +60,7 @@ class Collective:
 def shape_bytes(text: str) -> int:
     """Bytes of an HLO shape, e.g. `f32[4,128]{1,0}` or a tuple `(f32[2], bf16[3,3])`."""
     total = 0
-    for dtype, dims in _SHAPE.findall(text):
+    for dtype, dims in SHAPE.findall(text):
         if dtype in DTYPE_BYTES:
             n = 1
             for d in filter(None, dims.split(",")):
@@ -86,7 +86,7 @@ def _wire(kind: str, nbytes: int, n: int) -> float:
     return float(nbytes)  # collective-permute
 
 
-def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
     comps: dict[str, list[str]] = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -106,10 +106,10 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
-def _calls(comps: dict[str, list[str]]) -> dict[str, list[tuple[tuple[str, ...], int, bool]]]:
+def calls(comps: dict[str, list[str]]) -> dict[str, list[tuple[tuple[str, ...], int, bool]]]:
     """name -> [(called computations, times each runs per call, whether they are one
     conditional's branches: one of them runs)]."""
-    calls: dict[str, list[tuple[tuple[str, ...], int, bool]]] = collections.defaultdict(list)
+    out: dict[str, list[tuple[tuple[str, ...], int, bool]]] = collections.defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
@@ -120,21 +120,21 @@ def _calls(comps: dict[str, list[str]]) -> dict[str, list[tuple[tuple[str, ...],
                     branches += found
                     continue
                 factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
-                calls[name] += [((t,), factor, False) for t in found]
+                out[name] += [((t,), factor, False) for t in found]
             if branches:
-                calls[name].append((tuple(branches), 1, True))
-    return calls
+                out[name].append((tuple(branches), 1, True))
+    return out
 
 
-def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+def multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How often each computation runs per execution of the entry computation (every
     branch of a conditional as often as the conditional: an upper bound)."""
-    calls = _calls(comps)
+    called = calls(comps)
     mult: dict[str, int] = collections.Counter()
 
     def visit(name: str, m: int) -> None:
         mult[name] += m
-        for targets, factor, _ in calls.get(name, ()):
+        for targets, factor, _ in called.get(name, ()):
             for child in targets:
                 visit(child, m * factor)
     visit(entry, 1)
@@ -159,14 +159,14 @@ def _widened(operand: str, defs: dict[str, str], comps: dict[str, list[str]]) ->
     if fused is None:
         source = re.search(r" convert\(%([^,\s)]+)\)", rhs)
         return source is not None and re.match(r"(bf16|f16)\[", defs.get(source.group(1), "")) is not None
-    inner = {m.group(1): m.group(2) for m in map(_INSTRUCTION.match, comps.get(fused.group(1), [])) if m}
+    inner = {m.group(1): m.group(2) for m in map(INSTRUCTION.match, comps.get(fused.group(1), [])) if m}
     root = next((line for line in comps.get(fused.group(1), []) if line.lstrip().startswith("ROOT ")), "")
-    m = _INSTRUCTION.match(root)
+    m = INSTRUCTION.match(root)
     if m and _widened(m.group(1), inner, {}):  # its result: a 16-bit value widened
         return True
     sixteen = False  # some value on the way is 16-bit: a 16-bit input, or a round trip
     for line in comps.get(fused.group(1), []):
-        m = _INSTRUCTION.match(line)
+        m = INSTRUCTION.match(line)
         op = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", m.group(2)) if m else None
         if op is None or re.match(r"[su]32\[\]", m.group(2)):  # index arithmetic
             continue
@@ -181,7 +181,7 @@ def _merged(instr: str, shape: str, defs: dict[str, str], users: dict[str, list[
     added together count once: XLA's GPU pipeline reassociates add(all-reduce(a),
     all-reduce(b)) into all-reduce(add(a, b)) (AllReduceReassociate); the CPU pipeline
     reduces each piece."""
-    shapes = _SHAPE.findall(shape)
+    shapes = SHAPE.findall(shape)
     if len(shapes) < 2:
         return 1.0
     gte = {}
@@ -203,14 +203,14 @@ def _collective_ops(text: str):
     """(kind, executions per step, attributes text, result bytes) of every collective, as
     an accelerator would send it: a float32 op the CPU compiler widened from 16 bits counted
     at 16 bits, and all-reduced pieces that are only added together counted once."""
-    comps, entry = _computations(text)
-    mult = _multiplicities(comps, entry)
+    comps, entry = computations(text)
+    mult = multiplicities(comps, entry)
     for name, lines in comps.items():
         if not mult.get(name):
             continue
         defs, users, found = {}, collections.defaultdict(list), []
         for line in lines:
-            m = _INSTRUCTION.match(line)
+            m = INSTRUCTION.match(line)
             if not m:
                 continue
             defs[m.group(1)] = rhs = re.sub(r"/\*.*?\*/", "", m.group(2))
@@ -226,7 +226,7 @@ def _collective_ops(text: str):
             rhs = defs[instr]
             shape = rhs[:op.start()]
             if op.group(1).endswith("-start"):  # async: (operand, result); count the result
-                shape = " ".join(_SHAPE.findall(shape)[-1])
+                shape = " ".join(SHAPE.findall(shape)[-1])
                 shape = shape.replace(" ", "[", 1) + "]"
             nbytes = shape_bytes(shape)
             operands = re.findall(r"%([^,\s)]+)", rhs[op.end():rhs.index(")", op.end())])

@@ -17,7 +17,7 @@ from meshtrain.planner import hlo
 
 
 def _dims(shape: str) -> list[int]:
-    m = hlo._SHAPE.search(shape)
+    m = hlo.SHAPE.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
@@ -25,7 +25,7 @@ def _own_dot_flops(lines: list[str], batched: bool) -> float:
     """Matmul and conv FLOPs of one computation's own instructions, once (`dot_flops`)."""
     shapes, total = {}, 0.0
     for line in lines:
-        m = hlo._INSTRUCTION.match(line)
+        m = hlo.INSTRUCTION.match(line)
         if not m:
             continue
         shapes[m.group(1)] = m.group(2).split(" ")[0]
@@ -56,8 +56,8 @@ def _own_dot_flops(lines: list[str], batched: bool) -> float:
 def _flops_of(text: str, batched: bool):
     """-> (computations, entry, cost(name): FLOPs of one run of a computation and all it
     calls, a conditional's costliest branch counted once)."""
-    comps, entry = hlo._computations(text)
-    calls = hlo._calls(comps)
+    comps, entry = hlo.computations(text)
+    calls = hlo.calls(comps)
     own = {name: _own_dot_flops(lines, batched) for name, lines in comps.items()}
     memo: dict[str, float] = {}
 
@@ -93,15 +93,15 @@ def conditionals(compiled_or_text, batched: bool = False) -> list[dict]:
     FLOPs of one run of each branch, `batched` as dot_flops]}]."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     comps, entry, cost = _flops_of(text, batched)
-    mult = hlo._multiplicities(comps, entry)
-    calls = hlo._calls(comps)
+    mult = hlo.multiplicities(comps, entry)
+    calls = hlo.calls(comps)
     out = []
     for name, lines in comps.items():
         if not mult.get(name):
             continue
         groups = iter(targets for targets, _, branches in calls.get(name, ()) if branches)
         for line in lines:
-            m = hlo._INSTRUCTION.match(line)
+            m = hlo.INSTRUCTION.match(line)
             if m and " conditional(" in m.group(2):
                 out.append({"name": m.group(1), "executions": mult[name],
                             "branch_flops": [cost(t) for t in next(groups)]})

@@ -1,64 +1,40 @@
-"""Layout linter: what a config's layout costs on its mesh, found before anything compiles.
+"""Layout linter: what a config's layout costs on its mesh, found before anything compiles
+(docs/layouts.md, "Linter", lists every check with its cost and fix).
 
     findings = lint(cfg, mesh_shape, dcn, model, hw)  # [Finding(code, severity, what, cost, fix)]
 
-Each finding says what is wrong with the numbers, what it costs, and a fix: zero or more
-`--config.key=value` overrides (shell-quoted), possibly followed by prose in parentheses,
-or prose alone when no override fixes it cleanly. `fix_overrides(fix)` reads the overrides
-back. The checks, by code:
-
-  replicated-param    (warning, needs `model`) a parameter of at least max(1 MiB, 1% of all
-                      parameter bytes) left whole over a mesh axis (size > 1) on which the layout
-                      splits other weights; cost in bytes per device (param + 2 Adam moments)
-  tensor-on-dcn,      (warning) mesh.dcn puts that axis across nodes, whose NICs then carry
-  context-on-dcn,     tensor parallelism's all-reduces of activations, context parallelism's
-  expert-on-dcn       keys and values (every layer, forward and their gradients backward), or
-                      every MoE layer's dispatch and combine all-to-alls; cost in bytes per step
-                      (experts: planner/experts.py) and the ratio of `hw`'s links in a node to a
-                      ring's (all-to-all group's) share of its nodes' NICs (roofline.ring_bandwidth)
-  batch-indivisible   (error) train.batch_size does not split evenly (experiment.check_batch)
-  tensor-over-heads   (error) the attention heads do not split evenly over the tensor axis
-  sequence-indivisible (error) context parallelism cuts model.seq_len into 2 x n chunks (n: the
-                      devices attention's `length` is split over; layouts/sequence.check), and
-                      2 n does not divide it; the fix is the nearest seq_len it divides
-  experts-indivisible, capacity-drops: planner/lint_experts.py
-  pipeline-bubble     (warning) the pipeline bubble (S-1)/(r*M+S-1) is over 25% of the step
-  pipeline-activations (warning, needs `model`) gpipe or circular keeps every microbatch's
-                      activations, and the step does not fit `hw` by the formulas where 1f1b
-                      (interleaved for circular) would, or 1f1b saves at least SAVES_A_LOT of
-                      its usable memory; cost in GiB per device, both figures
-  zero-saves-nothing  (warning) the layout shards weights, gradients or moments over data/fsdp, all of size 1;
-                      the fix names the preset that does the same (found among the presets)
-  unused-axis         (warning) a mesh axis of size > 1 that no rule of the layout names: every
-                      device along it repeats the same work; the fix is the preset that uses
-                      every axis (layouts.presets.PRESET_AXES)
-
+Each finding says what is wrong, with the numbers, what it costs, and a fix: `--config.key=value`
+overrides (shell-quoted), then prose in parentheses, or prose alone; `fix_overrides(fix)`
+reads the overrides back. The checks here: batch-indivisible, tensor-over-heads,
+sequence-indivisible (2 n must divide model.seq_len), tensor-, context- and expert-on-dcn
+(the plan report's bound for that axis, bounds.SPLIT_COSTS, at a ring's share of its nodes'
+NICs, roofline.ring_bandwidth), pipeline-bubble ((S-1)/(r*M+S-1) over BUBBLE_LIMIT) and
+pipeline-activations. The sharding checks (replicated-param, zero-saves-nothing, unused-axis)
+are planner/lint_sharding.py's, the MoE ones (experts-indivisible, capacity-drops)
+planner/lint_experts.py's, `Finding` and the shared arithmetic planner/findings.py's.
 `stage` on DCN is not flagged: a pipeline sends one microbatch slot between neighbouring
-stages per tick, the lightest traffic of any axis (docs/multihost.md). The checks of how a
-layout shards the state live in planner/lint_sharding.py, the shared arithmetic and
-`Finding` in planner/findings.py.
-Bytes are bytes, MiB are 2**20 bytes; bandwidths are GB/s = 1e9 bytes/s per direction.
+stages per tick, the lightest traffic of any axis (docs/multihost.md). Bandwidths are
+GB/s = 1e9 bytes/s per direction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
-from meshtrain import layouts, mesh as mesh_lib, models
-from meshtrain.errors import UserError
-from meshtrain.layouts import sequence
+from meshtrain import mesh as mesh_lib, models
+from meshtrain.errors import GiB, UserError, mib
 from meshtrain.mesh import AXES
-from meshtrain.planner import hardware as hardware_lib, lint_experts, roofline
-from meshtrain.planner.findings import (Finding, Run, axes_text, batch_multiple, batch_shards, fix_overrides,
-                                        mesh_text, mib, named_axes, override, product, split_axes, surplus_to_data)
+from meshtrain.parallel import layouts, sequence
+from meshtrain.planner import analytic, bounds, hardware as hardware_lib, lint_experts, roofline
+from meshtrain.planner.findings import (Finding, Run, axes_text, batch_multiple, fix_overrides, mesh_text, named_axes,
+                                        override, surplus_to_data)
 from meshtrain.planner.lint_sharding import replicated, unused, zero
+from meshtrain.planner.split_cost import group_size, split_over
 
 __all__ = ["Finding", "fix_overrides", "lint"]
 BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined step not flagged
 SAVES_A_LOT = 0.25                       # share of the device's usable memory 1F1B must save to be flagged
-GiB = 2**30
 
 
 def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
@@ -95,10 +71,10 @@ def _batch(run: Run) -> list[Finding]:
     q, b = batch_multiple(run, m), t.batch_size
     if b >= 1 and b % q == 0:
         return []
-    k, outer = t.grad_accum_steps, batch_shards(run.layout, run.shape)
+    k, outer = t.grad_accum_steps, split_over(run.layout, run.shape, "batch")[0]
     why = f"train.grad_accum_steps x batch shards = {k} x {outer}"
     if m > 0:
-        inner = batch_shards(run.layout.without("stage"), run.shape)
+        inner = split_over(run.layout.without("stage"), run.shape, "batch")[0]
         why = (f"lcm({why}, train.grad_accum_steps x pipeline.microbatches x batch shards in a stage = "
                f"{k} x {m} x {inner})")
     return [Finding("batch-indivisible", "error",
@@ -115,8 +91,7 @@ def _nearest_multiple(x: int, q: int) -> int:
 
 
 def _heads(run: Run) -> list[Finding]:
-    h, over = run.dims.get("num_heads"), split_axes(run.layout, "heads")
-    n = product(run.shape, over)
+    h, (n, over) = run.dims.get("num_heads"), split_over(run.layout, run.shape, "heads", target=None)
     if not h or "tensor" not in over or h % n == 0:
         return []
     more = f"{n} ranks for {h} heads" if n > h else f"{h} is not divisible by {n}"
@@ -143,72 +118,48 @@ def _sequence(run: Run) -> list[Finding]:
 
 # --------------------------------------------------------------------- an axis across nodes
 
-def _layer_bytes(count: int, needs: str, width: Callable[[dict], int]):
-    """The wire formula of `count` collectives in each of a stage's layers of [rows, seq_len,
-    width(dims)] in the model's dtype, 2(n-1)/n of each on the wire (a ring all-reduce's share;
-    or (n-1)/n arriving forward and as much going back as gradients): bytes per device per step
-    over n devices; None where num_layers, seq_len or the dim `needs` is not an int."""
-    def wire(run: Run, n: int, dtype) -> float | None:
-        d = run.dims
-        if not all(isinstance(d.get(k), int) for k in ("num_layers", "seq_len", needs)):
-            return None
-        import jax.numpy as jnp
-        rows = run.cfg.train.batch_size / batch_shards(run.layout.without("stage"), run.shape)
-        return (count * d["num_layers"] / run.shape["stage"] * 2 * (n - 1) / n * rows * d["seq_len"] * width(d)
-                * jnp.dtype(dtype).itemsize)
-    return wire
-
-
 # Per axis whose collectives should stay inside a node (<axis>-on-dcn), in the findings' order:
-# what shares a node's NICs (a "ring": all-reduce, ring attention; an all-to-all's "group"),
-# what crosses the nodes (the finding's what), the cost's subject where the bytes are unknown,
-# what the bytes are ({dtype}: the model's), and (run, n devices along the axis, dtype) -> those
-# bytes per device per step, or None.
+# its plan report section (bounds.SPLIT_COSTS), what shares a node's NICs (a "ring": all-reduce,
+# ring attention; an all-to-all's "group"), what crosses the nodes (the finding's what), the
+# cost's subject where the bytes are unknown, and what the bytes are ({dtype}: the model's).
 _ACROSS = {
-    "tensor": (
-        "ring", "tensor parallelism all-reduces activations in every layer, forward and backward",
-        "the tensor all-reduces",
-        "tensor all-reduces (4 per layer of [rows, seq_len, embed] in {dtype}, 2(t-1)/t on the wire)",
-        _layer_bytes(4, "embed_dim", lambda d: d["embed_dim"])),
-    # k and v repeated to the query heads (parallel/context_attention.py), (n-1)/n of the
-    # sequence arriving on each device; the backward sends their gradients back.
-    "context": (
-        "ring", "context parallelism passes every layer's keys and values between the devices of a sequence, "
-        "forward and backward", "the keys and values",
-        "keys and values (k and v of [rows, seq_len, heads x head_dim] in {dtype} per layer, (n-1)/n of them "
-        "arriving on each device, forward and their gradients backward)",
-        _layer_bytes(2, "num_heads",
-                     lambda d: d["num_heads"] * (d.get("head_dim") or d["embed_dim"] // d["num_heads"]))),
-    "expert": (
-        "group", "every MoE layer's dispatch and combine all-to-alls send each token's embedding to its experts "
-        "and back, forward and backward", "the all-to-alls",
-        "dispatch and combine all-to-alls, forward and backward (planner/experts.py),",
-        lambda run, n, dtype: lint_experts.wire_bytes(run) or None),  # no all-to-all bytes: the ratio alone
+    "tensor": ("tensor", "ring", "tensor parallelism all-reduces activations in every layer, forward and backward",
+               "the tensor all-reduces", "tensor all-reduces (Megatron's 4 a layer of [rows, positions on the device, "
+               "embed] in {dtype}, 2(t-1)/t on the wire, and the vocabulary-parallel embedding's: the plan report's "
+               "tensor bound)"),
+    "context": ("context", "ring", "context parallelism passes every layer's keys and values between the devices "
+                "of a sequence, forward and backward", "the keys and values",
+                "keys and values (k and v of the kv heads a device holds, [rows, T/n, kv heads x head_dim] in {dtype} "
+                "per layer, (n-1)/n of them arriving on each device, forward and their gradients backward: the plan "
+                "report's context bound)"),
+    "expert": ("experts", "group", "every MoE layer's dispatch and combine all-to-alls send each token's embedding "
+               "to its experts and back, forward and backward", "the all-to-alls",
+               "dispatch and combine all-to-alls, forward and backward (the plan report's experts bound)"),
 }
 
 
 def _on_dcn(run: Run) -> list[Finding]:
-    dcn, shape, hw, found = run.dcn, run.shape, run.hw, []
-    for axis, (group, sends, traffic, words, wire_of) in _ACROSS.items():
+    dcn, shape, hw, found, built = run.dcn, run.shape, run.hw, [], {}
+    for axis, (section, group, sends, subject, words) in _ACROSS.items():
         if not dcn or dcn[axis] <= 1:
             continue
         # Context's traffic is attention's: only a layout splitting its positions sends it. A
         # tensor or expert axis no rule names is unused-axis's.
-        n, over = sequence.split(run.layout, shape) if axis == "context" else (shape[axis], named_axes(run.layout))
+        over = sequence.split(run.layout, shape)[1] if axis == "context" else named_axes(run.layout)
         if axis not in over:
             continue
         f = dcn[axis]
         # The roofline's ring across nodes (roofline.ring_bandwidth): the node's NICs shared by
         # the rings (an all-to-all's groups alike) along `axis` that cross it.
-        rings = max(product(shape, AXES) // math.prod(dcn.values()) // max(shape[axis] // f, 1), 1)
+        rings = max(group_size(shape, AXES) // math.prod(dcn.values()) // max(shape[axis] // f, 1), 1)
         net, link = roofline.ring_bandwidth(hw, rings) / 1e9, hw.link_bandwidth / 1e9
         ratio = (f"~{net:,.0f} GB/s a {group} ({hw.nics} x {hw.network_bandwidth * 8 / 1e9:,.0f} Gb/s NICs a node "
                  f"shared by the {rings} {axis} {group}s crossing it) instead of ~{link:,.0f} GB/s over the links in "
                  f"a node: {link / net:.1f}x slower")
         dtype = run.model.cfg.dtype if run.model is not None else run.cfg.model.dtype
-        source, wire = f"{hw.name}: {hw.source}", wire_of(run, n, dtype)
-        cost = f"{traffic} go at {ratio} ({source})"
-        if wire is not None:
+        source, wire = f"{hw.name}: {hw.source}", _bound(run, section, built)
+        cost = f"{subject} go at {ratio} ({source})"
+        if wire:
             cost = (f"about {mib(wire)} per device per step of {words.format(dtype=dtype)} go at {ratio}, at least "
                     f"{wire / net / 1e6:,.1f} ms instead of {wire / link / 1e6:,.1f} ms per step ({source})")
         # The fix: those nodes on data, else on fsdp.
@@ -220,6 +171,20 @@ def _on_dcn(run: Run) -> list[Finding]:
                              f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the {axis} axis ({axis}={shape[axis]}) "
                              f"across {f} nodes: {sends}, and should stay inside a node", cost, fix))
     return found
+
+
+def _bound(run: Run, section: str, built: dict) -> float | None:
+    """The plan report's bound of `section` (bounds.SPLIT_COSTS), bytes per device per step,
+    on an abstract mesh of the run's shape (built once into `built`); None where the config
+    does not build or the split has no formula."""
+    if "exp" not in built:
+        try:
+            built["exp"] = analytic.abstract_experiment(run.cfg, run.model, run.layout, shape=run.shape) \
+                if run.model is not None else analytic.abstract_experiment(run.cfg, shape=run.shape)
+        except UserError:
+            built["exp"] = None
+    t = built["exp"] and bounds.SPLIT_COSTS[section].traffic(built["exp"])
+    return t.bound_bytes if t else None
 
 
 # ----------------------------------------------------------------------------------- pipeline
@@ -234,7 +199,7 @@ def _bubble(run: Run) -> list[Finding]:
     need = -(-3 * (s - 1) // r)  # the smallest M with r*M >= 3(S-1), i.e. bubble <= 25%
     low = -(-need // step) * step
     b, k = run.cfg.train.batch_size, run.cfg.train.grad_accum_steps
-    top = b // max(k * batch_shards(run.layout.without("stage"), run.shape), 1)
+    top = b // max(k * split_over(run.layout.without("stage"), run.shape, "batch")[0], 1)
     fits = [x for x in range(low, top + 1, step) if b % batch_multiple(run, x) == 0]
     new = fits[0] if fits else low
     fix, grow = override("pipeline.microbatches", new), ""
@@ -287,7 +252,6 @@ def _pipeline_activations(run: Run) -> list[Finding]:
 def _formula_memory(run: Run, pipe) -> tuple[float, float]:
     """(activations, total) bytes per device by the formulas (planner/analytic.py) with the
     model pipelined by `pipe`, on an abstract mesh of the run's shape."""
-    from meshtrain.planner import analytic
     once = run.cfg.train.accum_gather == "once"
     exp = analytic.abstract_experiment(run.cfg, dataclasses.replace(run.model, pipeline=pipe), run.layout,
                                        "once" if once else "each", run.shape)

@@ -14,16 +14,14 @@
                       factor 1.0 expects 3.5%, the first 10 steps of mixtral_tiny_dp8 measured
                       5.3% (moe_dropped); the fix's 1.15 expects 0.13% and measured 0.82%:
                       an initial router is near uniform, not uniform, and the estimate is a floor.
-
-`wire_bytes` gives expert-on-dcn its bytes per step (planner/experts.py's formula).
 """
 
 from __future__ import annotations
 
-from meshtrain.errors import UserError
 from meshtrain.models import moe
 from meshtrain.planner import experts
-from meshtrain.planner.findings import Finding, Run, axes_text, override, product, split_axes, surplus_to_data
+from meshtrain.planner.findings import Finding, Run, axes_text, override, surplus_to_data
+from meshtrain.planner.split_cost import split_over
 
 DROP_LIMIT = 0.01  # the largest expected share of routed copies dropped not flagged
 # The fix aims the uniform estimate this far under the limit: an initial router is not
@@ -36,8 +34,7 @@ def indivisible(run: Run) -> list[Finding]:
     x = run.dims.get("num_experts")
     if not isinstance(x, int) or x <= 1:
         return []
-    over = split_axes(run.layout, "experts")
-    n = product(run.shape, over)
+    n, over = split_over(run.layout, run.shape, "experts", target=None)
     if x % n == 0:
         return []
     return [Finding("experts-indivisible", "error",
@@ -69,16 +66,3 @@ def capacity_drops(run: Run) -> list[Finding]:
                     f"(uniform-routing estimate, planner/experts.py: a floor; Mixtral tiny measured 1.5x it at factor 1.0)",
                     f"{override('moe.capacity_factor', better)} (expected {experts.drop_share(t, x, k, better):.2%} "
                     f"dropped; or {override('moe.dispatch', 'dropless')}, which drops none)")]
-
-
-def wire_bytes(run: Run) -> float | None:
-    """The expert all-to-all bytes per device per step (planner/experts.py), on an
-    abstract mesh of the run's shape; None where the config does not build or there is none."""
-    from meshtrain.planner import analytic
-    try:
-        exp = analytic.abstract_experiment(run.cfg, run.model, run.layout, shape=run.shape) if run.model is not None \
-            else analytic.abstract_experiment(run.cfg, shape=run.shape)
-    except UserError:
-        return None
-    t = experts.traffic(exp)
-    return None if t is None else t.bytes

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 
-from meshtrain import layouts, mesh as mesh_lib
-from meshtrain.layouts.rules import TARGETS, mesh_axes_of
+from meshtrain import mesh as mesh_lib
+from meshtrain.errors import MiB, mib
 from meshtrain.mesh import AXES
-from meshtrain.planner.findings import (MiB, Finding, Run, axes_of, axes_text, layout_text, leaves_of, mesh_text, mib,
-                                        named_axes, override, product)
+from meshtrain.parallel import layouts
+from meshtrain.parallel.layouts.rules import TARGETS, mesh_axes_of
+from meshtrain.planner.findings import (Finding, Run, axes_of, axes_text, layout_text, leaves_of, mesh_text, named_axes,
+                                        override)
+from meshtrain.planner.split_cost import group_size
 
 _STACKED = ("layers", "stage")
 
@@ -31,14 +34,14 @@ def replicated(run: Run) -> list[Finding]:
             groups.setdefault((missing, _replication_fix(run, leaf, missing, leaves)), []).append(leaf)
     found = []
     for (missing, fix), group in groups.items():
-        n, extra = product(shape, missing), 0.0
+        n, extra = group_size(shape, missing), 0.0
         for _, s, item, axes in group:
             for target, copies in (("params", 1), ("opt_state", 2)):
                 have = axes_of(lay, axes, target)
                 left = [a for a in missing if a not in have]
-                extra += copies * math.prod(s) * item / product(shape, have) * (1 - 1 / product(shape, left))
+                extra += copies * math.prod(s) * item / group_size(shape, have) * (1 - 1 / group_size(shape, left))
         _, s0, i0, a0 = group[0]
-        each = math.prod(s0) * i0 / product(shape, axes_of(lay, a0, "params"))
+        each = math.prod(s0) * i0 / group_size(shape, axes_of(lay, a0, "params"))
         simple = len(group) == 1 and lay.spec(a0, "params") == lay.spec(a0, "opt_state")
         names = " and ".join(f"{p} {list(s)} ({mib(math.prod(s) * i)})" for p, s, i, _ in group)
         each_at = "each at least" if len(group) > 1 else "at least"
@@ -59,7 +62,7 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
     """A layout with one more rule that splits `leaf` over `missing`, checked to parse and to
     divide every parameter (and activation, for kv_heads); else what to do, in words."""
     _, s, _, axes = leaf
-    n, lay, plus = product(run.shape, missing), run.layout, "+".join(missing)
+    n, lay, plus = group_size(run.shape, missing), run.layout, "+".join(missing)
     free = [a for a, e in zip(axes, lay.spec(axes, "params")) if a is not None and e is None]
     if "kv_heads" in axes:
         k = s[axes.index("kv_heads")]
@@ -82,7 +85,7 @@ def _replication_fix(run: Run, leaf, missing, leaves) -> str:
             arrays += [(sh, a, "activations") for _, sh, a in run.model.family.activations(run.model.cfg, 1)]
         # Every dim the new rules split must divide (the batch is check_batch's); a spec may
         # leave out trailing whole dims.
-        if all(size % product(run.shape, mesh_axes_of(e)) == 0 for sh, a, t in arrays
+        if all(size % group_size(run.shape, mesh_axes_of(e)) == 0 for sh, a, t in arrays
                for size, name, e in zip(sh, a, tuple(new.spec(a, t)) + (None,) * len(sh)) if name != "batch"):
             return override("layout", text)
     return (f"no single rule splits it evenly: none of its unsplit dims ({', '.join(free) or 'none'}) is "
@@ -102,7 +105,7 @@ def zero(run: Run) -> list[Finding]:
     over = ", ".join(f"{a}=1" for a in zero)
     cost = "12 B/param (fp32 params and Adam moments) on every device"
     if run.model is not None:
-        state = sum(math.prod(s) * i * c / product(shape, axes_of(lay, a, t)) for _, s, i, a in leaves_of(run.model)
+        state = sum(math.prod(s) * i * c / group_size(shape, axes_of(lay, a, t)) for _, s, i, a in leaves_of(run.model)
                     for t, c in (("params", 1), ("opt_state", 2)))
         cost = f"{mib(state)} of params and Adam moments per device"
     cost += (f", the same as {plain!r}: the sharding rules meet axes of size 1, so nothing is saved "
@@ -132,7 +135,7 @@ def unused(run: Run) -> list[Finding]:
     fix = override("layout", fits[0]) if fits else (
         f"no preset uses {mesh_text(shape)}: put the devices on the axes layout {lay.name!r} names, "
         f"or write rules for {', '.join(idle)} (docs/layouts.md)")
-    n = product(shape, idle)
+    n = group_size(shape, idle)
     return [Finding("unused-axis", "warning",
                     f"mesh {mesh_text(shape)} has {axes_text(shape, idle)}, which layout {lay.name!r} never "
                     f"names: the {n} devices along {'+'.join(idle)} hold the same weights and compute the same rows",

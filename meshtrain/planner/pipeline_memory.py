@@ -9,17 +9,12 @@ R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
     gpipe, circular     autodiff through the forward ticks keeps every item of the stage:
                         L/S x R(M mb)                       (all M microbatches)
     1f1b, interleaved   stage s keeps K_s items between their forward and backward slots
-                        (pipeline_ticks.in_flight, K_0 the most), in a stash the program
-                        allocates as v x K slots, K = pipeline_ticks.stash_slots (the most
-                        items of one repeat alive at once: K_0 = 2S - 1 for 1f1b; for
-                        interleaved v K can pass K_0, 16 slots for 11 items at S = 4,
-                        M = 16, v = 2); and the embedded microbatches the loop reads,
-                        [M, mb, T, D] on every stage's devices, with their gradient:
-      stash=inputs        v K X + L/(v S) x R(mb) + 4 X + 2 M X   (each item's chunk input;
-                                                            one item's residuals, recomputed
-                                                            in its backward slot; the forward
-                                                            and backward send buffers; the
-                                                            inputs and their gradient)
+                        (pipeline_ticks.in_flight), in a stash of v x K slots
+                        (K = pipeline_ticks.stash_slots); and the embedded microbatches
+                        the loop reads, [M, mb, T, D], with their gradient:
+      stash=inputs        v K X + L/(v S) x R(mb) + 4 X + 2 M X   (chunk inputs; one item's
+                                                            residuals, recomputed; the send
+                                                            buffers; the inputs and gradient)
       stash=residuals     v K x L/(v S) x R(mb) + 4 X + 2 M X
     every schedule      + one layer's full activations of one microbatch when model.remat
                           recomputes (the backward redoes one layer at a time)
@@ -29,19 +24,10 @@ R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
                           vocabulary split over stage too where the padded vocabulary
                           divides (pipeline_1f1b.head_layout; analytic computes both)
 
-Why K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep,
-one forward and one backward slot a tick. An item leaving stage s forward takes S-1-s
-ticks to reach the last stage and as many for its gradient to come back, while stage s
-takes in a new microbatch every tick, so it holds up to 2(S-1-s) + 1 items (asynchronous
-1F1B, whose stages run at their own pace, holds S - s). Still never M when M > 2S - 1.
-gpipe's own loop buffers (its inputs, their gradient and the per-tick outputs, (2M +
-ticks) X) are left out as before: small beside M microbatches' residuals without remat,
-not under remat=full, where the formulas understate what 1F1B saves.
-
-The bubble is (S-1)/(v M + S - 1) for every schedule (Pipeline.bubble): the lockstep
-1F1B keeps GPipe's idle share and changes what is kept, not how long the step takes.
-stash=inputs recomputes each chunk's forward in its backward slot: one more forward of
-the stage's layers per microbatch, 4/3 of the layers' FLOPs (LAYER_FLOPS).
+K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep
+(docs/planner.md, "Pipeline schedules", derives it and names what the formula leaves out:
+gpipe's own loop buffers). The bubble is (S-1)/(v M + S - 1) for every schedule
+(Pipeline.bubble); stash=inputs runs 4/3 of the layers' FLOPs (LAYER_FLOPS).
 """
 
 from __future__ import annotations
@@ -50,8 +36,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from meshtrain.step.pipeline import ticks as pipeline_ticks
-from meshtrain.step.pipeline.scan import Pipeline
+from meshtrain.parallel.pipeline import ticks as pipeline_ticks
+from meshtrain.parallel.pipeline.scan import Pipeline
 
 BUFFER_SLOTS = 4  # [mb, T, D] slots a stage keeps in the 1f1b loop: forward and backward sends
 # Layer FLOPs of a step over gpipe's (forward 1 + backward 2): stash=inputs runs each

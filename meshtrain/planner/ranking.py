@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError
+from meshtrain.errors import GiB, MiB, UserError
 from meshtrain.planner import text
 
 
@@ -56,12 +56,11 @@ def _is_own(cfg, cand) -> bool:
     except UserError:
         return False
     micro = cfg.pipeline.microbatches if shape["stage"] > 1 else 0
-    options = all(str(config_lib.get(cfg, k)) == v for k, v in cand.options)
     p = cfg.pipeline
     schedule = not micro or (cand.schedule == p.schedule and cand.repeats == p.repeats
                              and cand.stash in ("", p.stash))
     return (dict(cand.mesh) == shape and cand.layout == cfg.layout and cand.remat == cfg.model.remat
-            and cand.microbatches == micro and options and schedule)
+            and cand.microbatches == micro and schedule)
 
 
 def command_overrides(cfg, cand) -> list[tuple[str, str]]:
@@ -186,6 +185,6 @@ def table(rows: list[dict]) -> list[str]:
         return ["no layout ranked: check the dropped counts above"]
     head = ["#", "layout", "by", "step ms", "MFU", "GiB/device", "MiB sent", "why"]
     body = [[str(r["rank"]), r["candidate"], r["by"], f"{1e3 * r['predicted_step_time_s']:.4g}",
-             f"{100 * r['predicted_mfu']:.1f}%", f"{r['memory_per_device_bytes'] / 2**30:,.2f}",
-             f"{r['collective_bytes_per_step'] / 2**20:,.0f}", r["why"]] for r in rows]
+             f"{100 * r['predicted_mfu']:.1f}%", f"{r['memory_per_device_bytes'] / GiB:,.2f}",
+             f"{r['collective_bytes_per_step'] / MiB:,.0f}", r["why"]] for r in rows]
     return text.table([head] + body, right={0, 3, 4, 5, 6})

@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from meshtrain.planner import hlo, hlo_flops
-from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, roofline, split_cost, work
+from meshtrain.errors import mib
+from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, hlo, hlo_flops, roofline, split_cost, work
 from meshtrain.planner.hardware import Hardware
 from meshtrain.runlog import metrics
 
@@ -143,7 +143,7 @@ def by_axes(rows: list[dict], bounds: list[dict], known: list[dict] = (), unboun
         reasons, explained = [], 0.0
         for k in known:
             if tuple(k["mesh_axes"]) == axes and sent > 1.02 * least:
-                reasons.append(f"{k['kind']} {k['bytes'] / 2**20:,.1f} MiB: {k['why']}")
+                reasons.append(f"{k['kind']} {mib(k['bytes'])}: {k['why']}")
                 explained += k["bytes"]
         rest = {r["kind"]: dict(r) for r in bound}
         for k in known:
@@ -169,23 +169,23 @@ def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
     theirs = {r["kind"]: r for r in bounds}
     if not bounds:
         return [f"the layout needs no traffic over {axes}, but the program sends "
-                + ", ".join(f"{r['kind']} x{r['count']} ({r['bytes'] / 2**20:,.1f} MiB)" for r in rows)
+                + ", ".join(f"{r['kind']} x{r['count']} ({mib(r['bytes'])})" for r in rows)
                 + ": an activation changes sharding there (a constraint that disagrees with its "
                   "neighbour, or a dimension that does not divide)"]
     for kind, r in mine.items():
         b = theirs.get(kind)
-        mib = r["bytes"] / 2**20
+        amount = mib(r["bytes"])
         if kind == "all-reduce" and "reduce-scatter" in theirs and (b is None or r["bytes"] > 2 * b["bytes"]):
-            reasons.append(f"gradients reduced by all-reduce ({mib:,.1f} MiB) where the bound reduce-"
+            reasons.append(f"gradients reduced by all-reduce ({amount}) where the bound reduce-"
                            f"scatters: an all-reduce sends twice a reduce-scatter's bytes and leaves "
                            f"the full gradient on every device (the CPU compiler's choice here; check "
                            f"the accelerator's HLO)")
         elif b is None and "stage" in r["mesh_axes"]:
-            reasons.append(f"{kind} x{r['count']} ({mib:,.1f} MiB): the pipeline's inputs enter the "
+            reasons.append(f"{kind} x{r['count']} ({amount}): the pipeline's inputs enter the "
                            f"first stage and its finished outputs leave the last, between the batch "
                            f"split over stage outside the pipeline and the stage-sharded buffers")
         elif b is None:
-            reasons.append(f"{kind} x{r['count']} ({mib:,.1f} MiB) outside the bound: resharding of "
+            reasons.append(f"{kind} x{r['count']} ({amount}) outside the bound: resharding of "
                            f"an activation or a gradient between two layouts")
         elif r["bytes"] > 1.02 * b["bytes"]:
             reasons.append(_kind_excess(kind, r, b))
@@ -194,8 +194,7 @@ def excess(rows: list[dict], bounds: list[dict]) -> list[str]:
 
 def _kind_excess(kind: str, r: dict, b: dict) -> str:
     ratio = r["bytes"] / b["bytes"]
-    head = f"{kind}: {r['count']} ops, {r['bytes'] / 2**20:,.1f} MiB against {b['count']}, " \
-           f"{b['bytes'] / 2**20:,.1f} MiB ({ratio:.2f}x)"
+    head = f"{kind}: {r['count']} ops, {mib(r['bytes'])} against {b['count']}, {mib(b['bytes'])} ({ratio:.2f}x)"
     if kind == "all-gather":
         return head + ": weights gathered once more per layer where remat recomputes the forward, " \
                       "norm scales and biases gathered in float32, or activations regathered"

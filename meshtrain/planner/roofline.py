@@ -1,32 +1,20 @@
-"""Predicted step time: a roofline over matmuls, attention, memory traffic and collectives.
+"""Predicted step time: a roofline over matmuls, attention, memory traffic and collectives
+(docs/planner.md, "Predicted step", says where each term comes from).
 
-    matmul    matmul FLOPs one device runs (less a flash kernel's attention) / (peak for
-              the compute dtype x matmul_efficiency)
-    attention with a flash kernel (cuDNN): the causal half of the attention FLOPs /
-              (peak x attention_efficiency at the head width); XLA's attention is matmuls
-    memory    HBM bytes / (HBM bandwidth x elementwise_efficiency): the optimizer update
-              (reads params, gradients and both moments, writes params and moments), the
-              loss's passes over its logits and the layers' element-wise passes
-              (planner/work.py). A model without an activation formula keeps the coarse
-              term: activations written, read and passed over once more (3 x their
-              bytes) at the full bandwidth
-    idle      idle_share x the busy time: the gaps between kernels a profile shows
-    links     per collective group: bytes sent / (bandwidth x link efficiency) + a latency
-              per op, over NVLink when the group stays inside a node (mesh.dcn, or the
-              mesh's device order in nodes of `devices_per_node`); across nodes by
-              `collective_seconds` (NICs per node, shared by the rings crossing a node)
-    overlap   gradient reductions and FSDP gathers (data, fsdp axes) run beside compute
-              (XLA's latency-hiding scheduler); tensor and stage collectives sit between
-              dependent matmuls and add to the step, as do the expert all-to-alls (the
-              experts' matmuls wait for their tokens, the combine for their outputs)
-    step      max(matmul + attention + memory, overlapped collectives) + idle + exposed
+    matmul    (matmul FLOPs a device runs - a flash kernel's attention) / (peak x matmul_efficiency)
+    attention with cuDNN: the causal half of the attention FLOPs / (peak x
+              attention_efficiency at the head width); XLA's attention is matmuls
+    memory    (2 params + 2 optimizer + gradients + planner/work.py's loss and layer bytes)
+              / (HBM bandwidth x elementwise_efficiency); without an activation formula,
+              3 x the activations at the full bandwidth instead
+    idle      idle_share x the busy time
+    links     per collective group: bytes / (bandwidth x link_efficiency) + latency x ops,
+              over NVLink inside a node, across nodes by `collective_seconds`
+    step      max(matmul + attention + memory, data/fsdp collectives) + idle
+              + tensor/stage/expert collectives (they wait between dependent matmuls)
 
-The efficiencies are the hardware table's (planner/hardware.py), measured on H100 and
-H200 where docs/benchmarks.md has a run, assumed elsewhere; `calibration` in the result
-says which.
-
-The pipeline bubble needs no term of its own: the compiled FLOPs count the bubble ticks'
-work, which the schedule runs whether or not it is useful.
+The efficiencies are planner/hardware.py's; `calibration` in the result says which are
+measured. The pipeline bubble needs no term: the compiled FLOPs count the bubble ticks.
 """
 
 from __future__ import annotations
@@ -51,11 +39,6 @@ def node_of_position(mesh, devices_per_node: int, dcn: dict | None):
         return lambda d: node[d.id]
     index = {d.id: i for i, d in enumerate(flat)}
     return lambda d: index[d.id] // devices_per_node
-
-
-def crosses_nodes(mesh, axes: tuple[str, ...], node_of) -> bool:
-    """Whether a group along `axes` (the other coordinates fixed) spans several nodes."""
-    return placement(mesh, axes, node_of)["crosses_nodes"]
 
 
 def placement(mesh, axes: tuple[str, ...], node_of) -> dict:

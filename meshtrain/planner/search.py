@@ -1,30 +1,19 @@
 """Search layouts for N devices: enumerate, drop what cannot work, rank by formula,
-compile the few that can win, rank.
+compile the few that can win, rank (docs/planner.md, "Search", says each step and why).
 
     python -m meshtrain.plan --config=gpt2_medium_dp8_tp4 --search --devices=32 --hardware=h100
 
-1. Enumerate: every factorisation of N into (data, stage, fsdp, context, expert, tensor), each
-   layout preset that uses exactly the axes above 1 (layouts.presets.PRESET_AXES, so a new preset joins
-   by its entry there, and no two candidates are the same program), each remat policy and
-   each value of the SEARCHED keys the config has, and for a stage axis S the pipeline
-   microbatches S, 2S and 4S under each of PIPELINE_SCHEDULES (train.accum_gather="auto"
-   resolved as train would on the hardware, planner/accumulation.py); with --nodes=K the
-   inter-node factor K goes on data (or fsdp), never on tensor, expert, context or stage. A
-   context axis only for sequences of CONTEXT_MIN_SEQ positions or more (the sequence
-   parallel *_sp presets, which add no axis, always); an expert axis only for a model
-   with experts (model.num_experts > 1).
-2. Drop, counting why: the linter's errors and the config checks (what does not divide),
-   then the formulas' memory against the hardware's usable memory (what does not fit).
-3. Predict every survivor's step by the roofline on the formulas alone (no compile), and
-   compile (on simulated CPU devices, `jobs` processes, each result cached on disk) only
-   those within `margin` of the best prediction, one pipeline schedule of each (the
-   fastest, then the leanest, by the formulas: as many compiles as before schedules were
-   searched), plus the config's own layout's best (so its rank is known); the rest are
-   dominated on predicted step time and keep their formula figures. Compiling stops when
-   the time budget is spent.
-4. Rank everything by its best figure (compiled where compiled, else the formulas), make
-   sure the best PODIUM are compiled ones, say why it wins, and print the `--config.` overrides
-   that run it and where the config's own layout ranks (planner/ranking.py).
+1. Enumerate: every factorisation of N into the mesh axes x each preset that uses exactly the
+   axes above 1 (layouts.presets.PRESET_AXES) x each remat policy x, on a stage axis S,
+   M = S, 2S, 4S under each of PIPELINE_SCHEDULES; --nodes=K puts K on data (or fsdp). A
+   context axis only from CONTEXT_MIN_SEQ positions, an expert axis only with experts.
+2. Drop, counting why: the linter's errors and the config checks, then the formulas'
+   memory against the hardware's usable memory.
+3. Predict every survivor by the roofline on the formulas alone (`_estimate`), and compile
+   (compile_pool, cached) those within `margin` of the best, one pipeline schedule of each,
+   plus the config's own layout's best, until the time budget is spent.
+4. Rank by each row's best figure (compiled, else formulas), the best PODIUM compiled ones;
+   the winner as a command and the config's own layout's rank (planner/ranking.py).
 """
 
 from __future__ import annotations
@@ -35,8 +24,8 @@ import itertools
 import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError
-from meshtrain.layouts import presets
+from meshtrain.errors import GiB, UserError
+from meshtrain.parallel.layouts import presets
 from meshtrain.planner import compile_pool, pipeline_memory, ranking
 from meshtrain.progress import Progress, format_duration
 
@@ -46,21 +35,14 @@ REMAT = ("none", "save_dots", "full")
 # model's): save_dots recomputes the attention's batched matmuls, full the block's forward
 # but for the last matmul, whose output the backward does not read.
 REMAT_FLOPS = {"none": 1.0, "save_dots": 1.04, "full": 1.21}
-# Config keys the search tries each value of, when the config has the key: {key: values}.
-SEARCHED: dict[str, tuple[str, ...]] = {}
 # Pipeline schedules tried on a stage axis: (schedule, repeats v, stash); those with v > 1
 # only where v S divides the layers (the microbatches S, 2S, 4S are multiples of S). Under
 # gpipe/circular the stash means nothing and is left out of the overrides.
 PIPELINE_SCHEDULES = (("gpipe", 1, ""), ("circular", 2, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
                       ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals"))
-# Context parallelism is searched from this many positions. Below it, a ring step cannot
-# hide its permute: each step sends k and v of its 2c = T/n positions (8 c K E bytes in
-# bf16) while computing a [2c x c] block of scores and its product with v (8 c^2 H E
-# FLOPs), c H / K FLOPs a byte, and an H100 does ~2,200 FLOPs (989 TFLOP/s dense bf16) in
-# the time NVLink moves a byte (450 GB/s): with Llama 3's H/K = 4 over n = 8 devices c
-# reaches 550 at T ~ 8,800. Shorter sequences fit a device by tensor parallelism and
-# remat (Llama 3 trains at 8K without context parallelism, Dubey et al. 2024 §3.3.2),
-# and skipping context there keeps the candidates as many as before the axis existed.
+# Context parallelism is searched from this many positions: a ring step's 8 c K E bytes of k and
+# v against its 8 c^2 H E FLOPs, c H / K FLOPs a byte, pass an H100's ~2,200 per NVLink byte only
+# from T ~ 8,800 for Llama 3 (H/K = 4) on 8 devices (docs/planner.md, "Sequence parallelism").
 CONTEXT_MIN_SEQ = 8192
 MARGIN = 0.10  # compile what the formulas predict within this share of the best step time
 PODIUM = 3     # the best rows, compiled whatever the formulas said
@@ -73,7 +55,6 @@ class Candidate:
     remat: str
     microbatches: int = 0
     dcn: str = ""
-    options: tuple[tuple[str, str], ...] = ()  # (key, value) of the SEARCHED keys
     schedule: str = "gpipe"  # with microbatches: pipeline.schedule, .repeats, .stash ("" unset)
     repeats: int = 1
     stash: str = ""
@@ -85,7 +66,7 @@ class Candidate:
         if self.microbatches:
             out += [("pipeline.schedule", self.schedule), ("pipeline.repeats", str(self.repeats))]
             out += [("pipeline.stash", self.stash)] if self.stash else []
-        return out + list(self.options)
+        return out
 
     def describe(self) -> str:
         mesh = ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
@@ -93,8 +74,7 @@ class Candidate:
         if self.microbatches:
             pipe = (f" pp-micro {self.microbatches} {self.schedule}" + (f" v={self.repeats}" * (self.repeats > 1))
                     + (f" stash={self.stash}" if self.stash else ""))
-        extra = "".join(f" {k.split('.')[-1]}={v}" for k, v in self.options)
-        return f"{mesh} {self.layout} remat={self.remat}{pipe}{extra}" + (f" dcn {self.dcn}" if self.dcn else "")
+        return f"{mesh} {self.layout} remat={self.remat}{pipe}" + (f" dcn {self.dcn}" if self.dcn else "")
 
 
 def factorizations(n: int, k: int = 4):
@@ -130,15 +110,12 @@ def pipeline_options(stages: int, num_layers: int) -> list[tuple[int, str, int, 
 
 
 def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layouts=None,
-                         remats=REMAT, options: dict | None = None, seq_len: int | None = None,
+                         remats=REMAT, seq_len: int | None = None,
                          num_experts: int | None = None) -> tuple[list[Candidate], collections.Counter]:
     """Candidates for `devices`, restricted to the `layouts` presets (default all) and
-    `remats` policies, each with every combination of `options` ({key: values}), a context
-    axis only when `seq_len` >= CONTEXT_MIN_SEQ, an expert axis only when `num_experts` > 1;
-    and the counts of those dropped on sight, by reason."""
+    `remats` policies, a context axis only when `seq_len` >= CONTEXT_MIN_SEQ, an expert axis
+    only when `num_experts` > 1; and the counts of those dropped on sight, by reason."""
     out, dropped = [], collections.Counter()
-    extra = [tuple(zip(options, values)) for values in itertools.product(*options.values())] if options else [()]
-    remats = [(r, o) for r in remats for o in extra]
     for sizes in factorizations(devices, len(mesh_lib.AXES)):
         shape = dict(zip(mesh_lib.AXES, sizes))
         used = {a for a, n in shape.items() if n > 1}
@@ -160,9 +137,8 @@ def enumerate_candidates(devices: int, num_layers: int, nodes: int | None, layou
             if stages > 1 and num_layers % stages:
                 dropped["stages do not divide the layers"] += len(remats) * 3 * len(PIPELINE_SCHEDULES)
                 continue
-            for (remat, opts), (m, schedule, v, stash) in itertools.product(
-                    remats, pipeline_options(stages, num_layers)):
-                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn, opts, schedule, v, stash))
+            for remat, (m, schedule, v, stash) in itertools.product(remats, pipeline_options(stages, num_layers)):
+                out.append(Candidate(tuple(shape.items()), layout, remat, m, dcn, schedule, v, stash))
     return out, dropped
 
 
@@ -179,8 +155,7 @@ def run(name: str, cfg, overrides: list, hw, *, devices: int, nodes: int | None,
     from meshtrain.run.experiment import read_inputs, resolve
     inputs = read_inputs(cfg)  # the data and init.from, once for every candidate
     dims = models.size_dims(resolve(cfg, inputs.init).model)
-    options = {k: v for k, v in SEARCHED.items() if k in config_lib.keys(cfg)}
-    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats, options,
+    candidates, dropped = enumerate_candidates(devices, dims["num_layers"], nodes, layouts, remats,
                                                dims.get("seq_len"), dims.get("num_experts"))
     say(f"search: {len(candidates)} candidates for {devices} devices"
         + (f" on {nodes} nodes" if nodes else "") + f" ({hw.name}); predicting each by the formulas")
@@ -258,16 +233,15 @@ def _check(name, overrides, candidates, inputs, hw, dropped) -> list[dict]:
             dropped[f"does not divide: {errors[0].code}"] += 1
             continue
         try:
-            exp = Experiment.build(c, inputs=inputs)
             # train.accum_gather="auto" as train would take it on this hardware
-            exp, _ = accumulation.resolve(exp, accumulation.hardware_budget(hw), local=False)
+            exp = Experiment.build(c, inputs=inputs, choose_gather=accumulation.for_hardware(hw))
         except UserError as e:
             dropped[f"does not divide: {str(e).split(':')[0][:60]}"] += 1
             continue
         memory = analytic.memory(exp, hw)
         total = sum(v or 0.0 for v in memory.values())
         if total > hw.hbm_bytes * hw.usable_memory:
-            dropped[f"do not fit {hw.hbm_bytes * hw.usable_memory / 2**30:.0f} GiB (formulas)"] += 1
+            dropped[f"do not fit {hw.hbm_bytes * hw.usable_memory / GiB:.0f} GiB (formulas)"] += 1
             continue
         prediction, bounds = _estimate(exp, hw, memory)
         out.append({"candidate": cand, "cfg": c, "prediction": prediction, "memory_bytes": total,

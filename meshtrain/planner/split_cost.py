@@ -1,27 +1,57 @@
-"""The cost of a split that moves activations its own way: one protocol for all of them.
+"""The costs of the splits whose collectives carry activations, one registry for all of
+them, and the arithmetic every cost shares: where a logical dim is split, the rows a device
+computes (docs/planner.md, "Splits that move activations").
 
-Data, FSDP, ZeRO and tensor parallelism are costed from the parameters' shardings
-(planner/bounds.py). A split whose collectives carry activations instead (a spatial
-layout's halo rows, context parallelism's k and v, expert parallelism's tokens) has a
-module of its own that is a SplitCost, registered in bounds.SPLIT_COSTS under the key the
-plan report gives its section:
-
-    traffic(exp) -> Traffic | None       its formula, pass by pass; None: the layout does
-                                         not make this split
-    figures(exp, traffic, compiled) -> dict   its own figures beside the traffic (FLOPs,
-                                         weights), `compiled` given or None
-
-A Traffic's terms say which passes the least a step sends counts (`Traffic.bounds`, in
-the lower-bound table) and which XLA sends beyond that for a reason of the model's
-(`Traffic.excess`, named in the report); `report` sets it beside the compiled step's.
+Data, FSDP and ZeRO are costed from the parameters' shardings (planner/bounds.py). Megatron's
+all-reduces over tensor and the pipeline's sends between stages (planner/bounds.py), a
+spatial layout's halo rows (planner/halo.py), context parallelism's k and v
+(planner/context.py) and expert parallelism's tokens (planner/experts.py) move activations
+instead: each is a SplitCost in bounds.SPLIT_COSTS, under its plan report section's key.
+A Traffic's terms say which passes the lower bound counts (`Traffic.bounds`) and which XLA
+sends beyond it for a reason of the model's (`Traffic.excess`); `report` sets it beside the
+compiled step's. The linter's <axis>-on-dcn bytes are the same Traffic's bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+import math
+from collections.abc import Callable
 
+from meshtrain.parallel.layouts.rules import TARGETS
 from meshtrain.planner import hlo
+
+RECOMPUTES = ("full", "save_dots")  # remat policies that rerun a layer's forward, its collectives too
+
+
+def group_size(shape, axes) -> int:
+    """Devices in a group along mesh `axes` (`shape`: mesh axis -> size)."""
+    return math.prod(shape[a] for a in axes)
+
+
+def split_over(layout, shape, name: str, axes=None, target: str | None = "activations") -> tuple[int, tuple[str, ...]]:
+    """(pieces, mesh axes of size > 1 in mesh order) the logical dim `name` of an array with
+    logical `axes` (default: `name` alone; the other dims may claim mesh axes first) is split
+    into by `layout`'s `target` table on a mesh of `shape`; target None: by any table."""
+    axes = tuple(axes or (name,))
+    over = {a for t in (TARGETS if target is None else (target,)) for a in layout.split(axes, name, shape, t)[1]}
+    over = tuple(a for a in shape if a in over and shape[a] > 1)
+    return group_size(shape, over), over
+
+
+def local_batch(exp) -> dict:
+    """Rows one device computes at a time: {"rows": per accumulation microbatch on a device
+    outside the pipeline, "stage_rows": all pipeline microbatches a stage holds,
+    "pipeline_rows": one pipeline microbatch, "tensor": heads split, "vocab": vocabulary
+    split, "micro": microbatches a step runs through each layer (accumulation x pipeline)}."""
+    cfg, pipe, shape = exp.cfg, exp.model.pipeline, exp.mesh.shape
+    k, m = cfg.train.grad_accum_steps, (pipe.microbatches if pipe else 1)
+    outer = split_over(exp.layout, shape, "batch")[0]
+    inner = outer if pipe is None else split_over(exp.layout.without("stage"), shape, "batch")[0]
+    return {"rows": cfg.train.batch_size // k // outer, "stage_rows": cfg.train.batch_size // k // inner,
+            "pipeline_rows": cfg.train.batch_size // k // inner // m,
+            "tensor": split_over(exp.layout, shape, "heads")[0], "vocab": split_over(exp.layout, shape, "vocab")[0],
+            "micro": k * m}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +137,14 @@ class Traffic:
                 "not_counted": self.not_counted, **self.figures}
 
 
-class SplitCost(Protocol):
-    def traffic(self, exp) -> Traffic | None: ...
-    def figures(self, exp, traffic: Traffic, compiled) -> dict: ...
+@dataclasses.dataclass(frozen=True)
+class SplitCost:
+    """One split's formula, `traffic(exp)` (None: the layout does not make the split), and
+    where it has them its own figures beside the traffic, `figures(exp, traffic, compiled)`
+    (FLOPs, weights; `compiled` given or None)."""
+
+    traffic: Callable
+    figures: Callable | None = None
 
 
 def report(cost: SplitCost, exp, rows: list[dict], compiled=None) -> dict | None:
@@ -122,4 +157,4 @@ def report(cost: SplitCost, exp, rows: list[dict], compiled=None) -> dict | None
         return None
     out = hlo.with_compiled(t.to_json(), rows, t.kinds)
     out["bound_ratio"] = out["compiled_bytes"] / out["bound_bytes"] if out["bound_bytes"] else None
-    return {**out, **cost.figures(exp, t, compiled)}
+    return {**out, **(cost.figures(exp, t, compiled) if cost.figures else {})}

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from meshtrain.errors import GiB, MiB, mib
 from meshtrain.planner.report import MEMORY_KEYS
-
-MIB = 2**20
-GIB = 2**30
 
 
 def _mib(x) -> str:
-    return "-" if x is None else f"{x / MIB:,.1f}"
+    """A table cell: MiB to a tenth, without the unit (the column's header says it)."""
+    return "-" if x is None else f"{x / MiB:,.1f}"
 
 
 def _ratio(x) -> str:
@@ -28,9 +27,9 @@ def fit_lines(fit: dict, mem: dict) -> list[str]:
     CPU compile runs, each step shown only where it changes the figure."""
     verdict = "fits" if fit["fits"] else "DOES NOT FIT"
     hw = fit.get("hardware", "the hardware")
-    lines = [f"  {verdict} on {hw}: decided by the formula total, {fit['analytic_total_bytes'] / GIB:,.2f} GiB "
-             f"of {fit['usable_bytes'] / GIB:,.1f} GiB usable",
-             f"  the CPU compile's total ({fit['compiled_peak_estimate_bytes'] / GIB:,.2f} GiB) does not decide: "
+    lines = [f"  {verdict} on {hw}: decided by the formula total, {fit['analytic_total_bytes'] / GiB:,.2f} GiB "
+             f"of {fit['usable_bytes'] / GiB:,.1f} GiB usable",
+             f"  the CPU compile's total ({fit['compiled_peak_estimate_bytes'] / GiB:,.2f} GiB) does not decide: "
              f"it is the CPU backend's buffer assignment, not {hw}'s"]
     account = fit.get("cpu_account") or {}
     if account:
@@ -65,12 +64,13 @@ def pipeline_lines(p: dict) -> list[str]:
 
 def _amount(x) -> str:
     """Bytes as MiB, or KiB below one MiB (a tiny model's halos)."""
-    return "-" if x is None else (f"{x / MIB:,.1f} MiB" if x >= MIB else f"{x / 1024:,.1f} KiB")
+    return "-" if x is None else (mib(x) if x >= MiB else f"{x / 1024:,.1f} KiB")
 
 
 # A split that moves activations (planner/split_cost.py): what it sends, what it splits,
 # and the key of its own label in its report section.
-SPLITS = {"halo": ("halo exchanges", "height split", None), "context": ("context attention", "positions split", "kind"),
+SPLITS = {"tensor": ("Megatron all-reduces", "heads split", None), "stage": ("pipeline sends", "stage split", None),
+          "halo": ("halo exchanges", "height split", None), "context": ("context attention", "positions split", "kind"),
           "experts": ("expert all-to-all", "experts split", "dispatch")}
 
 

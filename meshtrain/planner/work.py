@@ -14,12 +14,8 @@ memory-bound kernels pass over, by formula from the config and the layout.
                      (the families' layer_activation_bytes, which follow every split of
                      batch, heads, sequence, context and experts): LAYER_PASSES[remat] x that
 
-LAYER_PASSES is measured, not counted: the H200 profile of GPT-2 small (docs/benchmarks.md,
-"Where GPT-2 small's step goes") put 54 ms of its step in the layers' memory-bound kernels,
-and the remat=full run on the same card 46 ms (its step less the same matmul, attention,
-loss and idle terms). The planner's own compile cannot count them: it runs on the CPU,
-whose fusions are not the GPU's and whose XLA attention writes the [T, T] square a flash
-kernel never does (docs/planner.md, "Step time").
+LAYER_PASSES is measured on an H200, not counted: the planner compiles on the CPU, whose
+fusions are not the GPU's (docs/planner.md, "Step time: where the efficiencies come from").
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from meshtrain.planner import analytic
+from meshtrain.planner.split_cost import local_batch
 
 LOSS_PASSES = 4
 # Passes over a layer's no-remat activations by remat policy, from the H200 runs above (at
@@ -46,7 +43,7 @@ def step_work(exp, hw) -> dict | None:
     per_layer = m.family.layer_activation_bytes
     if m.family.task != "lm" or per_layer is None:
         return None
-    b, pipe = analytic.local_batch(exp), m.pipeline
+    b, pipe = local_batch(exp), m.pipeline
     kernel = analytic.attention_on(exp, hw)
     cfg = dataclasses.replace(m.cfg, attention=kernel)
     n, split = analytic.layer_splits(exp)

@@ -22,18 +22,21 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from meshtrain import layouts, mesh as mesh_lib, models
+from meshtrain import mesh as mesh_lib, models
+from meshtrain.parallel import layouts
 from meshtrain.checkpoints import init_from, reading, store as checkpoint_store
 from meshtrain.cluster import distributed
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, sequence
+from meshtrain.parallel import sequence
+from meshtrain.parallel.layouts import Layout
 from meshtrain.models import documents
 from meshtrain.run import loop
 from meshtrain.runlog import trackers
 from meshtrain.step import tasks
-from meshtrain.step import grad_reduce, loss as loss_lib, optim, state as state_lib, train_step as step_lib
-from meshtrain.step.pipeline import scan as pipeline
+from meshtrain.parallel import grad_reduce
+from meshtrain.step import loss as loss_lib, optim, state as state_lib, train_step as step_lib
+from meshtrain.parallel.pipeline import scan as pipeline
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:
@@ -166,15 +169,6 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
     return m.vocab_size or source.vocab_size
 
 
-def _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum_gather: str,
-                task: tasks.Task, batch_shardings) -> Callable:
-    t = cfg.train
-    options = step_lib.StepOptions(microbatches=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk,
-                                   grad_dtype=t.grad_dtype, accum_gather=accum_gather)
-    return step_lib.make_train_step(model, tx, schedule, layout, mesh, shardings, grad_shardings, options,
-                                    task=task, batch_shardings=batch_shardings)
-
-
 # A step compiled to be read, not run, needs no fast machine code: XLA:CPU's LLVM
 # optimisations and fusion emitters go (half of a CPU compile and more), and the partitioned
 # HLO, its collectives and FLOPs stay the same; the buffer peak moves by a few hundred bytes
@@ -229,19 +223,24 @@ class Experiment:
     task: tasks.Task
     dcn: dict[str, int] | None = None  # the inter-node factor of each axis (mesh.parse_dcn)
     init: init_from.InitSource | None = None  # init.from: the checkpoint the run starts from
-    # How train_step gathers fsdp-sharded params with microbatches: "once" or "each" per
-    # step (train.accum_gather; "auto" builds "each" until resolved, with_accum_gather).
+    # How train_step gathers fsdp-sharded params with microbatches, "once" or "each" per
+    # step, and why: train.accum_gather, with "auto" decided before the step is built (build).
     accum_gather: str = "each"
+    accum_why: str = ""
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
-              mesh_shape: dict | None = None, inputs: Inputs | None = None) -> "Experiment":
+              mesh_shape: dict | None = None, inputs: Inputs | None = None,
+              choose_gather: Callable | None = None) -> "Experiment":
         """Validates `cfg` and builds everything short of tracing. `cfg` is not changed:
         the experiment keeps its resolved copy (`exp.cfg`, what run.json records).
 
         `devices` defaults to all devices; `mesh_shape` overrides cfg.mesh.shape
         (tests use a 1-device mesh as the reference); `inputs` (read_inputs(cfg)) is read
-        here when not given.
+        here when not given. `choose_gather(cfg, mesh, plan) -> (mode, why)` decides
+        train.accum_gather from shapes, before the step is built (the train and plan
+        commands pass planner/accumulation.py's `choose`, which decides "auto" by the memory
+        formulas); without it "auto" builds "each".
         """
         inputs = read_inputs(cfg) if inputs is None else inputs
         cfg = resolve(cfg, inputs.init)
@@ -251,31 +250,26 @@ class Experiment:
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape) if mesh_shape is None else None
         mesh = mesh_lib.make_mesh(shape, devices, dcn=dcn, hosts=distributed.hosts())
         plan = validate(cfg, mesh, inputs)
-        layout, model, source = plan.layout, plan.model, inputs.source
+        layout, model, source, t = plan.layout, plan.model, inputs.source, cfg.train
 
-        total = max(cfg.train.steps, 1)
-        schedule = optim.schedule(cfg.optim, total, cfg.train.batch_size)
+        total = max(t.steps, 1)
+        schedule = optim.schedule(cfg.optim, total, t.batch_size)
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
         shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats)
         task = tasks.for_family(model.task, source.info, cfg.data)
         batch_sharding = step_lib.batch_sharding(layout, mesh, task.batch_fields(model.cfg, 1))
-        accum = cfg.train.accum_gather if cfg.train.accum_gather != "auto" else "each"
-        train_step = _train_step(cfg, model, tx, schedule, layout, mesh, shardings, grad_shardings, accum,
-                                 task, batch_sharding)
-        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, cfg.train.loss_chunk,
+        accum, why = (choose_gather(cfg, mesh, plan) if choose_gather is not None else
+                      ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
+        train_step = step_lib.make_train_step(
+            model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
+            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, grad_dtype=t.grad_dtype, accum_gather=accum,
+            task=task, batch_shardings=batch_sharding)
+        eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum)
-
-    def with_accum_gather(self, mode: str) -> "Experiment":
-        """A copy whose train step gathers fsdp-sharded params once per step ("once") or in
-        every microbatch ("each"); nothing traced. The train and plan commands resolve
-        train.accum_gather="auto" so (meshtrain/planner/accumulation.py)."""
-        step = _train_step(self.cfg, self.model, self.tx, self.schedule, self.layout, self.mesh,
-                           self.shardings, self.grad_shardings, mode, self.task, self.batch_sharding)
-        return dataclasses.replace(self, train_step=step, accum_gather=mode)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why)
 
     @property
     def batch_fields(self):

@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.layouts import Layout, sequence
-from meshtrain.models import family, stack
-from meshtrain.models.stack import RunLayers
+from meshtrain.parallel import sequence
+from meshtrain.parallel.layouts import Layout
+from meshtrain.models import family
 from meshtrain.parallel.hook import Constrain
 
 
@@ -123,7 +123,7 @@ summed_cross_entropy.defvjp(_summed_forward, _summed_backward)
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None) -> jax.Array:
     """Next-token loss in float32 over whole logits [B, T, V] (`summed_cross_entropy`),
-    divided by the B T positions (with weights too: see `next_token_loss`)."""
+    divided by the B T positions (with weights too: see tasks/language.py's `loss`)."""
     return summed_cross_entropy(logits_btv, targets_bt, weights_bt) / targets_bt.size
 
 
@@ -137,7 +137,7 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     one batch shard; it must read nothing but its arguments (a custom VJP cannot pass a
     gradient to values it closes over). The n batch shards each run the chunks on their own
     copy of w, so w's gradient adds up on each device and is reduced over the batch axes
-    once, when autodiff transposes the copy (as meshtrain/step/pipeline/scan.py copies the stage
+    once, when autodiff transposes the copy (as meshtrain/parallel/pipeline/scan.py copies the stage
     weights): summed in the scan, it would be all-reduced once per chunk. Under context
     parallelism the positions stay split too, and each (batch shard, piece of the positions)
     pair has its copy. A chunk sees the layout without those axes; the vmap puts them back.
@@ -209,33 +209,12 @@ def chunked_cross_entropy(project: Callable, h_btd: jax.Array, w: jax.Array, tar
     return summed(copies, h, y, wts).sum() / (b * t)
 
 
-def next_token_loss(module, inputs_bt: jax.Array, targets_bt: jax.Array, key: jax.Array | None,
-                    run_layers: RunLayers | None, *, constrain: Constrain, layout: Layout, mesh: Mesh,
-                    loss_chunk: int, train: bool = True,
-                    weights_bt: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(mean loss, statistics {name: []}) of a bound model on inputs [B, T] against targets
-    [B, T]: over whole logits when the sequence is one chunk or the model has no
-    hidden/project seam. A model with auxiliary losses (`hidden_aux`, models/family.py)
-    adds them in training and reports their statistics.
-
-    weights [B, T] (position order; None: all 1) scale each target's loss, and the sum
-    is still divided by B T: a target weighing 0 (the boundary of a packed document,
-    models/documents.py) counts as a position whose loss is 0, so the loss of any cut of
-    the batch (replicas, microbatches, stages) adds up to the whole batch's."""
-    chunks = num_chunks(inputs_bt.shape[1], loss_chunk)
-    if not has_seam(module):
-        return cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt, weights_bt), {}
-    # hidden's rows are in the layout's storage order (context parallelism reorders them,
-    # layouts/sequence.py); the targets are put in the same order, so nothing is re-sorted.
-    aux, stats = 0.0, {}
-    if family.implements(module, family.AuxLosses):
-        h_btd, w, aux, stats = module.hidden_aux(inputs_bt, constrain, key, run_layers)
-    else:
-        h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
-    targets_bt = stack.stored(targets_bt, constrain)
-    weights_bt = None if weights_bt is None else stack.stored(weights_bt, constrain)
+def head_loss(module, h_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None,
+              constrain: Constrain, layout: Layout, mesh: Mesh, *, loss_chunk: int) -> jax.Array:
+    """The mean loss after the last block: a bound model's `project` of h [B, T, D] (storage
+    order) against targets [B, T], whole or loss_chunk positions at a time. The 1F1B
+    schedule runs it on every stage (parallel/pipeline/schedule_1f1b.py)."""
+    chunks = num_chunks(h_btd.shape[1], loss_chunk)
     if chunks == 1:
-        ce = cross_entropy(module.project(h_btd, w, constrain), targets_bt, weights_bt)
-    else:
-        ce = chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh, weights_bt)
-    return (ce + aux if train else ce), stats
+        return cross_entropy(module.project(h_btd, w, constrain), targets_bt, weights_bt)
+    return chunked_cross_entropy(module.project, h_btd, w, targets_bt, chunks, layout, mesh, weights_bt)

@@ -29,7 +29,7 @@ accum_gather="once" and parameters sharded over a batch axis (fsdp):
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -38,11 +38,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
-from meshtrain.layouts import Layout
+from meshtrain.parallel.layouts import Layout
 from meshtrain.models.stack import is_matrix
 from meshtrain.parallel.hook import Constrain
-from meshtrain.step import grad_reduce, tasks
-from meshtrain.step.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
+from meshtrain.parallel import grad_reduce
+from meshtrain.step import loss as loss_lib, tasks
+from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.tasks.task import is_field
 
@@ -115,7 +116,17 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable
     return constrain, cast, run_layers
 
 
-def _task_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task, loss_chunk: int) -> Callable:
+def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task | None = None,
+                   loss_chunk: int = 0) -> Callable:
+    """objective(params, stats, batch, key, train=True) -> (mean loss, (metrics, stats)):
+    the task's loss (tasks/) of the model bound to params and its BatchStat `stats`, the
+    task's metrics ({name: []}) and the stats the forward pass leaves (updated when
+    `train`), over chunks of loss_chunk positions when that is below T (step/loss.py; 0:
+    whole). The forward takes its parts from forward_parts: pipelined when model.pipeline
+    is set. Under a 1F1B schedule the loss is the same and its gradient comes from the
+    tick loop (parallel/pipeline/schedule_1f1b.py), with no metrics (a pipelined model has
+    neither statistics nor auxiliary losses)."""
+    task = tasks.for_family(model.task) if task is None else task
     constrain, cast, run_layers = forward_parts(model, layout, mesh)
 
     def objective(params, stats, batch, key, train=True):
@@ -123,48 +134,16 @@ def _task_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Tas
         loss, metrics = task.loss(module, batch, key, run_layers, constrain=constrain, layout=layout,
                                   mesh=mesh, loss_chunk=loss_chunk, train=train)
         return loss, (metrics, model.stats_of(module) if model.stats_shapes else stats)
-    return objective
-
-
-def _one_f_one_b(model: ModelDef) -> bool:
-    return model.pipeline is not None and model.pipeline.one_f_one_b
-
-
-def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task | None = None,
-                   loss_chunk: int = 0) -> Callable:
-    """objective(params, stats, batch, key, train=True) -> (mean loss, (metrics, stats)):
-    the task's loss of the model bound to params and its BatchStat `stats`, the task's
-    metrics ({name: []}) and the stats the forward pass leaves (updated when `train`).
-    Pipelined when model.pipeline is set (language models; 1f1b's gradient comes from its
-    tick loop, make_loss_fn)."""
-    task = tasks.for_family(model.task) if task is None else task
-    if _one_f_one_b(model):
-        loss_fn = make_loss_fn(model, layout, mesh, loss_chunk, task)
-        return lambda params, stats, batch, key, train=True: (loss_fn(params, batch, key), ({}, stats))
-    return _task_objective(model, layout, mesh, task, loss_chunk)
-
-
-def make_loss_fn(model: ModelDef, layout: Layout, mesh: Mesh, loss_chunk: int = 0,
-                 task: tasks.Task | None = None) -> Callable:
-    """loss_fn(params, batch, key) -> mean loss, for a model without BatchStat state (the
-    language models): the task's loss; pipelined when model.pipeline is set, over chunks
-    of loss_chunk positions when that is below T (meshtrain/step/loss.py; 0: whole)."""
-    if model.stats_shapes:
-        raise ValueError("a model with BatchStat state has no loss of params alone: use make_objective")
-    task = tasks.for_family(model.task) if task is None else task
-    objective = _task_objective(model, layout, mesh, task, loss_chunk)
-
-    def loss_fn(params, batch, key):
-        return objective(params, {}, batch, key)[0]
-    if not _one_f_one_b(model):
-        return loss_fn
-    # 1f1b, interleaved: the same loss, whose gradient comes from the tick loop.
-    constrain, cast, _ = forward_parts(model, layout, mesh)
+    if model.pipeline is None or not model.pipeline.one_f_one_b:
+        return objective
     blocks_axes = model.axes[model.stacked]
     plan = pipeline.stage_plan(model.pipeline, layout, mesh, blocks_axes,
                                grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
-    return pipeline_1f1b.make_loss_fn(model, plan, loss_fn, constrain=constrain, cast=cast,
-                                      loss_chunk=loss_chunk, documents=getattr(task, "documents", None))
+    loss_fn = pipeline_1f1b.make_loss_fn(model, plan, lambda params, batch, key: objective(params, {}, batch, key)[0],
+                                         constrain=constrain, cast=cast,
+                                         head_loss=functools.partial(loss_lib.head_loss, loss_chunk=loss_chunk),
+                                         documents=getattr(task, "documents", None))
+    return lambda params, stats, batch, key, train=True: (loss_fn(params, batch, key), ({}, stats))
 
 
 NONFINITE_POLICIES = ("crash", "skip")
@@ -186,92 +165,72 @@ def gradient_names(model: ModelDef) -> list[str]:
     return list(tree_paths.flat(model.shapes))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """What train.* says about a step's gradients (see make_train_step)."""
+def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
+               task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int, grad_dtype: str,
+               accum_gather: str) -> Callable:
+    """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats): the
+    objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
+    replicas' reduction done by hand where `replica_axes` says so, else left to XLA. Sums
+    are kept in float32 (gathered matrices' gradients arrive in the compute dtype); under
+    a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole."""
+    k = grad_accum_steps
+    by_hand = bool(grad_dtype) or (k > 1 and not model.stats_shapes)
+    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, k, accum_gather)
+    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
+    # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads); per replica
+    # (loss [n], grads [n, ...]), reduced below, when there are replica axes.
+    objective = make_objective(model, layout.without(*replicas) if replicas else layout, mesh, task, loss_chunk)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = grad_reduce.per_replica(grad_fn, replicas, mesh) if replicas else grad_fn
+    gather = make_gather(model, layout, mesh, gathered)
+    micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
 
-    microbatches: int = 1       # train.grad_accum_steps
-    nonfinite: str = "crash"    # train.nonfinite: crash | skip
-    loss_chunk: int = 0         # train.loss_chunk (0: whole logits)
-    grad_dtype: str = ""        # train.grad_dtype: the replicas' reduction by hand, in this dtype
-    accum_gather: str = "each"  # each | once: batch-sharded params gathered per microbatch or once
+    def pin(grads):
+        return jax.lax.with_sharding_constraint(grads, grad_shardings) if layout.splits_grads else grads
 
-
-class Accumulation:
-    """grads(params, stats, batch, key) -> (grads, loss, metrics, stats), the mean over
-    `microbatches` of grad_fn's (module docstring). Sums are kept in float32 (gathered
-    matrices' gradients arrive in the compute dtype); with `split` (ZeRO-2) they are
-    kept where the moments live, never whole."""
-
-    def __init__(self, grad_fn: Callable, microbatches: int, micro_shardings, gather: Callable,
-                 grad_shardings, *, split: bool, to_float32: bool):
-        self.grad_fn, self.k, self.micro_shardings, self.gather = grad_fn, microbatches, micro_shardings, gather
-        self.grad_shardings, self.split, self.to_float32 = grad_shardings, split, to_float32
-
-    def _pin(self, grads):
-        return jax.lax.with_sharding_constraint(grads, self.grad_shardings) if self.split else grads
-
-    def __call__(self, params, stats, batch, key):
-        if self.k == 1:
-            (loss, (metrics, stats)), grads = self.grad_fn(params, stats, batch, key)
-            return grads, loss, metrics, stats
-        k = self.k
+    def accumulate(params, stats, batch, key):  # -> (mean grads, loss, metrics, stats) over k microbatches
         # Row i*k + j goes to microbatch j, so every device keeps its own rows.
         micro = jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(
-            x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), sh), batch, self.micro_shardings)
+            x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), sh), batch, micro_shardings)
         keys = None if key is None else jax.random.split(key, k)
-        params = self.gather(params)
+        params = gather(params)
         (loss_shape, (metric_shapes, _)), grad_shapes = jax.eval_shape(
-            self.grad_fn, params, stats, jax.tree.map(lambda x: x[0], micro), None if keys is None else keys[0])
+            grad_fn, params, stats, jax.tree.map(lambda x: x[0], micro), None if keys is None else keys[0])
         grads0, loss0, metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)),
                                                (grad_shapes, loss_shape, metric_shapes))
 
         def body(carry, xs):
             (acc, loss_sum, metric_sum), stats = carry
-            (loss, (metrics, stats)), grads = self.grad_fn(params, stats, *xs)
-            acc = self._pin(jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, grads))
+            (loss, (metrics, stats)), grads = grad_fn(params, stats, *xs)
+            acc = pin(jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, grads))
             metric_sum = jax.tree.map(lambda a, x: a + x.astype(a.dtype), metric_sum, metrics)
             return ((acc, loss_sum + loss, metric_sum), stats), None
-        ((grads, loss, metrics), stats), _ = jax.lax.scan(
-            body, ((self._pin(grads0), loss0, metrics0), stats), (micro, keys))
+        ((grads, loss, metrics), stats), _ = jax.lax.scan(body, ((pin(grads0), loss0, metrics0), stats), (micro, keys))
         # grad_reduce.reduce takes float32 sums to their reduction dtype; else back to the
         # dtype the backward produced.
-        mean = jax.tree.map(lambda g, s: (g / k).astype(jnp.float32 if self.to_float32 else s.dtype),
-                            grads, grad_shapes)
+        mean = jax.tree.map(lambda g, s: (g / k).astype(jnp.float32 if replicas else s.dtype), grads, grad_shapes)
         return mean, loss / k, jax.tree.map(lambda m: m / k, metrics), stats
 
-
-def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
-               o: StepOptions, task: tasks.Task, batches) -> Callable:
-    """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats), the
-    replicas' reduction done by hand where `replica_axes` says so, else left to XLA."""
-    by_hand = bool(o.grad_dtype) or (o.microbatches > 1 and not model.stats_shapes)
-    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, o.microbatches, o.accum_gather)
-    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
-    # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads)
-    if replicas:  # loss [n] and grads [n, ...], one per replica, reduced below
-        objective = make_objective(model, layout.without(*replicas), mesh, task, o.loss_chunk)
-        grad_fn = grad_reduce.per_replica(jax.value_and_grad(objective, has_aux=True), replicas, mesh)
-    else:
-        grad_fn = jax.value_and_grad(make_objective(model, layout, mesh, task, o.loss_chunk), has_aux=True)
-    micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
-    accumulate = Accumulation(grad_fn, o.microbatches, micro_shardings, make_gather(model, layout, mesh, gathered),
-                              grad_shardings, split=layout.splits_grads, to_float32=bool(replicas))
-    if not replicas:
-        return accumulate
-
-    def grads_and_loss(params, stats, batch, key):  # per-replica losses and metrics [n]; no stats
-        grads, loss, metrics, stats = accumulate(params, stats, batch, key)
-        grads = grad_reduce.reduce(grads, o.grad_dtype or produced_dtypes(model), params)
+    def grads_and_loss(params, stats, batch, key):
+        if k == 1:
+            (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
+        else:
+            grads, loss, metrics, stats = accumulate(params, stats, batch, key)
+        if not replicas:
+            return grads, loss, metrics, stats
+        # per-replica losses and metrics [n]; no stats (a model with them has no replica axes)
+        grads = grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params)
         return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats
     return grads_and_loss
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
-                    options: StepOptions = StepOptions(), *, task: tasks.Task | None = None,
+                    layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
+                    grad_accum_steps: int = 1, nonfinite: str = "crash", loss_chunk: int = 0,
+                    grad_dtype: str = "", accum_gather: str = "each", task: tasks.Task | None = None,
                     batch_shardings=None) -> Callable:
-    """Returns the jitted step.
+    """Returns the jitted step. The keywords are the train.* keys of the same names
+    (experiment.py passes them); `accum_gather` is "once" or "each", "auto" decided before.
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
     metrics["first_nonfinite"] indexes `gradient_names(model)` (-1: none). With
@@ -283,7 +242,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them (ZeRO-1
     at the end of the backward pass; ZeRO-2 layer by layer inside it, forward_parts).
     With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
-    in that dtype, once per step (meshtrain/step/grad_reduce.py). With `accum_gather="once"`
+    in that dtype, once per step (meshtrain/parallel/grad_reduce.py). With `accum_gather="once"`
     and microbatches, parameters sharded over a batch axis are gathered once before the
     microbatch loop, and that axis joins the replica axes (module docstring). A model
     with BatchStat state accumulates without per-replica gradients (its statistics are
@@ -293,7 +252,9 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
-    grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, options, task, batches)
+    grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
+                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, grad_dtype=grad_dtype,
+                                accum_gather=accum_gather)
     dropout_on = model.cfg.dropout > 0
 
     def train_step(state: TrainState, batch):
@@ -303,7 +264,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm, count, first = norm_and_nonfinite(grads)
-        if options.nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
+        if nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
             good = jnp.isfinite(loss) & (count == 0)
             params, opt_state, stats = jax.tree.map(lambda old, new: jnp.where(good, new, old),
                                                     (state.params, state.opt_state, state.stats),

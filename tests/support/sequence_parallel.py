@@ -69,8 +69,8 @@ def layer_collectives(compiled_or_text, mesh, layers: int, stream_bytes: int,
     (module docstring). `stream_bytes`: one [b, T, D] on a device before any split, in
     the dtype the ops carry (the CPU compile's: float32)."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    comps, entry = hlo._computations(text)
-    mult = hlo._multiplicities(comps, entry)
+    comps, entry = hlo.computations(text)
+    mult = hlo.multiplicities(comps, entry)
     position = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), axis=1)
     names = list(mesh.axis_names)
     out: dict[tuple[str, str], LayerOps] = collections.defaultdict(LayerOps)
@@ -92,7 +92,7 @@ def layer_collectives(compiled_or_text, mesh, layers: int, stream_bytes: int,
             n = len(groups[0])
             meta = re.search(r'op_name="([^"]*)"', rhs)
             p = "backward" if meta and "transpose(" in meta.group(1) else "forward"
-            shapes = hlo._SHAPE.findall(rhs[:op.start()])
+            shapes = hlo.SHAPE.findall(rhs[:op.start()])
             if op.group(1).endswith("-start"):  # async (operand, result): the result
                 shapes = shapes[-1:]
             for k, (dtype, dims) in enumerate(shapes):
@@ -113,7 +113,7 @@ def _uses(lines: list[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
     """(instruction -> its right-hand side, value -> the instructions that read it)."""
     defs, users = {}, collections.defaultdict(list)
     for line in lines:
-        m = hlo._INSTRUCTION.match(line)
+        m = hlo.INSTRUCTION.match(line)
         if not m:
             continue
         defs[m.group(1)] = rhs = re.sub(r"/\*.*?\*/", "", m.group(2))

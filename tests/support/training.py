@@ -3,11 +3,11 @@ helpers of the equivalence tests (every layout equals one device)."""
 
 import jax
 import numpy as np
-import optax
 
 from meshtrain.run.experiment import analysis_options, Experiment, known_options
+from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
-from meshtrain.step.pipeline import scan as pipeline
+from meshtrain.parallel.pipeline import scan as pipeline
 
 STEPS = 20
 
@@ -33,8 +33,8 @@ def _gradients(exp, params, batch) -> tuple[float, dict]:
     model's gradients put back in model layer order. The program runs once, so it compiles
     with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x
     faster to compile, slower code)."""
-    loss_fn = step_lib.make_loss_fn(exp.model, exp.layout, exp.mesh)
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)),
+    objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: objective(p, {}, b, None)[0]),
                              in_shardings=(exp.shardings.params, exp.batch_sharding),
                              compiler_options=analysis_options())
     loss, grads = jax.device_get(value_and_grad(params, batch))
@@ -76,23 +76,10 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     return np.array([float(metrics["loss"]) for _, metrics in stepped(exp, steps, state)]), grads
 
 
-def step_1_gradients(exp, state, grad_norm: float) -> dict:
-    """The gradients step 1 handed the optimizer (after the layout's reductions), from
-    Adam's first moment after step 1: mu_1 = (1 - b1) g, with g scaled by clip / norm where
-    its norm was above optim.grad_clip (undone here, as meshtrain plan --verify does); a
-    pipelined model's blocks in model layer order."""
-    o = exp.cfg.optim
-    mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
-    if exp.model.pipeline is not None:
-        mu[exp.model.stacked] = pipeline.from_stages(mu[exp.model.stacked], exp.model.pipeline)
-    unclip = grad_norm / o.grad_clip if o.grad_clip and grad_norm > o.grad_clip else 1.0
-    return jax.tree.map(lambda m: np.asarray(m, np.float64) * unclip / (1 - o.b1), mu)
-
-
 def trained(cfg, steps=STEPS, devices=None):
     """(loss of each of `steps` steps, step 1's gradients) of `cfg` on its own mesh (or
     `devices`), as losses_and_grads gives them, read off the train step alone: one program
-    compiled, not a gradient program beside it."""
+    compiled, not a gradient program beside it (run/verify.py's step_1_gradients, as --verify reads them)."""
     assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
     exp = Experiment.build(cfg, devices=devices)
     losses, grads = [], None

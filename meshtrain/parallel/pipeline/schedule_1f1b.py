@@ -59,7 +59,6 @@ from meshtrain.parallel.layouts import Layout
 from meshtrain.models import family, stack
 from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
-from meshtrain.step import loss as loss_lib
 from meshtrain.parallel.pipeline.scan import StagePlan
 from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, phases, stash_slots
 
@@ -102,7 +101,7 @@ class Schedule:
     """(params, tokens [B, T+1], key) -> (mean loss, grads like params) by the tick loop:
     what one configuration fixes (the model, the stage plan, the head's layout and specs)."""
 
-    def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, loss_chunk: int,
+    def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, head_loss: Callable,
                  documents: Callable | None = None):
         pipe = plan.pipe
         if not family.implements(model.family.module, family.PipelineEnds):
@@ -112,7 +111,9 @@ class Schedule:
                 f"tick loop runs apart. Use pipeline.schedule={'circular' if pipe.repeats > 1 else 'gpipe'}, "
                 f"or give the family those two methods.")
         self.model, self.plan, self.pipe, self.mesh = model, plan, pipe, plan.mesh
-        self.constrain, self.cast, self.loss_chunk = constrain, cast, loss_chunk
+        # head_loss(bound model, h [B, T, D], w, targets [B, T], weights, constrain, layout, mesh) -> mean:
+        # the step's loss after the last block (step/loss.py), which the schedule runs on every stage.
+        self.constrain, self.cast, self.head_loss = constrain, cast, head_loss
         # documents(tokens [B, T+1], constrain) -> (constrain, weights [B, T] or None): the
         # task's (tasks/language.py); None packs windows as one stream.
         self.documents = documents or (lambda tokens, constrain: (constrain, None))
@@ -162,7 +163,6 @@ class TickLoop:
         # parallel/sequence.py); the targets and their weights follow them.
         micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731
         self.targets, self.target_weights = micro(targets_bt), micro(weights_bt)  # [M, mb, T]
-        self.chunks = loss_lib.num_chunks(self.t, sched.loss_chunk)
         self.blocks = params[stacked]
         self.head_grad = jax.vmap(jax.value_and_grad(self.shard_head, argnums=(0, 1)), spmd_axis_name=plan.shard)
         self.pullback = Pullback()
@@ -174,11 +174,7 @@ class TickLoop:
         sched = self.sched
         bound = sched.model.bind({**head_params, sched.model.stacked: self.blocks})
         h_btd, w = bound.head(x_btd, sched.head_constrain)
-        if self.chunks == 1 or not loss_lib.has_seam(bound):
-            mean = loss_lib.cross_entropy(bound.project(h_btd, w, sched.head_constrain), y_bt, w_bt)
-        else:
-            mean = loss_lib.chunked_cross_entropy(bound.project, h_btd, w, y_bt, self.chunks,
-                                                  sched.head_layout, sched.mesh, w_bt)
+        mean = sched.head_loss(bound, h_btd, w, y_bt, w_bt, sched.head_constrain, sched.head_layout, sched.mesh)
         return mean * y_bt.size
 
     def stage_keys(self, i):
@@ -318,10 +314,10 @@ class TickLoop:
 
 
 def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Constrain,
-                 cast: Callable, loss_chunk: int, documents: Callable | None = None) -> Callable:
+                 cast: Callable, head_loss: Callable, documents: Callable | None = None) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss: `forward_loss` (the forward-only
     ticks) when no gradient is taken, the tick loop's loss and gradients under autodiff."""
-    loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, loss_chunk=loss_chunk,
+    loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, head_loss=head_loss,
                               documents=documents)
 
     @jax.custom_vjp

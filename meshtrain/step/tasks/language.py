@@ -17,7 +17,7 @@ losses, each run alone.
 
 from __future__ import annotations
 
-from meshtrain.models import documents, stack
+from meshtrain.models import documents, family, stack
 from meshtrain.step import loss as loss_lib
 from meshtrain.step.tasks.task import Field
 
@@ -61,8 +61,26 @@ class LanguageModelling:
         loss_lib.check_config(train, dims["seq_len"])  # train.loss_chunk against the length
 
     def loss(self, module, tokens, key, run_layers, *, constrain, layout, mesh, loss_chunk, train):
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        constrain, weights = self.documents(tokens, constrain)
-        return loss_lib.next_token_loss(module, inputs, targets, key, run_layers, constrain=constrain,
-                                        layout=layout, mesh=mesh, loss_chunk=loss_chunk, train=train,
-                                        weights_bt=weights)
+        """(mean loss, statistics {name: []}) of a bound model on tokens [B, T+1]: inputs
+        tokens[:, :-1] against targets tokens[:, 1:]. Over whole logits when the model has no
+        hidden/project seam; else `hidden` once and the head (loss.head_loss: whole, or
+        loss_chunk positions at a time). A model with auxiliary losses (`hidden_aux`,
+        models/family.py) adds them in training and reports their statistics. Each target
+        weighs what `documents` says, and the sum is divided by B T all the same (module
+        docstring)."""
+        inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
+        constrain, weights_bt = self.documents(tokens, constrain)
+        if not loss_lib.has_seam(module):
+            return loss_lib.cross_entropy(module(inputs_bt, constrain, key, run_layers), targets_bt, weights_bt), {}
+        # hidden's rows are in the layout's storage order (context parallelism reorders them,
+        # parallel/sequence.py); the targets are put in the same order, so nothing is re-sorted.
+        aux, stats = 0.0, {}
+        if family.implements(module, family.AuxLosses):
+            h_btd, w, aux, stats = module.hidden_aux(inputs_bt, constrain, key, run_layers)
+        else:
+            h_btd, w = module.hidden(inputs_bt, constrain, key, run_layers)
+        targets_bt = stack.stored(targets_bt, constrain)
+        weights_bt = None if weights_bt is None else stack.stored(weights_bt, constrain)
+        ce = loss_lib.head_loss(module, h_btd, w, targets_bt, weights_bt, constrain, layout, mesh,
+                                loss_chunk=loss_chunk)
+        return (ce + aux if train else ce), stats

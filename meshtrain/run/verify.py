@@ -34,10 +34,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from meshtrain import config as config_lib, layouts, mesh as mesh_lib, tree_paths
+from meshtrain import config as config_lib, mesh as mesh_lib, tree_paths
 from meshtrain.errors import UserError
+from meshtrain.parallel import layouts
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.planner import findings
-from meshtrain.step.pipeline import scan as pipeline
 
 TOLERANCE = 1e-5  # relative, float32: sharded sums reorder additions, nothing more
 # The shrunk model's floors: small enough to run in seconds, large enough that every
@@ -181,18 +182,24 @@ class _Run:
         return jax.device_get(metrics)
 
     def gradients(self, grad_norm: float) -> dict:
-        """{parameter path: step 1's gradient}, from Adam's first moment (call after step 1)."""
-        o = self.exp.cfg.optim
-        if o.name == "sgd":  # a classifier's verify: the momentum trace is step 1's gradient
-            trace = jax.device_get(optax.tree_utils.tree_get(self.state.opt_state, "trace"))
-            return {k: np.asarray(v, np.float64) for k, v in tree_paths.flat(trace).items()}
-        mu = jax.device_get(optax.tree_utils.tree_get(self.state.opt_state, "mu"))
-        if self.exp.model.pipeline is not None:
-            model = self.exp.model
-            mu[model.stacked] = pipeline.from_stages(mu[model.stacked], model.pipeline)
-        # clip_by_global_norm scaled the gradient by clip / norm when its norm was above clip.
+        """{parameter path: step 1's gradient} (`step_1_gradients`; call after step 1)."""
+        return tree_paths.flat(step_1_gradients(self.exp, self.state, grad_norm))
+
+
+def step_1_gradients(exp, state, grad_norm: float):
+    """The gradients step 1 handed the optimizer (after the layout's reductions over the
+    replicas), float64, a tree like the params in model layer order: Adam's first moment
+    mu_1 = (1 - b1) g, with g scaled by clip / norm where its norm `grad_norm` was above
+    optim.grad_clip, both undone; under SGD (a classifier's verify) the momentum trace."""
+    o = exp.cfg.optim
+    if o.name == "sgd":
+        tree, scale = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "trace")), 1.0
+    else:
         unclip = grad_norm / o.grad_clip if o.grad_clip and grad_norm > o.grad_clip else 1.0
-        return {k: np.asarray(v, np.float64) * unclip / (1 - o.b1) for k, v in tree_paths.flat(mu).items()}
+        tree, scale = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu")), unclip / (1 - o.b1)
+    if exp.model.pipeline is not None:
+        tree[exp.model.stacked] = pipeline.from_stages(tree[exp.model.stacked], exp.model.pipeline)
+    return jax.tree.map(lambda g: np.asarray(g, np.float64) * scale, tree)
 
 
 def relative(diff: float, scale: float) -> float:
