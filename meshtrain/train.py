@@ -293,7 +293,7 @@ def train(exp, compiled, log, clock, checkpointer, resume_step: int | None, save
           preemption, stack: contextlib.ExitStack, say):
     """What the run will do, said; the state restored; the loop, watched; the last save
     waited for: -> where the last checkpoint is, or None."""
-    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.checkpoints import init_from, store as checkpoint_lib
     from meshtrain.run.loop import train_loop
     from meshtrain.runlog import metrics
     from meshtrain.step import optim
@@ -314,7 +314,7 @@ def train(exp, compiled, log, clock, checkpointer, resume_step: int | None, save
         watchdog.note = functools.partial(checkpoint_lib.safe_on_disk, checkpointer.dir)
     watchdog.on_fire = clock.hung
     train_loop(exp, compiled, log, state, checkpointer=checkpointer, resume_meta=meta,
-               run_summary=checkpoint_lib.run_summary(exp, resumed=saved_run),
+               run_summary=init_from.run_summary(exp, resumed=saved_run),
                preemption=preemption, clock=clock, watchdog=watchdog.start(resume_step or 0))
     watchdog.stop()  # before the wait for the last save, which is no step
     log.update_run(stragglers=watchdog.stragglers())

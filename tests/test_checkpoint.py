@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.checkpoints import init_from, store as checkpoint_lib
 from meshtrain.checkpoints.lock import DirectoryLock
 from meshtrain.run.experiment import Experiment
 from meshtrain.run.loop import train_loop
@@ -40,7 +40,7 @@ def loop_checkpoint(exp, ckpt_dir):
     ck = checkpoint_lib.Checkpointer(ckpt_dir, every=0, keep=3, use_async=False)
     try:
         train_loop(exp, exp.compile(analysis=True), metrics.RunLog(None, exp.cfg.train.steps, 1, 1.0, None, 8),
-                   checkpointer=ck, run_summary=checkpoint_lib.run_summary(exp))
+                   checkpointer=ck, run_summary=init_from.run_summary(exp))
     finally:
         ck.close()
 

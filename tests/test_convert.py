@@ -268,7 +268,7 @@ def test_a_finetuned_run_exports_with_its_origins_config(tmp_path):
     step = exp.compile(analysis=True)  # two steps: as first_loss compiles its one
     for _ in range(2):  # the first step's lr is 0 (warmup)
         state, _ = step(state, exp.put_batch(next(batches)))
-    run = {**checkpoint_lib.run_summary(exp), "family": "llama", "init_from": str(tmp_path / "ckpt"),
+    run = {**init_from.run_summary(exp), "family": "llama", "init_from": str(tmp_path / "ckpt"),
            "architecture": models.architecture(exp.model.cfg)}
     checkpointer = checkpoint_lib.Checkpointer(tmp_path / "work" / "checkpoints", every=1, keep=1, use_async=False)
     checkpointer.save(1, state, {"data": {}, "skipped": 0, "run": run})
@@ -349,10 +349,10 @@ def test_a_finetuned_run_encodes_prompts_as_the_model_it_came_from(finetuned):
     assert src.prompt_special_tokens and src.meta["run"]["prompt_special_tokens"] is True
     _, cfg = finetune_config(work, "data:1", "dp", seq_len=32)
     exp = Experiment.build(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
-    assert checkpoint_lib.run_summary(exp)["prompt_special_tokens"] is True
+    assert init_from.run_summary(exp)["prompt_special_tokens"] is True
     scratch = dataclasses.replace(exp, init=None)
-    assert checkpoint_lib.run_summary(scratch, resumed=src.meta["run"])["prompt_special_tokens"] is True
-    assert checkpoint_lib.run_summary(scratch)["prompt_special_tokens"] is False
+    assert init_from.run_summary(scratch, resumed=src.meta["run"])["prompt_special_tokens"] is True
+    assert init_from.run_summary(scratch)["prompt_special_tokens"] is False
     # Checkpoints written before meta carried it: a converted one did, a run as its origin.
     assert init_from.prompt_special_tokens({"family": "llama", "tokenizer": "hf:tokenizer"})
     assert init_from.prompt_special_tokens({"run": {"init_from": str(ckpt)}})

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from meshtrain import train
-from meshtrain.checkpoints import disk_space, store
+from meshtrain.checkpoints import disk_space, init_from, store
 from meshtrain.errors import UserError, gib
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
@@ -112,7 +112,7 @@ def test_the_estimate_bounds_a_saved_step_closely(tiny, tmp_path):
     ck = store.Checkpointer(tmp_path, every=0, keep=3, use_async=False)
     try:
         ck.save(1, jax.tree.map(noise, tiny.abstract_state()), {"step": 1, "data": {}, "skipped": 0,
-                                                                "run": store.run_summary(tiny)})
+                                                                "run": init_from.run_summary(tiny)})
     finally:
         ck.close()
     used = int(subprocess.run(["du", "-sB1", str(tmp_path / "step_1")], capture_output=True, text=True,

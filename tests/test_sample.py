@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from meshtrain import config as config_lib, sample
-from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.checkpoints import init_from, store as checkpoint_lib
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
 from meshtrain.parallel.pipeline.scan import from_stages
@@ -107,7 +107,7 @@ def test_pipelined_checkpoint_samples_in_layer_order(tmp_path, capsys):
     state = exp.init_state()
     state = state.replace(params=peaky(state.params))
     ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", every=1, keep=1, use_async=False)
-    ckpt.save(5, state, {"run": checkpoint_lib.run_summary(exp)})
+    ckpt.save(5, state, {"run": init_from.run_summary(exp)})
     ckpt.close()
     _write_run_json(tmp_path, exp)
 
@@ -256,7 +256,6 @@ def test_checkpoint_cli_samples_text_with_its_tokenizer(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from meshtrain import convert
-    from meshtrain.checkpoints import init_from
     from meshtrain.data.tokenizers import make_tokenizer
     hf = hf_models.llama(tmp_path / "hf", initializer_range=0.5)
     hf_models.add_tokenizer(hf, eos="</s>", bos=True)

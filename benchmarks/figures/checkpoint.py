@@ -82,7 +82,7 @@ class Bench:
     """The compiled step, the state it threads through, and the timed operations on them."""
 
     def __init__(self, exp, compiled, tokens, parent: str | None):
-        from meshtrain.checkpoints.store import run_summary
+        from meshtrain.checkpoints.init_from import run_summary
         self.exp, self.compiled, self.tokens, self.parent = exp, compiled, tokens, parent
         self.state = exp.init_state()
         self.n = 0  # steps run, also the checkpoint step numbers (Orbax wants them increasing)

@@ -33,7 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import time
+
+import jax
 
 from meshtrain import models, tree_paths
 from meshtrain.checkpoints import store as checkpoint_lib
@@ -204,6 +208,25 @@ def inherited_prompt_special_tokens(init: InitSource | None, resumed: dict | Non
     the model's, not the run's, so it comes from init.from, else from meta["run"] of the
     checkpoint the run resumes (a rerun may leave init.from out); False from scratch."""
     return init.prompt_special_tokens if init is not None else prompt_special_tokens({"run": resumed or {}})
+
+
+def run_summary(exp, resumed: dict | None = None) -> dict:
+    """What a checkpoint records about the run that saved it (meta["run"]); `resumed`:
+    meta["run"] of the checkpoint the run resumes from, if any."""
+    m, t = exp.model.cfg, exp.cfg.train
+    pipe = exp.model.pipeline
+    return {
+        "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
+        "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
+        "model": exp.model.family.describe(m),
+        "family": exp.model.family.name, "architecture": models.architecture(m),
+        "tokenizer": None if exp.cfg.data.kind == "synthetic" else exp.cfg.data.tokenizer,
+        PROMPT_SPECIAL_TOKENS: inherited_prompt_special_tokens(exp.init, resumed),
+        "init_from": os.path.abspath(exp.cfg.init["from"]) if exp.cfg.init["from"] else None,
+        "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
+        "processes": jax.process_count(),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 # --- the run's config follows the checkpoint -----------------------------------------

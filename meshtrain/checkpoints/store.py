@@ -390,23 +390,3 @@ def safe_on_disk(directory: pathlib.Path) -> str:
         return f"No checkpoint was committed yet in {directory}."
     return (f"Committed checkpoints are kept; the latest is step {steps[-1]} in {directory}, "
             f"and rerunning the same command (or resubmitting the job) resumes from it.")
-
-
-def run_summary(exp, resumed: dict | None = None) -> dict:
-    """What a checkpoint records about the run that saved it (meta["run"]); `resumed`:
-    meta["run"] of the checkpoint the run resumes from, if any."""
-    from meshtrain.checkpoints import init_from
-    m, t = exp.model.cfg, exp.cfg.train
-    pipe = exp.model.pipeline
-    return {
-        "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
-        "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
-        "model": exp.model.family.describe(m),
-        "family": exp.model.family.name, "architecture": models.architecture(m),
-        "tokenizer": None if exp.cfg.data.kind == "synthetic" else exp.cfg.data.tokenizer,
-        init_from.PROMPT_SPECIAL_TOKENS: init_from.inherited_prompt_special_tokens(exp.init, resumed),
-        "init_from": os.path.abspath(exp.cfg.init["from"]) if exp.cfg.init["from"] else None,
-        "steps": t.steps, "batch_size": t.batch_size, "seed": t.seed,
-        "processes": jax.process_count(),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }

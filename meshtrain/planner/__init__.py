@@ -1,19 +1,20 @@
 """The layout planner: what a config will cost before it runs (docs/planner.md).
 
   hardware   the device table (peaks, memory, links) the predictions use
-  analytic   memory by the formulas; bounds: the collective lower bounds, split_cost: per axis
+  analytic   memory per device by the formulas
+  bounds     the least collective traffic a layout must send, by the formulas
+  split_cost  the splits that move activations: one protocol, registered in bounds.SPLIT_COSTS
+  halo, context, experts   a spatial layout's halo rows, context parallelism's k and v, the MoE all-to-alls
   beyond_bounds  the traffic those bounds do not count: known excess, axes with no formula
-  halo       a spatial layout's halo exchanges (conv rows across split boundaries) by formula
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
-  report     compile one config's train step and set it beside the formulas
-  roofline   the predicted step time
-  search     enumerate layouts for a device count, predict by formula, compile the few that can win
-  compile_pool  the search's compiles, in worker processes, cached on disk
-  ranking    the search's ranking, the winner as a command, the config's own layout's rank
-  lint       the layout linter (findings: what it reports; lint_sharding: its sharding checks)
+  hlo, hlo_flops   a compiled program's collectives, loops counted; its matmul and conv FLOPs
+  report, text   compile one config's train step and set it beside the formulas; that for a terminal
+  roofline, work   the predicted step time; the work beside its matmuls (attention, memory-bound bytes)
+  search, compile_pool, ranking   enumerate layouts, predict by formula, compile the few that can win
+                 (in worker processes, cached on disk), rank them and name the winner's command
+  lint, findings, lint_sharding, lint_experts   the layout linter: its findings, sharding and MoE checks
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
-  text       the report for a terminal
 
 Beside it: --verify (a layout trained against one device) is meshtrain/run/verify.py, the
 memory budget the check reads meshtrain/run/memory_budget.py, the notebooks' pictures

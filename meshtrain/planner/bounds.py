@@ -179,12 +179,14 @@ def _gradients(exp, add) -> None:
             n = group_size(shape, gather)
             add("all-gather", gather, 0, k * (n - 1) * local * compute,
                 "table outside the pipeline gathered once per microbatch (ZeRO-3 over stage)")
-            add("reduce-scatter", gather, 0, k * (n - 1) * local * g, "its gradient reduce-scattered once per microbatch")
+            add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
+                "its gradient reduce-scattered once per microbatch")
         elif gather:
             n = group_size(shape, gather)
             add("all-gather", gather, 0, 2 * micro * (n - 1) * local * compute,
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
-            add("reduce-scatter", gather, 0, k * (n - 1) * local * g, "FSDP gradient reduce-scatter, per microbatch")
+            add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
+                "FSDP gradient reduce-scatter, per microbatch")
 
 
 def _stream(exp) -> tuple[dict, float] | None:

@@ -1,31 +1,22 @@
 """Context parallelism's traffic and attention work, by formula (docs/planner.md, "Context
-parallelism", derives it and sets it beside the compiled step's).
+parallelism", derives both and sets them beside the compiled step's).
 
-A layout that splits attention's `length` over mesh axes of total size n gives each device
-2c = T/n positions of every sequence, chunks i and 2n-1-i (parallel/sequence.py). With one
-device's keys (or values) a block of b x T/n x K' x E x bytes (b rows per microbatch on the
-device, K' the kv heads it holds, which alone travel, E the head width), per layer and
-microbatch each device sends:
+With attention's `length` split n ways (2c = T/n positions a device, chunks i and 2n-1-i:
+parallel/sequence.py) and a block = one device's keys (or values), b x T/n x K' x E x bytes
+(b rows per microbatch, K' the kv heads it holds: they alone travel, E the head width), per
+layer and microbatch each device sends:
 
-    ring       forward   k and v round the ring: 2 (n-1) collective-permutes of a block
-               backward  their gradients back the other way: 2 (n-1) of a block
-    allgather  forward   k and v all-gathered: 2 all-gathers, (n-1) blocks each
-               backward  dk and dv reduce-scattered: 2 of (n-1) blocks each
-               and once per step the positions, an int32 all-gather of T x 4 bytes
-    segments   data.packing=documents: each device's segment ids, b x T/n int32, go with k
-               and v (ring: n-1 collective-permutes; allgather: one all-gather), once a
-               step, since every layer sends the same ones
+    ring       2 (n-1) collective-permutes of a block forward (k and v), as many backward
+    allgather  2 all-gathers of (n-1) blocks forward, 2 reduce-scatters of dk, dv backward;
+               once a step the positions, (n-1)/n x T x 4 bytes
+    segments   data.packing=documents: b x T/n int32 ids with k and v, once a step
+               (ring: n-1 collective-permutes; allgather: one all-gather)
     remat full or save_dots: the forward's again ("recompute", known excess)
 
-Attention's matmul FLOPs per device and microbatch, forward, 2 dots of 2 x b x H/t x E per
-score entry; a training step 3x that, 4x under a remat that recomputes attention:
-
-    ring       own [2c x 2c] block (causal) + (n-1) unmasked [2c x c]: T^2 (n+1) / (2 n^2) entries
-    allgather  [2c x T]: T^2 / n entries
-    ideal      the causal triangle over n devices: T^2 / (2n)
-
-The ring's load balance: each ring step is a `conditional` whose two branches must run
-equal matmul FLOPs (planner/hlo_flops.py `conditionals`).
+Attention's matmul FLOPs per device and microbatch: forward 2 dots of 2 x b x H/t x E per
+score entry (training 3x, 4x under remat); ring T^2 (n+1) / (2 n^2) entries, allgather
+T^2 / n, the causal ideal T^2 / (2n). Each ring step is a `conditional` whose two branches
+must run equal FLOPs (planner/hlo_flops.py `conditionals`).
 """
 
 from __future__ import annotations

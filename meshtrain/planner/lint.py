@@ -179,8 +179,7 @@ def _bound(run: Run, section: str, built: dict) -> float | None:
     does not build or the split has no formula."""
     if "exp" not in built:
         try:
-            built["exp"] = analytic.abstract_experiment(run.cfg, run.model, run.layout, shape=run.shape) \
-                if run.model is not None else analytic.abstract_experiment(run.cfg, shape=run.shape)
+            built["exp"] = analytic.abstract_experiment(run.cfg, run.model, run.layout, shape=run.shape)
         except UserError:
             built["exp"] = None
     t = built["exp"] and bounds.SPLIT_COSTS[section].traffic(built["exp"])

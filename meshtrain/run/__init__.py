@@ -4,4 +4,6 @@
   loop         batches in, metrics out, evaluation and checkpoints on a schedule
   watchdog     a process that stops making progress: named, stacks dumped, the job ended
   stragglers   which process makes every step slower (judged on process 0)
+  memory_budget  the memory each device has for the run: the device's own, or the host's RAM
+  verify       plan --verify: a layout's run trained against one device's, compared
 """
