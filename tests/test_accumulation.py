@@ -185,7 +185,7 @@ def test_train_says_which_it_chose(capfd, monkeypatch, tmp_path):
     """... and builds its step once, in the mode chosen."""
     monkeypatch.chdir(tmp_path)
     built, make = [], step_lib.make_train_step
-    monkeypatch.setattr(step_lib, "make_train_step", lambda *a, **k: built.append(k["accum_gather"]) or make(*a, **k))
+    monkeypatch.setattr(step_lib, "make_train_step", lambda *a, **k: built.append(k["reduction"].gather) or make(*a, **k))
     status = train_main(["--config=gpt2_tiny_fsdp8", f"--config.train.grad_accum_steps={K}", "--config.train.steps=0"])
     out, err = capfd.readouterr()
     assert status == 0, err

@@ -61,7 +61,7 @@ def split_args(text: str) -> list[str]:
 def written_signatures(text: str):
     """(name, parameter names) for each `name(...)` span that reads as a signature."""
     for name, args in re.findall(r"`([A-Za-z_][\w.]*)\(([^`]*)\)`", " ".join(text.split())):
-        if "..." in args or "->" in args or ")" in args:
+        if "..." in args or "->" in args:
             continue
         names = []
         for piece in split_args(args):

@@ -46,6 +46,7 @@ reduces them to the optimizer's shards where the backward pass makes them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -63,19 +64,42 @@ GRAD_DTYPES = ("", "float32", "bfloat16")
 ACCUM_GATHER = ("auto", "once", "each")
 
 
-def check(grad_dtype: str, accum_gather: str = "auto") -> None:
-    if grad_dtype not in GRAD_DTYPES:
-        raise UserError(f"train.grad_dtype={grad_dtype!r}: choose bfloat16, float32, or \"\" to "
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """How the replicas' gradients are reduced, as the train.* keys say: `of(cfg.train,
+    gather)` is the one place that reads them, and the step takes the result whole. A new
+    way to reduce is a key in config.py, a field, its checks and its use here, and its cost
+    in planner/bounds.py."""
+
+    dtype: str = ""       # train.grad_dtype: "" reduces in the dtype the backward makes
+    gather: str = "each"  # train.accum_gather, "auto" decided before the step is built: once | each
+
+    @classmethod
+    def of(cls, train, gather: str) -> "Reduction":
+        return cls(dtype=train.grad_dtype, gather=gather)
+
+    def by_hand(self, microbatches: int, has_stats: bool) -> bool:
+        """Whether the step reduces over the replica axes itself (`per_replica`, `reduce`):
+        for a dtype of its own, or once per step after accumulating microbatches (a model
+        with BatchStat state leaves every microbatch's reduction to XLA)."""
+        return bool(self.dtype) or (microbatches > 1 and not has_stats)
+
+
+def check(train) -> None:
+    """The keys alone (cfg.train)."""
+    if train.grad_dtype not in GRAD_DTYPES:
+        raise UserError(f"train.grad_dtype={train.grad_dtype!r}: choose bfloat16, float32, or \"\" to "
                         f"reduce gradients in the dtype the backward pass produces them in.")
-    if accum_gather not in ACCUM_GATHER:
-        raise UserError(f"train.accum_gather={accum_gather!r}: choose once (gather fsdp-sharded "
+    if train.accum_gather not in ACCUM_GATHER:
+        raise UserError(f"train.accum_gather={train.accum_gather!r}: choose once (gather fsdp-sharded "
                         f"params once per step, reduce the accumulated gradients once), each (gather "
                         f"them in every microbatch), or auto (the planner's memory formula picks).")
 
 
-def check_stats(grad_dtype: str, has_stats: bool, family: str) -> None:
+def check_stats(train, has_stats: bool, family: str) -> None:
     """train.grad_dtype reduces per-replica gradients, whose forward passes would see only
     their replica's rows: BatchNorm's statistics would then differ from one device's."""
+    grad_dtype = train.grad_dtype
     if grad_dtype and has_stats:
         raise UserError(
             f"train.grad_dtype={grad_dtype!r} with model.name={family!r}, whose BatchNorm statistics "
@@ -202,9 +226,10 @@ def sequential_runner(pins, constrain: Constrain, *, scan: bool) -> Callable:
     return run_layers
 
 
-def check_layout(grad_dtype: str, layout: Layout) -> None:
+def check_layout(train, layout: Layout) -> None:
     """train.grad_dtype needs whole per-replica gradients to reduce by hand; a layout that
     splits gradients inside the backward pass (ZeRO-2) has none."""
+    grad_dtype = train.grad_dtype
     if grad_dtype and layout.splits_grads:
         raise UserError(
             f"train.grad_dtype={grad_dtype!r} with layout {layout.name!r}: this layout reduce-scatters "

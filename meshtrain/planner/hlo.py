@@ -76,7 +76,7 @@ def _senders(attrs: str, devices: int) -> float:
     return min(1.0, pairs / max(devices, 1))
 
 
-def _wire(kind: str, nbytes: int, n: int) -> float:
+def wire_bytes(kind: str, nbytes: int, n: int) -> float:
     if kind == "all-reduce":
         return 2 * (n - 1) / n * nbytes
     if kind in ("all-gather", "all-to-all"):
@@ -243,7 +243,7 @@ def _sent(text: str, devices: int):
     per execution) of every collective (`_collective_ops`; `wire` in the module docstring)."""
     for kind, times, rhs, nbytes in _collective_ops(text):
         groups = replica_groups(rhs, devices)
-        wire = _wire(kind, nbytes, len(groups[0]))
+        wire = wire_bytes(kind, nbytes, len(groups[0]))
         if kind == "collective-permute":
             wire *= _senders(rhs, devices)
         yield kind, times, nbytes, groups, wire

@@ -128,8 +128,8 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     micro = check_batch(cfg, layout, mesh, pipe)
     loop.check_config(cfg.train)
     tasks.kind(fam.task).check_config(cfg.train, dims)
-    grad_reduce.check(cfg.train.grad_dtype, cfg.train.accum_gather)
-    grad_reduce.check_layout(cfg.train.grad_dtype, layout)
+    grad_reduce.check(cfg.train)
+    grad_reduce.check_layout(cfg.train, layout)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
     documents.check_packing(cfg.data.packing, source.info, fam.task)
@@ -141,7 +141,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
         sequence.check(layout, mesh.shape, model_cfg.seq_len)
         loss_lib.check_split(cfg.train.loss_chunk, model_cfg.seq_len, layout, mesh.shape)
     model = state_lib.abstract_model(model_cfg, pipe)
-    grad_reduce.check_stats(cfg.train.grad_dtype, bool(model.stats_shapes), model.family.name)
+    grad_reduce.check_stats(cfg.train, bool(model.stats_shapes), model.family.name)
     state_lib.check_activations(model, micro, layout, mesh)
     if pipe is not None:
         state_lib.check_activations(model, micro // pipe.microbatches, layout.without("stage"), mesh)
@@ -264,7 +264,7 @@ class Experiment:
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
-            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, grad_dtype=t.grad_dtype, accum_gather=accum,
+            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=grad_reduce.Reduction.of(t, accum),
             task=task, batch_shardings=batch_sharding)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding)

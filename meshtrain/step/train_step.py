@@ -166,16 +166,16 @@ def gradient_names(model: ModelDef) -> list[str]:
 
 
 def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
-               task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int, grad_dtype: str,
-               accum_gather: str) -> Callable:
+               task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int,
+               reduction: grad_reduce.Reduction) -> Callable:
     """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats): the
     objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
     replicas' reduction done by hand where `replica_axes` says so, else left to XLA. Sums
     are kept in float32 (gathered matrices' gradients arrive in the compute dtype); under
     a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole."""
     k = grad_accum_steps
-    by_hand = bool(grad_dtype) or (k > 1 and not model.stats_shapes)
-    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, k, accum_gather)
+    by_hand = reduction.by_hand(k, bool(model.stats_shapes))
+    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, k, reduction.gather)
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
     # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads); per replica
     # (loss [n], grads [n, ...]), reduced below, when there are replica axes.
@@ -219,7 +219,7 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
         if not replicas:
             return grads, loss, metrics, stats
         # per-replica losses and metrics [n]; no stats (a model with them has no replica axes)
-        grads = grad_reduce.reduce(grads, grad_dtype or produced_dtypes(model), params)
+        grads = grad_reduce.reduce(grads, reduction.dtype or produced_dtypes(model), params)
         return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats
     return grads_and_loss
 
@@ -227,10 +227,11 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     grad_accum_steps: int = 1, nonfinite: str = "crash", loss_chunk: int = 0,
-                    grad_dtype: str = "", accum_gather: str = "each", task: tasks.Task | None = None,
+                    reduction: grad_reduce.Reduction = grad_reduce.Reduction(), task: tasks.Task | None = None,
                     batch_shardings=None) -> Callable:
     """Returns the jitted step. The keywords are the train.* keys of the same names
-    (experiment.py passes them); `accum_gather` is "once" or "each", "auto" decided before.
+    (experiment.py passes them); `reduction` is train.grad_dtype's and train.accum_gather's
+    (grad_reduce.Reduction.of, "auto" decided before).
 
     metrics["nonfinite_grads"] counts gradient leaves with a NaN or Inf and
     metrics["first_nonfinite"] indexes `gradient_names(model)` (-1: none). With
@@ -241,20 +242,19 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     is where gradients are reduced to: the optimizer moments' shardings, so under
     FSDP and ZeRO-1 XLA reduce-scatters gradients instead of all-reducing them (ZeRO-1
     at the end of the backward pass; ZeRO-2 layer by layer inside it, forward_parts).
-    With `grad_dtype` set, the reduction over the data-parallel replicas is done by hand
-    in that dtype, once per step (meshtrain/parallel/grad_reduce.py). With `accum_gather="once"`
+    With `reduction.dtype` set, the reduction over the data-parallel replicas is done by hand
+    in that dtype, once per step (meshtrain/parallel/grad_reduce.py). With `reduction.gather="once"`
     and microbatches, parameters sharded over a batch axis are gathered once before the
     microbatch loop, and that axis joins the replica axes (module docstring). A model
     with BatchStat state accumulates without per-replica gradients (its statistics are
     over a microbatch's rows on every replica, as on one device), so XLA reduces each
-    microbatch's gradients; `grad_dtype` is refused for it (grad_reduce.check_stats).
+    microbatch's gradients; `reduction.dtype` is refused for it (grad_reduce.check_stats).
     `batch_shardings` defaults to token rows' (batch_sharding).
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
     grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
-                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, grad_dtype=grad_dtype,
-                                accum_gather=accum_gather)
+                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction)
     dropout_on = model.cfg.dropout > 0
 
     def train_step(state: TrainState, batch):

@@ -102,7 +102,7 @@ def layer_collectives(compiled_or_text, mesh, layers: int, stream_bytes: int,
                     value = _element(instr, k, len(shapes), defs, users)
                     if value is not None and _sliced(value, nbytes, n, defs, users, comps):
                         real = "reduce-scatter"
-                wire = hlo._wire(real, nbytes // n if real == "reduce-scatter" else nbytes, n)
+                wire = hlo.wire_bytes(real, nbytes // n if real == "reduce-scatter" else nbytes, n)
                 key = (p, real if nbytes == stream_bytes else "other " + real)
                 o = out[key]
                 o.count, o.bytes, o.wire = o.count + 1, o.bytes + nbytes, o.wire + wire
