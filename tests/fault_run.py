@@ -7,7 +7,8 @@ The fault (JSON in MESHTRAIN_TEST_FAULT) hits the train batches of one process
     block   waits forever (a stalled input pipeline), from "step" on;
     sleep   sleeps "seconds" once, before "step", staying alive;
     slow    sleeps "seconds" before every batch from "step" (default 1) on: a straggler;
-    kill    kills its own process with SIGKILL before "step" (kill -9: no last word).
+    kill    kills its own process with SIGKILL before "step" (kill -9: no last word);
+    hold    waits before "step" until the file "until" exists (the test lets it go on).
 With "restart": N the fault hits only the Nth run of a Slurm job (SLURM_RESTART_COUNT, 0
 for the first run), so a requeued job runs again at full speed.
 Launchers that run `$PYTHON -m meshtrain.train` (launch/local.sh, launch/slurm.sbatch) run
@@ -46,6 +47,9 @@ class FaultyBatches:
                 time.sleep(f["seconds"])
             elif f["kind"] == "kill" and self.step == f["step"]:
                 os.kill(os.getpid(), 9)
+            elif f["kind"] == "hold" and self.step == f["step"]:
+                while not os.path.exists(f["until"]):
+                    time.sleep(0.01)
             elif f["kind"] == "slow" and self.step >= f.get("step", 1):
                 time.sleep(f["seconds"])
         return next(self.batches)

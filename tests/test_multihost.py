@@ -8,11 +8,13 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -147,22 +149,41 @@ def test_one_process_simulates_the_nodes_of_a_dcn_mesh(make_config):
     assert any("data" in axes for axes in traffic) and ("tensor",) in traffic
 
 
-def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_resumes(tmp_path, reference):
-    w = tmp_path / "w"
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> SimpleNamespace:
+    """Two processes saving every 5 steps, process 1 killed with kill -9 after step 12: how
+    process 0 stopped, and the workdir as they left it, which tests resume in copies
+    (`relaunched_from`) with two processes and with one."""
+    d = tmp_path_factory.mktemp("killed")
+    w = d / "w"
     args = [f"--config={TINY}", f"--workdir={w}", *RUN, "--config.checkpoint.every=5",
             "--config.distributed.heartbeat_timeout=4"]
-    procs = processes(2, args, tmp_path)
-    wait_for(lambda: logged(tmp_path / "p0.txt", 12), what="step 12")
+    procs = processes(2, args, d)
+    wait_for(lambda: logged(d / "p0.txt", 12), what="step 12")
     procs[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    assert procs[0].wait(timeout=60) == 1
+    status = procs[0].wait(timeout=60)
     took = time.monotonic() - killed
+    procs[1].wait(timeout=60)
+    return SimpleNamespace(workdir=w, status=status, took=took, pid1=procs[1].pid, log=(d / "p0.txt").read_text(),
+                           last=steps_on_disk(w)[-1])
+
+
+def relaunched_from(killed, to: pathlib.Path) -> pathlib.Path:
+    """A copy of the killed run's workdir at `to`."""
+    shutil.copytree(killed.workdir, to)
+    (to / "meshtrain.lock").unlink(missing_ok=True)
+    return to
+
+
+def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_resumes(tmp_path, killed, reference):
+    assert killed.status == 1
+    took, log, last = killed.took, killed.log, killed.last
     assert took < 4 + 5, f"process 0 took {took:.1f} s to stop"  # heartbeat_timeout + 5 s
-    log = (tmp_path / "p0.txt").read_text()
-    last = steps_on_disk(w)[-1]
-    assert re.search(rf"meshtrain: error: process 1 \(host \S+, pid {procs[1].pid}\) was lost \(last heard at "
+    assert re.search(rf"meshtrain: error: process 1 \(host \S+, pid {killed.pid1}\) was lost \(last heard at "
                      rf"step \d+\): silent for [345] s \(distributed.heartbeat_timeout=4\)", log), log[-2000:]
-    assert f"the latest is step {last} in {w / 'checkpoints'}" in log and "Traceback" not in log
+    assert f"the latest is step {last} in {killed.workdir / 'checkpoints'}" in log and "Traceback" not in log
+    w = relaunched_from(killed, tmp_path / "w")
     done = local_sh(2, TINY, f"--workdir={w}", *RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from step {last}" in done.stdout
@@ -212,10 +233,12 @@ def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
     assert "Terminating process because the JAX distributed service detected fatal errors" in log1, log1[-2000:]
 
 
-def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, reference):
-    a = tmp_path / "a"  # two processes, then one with all 8 devices
-    assert local_sh(2, TINY, f"--workdir={a}", *RUN, "--config.train.stop_at=10").returncode == 0
+def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, killed, reference, capsys):
+    # Two processes (the killed run's last save, by both), then one with all 8 devices.
+    a = relaunched_from(killed, tmp_path / "a")
+    capsys.readouterr()
     assert main([f"--config={TINY}", *RUN, f"--workdir={a}"]) == 0
+    assert f"resuming from step {killed.last}" in capsys.readouterr().out
     assert_same_losses(losses(a), reference)
     b = tmp_path / "b"  # one, then two
     assert main([f"--config={TINY}", *RUN, f"--workdir={b}", "--config.train.stop_at=10"]) == 0
@@ -225,12 +248,20 @@ def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path, reference):
 
 
 def test_start_failures_say_what_happened_and_what_differs(tmp_path):
-    fast = [f"--config={TINY}", "--config.train.steps=2", "--config.distributed.init_timeout=3"]
-    port = free_port()
+    """Three starts at once: a process 0 and a process 1 that each wait alone, and a pair
+    whose configs differ (given time to join: they must fail on the difference)."""
+    short = [f"--config={TINY}", "--config.train.steps=2"]
+    fast = [*short, "--config.distributed.init_timeout=3"]
+    port, odd_port = free_port(), free_port()
+    while odd_port == port:
+        odd_port = free_port()
     alone = trainer([*fast, f"--coordinator=localhost:{port}", "--num_processes=2", "--process_id=0"],
                     tmp_path / "alone.txt")
     lone = trainer([*fast, "--coordinator=localhost:1", "--num_processes=2", "--process_id=1"],
                    tmp_path / "lone.txt")
+    odd = [trainer([*short, "--config.distributed.init_timeout=120", *extra, f"--coordinator=localhost:{odd_port}",
+                    "--num_processes=2", f"--process_id={i}"], tmp_path / f"odd{i}.txt")
+           for i, extra in enumerate([[], ["--config.train.seed=3"]])]
     assert alone.wait(timeout=60) != 0 and lone.wait(timeout=60) != 0
     for name, address in [("alone", f"localhost:{port}"), ("lone", "localhost:1")]:
         log = (tmp_path / f"{name}.txt").read_text()
@@ -239,11 +270,7 @@ def test_start_failures_say_what_happened_and_what_differs(tmp_path):
         assert "Check that every process was started with --num_processes=2" in log
         assert said < log.find("Terminating process"), log[-3000:]  # ours first, then JAX's abort
 
-    port = free_port()
-    odd = [trainer([*fast, *extra, f"--coordinator=localhost:{port}", "--num_processes=2",
-                    f"--process_id={i}"], tmp_path / f"odd{i}.txt")
-           for i, extra in enumerate([[], ["--config.train.seed=3"]])]
-    assert [p.wait(timeout=60) for p in odd] == [1, 1]
+    assert [p.wait(timeout=120) for p in odd] == [1, 1]
     for i in range(2):
         log = (tmp_path / f"odd{i}.txt").read_text()
         assert re.search(r"Start of 2 processes failed: process 1 \(host \S+, pid \d+\) runs another config than "
@@ -334,24 +361,28 @@ def throw(port: int) -> None:
             s.recv(4096)
 
 
-def test_hostile_bytes_at_every_port_of_process_0_leave_the_run_undisturbed(tmp_path):
+def test_hostile_bytes_at_every_port_of_process_0_leave_the_run_undisturbed(tmp_path, reference):
     """Process 0 listens on JAX's port, bound to loopback as the coordinator is, and on the
     port of gloo's own transport (the CPU collectives'): nothing of meshtrain's. Every payload
-    is thrown at each while the two start and train, and they train like one process."""
-    run = [f"--config={TINY}", "--config.train.steps=50", "--config.train.log_every=1", "--config.train.eval_every=0"]
-    assert main([*run, f"--workdir={tmp_path / 'one'}"]) == 0
-    port, w = free_port(), tmp_path / "w"
-    procs = processes(2, [*run, f"--workdir={w}"], tmp_path, port=port)
-    wait_for(lambda: any(p == port for _, p in listening(procs[0].pid)), what="JAX's port")
-    throw(port)  # during the start
-    wait_for(lambda: logged(tmp_path / "p0.txt", 2), what="step 2")
-    ports = listening(procs[0].pid)
-    for _, p in ports:  # during the run
-        throw(p)
-    assert procs[0].poll() is None, "the run ended before the payloads were all thrown"
+    is thrown at each while the two start and train, and they train like one process. The
+    processes hold before their last step until every payload is thrown (tests/fault_run.py),
+    so the run cannot end first on any host, however fast."""
+    port, w, thrown = free_port(), tmp_path / "w", tmp_path / "thrown"
+    procs = processes(2, [f"--config={TINY}", *RUN, f"--workdir={w}"], tmp_path, port=port,
+                      fault={"kind": "hold", "step": 20, "until": str(thrown)})
+    try:
+        wait_for(lambda: any(p == port for _, p in listening(procs[0].pid)), what="JAX's port")
+        throw(port)  # during the start
+        wait_for(lambda: logged(tmp_path / "p0.txt", 2), what="step 2")
+        ports = listening(procs[0].pid)
+        for _, p in ports:  # during the run
+            throw(p)
+        assert procs[0].poll() is None, "the run ended before the payloads were all thrown"
+    finally:
+        thrown.touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0], (tmp_path / "p1.txt").read_text()[-3000:]
     jax_port = {(a, p) for a, p in ports if p == port}
     loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
     assert len(jax_port) == 1 and jax_port <= {(a, port) for a in loopback}, ports
     assert len(ports) == 2, ports  # JAX's, and gloo's (an ephemeral port)
-    assert_same_losses(losses(w), losses(tmp_path / "one"))
+    assert_same_losses(losses(w), reference)

@@ -100,6 +100,15 @@ def test_one_process_or_an_object_store_is_not_checked():
     shared_dir.check(None, two, 1, store=object())
 
 
+# `python -m meshtrain.train ARGS` with the check's patience for a late file cut from 15 s
+# (meant for a network file system) to 1 s: here the other directory does not exist, so
+# the verdict is certain and the rest of the wait would be pure waiting. The patience
+# itself is tested above, on threads.
+TRAIN_PATIENT_1S = ("import sys; from meshtrain.cluster import shared_dir; check = shared_dir.check; "
+                    "shared_dir.check = lambda *a, **k: check(*a, **{'patience_s': 1.0, **k}); "
+                    "from meshtrain import train; sys.exit(train.main(sys.argv[1:]))")
+
+
 @pytest.mark.slow
 def test_two_processes_with_different_directories_stop_before_training(tmp_path):
     """The same relative --workdir from two working directories: two different directories."""
@@ -108,7 +117,7 @@ def test_two_processes_with_different_directories_stop_before_training(tmp_path)
         cwd = tmp_path / f"host{i}"
         cwd.mkdir()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "meshtrain.train", "--config=gpt2_tiny_dp8", "--workdir=runs/x",
+            [sys.executable, "-c", TRAIN_PATIENT_1S, "--config=gpt2_tiny_dp8", "--workdir=runs/x",
              "--config.train.steps=4", f"--coordinator=localhost:{port}", "--num_processes=2",
              f"--process_id={i}"], cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True))
@@ -118,5 +127,6 @@ def test_two_processes_with_different_directories_stop_before_training(tmp_path)
     assert "Traceback" not in outs[0] and "process 0 (host" in outs[1] and "stopped with status 2" in outs[1]
     assert (f"process 1 (host {socket.gethostname()}, looked in "
             f"{tmp_path / 'host1' / 'runs' / 'x' / 'checkpoints'}: no such directory)") in outs[0], outs[0]
+    assert "did not see it within 1 s" in outs[0]  # the patience cut above
     assert "compiled train step" not in outs[0]  # stopped before compiling
     assert not (tmp_path / "host1" / "runs").exists()

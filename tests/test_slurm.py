@@ -5,7 +5,8 @@ The GPU template's directives are overridden on the sbatch command line for 2 ta
 4 simulated CPU devices each. One job is stopped with `scancel --signal=TERM` (every task
 saves the same step and exits 0), is submitted again and resumes; another reaches its
 time limit (`--time=1`), saves, is requeued by the script and resumes, as often as it
-takes. Both end with the losses of an unbroken run.
+takes. Both end with the losses of an unbroken run. The time-limit job, which mostly
+waits on Slurm's clock, runs on a cluster of its own beside the module's other tests.
 """
 
 import os
@@ -13,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,7 +22,7 @@ import pytest
 
 from meshtrain.train import main
 from support.processes import ENV, ROOT, logged, losses, steps_on_disk, wait_for
-from support.slurm_cluster import SlurmCluster, skip_reason, slurm  # noqa: F401  (slurm: the fixture)
+from support.slurm_cluster import SlurmCluster, first_job_id, skip_reason, slurm  # noqa: F401  (slurm: the fixture)
 
 SBATCH = str(ROOT / "launch" / "slurm.sbatch")
 # Two tasks on this one node, no GPUs: overrides of the template's directives. Each task's
@@ -176,9 +178,6 @@ def rank_log(tmp_path, job, rank) -> str:
 
 @pytest.mark.slow
 def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm, tmp_path):  # noqa: F811
-    one = tmp_path / "one"
-    assert main(["--config=gpt2_tiny_dp8", *RUN, f"--workdir={one}"]) == 0
-
     w = tmp_path / "w"
     first = submit(slurm, tmp_path, "gpt2_tiny_dp8", *RUN)
     slurm.wait_state(first, "RUNNING", timeout=60)
@@ -198,6 +197,8 @@ def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm
     print(f"job {first}: {info['JobState']} {info['ExitCode']}, stopped at step {stopped}")
 
     second = submit(slurm, tmp_path, "gpt2_tiny_dp8", *RUN)
+    one = tmp_path / "one"  # the unbroken run, in this process while the second job starts
+    assert main(["--config=gpt2_tiny_dp8", *RUN, f"--workdir={one}"]) == 0
     info = slurm.wait_state(second, timeout=180)
     log0 = rank_log(tmp_path, second, 0)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log0[-3000:])
@@ -222,48 +223,95 @@ def test_python_without_srun_in_a_two_task_job_is_told_to_use_srun(slurm, tmp_pa
     assert "Traceback" not in out
 
 
-# The job's first run is slowed to a second a step (tests/fault_run.py's "slow" fault, in
-# the job's first run only), so it cannot finish before its time limit on any machine;
-# the requeued runs train at full speed.
-STEPS = 60
+# The job's first run is slowed to 1.5 s a step (tests/fault_run.py's "slow" fault, in the
+# job's first run only): 40 steps take it a minute at least, so it cannot finish before its
+# time limit on any machine; the requeued runs train at full speed.
+STEPS = 40
 LONG = [f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=0",
         "--config.checkpoint.every=0"]  # saved only at the end and on SIGTERM
 SLOW_FIRST_RUN = {"PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable,
-                  "MESHTRAIN_TEST_FAULT": '{"kind": "slow", "seconds": 1, "restart": 0}'}
+                  "MESHTRAIN_TEST_FAULT": '{"kind": "slow", "seconds": 1.5, "restart": 0}'}
+
+
+class TimeLimitJob(threading.Thread):
+    """The time-limit test's job and its unbroken twin, on a cluster of their own. They
+    mostly wait on Slurm's clock (its first time-limit check, 30 s after slurmctld starts;
+    the requeued job held ~6 s) and on the job's slowed first run, so they run beside the
+    module's other tests, which use the module's cluster (`slurm`); the test waits for them."""
+
+    def __init__(self, tmp_path):
+        super().__init__(name="time-limit job", daemon=True)
+        self.tmp_path, self.error = tmp_path, None
+
+    def run(self):
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - raised again in the test
+            self.error = e
+
+    def _run(self):
+        ref = self.tmp_path / "ref"
+        cluster = SlurmCluster(FirstJobId=str(first_job_id(apart=512)))  # apart from `slurm`'s jobs
+        unbroken = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp8", *LONG,
+                                     f"--workdir={ref}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+        try:
+            t0 = time.monotonic()
+            self.job = submit(cluster, self.tmp_path, "gpt2_tiny_dp8", *LONG,
+                              sbatch_args=["--time=1", "--signal=B:USR1@5"], env=SLOW_FIRST_RUN)
+            self.info = cluster.wait_state(self.job, timeout=900)
+            self.took = time.monotonic() - t0
+            assert unbroken.wait(timeout=600) == 0, unbroken.stderr.read()[-3000:]
+        finally:
+            cluster.stop()
+            if unbroken.poll() is None:
+                unbroken.kill()
+
+    def result(self) -> "TimeLimitJob":
+        self.join(timeout=1200)
+        assert not self.is_alive(), "the time-limit job did not end within 20 minutes"
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+TIME_LIMIT_TEST = "test_time_limit_requeues_and_resumes_like_an_unbroken_run"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limit_job(request, tmp_path_factory):
+    """Started with the module's first test, where the time-limit test is to run."""
+    wanted = any(getattr(item, "module", None) is request.module and item.originalname == TIME_LIMIT_TEST
+                 for item in request.session.items)
+    if not wanted or skip_reason():
+        yield None
+        return
+    job = TimeLimitJob(tmp_path_factory.mktemp("time_limit"))
+    job.start()
+    yield job
+    job.join(timeout=1200)  # its cluster never outlives the module
 
 
 @pytest.mark.slow
-def test_time_limit_requeues_and_resumes_like_an_unbroken_run(tmp_path):
+def test_time_limit_requeues_and_resumes_like_an_unbroken_run(time_limit_job):
     """--time=1 (one minute, Slurm's least), warned 5 s before the end (--signal=B:USR1@5).
-    Slurm checks time limits every 30 s, so the warning comes at the first check at least
-    25 s after the start; the job is submitted just after a check, so that is ~28 s after
-    the start. The script asks the tasks to save and requeues the job, which Slurm starts
-    again ~6 s later (cred_expire=5) with a fresh minute, as often as it takes to finish.
-    The unbroken run trains meanwhile: while the cluster waits for its next check and the
-    job's first run sleeps through its steps."""
+    Slurm checks time limits every 30 s, the first time 30 s after slurmctld starts, so the
+    warning comes at the first check at least 25 s after the job's start; the job is
+    submitted as soon as its cluster is up, so that is the first check, ~28 s after the
+    start (a job that started late would be warned at the next check, ~30 s later, with
+    its first run still going). The script asks the tasks to save and requeues the job,
+    which Slurm starts again ~6 s later (cred_expire=5) with a fresh minute, as often as it
+    takes to finish. The unbroken run trains meanwhile, while the job's first run sleeps
+    through its steps; both started with the module (`time_limit_job`)."""
     if reason := skip_reason():
         pytest.skip(reason)
-    ref = tmp_path / "ref"
-    cluster = SlurmCluster(SlurmctldDebug="debug2")
-    unbroken = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp8", *LONG, f"--workdir={ref}"],
-                                cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        cluster.wait_time_limit_check()
-        t0 = time.monotonic()
-        job = submit(cluster, tmp_path, "gpt2_tiny_dp8", *LONG, sbatch_args=["--time=1", "--signal=B:USR1@5"],
-                     env=SLOW_FIRST_RUN)
-        info = cluster.wait_state(job, timeout=900)
-        took = time.monotonic() - t0
-        assert unbroken.wait(timeout=600) == 0, unbroken.stderr.read()[-3000:]
-    finally:
-        cluster.stop()
-        if unbroken.poll() is None:
-            unbroken.kill()
+    done = time_limit_job.result()
+    tmp_path, ref, job, info, took = done.tmp_path, done.tmp_path / "ref", done.job, done.info, done.took
     job_log = (tmp_path / f"meshtrain-{job}.out").read_text()
     log0 = rank_log(tmp_path, job, 0)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, job_log, log0[-3000:])
     restarts = int(info["Restarts"])
-    assert restarts >= 1, f"the run fit into one allocation (its first run trains at 1 s a step)\n{job_log}"
+    assert restarts >= 1, f"the run fit into one allocation (its first run trains at 1.5 s a step)\n{job_log}"
     assert job_log.count("time limit: asking every task to save") == restarts, job_log
     assert job_log.count("time limit: requeueing") == restarts, job_log
     assert f"(restart {restarts})" in job_log and "srun exited with status 0" in job_log

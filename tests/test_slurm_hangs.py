@@ -59,7 +59,6 @@ def test_a_task_killed_with_sigkill_is_named_and_a_resubmission_resumes_like_one
     from support.processes import losses
     run = ["--config.train.steps=16", "--config.train.log_every=1", "--config.train.eval_every=0",
            "--config.checkpoint.every=4", "--config.distributed.heartbeat_timeout=4"]
-    assert main(["--config=gpt2_tiny_dp8", *run, f"--workdir={tmp_path / 'one'}"]) == 0
     w = tmp_path / "w"
     slurm.env.update({"WORKDIR": str(w), "PYTHONPATH": str(ROOT),
                       "PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable,
@@ -82,6 +81,8 @@ def test_a_task_killed_with_sigkill_is_named_and_a_resubmission_resumes_like_one
 
     slurm.env.update({"PYTHON": sys.executable})  # the trainer itself, no fault
     again = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", *run], cwd=tmp_path)
+    # The unbroken run, in this process while the resubmitted job starts.
+    assert main(["--config=gpt2_tiny_dp8", *run, f"--workdir={tmp_path / 'one'}"]) == 0
     info = slurm.wait_state(again, timeout=240)
     log0 = (tmp_path / "logs" / f"meshtrain-{again}-rank0.out").read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log0[-3000:])

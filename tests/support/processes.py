@@ -20,18 +20,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer(args, log: pathlib.Path, env=None) -> subprocess.Popen:
-    """`python -m meshtrain.train ARGS`, output appended to `log`."""
+def trainer(args, log: pathlib.Path, env=None, fault: dict | None = None) -> subprocess.Popen:
+    """`python -m meshtrain.train ARGS`, output appended to `log`; with `fault`, the trainer
+    with that fault in its data path (tests/fault_run.py)."""
     out = open(log, "a")
-    return subprocess.Popen([sys.executable, "-m", "meshtrain.train", *args], stdout=out,
-                            stderr=subprocess.STDOUT, cwd=ROOT, env={**ENV, **(env or {})})
+    run = [str(ROOT / "tests" / "fault_run.py")] if fault else ["-m", "meshtrain.train"]
+    env = {**ENV, **(env or {}), **({"MESHTRAIN_TEST_FAULT": json.dumps(fault)} if fault else {})}
+    return subprocess.Popen([sys.executable, *run, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
-def processes(n: int, args, logs: pathlib.Path, port: int | None = None) -> list[subprocess.Popen]:
+def processes(n: int, args, logs: pathlib.Path, port: int | None = None,
+              fault: dict | None = None) -> list[subprocess.Popen]:
     """N trainer processes joined by flags; process i logs to LOGS/pI.txt."""
     port = port or free_port()
     return [trainer([*args, f"--coordinator=localhost:{port}", f"--num_processes={n}",
-                     f"--process_id={i}"], logs / f"p{i}.txt") for i in range(n)]
+                     f"--process_id={i}"], logs / f"p{i}.txt", fault=fault) for i in range(n)]
 
 
 def local_sh(n: int, *args, timeout=300) -> subprocess.CompletedProcess:

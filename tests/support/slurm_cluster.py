@@ -27,12 +27,15 @@ Why it looks like this:
   (a pending job is looked at every second, not every 60 / 30 s), and AuthInfo=cred_expire=5:
   Slurm holds a requeued batch job for cred_expire + 1 s (BeginTime; 121 s by default).
   The time-limit check (and the --signal warning it sends) runs every 30 s whatever the
-  settings: PERIODIC_TIMEOUT is compiled into slurmctld.
+  settings, the first time 30 s after slurmctld starts: PERIODIC_TIMEOUT is compiled into
+  slurmctld (SlurmctldDebug=debug2 logs each check, "Testing job time limits").
 * Job ids apart per pytest-xdist worker (FirstJobId): JAX's Slurm detection puts process
   0's coordination service on port 61440 + job id % 4096, so two clusters that both number
   their first job 1, running at once on this host, would start both jobs' services on one
   port, and one job's tasks would talk to the other's service (seen: a job aborted 11 s
-  after start with "Socket closed" from the coordination service).
+  after start with "Socket closed" from the coordination service). A second cluster of the
+  same worker, running beside its first, numbers its jobs apart again
+  (`FirstJobId=str(first_job_id(apart=512))`).
 """
 from __future__ import annotations
 
@@ -64,10 +67,11 @@ def skip_reason() -> str | None:
     return None
 
 
-def _first_job_id() -> int:
-    """1 for xdist worker gw0 (or no xdist), 1025 for gw1, ...: 1,024 jobs before two meet."""
+def first_job_id(apart: int = 0) -> int:
+    """1 for xdist worker gw0 (or no xdist), 1025 for gw1, ...: 1,024 jobs before two meet.
+    `apart` (under 1,024) numbers a second cluster that runs beside the worker's first one."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return 1 + 1024 * (int(worker[2:]) % 4 if worker[2:].isdigit() else 0)
+    return 1 + apart + 1024 * (int(worker[2:]) % 4 if worker[2:].isdigit() else 0)
 
 
 def _free_port() -> int:
@@ -97,7 +101,7 @@ class SlurmCluster:
             SlurmctldLogFile=str(d / "slurmctld.log"), SlurmdLogFile=str(d / "slurmd-%n.log"),
             SlurmctldDebug="info", SlurmdDebug="info", PlugStackConfig=str(d / "plugstack.conf"),
             SchedulerParameters="sched_interval=1,bf_interval=1", AuthInfo="cred_expire=5",
-            FirstJobId=str(_first_job_id()),
+            FirstJobId=str(first_job_id()),
         )
         settings.update(conf)
         lines = [f"{k}={v}" for k, v in settings.items()]
@@ -165,17 +169,6 @@ class SlurmCluster:
                                    + "\n".join(self.squeue_lines()) + "\n" + self.logs_tail())
             time.sleep(0.2)
         return info
-
-    def wait_time_limit_check(self, timeout: float = 40.0) -> None:
-        """Returns just after slurmctld's next time-limit check (every 30 s; it also sends the
-        --signal warnings). Needs SlurmctldDebug=debug2, which logs each check."""
-        def checks() -> int:
-            return self.log("slurmctld.log").count("Testing job time limits")
-        seen, deadline = checks(), time.monotonic() + timeout
-        while checks() == seen:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no time-limit check logged in {timeout}s (SlurmctldDebug=debug2?)")
-            time.sleep(0.1)
 
     def squeue_lines(self) -> list[str]:
         return self._run("squeue", "-h", "-o", "%i %T %j %R", check=False).splitlines()
