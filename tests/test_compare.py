@@ -151,13 +151,12 @@ def test_a_resumed_runlog_continues_the_clock(tmp_path):
     assert kept <= rows[-1]["time_s"] < kept + 60
 
 
-def test_only_a_processs_first_run_counts_its_start_up_from_the_process_start(monkeypatch):
-    """A notebook's or a test's later `main` in a long-lived process would otherwise have the
-    time since the process began (CI once showed start-up 15m12s of a 4 s run)."""
-    monkeypatch.setattr(goodput, "_FIRST", [True])
+def test_a_run_counts_its_start_up_from_the_process_start_only_when_meshtrain_is_the_program(monkeypatch):
+    """A notebook's, a test's or a script's `main` in a long-lived process would otherwise
+    have the time since the process began (CI once showed start-up 15m12s of a 4 s run)."""
     called = goodput.process_start() + 60.0
-    assert goodput.piece_start(called) == goodput.process_start()  # imports count in the first run
-    assert goodput.piece_start(called) == called
-    monkeypatch.setattr(goodput, "_FIRST", [True])
-    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # a notebook kernel's first run
-    assert goodput.piece_start(called) == called
+    for program, ours in [("/venv/bin/meshtrain", True), (str(goodput.PACKAGE / "train.py"), True),
+                          ("/venv/bin/pytest", False), ("/venv/lib/ipykernel_launcher.py", False), ("", False)]:
+        assert goodput.started_by_meshtrain(program) == ours, program
+        monkeypatch.setattr(sys, "argv", [program])
+        assert goodput.piece_start(called) == (goodput.process_start() if ours else called), program

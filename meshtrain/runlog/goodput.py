@@ -1,8 +1,8 @@
 """Goodput: where a run's wall time went, and the share of it that trained new steps.
 
 A run may take several *pieces* (starts of the command in one workdir: a preemption, a
-crash, a requeue). Each piece's wall time, from its process start (its call, for a later run in one
-process or a notebook's: `piece_start`) to its last line, is split into:
+crash, a requeue). Each piece's wall time, from its process start (from its call when another program
+calls `main`: `piece_start`) to its last line, is split into:
 
     start-up    process start to compiling: imports, joining processes, building the
                 model and data, reading the checkpoint back
@@ -54,18 +54,22 @@ def process_start() -> float:
 
 
 _IMPORTED = time.time()
-_FIRST = [True]
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent
+
+
+def started_by_meshtrain(argv0: str) -> bool:
+    """Whether the program this process runs is a meshtrain command: the `meshtrain` console
+    script or a module of the package (`python -m meshtrain.train`)."""
+    program = pathlib.Path(argv0 or "")
+    return program.name == "meshtrain" or PACKAGE in program.resolve().parents
 
 
 def piece_start(called: float) -> float:
-    """When this piece began. The first run in a process counts from the process start,
-    so the interpreter's and JAX's imports are in its start-up; any later run in the same
-    process (a notebook's second `main`, a test after others) from `called`, when its
-    command was called: the process start would put the time between runs into start-up.
-    A run called from a notebook's kernel counts from `called` too (the kernel may have
-    been open for hours)."""
-    first, _FIRST[0] = _FIRST[0], False
-    return process_start() if first and "ipykernel" not in sys.modules else called
+    """When this piece began: the process start when the process is a meshtrain command,
+    so the interpreter's and JAX's imports are in its start-up; else `called`, when `main`
+    was called from other Python (a notebook's kernel, a test, a script), whose process
+    began earlier and for other work."""
+    return process_start() if started_by_meshtrain(sys.argv[0] if sys.argv else "") else called
 
 
 class Clock:
