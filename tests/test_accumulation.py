@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
 from meshtrain.run.experiment import Experiment
 from meshtrain.step import train_step as step_lib

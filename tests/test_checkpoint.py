@@ -21,10 +21,10 @@ import pytest
 
 from meshtrain.checkpoints import init_from, store as checkpoint_lib
 from meshtrain.checkpoints.lock import DirectoryLock
+from meshtrain.parallel.pipeline.scan import from_stages
 from meshtrain.run.experiment import Experiment
 from meshtrain.run.loop import train_loop
 from meshtrain.runlog import metrics
-from meshtrain.parallel.pipeline.scan import from_stages
 from support.checkpoints import (assert_requested_shardings, assert_same_values, build, copy, restore_both,
                                  small_disk, train)
 from support.processes import exact_losses, losses, steps_on_disk

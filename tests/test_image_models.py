@@ -15,13 +15,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, mesh as mesh_lib, models
-from meshtrain.parallel import layouts
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts import VOCABULARY
 from meshtrain.models import family, model_config, resnet, vgg
 from meshtrain.models.conv import BN_EPSILON, BatchNorm
 from meshtrain.models.hook import UNSHARDED
+from meshtrain.parallel import layouts
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import VOCABULARY
 from meshtrain.run.experiment import analysis_options
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}

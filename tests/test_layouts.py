@@ -6,10 +6,10 @@ import pathlib
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel import layouts
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.tables import sharding_table
 from meshtrain.models import model_config
+from meshtrain.parallel import layouts
+from meshtrain.parallel.layouts.tables import sharding_table
 from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.step.state import abstract_model
 

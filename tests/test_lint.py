@@ -8,9 +8,9 @@ import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import MiB, UserError, mib
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.planner import analytic, bounds, hardware, lint, split_cost
 from meshtrain.run.experiment import abstract_mesh, check_config
-from meshtrain.parallel.pipeline import scan as pipeline
 from support.configs import configured
 
 

@@ -19,10 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshtrain import config as config_lib, mesh as mesh_lib, tree_paths
-from meshtrain.parallel import layouts
 from meshtrain.models import model_config
 from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_params
 from meshtrain.models.sizes import LLAMA_SIZES
+from meshtrain.parallel import layouts
 from meshtrain.parallel.hook import Constrain
 from meshtrain.run.experiment import analysis_options
 from meshtrain.step.state import abstract_model, param_shardings

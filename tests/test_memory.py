@@ -18,8 +18,8 @@ import re
 import jax
 import pytest
 
-from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import is_matrix
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
 

@@ -141,9 +141,9 @@ def test_refusals(overrides, needle):
 def test_dropless_refuses_a_split_it_cannot_run(layout, needle):
     """Dropless runs per device under shard_map, with embed whole and the experts' mlp on
     axes of its own: other splits are refused with the fix, before anything is traced."""
-    from meshtrain.parallel.layouts import get
     from meshtrain.models import moe_dropless
     from meshtrain.parallel.hook import Constrain
+    from meshtrain.parallel.layouts import get
     mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     ws = (jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 128)), jnp.zeros((4, 128, 64)))

@@ -10,9 +10,9 @@ import pytest
 from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.models.hook import UNSHARDED
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.step import train_step as step_lib
-from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.step.tasks import LanguageModelling
 from support.configs import configured
 from support.training import devices_for

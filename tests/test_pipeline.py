@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
+from meshtrain.parallel.pipeline import scan as pipeline
+from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.planner import hlo, hlo_flops
 from meshtrain.run.experiment import analysis_options, Experiment
 from meshtrain.step import train_step as step_lib
-from meshtrain.parallel.pipeline import scan as pipeline
-from meshtrain.parallel.pipeline.scan import Pipeline
 
 from support.training import loss_and_grads
 

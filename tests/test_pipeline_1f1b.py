@@ -19,10 +19,10 @@ from support.configs import configured as config
 from support.processes import losses
 from support.training import loss_and_grads
 from meshtrain import config as config_lib
-from meshtrain.run.experiment import analysis_options, Experiment
-from meshtrain.step import train_step as step_lib
 from meshtrain.parallel.pipeline import ticks
 from meshtrain.parallel.pipeline.scan import Pipeline
+from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.step import train_step as step_lib
 from meshtrain.train import main
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -9,10 +9,10 @@ import jax
 import pytest
 
 from meshtrain import config as config_lib
-from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report as report_lib, search, text
-from meshtrain.run.experiment import Experiment
 from meshtrain.parallel.pipeline import ticks as pipeline_ticks
 from meshtrain.parallel.pipeline.scan import Pipeline
+from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report as report_lib, search, text
+from meshtrain.run.experiment import Experiment
 from support.configs import configured
 
 H100 = hardware.get("h100")

@@ -16,9 +16,9 @@ import pytest
 
 from meshtrain import config as config_lib, sample
 from meshtrain.checkpoints import init_from, store as checkpoint_lib
+from meshtrain.parallel.pipeline.scan import from_stages
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
-from meshtrain.parallel.pipeline.scan import from_stages
 from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky, samples
 
 

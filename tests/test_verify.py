@@ -12,9 +12,9 @@ import pytest
 
 from meshtrain import config as config_lib, mesh as mesh_lib, plan
 from meshtrain.errors import UserError
+from meshtrain.parallel import grad_reduce
 from meshtrain.run import verify
 from meshtrain.run.experiment import abstract_mesh, validate, read_inputs
-from meshtrain.parallel import grad_reduce
 
 STEPS = 2
 

@@ -36,8 +36,8 @@ import orbax.checkpoint as ocp
 
 from meshtrain import models, tree_paths
 from meshtrain.checkpoints import integrity, orbax_log, restage, save_failure
-from meshtrain.errors import RunFailed, UserError, warn
 from meshtrain.checkpoints.lock import LOCK_NAME
+from meshtrain.errors import RunFailed, UserError, warn
 
 STEP_PREFIX = "step"
 STEP_NAME = re.compile(rf"{STEP_PREFIX}_(\d+)")

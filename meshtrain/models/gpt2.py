@@ -24,8 +24,8 @@ from meshtrain.errors import UserError
 from meshtrain.models import family, sizes
 from meshtrain.models import stack
 from meshtrain.models.attention import Cache, attend
-from meshtrain.models.stack import RunLayers, dropout as _dropout, param
 from meshtrain.models.hook import UNSHARDED, Hook
+from meshtrain.models.stack import RunLayers, dropout as _dropout, param
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -32,9 +32,9 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family, sizes, stack
 from meshtrain.models.attention import Cache, attend
+from meshtrain.models.hook import UNSHARDED, Hook
 from meshtrain.models.rope import RopeScaling, inverse_frequencies, rope
 from meshtrain.models.stack import RunLayers, dropout as _dropout, param
-from meshtrain.models.hook import UNSHARDED, Hook
 
 BTHE = ("batch", "length", "heads", "head_dim")
 BTKE = ("batch", "length", "kv_heads", "head_dim")

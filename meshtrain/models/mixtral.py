@@ -30,8 +30,8 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family, llama, moe, moe_dropless, sizes, stack
 from meshtrain.models.attention import Cache
-from meshtrain.models.stack import RunLayers
 from meshtrain.models.hook import UNSHARDED, Hook
+from meshtrain.models.stack import RunLayers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,8 +40,8 @@ from flax import nnx
 
 from meshtrain.errors import UserError
 from meshtrain.models import moe_dropless
-from meshtrain.models.stack import param
 from meshtrain.models.hook import Hook
+from meshtrain.models.stack import param
 
 DISPATCH = ("dropless", "capacity")
 # How dropless computes its grouped matmuls (moe_dropless.grouped_matmul resolves auto).

@@ -28,8 +28,8 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family
 from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, conv_output_size, global_avg_pool, max_pool, pool_output_size
-from meshtrain.models.stack import mask_padding
 from meshtrain.models.hook import UNSHARDED, Hook
+from meshtrain.models.stack import mask_padding
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # block output width / its inner width
 STEMS = ("imagenet", "small")

@@ -30,8 +30,8 @@ from flax import nnx
 from meshtrain.errors import UserError
 from meshtrain.models import family
 from meshtrain.models.conv import ConvBN, ConvSpec, Dense, check_remat, max_pool
-from meshtrain.models.stack import dropout as _dropout, mask_padding
 from meshtrain.models.hook import UNSHARDED, Hook
+from meshtrain.models.stack import dropout as _dropout, mask_padding
 
 # torchvision's cfgs: a width is a 3x3 conv, M a 2x2 max-pool of stride 2.
 _A = "64 M 128 M 256 256 M 512 512 M 512 512 M"

@@ -46,9 +46,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.models.attention import BTHE, BTKE, check_context_kind
 from meshtrain.parallel import sequence
 from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
-from meshtrain.models.attention import BTHE, BTKE, check_context_kind
 
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # a masked score, as attention._MASKED
 

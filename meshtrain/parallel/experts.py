@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
 from meshtrain.models.moe_dropless import combine, local_experts
+from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
 from meshtrain.parallel.sequence import BTD, for_attention
 
 Grouped = Callable[..., jax.Array]

@@ -55,10 +55,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts import Layout
-from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import Layout
+from meshtrain.parallel.layouts.rules import mesh_axes_of
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
 ACCUM_GATHER = ("auto", "once", "each")

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.models.hook import Axes, Hook
 from meshtrain.parallel import context_attention, experts, sequence
-from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
+from meshtrain.parallel.layouts.rules import Layout
 
 
 class Constrain(Hook):
@@ -45,20 +45,8 @@ class Constrain(Hook):
         """The layout's activation spec for `axes` (needs a mesh)."""
         return self.layout.spec(axes, "activations")
 
-    def for_attention(self, axes: Axes) -> PartitionSpec:
-        """The spec of `axes` with positions split only as attention splits them: the two
-        differ under sequence parallelism (parallel/sequence.py)."""
-        return sequence.for_attention(self.layout, axes)
-
     def order(self, t: int) -> np.ndarray | None:
         return None if self.mesh is None else sequence.order(self.layout, self.mesh.shape, t)
-
-    def mesh_size(self, axes: tuple[str, ...]) -> int:
-        """Devices along `axes` of the mesh (1 without one)."""
-        n = 1
-        for a in axes if self.mesh is not None else ():
-            n *= self.mesh.shape[a]
-        return n
 
     def gather_sequence(self, x_btd: jax.Array) -> jax.Array:
         return x_btd if self.mesh is None else sequence.sequence_gather(x_btd, self.layout, self.mesh)
@@ -70,7 +58,7 @@ class Constrain(Hook):
     def splits_length(self) -> bool:
         """Whether the layout splits q's, k's and v's positions over devices (context
         parallelism): then attention runs in parallel/context_attention.py."""
-        return self.sharded and self.mesh_size(mesh_axes_of(self.spec(context_attention.BTHE)[1])) > 1
+        return self.sharded and sequence.split(self.layout, self.mesh.shape)[0] > 1
 
     def attend_split(self, q_bthe, k_btke, v_btke, kind: str) -> jax.Array:
         return context_attention.attend(q_bthe, k_btke, v_btke, kind=kind, layout=self.layout, mesh=self.mesh,

@@ -23,20 +23,20 @@ import optax
 from jax.sharding import Mesh
 
 from meshtrain import mesh as mesh_lib, models
-from meshtrain.parallel import layouts
 from meshtrain.checkpoints import init_from, reading, store as checkpoint_store
 from meshtrain.cluster import distributed
 from meshtrain.data import make_source
 from meshtrain.errors import UserError
-from meshtrain.parallel import sequence
-from meshtrain.parallel.layouts import Layout
 from meshtrain.models import documents
+from meshtrain.parallel import layouts
+from meshtrain.parallel import sequence
+from meshtrain.parallel import grad_reduce
+from meshtrain.parallel.layouts import Layout
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
 from meshtrain.runlog import trackers
 from meshtrain.step import tasks
-from meshtrain.parallel import grad_reduce
 from meshtrain.step import loss as loss_lib, optim, state as state_lib, train_step as step_lib
-from meshtrain.parallel.pipeline import scan as pipeline
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import Layout
 from meshtrain.step.state import ModelDef
 from meshtrain.step.train_step import batch_sharding
 

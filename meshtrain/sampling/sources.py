@@ -118,8 +118,8 @@ def from_checkpoint(flags: dict) -> Loaded:
     path = checkpoint_path(flags["checkpoint"])
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(flags["mesh"] or CHECKPOINT_MESH))
 
-    from meshtrain.parallel import layouts
     from meshtrain.checkpoints import init_from
+    from meshtrain.parallel import layouts
     layout = layouts.get(flags["layout"] or CHECKPOINT_LAYOUT)
     src = init_from.read(path, flags["step"])
     model, mesh, shardings = build_from_source(src, layout, shape, devices, flags["dtype"] or CHECKPOINT_DTYPE)

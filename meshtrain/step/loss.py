@@ -38,10 +38,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel import sequence
-from meshtrain.parallel.layouts import Layout
 from meshtrain.models import family
+from meshtrain.parallel import sequence
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import Layout
 
 
 def num_chunks(seq_len: int, loss_chunk: int) -> int:

@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.models import Family, ModelConfig, family_of
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.layouts.rules import mesh_axes_of
-from meshtrain.models import Family, ModelConfig, family_of
 from meshtrain.parallel.pipeline.scan import Pipeline, stage_axes, stage_shape, to_stages
 from meshtrain.tree_paths import path_str
 

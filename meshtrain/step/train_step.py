@@ -38,12 +38,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
-from meshtrain.parallel.layouts import Layout
 from meshtrain.models.stack import is_matrix
-from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel import grad_reduce
-from meshtrain.step import loss as loss_lib, tasks
+from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
+from meshtrain.step import loss as loss_lib, tasks
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.tasks.task import is_field
 

@@ -4,10 +4,10 @@ helpers of the equivalence tests (every layout equals one device)."""
 import jax
 import numpy as np
 
+from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run.experiment import analysis_options, Experiment, known_options
 from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
-from meshtrain.parallel.pipeline import scan as pipeline
 
 STEPS = 20
 

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.vocabulary import VOCABULARY
 from meshtrain.mesh import AXES
+from meshtrain.parallel.layouts.vocabulary import VOCABULARY
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 TARGETS = ("params", "opt_state", "grads", "activations")

@@ -42,10 +42,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts.rules import Layout, mesh_axes_of
 from meshtrain.models.stack import run_stack
-from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel import grad_reduce
+from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import PIPELINE_PRESETS
+from meshtrain.parallel.layouts.rules import TARGETS, Layout, mesh_axes_of
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
 # What the backward slot of 1f1b/interleaved keeps per item (meshtrain/parallel/pipeline/schedule_1f1b.py):
@@ -129,14 +130,11 @@ def from_config(p, stages: int, num_layers: int, layout: Layout | None = None) -
 
 def uses_stage(layout: Layout) -> bool:
     """Whether any of the layout's tables puts a logical axis on the `stage` mesh axis."""
-    from meshtrain.parallel.layouts.rules import TARGETS
     return any("stage" in axes for target in TARGETS for _, axes in layout.rules(target))
 
 
 def check_layout(layout: Layout, pipe: Pipeline | None) -> None:
     """A pipelined run needs the params' `stage` dim on the `stage` mesh axis in every table."""
-    from meshtrain.parallel.layouts import PIPELINE_PRESETS
-    from meshtrain.parallel.layouts.rules import TARGETS
     if pipe is None:
         return
     for target in TARGETS:

@@ -55,10 +55,10 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import UserError
-from meshtrain.parallel.layouts import Layout
 from meshtrain.models import family, stack
 from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
+from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline.scan import StagePlan
 from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, phases, stash_slots
 
