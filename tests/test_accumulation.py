@@ -18,8 +18,9 @@ import pytest
 from meshtrain.errors import UserError
 from meshtrain.models.stack import is_matrix
 from meshtrain.parallel.layouts.rules import mesh_axes_of
-from meshtrain.planner import accumulation, analytic, bounds, hlo, memory_check
+from meshtrain.planner import accumulation, analytic, bounds, hlo
 from meshtrain.run.experiment import Experiment
+from meshtrain.run.memory_budget import Budget
 from meshtrain.step import train_step as step_lib
 from meshtrain.train import main as train_main
 from support.configs import configured
@@ -139,7 +140,7 @@ def test_bf16_compute_gathers_matrices_in_bf16():
 
 
 def budget(per_device):
-    return memory_check.Budget(per_device, 1, 1.0, "a test", host=False)
+    return Budget(per_device, 1, 1.0, "a test", host=False)
 
 
 def chosen(cfg, per_device: float | None) -> Experiment:
