@@ -202,7 +202,8 @@ def run_eval(exp, params, split: str, n: int, dump: str | None, say, stats=None)
     kept: list = []
     if dump:
         # The run's task: under data.packing=documents its forward masks each document.
-        logits_step = step_lib.make_logits_step(exp.model, exp.layout, exp.mesh, exp.shardings.params, exp.task)
+        logits_step = step_lib.make_logits_step(exp.model, exp.layout, exp.mesh, exp.shardings.params, exp.task,
+                                                exp.offload)
         say(f"--dump_logits: {n * b} x {t} x {vocab} float32 logits, {mib(n * b * t * vocab * 4)}, are "
             f"kept in host memory and written to {dump} at the end")
 

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.errors import UserError
 from meshtrain.models import family, sizes
@@ -109,11 +110,13 @@ class Attention(nnx.Module):
         """x [B, T, D] -> [B, T, D]; with a KV cache (see attention.attend) -> (y, cache)."""
         dt = x_btd.dtype
         qkv = jnp.einsum("btd,dkhe->btkhe", x_btd, self.w_qkv[...].astype(dt)) + self.b_qkv[...].astype(dt)
+        qkv = checkpoint_name(qkv, "qkv")
         q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
         o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
                                constrain=constrain, context=self.cfg.context_attention)
         o_bthe = constrain(o_bthe, ("batch", "length", "heads", "head_dim"))
         y = jnp.einsum("bthe,hed->btd", o_bthe, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+        y = checkpoint_name(y, "attn_out")
         return y if cache is None else (y, cache)
 
 
@@ -129,9 +132,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, constrain: Hook) -> jax.Array:
         dt = x_btd.dtype
-        h_btf = x_btd @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt)
+        h_btf = checkpoint_name(x_btd @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt), "mlp_up")
         h_btf = constrain(gelu(h_btf), ("batch", "length", "mlp"))
-        return h_btf @ self.w_proj[...].astype(dt) + self.b_proj[...].astype(dt)
+        return checkpoint_name(h_btf @ self.w_proj[...].astype(dt) + self.b_proj[...].astype(dt), "mlp_down")
 
 
 class Block(nnx.Module):

@@ -13,6 +13,8 @@ it was handed:
     hook.splits_length              whether attention's positions are split over devices;
     hook.attend_split(q, k, v, kind)  ...then causal attention over the pieces
     hook.dispatch_experts(...)      the tokens sent to their experts' devices and back
+    hook.arrive(params)             one layer's parameters as its layer reads them: fetched
+                                    from host memory under train.offload=params (`fetches`)
     hook.sharded                    whether there is a mesh at all
     hook.documents                  the documents of a packed window (models/documents.py:
                                     segment ids and positions [B, T], stored order), or None
@@ -35,6 +37,7 @@ Axes = tuple[str | None, ...]
 class Hook:
     sharded = False
     splits_length = False
+    fetches = False
 
     def __init__(self, documents=None):
         self.documents = documents
@@ -48,6 +51,11 @@ class Hook:
 
     def order(self, t: int) -> np.ndarray | None:
         return None
+
+    def arrive(self, params):
+        """One layer's parameters (a dict of arrays without the layers dim) as the layer
+        reads them, inside its remat: as they are, or fetched from host memory."""
+        return params
 
     def gather_sequence(self, x_btd: jax.Array) -> jax.Array:
         return x_btd

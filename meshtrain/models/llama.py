@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.errors import UserError
 from meshtrain.models import family, sizes, stack
@@ -121,9 +122,9 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, x_btd.dtype
         positions_t = stack.positions(constrain, x_btd.shape[1], pos)
         inv_freq = inverse_frequencies(cfg)
-        q = jnp.einsum("btd,dhe->bthe", x_btd, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dke->btke", x_btd, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt))
+        q = checkpoint_name(jnp.einsum("btd,dhe->bthe", x_btd, self.wq[...].astype(dt)), "qkv")
+        k = checkpoint_name(jnp.einsum("btd,dke->btke", x_btd, self.wk[...].astype(dt)), "qkv")
+        v = checkpoint_name(jnp.einsum("btd,dke->btke", x_btd, self.wv[...].astype(dt)), "qkv")
         q = constrain(rope(q, positions_t, inv_freq), BTHE)
         k = rope(k, positions_t, inv_freq)
         if cache is None:
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         o_bthe, cache = attend(q, k, v, cache, pos, implementation=self.cfg.attention,
                                constrain=constrain, context=self.cfg.context_attention)
         o_bthe = constrain(o_bthe, BTHE)
-        y = jnp.einsum("bthe,hed->btd", o_bthe, self.wo[...].astype(dt))
+        y = checkpoint_name(jnp.einsum("bthe,hed->btd", o_bthe, self.wo[...].astype(dt)), "attn_out")
         if cache is None:
             return y
         return y, tuple(constrain(c, BTKE) for c in cache)
@@ -160,10 +161,10 @@ class MLP(nnx.Module):
         parallelism's all-reduce: one all-reduce of [B, T, D], not two."""
         dt = x_btd.dtype
         w_d2f = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)
-        gate_up_bt2f = jnp.einsum("btd,dkf->btkf", x_btd, w_d2f)
+        gate_up_bt2f = checkpoint_name(jnp.einsum("btd,dkf->btkf", x_btd, w_d2f), "mlp_up")
         h_btf = jax.nn.silu(gate_up_bt2f[:, :, 0]) * gate_up_bt2f[:, :, 1]
         h_btf = constrain(h_btf, ("batch", "length", "mlp"))
-        return h_btf @ self.w_down[...].astype(dt)
+        return checkpoint_name(h_btf @ self.w_down[...].astype(dt), "mlp_down")
 
 
 class Block(nnx.Module):

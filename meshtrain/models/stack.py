@@ -149,8 +149,8 @@ def layer_maker(blocks: nnx.Module, remat_policy: str, **layer_kwargs):
 
     def make_layer(constrain: Hook):
         def layer(x, params, k):
-            return nnx.merge(graphdef, params)(x, constrain, k, **layer_kwargs)
-        return remat.wrap(layer, remat_policy)
+            return nnx.merge(graphdef, constrain.arrive(params))(x, constrain, k, **layer_kwargs)
+        return remat.wrap(layer, remat_policy, fetches=constrain.fetches)
     return make_layer, nnx.to_pure_dict(stacked)
 
 

@@ -1,4 +1,5 @@
-"""Every way the work is split over devices (docs/layouts.md, docs/pipeline.md).
+"""Every way the work is split over devices, and where its state lives (docs/layouts.md,
+docs/pipeline.md, docs/performance.md).
 
   layouts/            where each logical axis lives: rules, presets, sharding tables, the vocabulary
   hook                Constrain(layout, mesh): the layout's answer to what a model asks
@@ -9,6 +10,8 @@
   experts             expert parallelism's dispatch: all-to-all to the experts' devices (shard_map)
   grad_reduce         the data-parallel replicas' gradient reduction (dtype, accumulation,
                       ZeRO-2's reduce-scatter in the backward)
+  offload             host offload: optimizer state and parameters kept in host memory
+                      between steps, each layer's parameters fetched in the layer scan
   pipeline/           pipeline stages inside the one step: GPipe and circular as a scan over
                       ticks, 1F1B and interleaved 1F1B as a tick loop with its own backward
 

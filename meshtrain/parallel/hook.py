@@ -12,6 +12,8 @@ its microbatch's rows of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -22,15 +24,24 @@ from meshtrain.parallel.layouts.rules import Layout
 
 
 class Constrain(Hook):
-    def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None, documents=None):
-        """Both or neither: a layout on a mesh, or no sharding at all."""
+    def __init__(self, layout: Layout | None = None, mesh: Mesh | None = None, documents=None,
+                 arrival: Callable | None = None):
+        """Both or neither: a layout on a mesh, or no sharding at all. `arrival`: how a
+        layer's parameters reach the device (parallel/offload.py), None where they are there."""
         if (layout is None) != (mesh is None):
             raise ValueError("Constrain takes a layout and a mesh, or neither")
         super().__init__(documents)
-        self.layout, self.mesh = layout, mesh
+        self.layout, self.mesh, self.arrival = layout, mesh, arrival
 
     def with_documents(self, documents) -> "Constrain":
-        return Constrain(self.layout, self.mesh, documents)
+        return Constrain(self.layout, self.mesh, documents, self.arrival)
+
+    @property
+    def fetches(self) -> bool:
+        return self.arrival is not None
+
+    def arrive(self, params):
+        return params if self.arrival is None else self.arrival(params)
 
     @property
     def sharded(self) -> bool:

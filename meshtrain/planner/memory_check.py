@@ -24,7 +24,7 @@ import time
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError, gib, warn
-from meshtrain.run.memory_budget import Budget, arithmetic, fits, local_budget
+from meshtrain.run.memory_budget import Budget, arithmetic, fits, host_budget, local_budget
 
 FIX_COMPILE_BUDGET_S = 60.0  # compiling candidate fixes stops after this (then formulas only)
 
@@ -156,6 +156,26 @@ def explain(peak: float, budget: Budget, fix: Fix | None, tried: list[Fix], who:
             "(swap, or an estimate known to be pessimistic).")
 
 
+def _check_host_share(peak: float, host: float, budget: Budget, warn_only: bool) -> None:
+    """train.offload's state in host memory: every device this host drives keeps its share
+    there. Refuse (or warn) when that cannot fit the host's RAM; no compute lever fixes it."""
+    room = budget if budget.host else host_budget(budget)
+    if room is None:
+        return
+    total = host + (peak if budget.host else 0.0)
+    if fits(total, room):
+        return
+    what = (f"train.offload keeps {gib(host)} per device in host memory"
+            + (f" beside the step's {gib(peak)}" if budget.host else ""))
+    paragraph = (f"{what} and cannot fit: {arithmetic(total, room)}. Offload less (train.offload=opt_state "
+                 f"keeps the parameters on the device), shard the state over more devices (an fsdp "
+                 f"layout), or use hosts with more memory; --config.train.skip_memory_check=true starts anyway.")
+    if warn_only:
+        warn(paragraph)
+    else:
+        raise UserError(paragraph)
+
+
 def check(exp, memory: dict, say, *, skip: bool = False, compile_only: bool = False,
           budget: Budget | None = None, time_budget_s: float = FIX_COMPILE_BUDGET_S) -> bool:
     """Compares the compiled per-device peak (`memory`: metrics.memory_report) with this
@@ -171,6 +191,11 @@ def check(exp, memory: dict, say, *, skip: bool = False, compile_only: bool = Fa
         say("memory check: " + ("the compiler gives no memory estimate" if peak is None
                                 else "the devices report no memory limit") + "; not checked")
         return True
+    host = memory.get("host", 0)
+    if host:
+        _check_host_share(peak, host, budget, skip or compile_only)
+    if budget.host:  # simulated devices: the step and the offloaded state share the host's RAM
+        peak += host
     if fits(peak, budget):
         say(f"memory check: fits; {arithmetic(peak, budget)}")
         return True

@@ -30,7 +30,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.parallel import layouts
 from meshtrain.parallel import sequence
-from meshtrain.parallel import grad_reduce
+from meshtrain.parallel import grad_reduce, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
@@ -130,6 +130,9 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     tasks.kind(fam.task).check_config(cfg.train, dims)
     grad_reduce.check(cfg.train)
     grad_reduce.check_layout(cfg.train, layout)
+    offload_lib.check_config(cfg.train)
+    offload_lib.check_model(offload_lib.Offload.of(cfg.train), fam.name, fam.stacked, cfg.train.accum_gather,
+                            pipelined=pipe is not None)
     checkpoint_store.check_config(cfg.checkpoint)
     trackers.check_config(cfg.train)
     documents.check_packing(cfg.data.packing, source.info, fam.task)
@@ -227,6 +230,7 @@ class Experiment:
     # step, and why: train.accum_gather, with "auto" decided before the step is built (build).
     accum_gather: str = "each"
     accum_why: str = ""
+    offload: offload_lib.Offload = offload_lib.Offload()  # what train.offload keeps in host memory
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -250,6 +254,8 @@ class Experiment:
         dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, shape) if mesh_shape is None else None
         mesh = mesh_lib.make_mesh(shape, devices, dcn=dcn, hosts=distributed.hosts())
         plan = validate(cfg, mesh, inputs)
+        offload = offload_lib.Offload.of(cfg.train)
+        offload_lib.check_devices(offload, cfg.model.remat, devices)
         layout, model, source, t = plan.layout, plan.model, inputs.source, cfg.train
 
         total = max(t.steps, 1)
@@ -257,19 +263,22 @@ class Experiment:
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
-        shardings = state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats)
+        shardings = offload.state_shardings(
+            state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats))
         task = tasks.for_family(model.task, source.info, cfg.data)
         batch_sharding = step_lib.batch_sharding(layout, mesh, task.batch_fields(model.cfg, 1))
         accum, why = (choose_gather(cfg, mesh, plan) if choose_gather is not None else
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
+        if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
+            accum, why = "each", "train.offload=params brings one layer to the device at a time"
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
             nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=grad_reduce.Reduction.of(t, accum),
-            task=task, batch_shardings=batch_sharding)
+            task=task, batch_shardings=batch_sharding, offload=offload)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
-                                            task, shardings.stats, batch_sharding)
+                                            task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload)
 
     @property
     def batch_fields(self):

@@ -39,6 +39,7 @@ class Budget:
     where: str         # how `available` was found, for the message
     host: bool = True  # `available` is the host's RAM (simulated CPU devices)
     processes: int = 1  # processes on this host whose devices share it
+    sharers: str = "simulated CPU devices"  # what shares a host's RAM, for the message
 
     @property
     def per_device(self) -> float:
@@ -105,7 +106,20 @@ def device_budget(devices, processes_on_host: int = 1, host=None) -> Budget | No
         rooms.append((stats["bytes_limit"] - stats.get("bytes_in_use", 0), d))
     room, d = min(rooms, key=lambda r: r[0])
     return Budget(room, 1, MARGIN["accelerator"], f"{d}: memory_stats() bytes_limit less bytes_in_use",
-                  host=False)
+                  host=False, processes=processes_on_host)
+
+
+def host_budget(devices_budget: Budget, host=None) -> Budget | None:
+    """The host RAM budget of an accelerator's processes for what train.offload keeps
+    there: every device this host drives shares it (`devices_budget`: local_budget's)."""
+    import jax
+
+    found = (host or host_available)()
+    if found is None:
+        return None
+    processes = devices_budget.processes
+    return Budget(found[0], len(jax.local_devices()) * processes, MARGIN["cpu"], found[1], host=True,
+                  processes=processes, sharers="devices")
 
 
 def local_budget() -> Budget | None:
@@ -128,7 +142,7 @@ def arithmetic(peak: float, budget: Budget) -> str:
     if budget.host:
         among = f" ({budget.sharing // budget.processes} in each of {budget.processes} processes)" \
             if budget.processes > 1 else ""
-        return (f"{budget.sharing} simulated CPU devices{among} share this host's RAM: {budget.sharing} x "
+        return (f"{budget.sharing} {budget.sharers}{among} share this host's RAM: {budget.sharing} x "
                 f"{gib(peak)} = {gib(peak * budget.sharing)} against {gib(budget.available)} available "
                 f"({budget.where}), of which the check allows {budget.margin:.0%}, "
                 f"{gib(budget.available * budget.margin)}")

@@ -58,13 +58,28 @@ def peak_flops(device: jax.Device) -> float | None:
 
 
 def memory_report(compiled) -> dict:
-    """Per-device bytes from the compiled step (see docs/benchmarks.md for caveats)."""
+    """Per-device bytes of the compiled step in device memory (argument, output, temp,
+    alias, peak_estimate) and in host memory ("host": the state train.offload keeps
+    there, read from the step's input shardings). See docs/benchmarks.md for caveats."""
     ma = compiled.memory_analysis()
     if ma is None:
         return {}
     out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    host = host_argument_bytes(compiled)
+    if host and not ma.host_argument_size_in_bytes:
+        # The CPU has one memory and reports host arguments as device ones; the step takes
+        # them donated and returns them in host memory too, aliased (parallel/offload.py).
+        out = {k: v - (host if k != "temp" else 0) for k, v in out.items()}
     out["peak_estimate"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    out["host"] = host
     return out
+
+
+def host_argument_bytes(compiled) -> int:
+    """Per-device bytes of the compiled step's arguments that live in host memory."""
+    return sum(math.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, sh in zip(jax.tree.leaves(compiled.args_info), jax.tree.leaves(compiled.input_shardings))
+               if sh.memory_kind == "pinned_host")
 
 
 def run_info(name, exp, compiled_memory, compile_s, simulated: str) -> dict:

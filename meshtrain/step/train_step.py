@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
 from meshtrain.models.stack import is_matrix
-from meshtrain.parallel import grad_reduce
+from meshtrain.parallel import grad_reduce, offload as offload_lib
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
@@ -65,22 +65,32 @@ def produced_dtypes(model: ModelDef) -> dict:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_cast(model: ModelDef, layout: Layout, mesh: Mesh) -> Callable:
+def make_cast(model: ModelDef, layout: Layout, mesh: Mesh,
+              offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """params -> params with every matrix (two or more logical axes besides layers/stage:
     the weights matmuls read) in the compute dtype, still stored-sharded. Cast before any
     gather, FSDP gathers the compute dtype, half the bytes of float32 master weights, and
     each matrix's gradient arrives in the compute dtype where XLA reduces it. Vectors
-    (norms, biases) stay in the param dtype: the models apply them in float32."""
+    (norms, biases) stay in the param dtype: the models apply them in float32.
+    Under `offload.params` the stacked layers stay in host memory (each layer arrives in
+    the layer scan: offload.Arrival) and the rest is fetched to the device first."""
     dtype = jnp.dtype(model.cfg.dtype)
-    if dtype == jnp.dtype(model.cfg.param_dtype):
-        return lambda params: params
+    same = dtype == jnp.dtype(model.cfg.param_dtype)
 
     def cast(p, axes):
-        if not is_matrix(axes):
+        if same or not is_matrix(axes):
             return p
         return grad_reduce.constrain_both_ways(p.astype(dtype), NamedSharding(mesh, layout.spec(axes, "params")),
                                                NamedSharding(mesh, layout.spec(axes, "grads")))
-    return lambda params: jax.tree.map(cast, params, model.axes)
+    if not offload.params:
+        return (lambda params: params) if same else (lambda params: jax.tree.map(cast, params, model.axes))
+
+    def fetch_and_cast(params):
+        rest = {k: v for k, v in params.items() if k != model.stacked}
+        rest = jax.tree.map(cast, offload_lib.fetch(rest), {k: model.axes[k] for k in rest},
+                            is_leaf=lambda x: isinstance(x, tuple))
+        return {**rest, model.stacked: params[model.stacked]}
+    return fetch_and_cast
 
 
 def make_gather(model: ModelDef, layout: Layout, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
@@ -96,13 +106,16 @@ def make_gather(model: ModelDef, layout: Layout, mesh: Mesh, axes: tuple[str, ..
     return lambda params: jax.tree.map(gather_one, cast(params), model.axes)
 
 
-def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable, Callable, Callable | None]:
+def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh,
+                  offload: offload_lib.Offload = offload_lib.Offload()) -> tuple[Callable, Callable, Callable | None]:
     """(constrain, cast, run_layers): what every forward pass of `model` on `mesh` under
-    `layout` takes (the layout's constrain hook, make_cast, and the pipeline's schedule
+    `layout` takes (the layout's constrain hook, with the layers' arrival from host memory
+    under `offload.params`; make_cast; and the pipeline's schedule
     when model.pipeline is set; else, under a layout that reduce-scatters gradients in
     the layer scan (ZeRO-2's `grads` table), the layers in order, each through
     grad_reduce.pinned_in_backward; else None: the model runs its layers itself)."""
-    constrain, cast = Constrain(layout, mesh), make_cast(model, layout, mesh)
+    constrain = Constrain(layout, mesh, arrival=offload_lib.arrival(offload, model.cfg.dtype))
+    cast = make_cast(model, layout, mesh, offload)
     if model.stacked is None:  # no stack of layers: nothing to pipeline or pin
         return constrain, cast, None
     blocks_axes = model.axes[model.stacked]
@@ -117,7 +130,7 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh) -> tuple[Callable
 
 
 def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task | None = None,
-                   loss_chunk: int = 0) -> Callable:
+                   loss_chunk: int = 0, offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """objective(params, stats, batch, key, train=True) -> (mean loss, (metrics, stats)):
     the task's loss (tasks/) of the model bound to params and its BatchStat `stats`, the
     task's metrics ({name: []}) and the stats the forward pass leaves (updated when
@@ -127,7 +140,7 @@ def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task
     tick loop (parallel/pipeline/schedule_1f1b.py), with no metrics (a pipelined model has
     neither statistics nor auxiliary losses)."""
     task = tasks.for_family(model.task) if task is None else task
-    constrain, cast, run_layers = forward_parts(model, layout, mesh)
+    constrain, cast, run_layers = forward_parts(model, layout, mesh, offload)
 
     def objective(params, stats, batch, key, train=True):
         module = model.bind(cast(params), stats)
@@ -167,7 +180,7 @@ def gradient_names(model: ModelDef) -> list[str]:
 
 def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
                task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int,
-               reduction: grad_reduce.Reduction) -> Callable:
+               reduction: grad_reduce.Reduction, offload: offload_lib.Offload) -> Callable:
     """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats): the
     objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
     replicas' reduction done by hand where `replica_axes` says so, else left to XLA. Sums
@@ -179,7 +192,8 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
     replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
     # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads); per replica
     # (loss [n], grads [n, ...]), reduced below, when there are replica axes.
-    objective = make_objective(model, layout.without(*replicas) if replicas else layout, mesh, task, loss_chunk)
+    objective = make_objective(model, layout.without(*replicas) if replicas else layout, mesh, task, loss_chunk,
+                               offload)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     grad_fn = grad_reduce.per_replica(grad_fn, replicas, mesh) if replicas else grad_fn
     gather = make_gather(model, layout, mesh, gathered)
@@ -228,7 +242,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     grad_accum_steps: int = 1, nonfinite: str = "crash", loss_chunk: int = 0,
                     reduction: grad_reduce.Reduction = grad_reduce.Reduction(), task: tasks.Task | None = None,
-                    batch_shardings=None) -> Callable:
+                    batch_shardings=None, offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """Returns the jitted step. The keywords are the train.* keys of the same names
     (experiment.py passes them); `reduction` is train.grad_dtype's and train.accum_gather's
     (grad_reduce.Reduction.of, "auto" decided before).
@@ -249,25 +263,33 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     with BatchStat state accumulates without per-replica gradients (its statistics are
     over a microbatch's rows on every replica, as on one device), so XLA reduces each
     microbatch's gradients; `reduction.dtype` is refused for it (grad_reduce.check_stats).
-    `batch_shardings` defaults to token rows' (batch_sharding).
+    `batch_shardings` defaults to token rows' (batch_sharding). `offload`: what
+    train.offload keeps in host memory (`shardings` say so too: parallel/offload.py); the
+    step fetches it to the device for the update, and its output shardings put it back.
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
     grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
-                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction)
+                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction,
+                                offload=offload)
     dropout_on = model.cfg.dropout > 0
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
         grads, loss, task_metrics, stats = grads_and_loss(state.params, state.stats, batch, key)
+        # Host-resident state comes to the device for the update (its gradients too: under
+        # params offload each layer's went to the host as the backward left the layer).
+        old_params = offload_lib.fetch(state.params) if offload.params else state.params
+        old_opt = offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state
+        grads = offload_lib.fetch(grads) if offload.params else grads
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, old_opt, old_params)
+        params = optax.apply_updates(old_params, updates)
         grad_norm, count, first = norm_and_nonfinite(grads)
         if nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
             good = jnp.isfinite(loss) & (count == 0)
             params, opt_state, stats = jax.tree.map(lambda old, new: jnp.where(good, new, old),
-                                                    (state.params, state.opt_state, state.stats),
+                                                    (old_params, old_opt, state.stats),
                                                     (params, opt_state, stats))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
@@ -279,10 +301,12 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
 
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, loss_chunk: int = 0,
-                   task: tasks.Task | None = None, stats_shardings=None, batch_shardings=None) -> Callable:
+                   task: tasks.Task | None = None, stats_shardings=None, batch_shardings=None,
+                   offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """eval_step(params, stats, batch) -> {"loss": mean loss, and the task's eval metrics}
-    (no dropout; BatchNorm uses its running statistics)."""
-    objective = make_objective(model, layout, mesh, task, loss_chunk)
+    (no dropout; BatchNorm uses its running statistics); params in host memory under
+    `offload.params`, as they are stored."""
+    objective = make_objective(model, layout, mesh, task, loss_chunk, offload)
 
     def eval_step(params, stats, batch):
         loss, (metrics, _) = objective(params, stats, batch, None, False)
@@ -293,7 +317,8 @@ def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
 
 
 def make_logits_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings,
-                     task: tasks.LanguageModelling | None = None) -> Callable:
+                     task: tasks.LanguageModelling | None = None,
+                     offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """logits_step(params, tokens [B, T+1] int32) -> (logits [B, T, V padded] float32,
     weights [B, T] float32), without dropout: the model the loss takes, whole, on the
     inputs tokens[:, :-1] with the task's packing (a packed window's documents masked
@@ -303,9 +328,10 @@ def make_logits_step(model: ModelDef, layout: Layout, mesh: Mesh, param_sharding
     / (B T) is the eval step's loss. The model masks the logits of padding ids; callers
     strip them ([..., :model.cfg.vocab_size]). For parity checks (meshtrain eval
     --dump_logits): training never holds these [B, T, V] float32 logits when
-    train.loss_chunk < T. `task` None: a language model packed as one stream (concat)."""
+    train.loss_chunk < T. `task` None: a language model packed as one stream (concat);
+    `offload`: where the params are stored (their shardings' memory kind)."""
     task = tasks.LanguageModelling() if task is None else task
-    constrain, cast, run_layers = forward_parts(model, layout, mesh)
+    constrain, cast, run_layers = forward_parts(model, layout, mesh, offload)
 
     def logits_step(params, tokens_bt1):
         # The task's documents: the same segment ids and positions its loss hands the model.
