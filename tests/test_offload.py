@@ -85,12 +85,13 @@ def test_offload_trains_bit_for_bit_like_the_run_without_and_keeps_its_state_on_
     layout = next(line for line in text.splitlines() if "entry_computation_layout" in line)
     assert layout.count("S(5)") == 2 * n_host
     # The memory report: what moved to the host is each offloaded part's bytes per device,
-    # and the device's peak is lower by as much.
+    # and the state the device holds between steps (the step's arguments and results) is
+    # lower by as much. (The CPU's temporaries are one memory: the peak while the step runs
+    # is the GPU stage's to measure, docs/performance.md.)
     moved = sum(shard_bytes(getattr(state, part)) for part in offloaded)
     assert memory["host"] == moved and want_memory["host"] == 0
-    assert want_memory["peak_estimate"] - memory["peak_estimate"] == pytest.approx(moved, rel=0.01) or \
-        "params" in offloaded  # params offload also changes the step's temporaries (remat)
-    assert want_memory["argument"] - memory["argument"] == moved
+    for key in ("argument", "output"):
+        assert want_memory[key] - memory[key] == moved, key
 
 
 def shard_bytes(tree) -> int:
@@ -110,7 +111,7 @@ def tensor_type(shape, dtype) -> str:
 
 
 def test_cuda_lowering_moves_each_layers_params_and_each_offloaded_activation_and_the_cpus_moves_none():
-    exp = build("gpt2_tiny_dp8", "params", **{"model.remat": "offload:qkv,mlp_up"})
+    exp = build("gpt2_tiny_dp8", "opt_state,params", **{"model.remat": "offload:qkv,mlp_up"})
     cfg, b = exp.model.cfg, exp.cfg.train.batch_size
     cuda, cpu = placements(exp, "cuda"), placements(exp, "cpu")
     # Each layer's matrices come to the device inside the layer body: one layer's shape,
@@ -123,6 +124,8 @@ def test_cuda_lowering_moves_each_layers_params_and_each_offloaded_activation_an
         if len(leaf.shape) > 2 and one_layer not in others:
             checked += 1
             assert cuda[("device", one_layer)] >= 1 and cpu[("device", one_layer)] == 0, one_layer
+            # ...and the update streams them: each layer's slice, updated, goes back to the host
+            assert cuda[(HOST, one_layer)] >= 1, one_layer
     assert checked >= 3
     # The two tagged activations go to host memory once per layer body, on CUDA only.
     t, h, e, f = cfg.seq_len, cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.mlp_dim

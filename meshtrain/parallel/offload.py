@@ -29,6 +29,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.errors import UserError
@@ -82,6 +84,15 @@ class Offload:
 def to_host(shardings):
     """A pytree of NamedSharding, each in host memory."""
     return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
+
+
+def grads_shardings(offload: Offload, model, grad_shardings):
+    """Where the step's gradients are reduced to (`grad_shardings`, params-shaped), the
+    stacked layers' in host memory under params offload (the transpose of each layer's
+    fetch sends its gradient there)."""
+    if not offload.params or model.stacked is None:
+        return grad_shardings
+    return {**grad_shardings, model.stacked: to_host(grad_shardings[model.stacked])}
 
 
 def fetch(tree):
@@ -147,3 +158,98 @@ class Arrival:
 def arrival(offload: Offload, dtype) -> Callable | None:
     """The per-layer Arrival when params are offloaded, else None."""
     return Arrival(dtype) if offload.params else None
+
+
+# What each leaf of the optimizer state is, for the streamed update: a per-parameter
+# buffer of the stacked layers (streamed one layer at a time) or of the rest (fetched
+# whole), or not per parameter (a step count: updated with the rest).
+_OTHER, _REST, _STACKED = 0, 1, 2
+
+
+def _empty(x):
+    """A zero-size stand-in for a leaf another part of the update takes care of."""
+    return jnp.zeros((0,), x.dtype)
+
+
+def _param_marks(params, stacked: str) -> dict:
+    return {k: jax.tree.map(lambda _: _STACKED if k == stacked else _REST, v) for k, v in params.items()}
+
+
+def _squares(g) -> jax.Array:
+    """[] float32: the sum of squares of one gradient leaf, one layer at a time for a stacked
+    [L, ...] one (the order the streamed update reads it in), else whole."""
+    return jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+
+def leaf_squares(grads, stacked: str | None, streamed: bool = False) -> jax.Array:
+    """[leaves] float32 sums of squares of `grads` in jax.tree.leaves order. A stacked leaf
+    sums its layers' sums, each layer fetched on its own when `streamed` (its gradients may
+    be in host memory), so a run with and without offload adds them in one order."""
+    out = []
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if getattr(path[0], "key", None) != stacked:
+            out.append(_squares(fetch(g) if streamed else g))
+        elif streamed:
+            out.append(jnp.sum(jax.lax.map(lambda gi: _squares(fetch(gi)), g)))
+        else:  # the same sums, with one reduction across devices for all layers, not one each
+            out.append(jnp.sum(jax.vmap(_squares)(g)))
+    return jnp.stack(out)
+
+
+def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, *, stacked: str,
+                    offload: Offload, clip: float, norm: jax.Array, good: jax.Array | None):
+    """-> (params, opt_state) after `tx`'s update, with only about one layer's parameters,
+    gradients and optimizer state on the device at a time: the stacked layers' leaves one
+    layer at a time in a scan (each slice fetched, updated, and put back where it is
+    stored), the rest fetched whole. `tx` is elementwise per leaf but for its gradient
+    clip, applied first here from the global `norm` as optax's clip_by_global_norm does
+    (the clip inside `tx` then sees partial norms below `clip` and does nothing); per-layer
+    trust ratios (LARS, LAMB) see one layer as they would see its slice. `good`: keep the
+    old values where False (train.nonfinite=skip)."""
+    pmarks = _param_marks(params, stacked)
+    omarks = optax.tree_map_params(tx, lambda _, m: m, opt_state, pmarks, transform_non_params=lambda _: _OTHER)
+
+    def update(g, o, p):
+        if clip:
+            g = jax.tree.map(lambda x: jnp.where(norm < clip, x, x / norm * clip), g)
+        updates, new_o = tx.update(g, o, p)
+        new_p = optax.apply_updates(p, updates)
+        if good is not None:
+            new_p, new_o = jax.tree.map(lambda old, new: jnp.where(good, new, old), (p, o), (new_p, new_o))
+        return new_p, new_o
+
+    def rest_of(tree, marks):
+        return jax.tree.map(lambda x, m: _empty(x) if m == _STACKED else fetch(x), tree, marks)
+    p_rest, o_rest = update(rest_of(grads, pmarks), rest_of(opt_state, omarks), rest_of(params, pmarks))
+
+    o_leaves, o_def = jax.tree.flatten(opt_state)
+    o_kinds = o_def.flatten_up_to(omarks)
+    o_stacked = [x for x, m in zip(o_leaves, o_kinds) if m == _STACKED]
+    others = {k: jax.tree.map(_empty, v) for k, v in params.items() if k != stacked}
+
+    def layer(_, xs):  # one layer's slices: fetched, updated, put back where they are stored
+        g_i, p_i, o_i = fetch(xs)
+        o_iter = iter(o_i)
+        o = o_def.unflatten([next(o_iter) if m == _STACKED else (_empty(x) if m == _REST else fetch(x))
+                             for x, m in zip(o_leaves, o_kinds)])
+        new_p, new_o = update({**others, stacked: g_i}, o, {**others, stacked: p_i})
+        new_o = [x for x, m in zip(jax.tree.leaves(new_o), o_kinds) if m == _STACKED]
+        return None, (to_memory(new_p[stacked], offload.params), to_memory(new_o, offload.opt_state))
+    _, (p_stacked, o_new) = jax.lax.scan(layer, None, (grads[stacked], params[stacked], o_stacked))
+
+    o_new = iter(o_new)
+    merged = [next(o_new) if m == _STACKED else r for m, r in zip(o_kinds, o_def.flatten_up_to(o_rest))]
+    return {**p_rest, stacked: p_stacked}, o_def.unflatten(merged)
+
+
+def streams(offload: Offload, model) -> bool:
+    """Whether the step's update streams the stacked layers (streamed_update): under any
+    offload, for a model with a stack of layers stored [layers, ...] (a pipeline's [stage,
+    layers per stage, ...] is split over devices by stage, which a scan over it would cut
+    across: its update fetches the offloaded state whole)."""
+    return bool(offload) and model.stacked is not None and model.pipeline is None
+
+
+def to_memory(tree, host: bool):
+    """Inside jit: `tree` put in host memory when `host`, else left on the device."""
+    return jax.device_put(tree, jax.memory.Space.Host) if host else tree

@@ -274,7 +274,7 @@ class Experiment:
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
             nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=grad_reduce.Reduction.of(t, accum),
-            task=task, batch_shardings=batch_sharding, offload=offload)
+            task=task, batch_shardings=batch_sharding, offload=offload, grad_clip=cfg.optim.grad_clip)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,

@@ -162,12 +162,12 @@ def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task
 NONFINITE_POLICIES = ("crash", "skip")
 
 
-def norm_and_nonfinite(grads) -> tuple[jax.Array, jax.Array, jax.Array]:
+def norm_and_nonfinite(squares: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(global norm, [] int32 count, [] int32 index of the first) of gradient leaves holding
-    a NaN or Inf, from one sum of squares per leaf, so the check adds no reduction or
-    collective to the norm's; -1 when there is none. Leaves are in `gradient_names` order.
-    A leaf whose squares overflow float32 counts as non-finite: its norm is Inf too."""
-    squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
+    a NaN or Inf, from one sum of squares per leaf ([leaves] float32: offload.leaf_squares),
+    so the check adds no reduction or collective to the norm's; -1 when there is none.
+    Leaves are in `gradient_names` order. A leaf whose squares overflow float32 counts as
+    non-finite: its norm is Inf too."""
     bad = ~jnp.isfinite(squares)
     count = jnp.sum(bad).astype(jnp.int32)
     return jnp.sqrt(jnp.sum(squares)), count, jnp.where(count > 0, jnp.argmax(bad), -1).astype(jnp.int32)
@@ -242,7 +242,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     grad_accum_steps: int = 1, nonfinite: str = "crash", loss_chunk: int = 0,
                     reduction: grad_reduce.Reduction = grad_reduce.Reduction(), task: tasks.Task | None = None,
-                    batch_shardings=None, offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
+                    batch_shardings=None, offload: offload_lib.Offload = offload_lib.Offload(),
+                    grad_clip: float = 0.0) -> Callable:
     """Returns the jitted step. The keywords are the train.* keys of the same names
     (experiment.py passes them); `reduction` is train.grad_dtype's and train.accum_gather's
     (grad_reduce.Reduction.of, "auto" decided before).
@@ -265,32 +266,37 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     microbatch's gradients; `reduction.dtype` is refused for it (grad_reduce.check_stats).
     `batch_shardings` defaults to token rows' (batch_sharding). `offload`: what
     train.offload keeps in host memory (`shardings` say so too: parallel/offload.py); the
-    step fetches it to the device for the update, and its output shardings put it back.
+    update then streams the stacked layers one at a time (offload.streamed_update, which
+    applies optim.grad_clip = `grad_clip` itself) and the output shardings put it back.
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
     grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
                                 grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction,
                                 offload=offload)
+    streams = offload_lib.streams(offload, model)
     dropout_on = model.cfg.dropout > 0
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
         grads, loss, task_metrics, stats = grads_and_loss(state.params, state.stats, batch, key)
-        # Host-resident state comes to the device for the update (its gradients too: under
-        # params offload each layer's went to the host as the backward left the layer).
-        old_params = offload_lib.fetch(state.params) if offload.params else state.params
-        old_opt = offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state
-        grads = offload_lib.fetch(grads) if offload.params else grads
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        updates, opt_state = tx.update(grads, old_opt, old_params)
-        params = optax.apply_updates(old_params, updates)
-        grad_norm, count, first = norm_and_nonfinite(grads)
-        if nonfinite == "skip":  # a bad step leaves params, optimizer state and stats as they were
-            good = jnp.isfinite(loss) & (count == 0)
-            params, opt_state, stats = jax.tree.map(lambda old, new: jnp.where(good, new, old),
-                                                    (old_params, old_opt, state.stats),
-                                                    (params, opt_state, stats))
+        # Offloaded params' gradients left for host memory layer by layer: pinned there.
+        grads = jax.lax.with_sharding_constraint(grads, offload_lib.grads_shardings(offload, model, grad_shardings))
+        grad_norm, count, first = norm_and_nonfinite(offload_lib.leaf_squares(grads, model.stacked, streams))
+        good = jnp.isfinite(loss) & (count == 0) if nonfinite == "skip" else None
+        if streams:  # the stacked layers' update one layer at a time, from and to host memory
+            params, opt_state = offload_lib.streamed_update(
+                tx, grads, state.opt_state, state.params, stacked=model.stacked, offload=offload,
+                clip=grad_clip, norm=grad_norm, good=good)
+        else:  # offloaded state (a pipeline's, or a model without a layer stack's) fetched whole
+            old = (offload_lib.fetch(state.params) if offload.params else state.params,
+                   offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
+            updates, opt_state = tx.update(grads, old[1], old[0])
+            params = optax.apply_updates(old[0], updates)
+            if good is not None:
+                params, opt_state = jax.tree.map(lambda o, new: jnp.where(good, new, o), old, (params, opt_state))
+        if good is not None:  # a bad step leaves params, optimizer state and stats as they were
+            stats = jax.tree.map(lambda old, new: jnp.where(good, new, old), state.stats, stats)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
         return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
