@@ -7,6 +7,7 @@ device, from the real train step compiled on simulated devices.
         [--budget=600] [--top=10] [--jobs=2] [--margin=10] [--layouts=dp,fsdp,...]
         [--remat=none,...] [--cache_dir=DIR] [--json]
     meshtrain plan --config=NAME --verify [--steps=3] [--json]
+    meshtrain plan --config=NAME --largest [--hardware=...] [--json]
 
 The first form compiles the config's train step for its mesh on simulated CPU devices
 (shapes only: no parameter memory) and reports per-device memory beside the formulas,
@@ -16,7 +17,9 @@ remat policies and pipeline microbatches for N devices, predicts each by the for
 compiles those within --margin percent of the best, ranks them, and prints the winner as
 the `meshtrain train` command that runs it. The layout linter runs first. The third runs
 the config's mesh and layout on a shrunk model, in float32, against one device, and fails
-(status 1) naming the parameters whose gradients differ. docs/planner.md explains every figure.
+(status 1) naming the parameters whose gradients differ. The fourth answers how deep a
+model of the config's width fits its devices, without and with host offload (train.offload),
+by the formulas alone. docs/planner.md explains every figure.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def parser() -> cli.Parser:
     s.add_argument("--remat", type=_choices(search.REMAT), metavar="A,B",
                    help=f"remat policies to try, from {', '.join(search.REMAT)} (default all)")
     s.add_argument("--cache_dir", metavar="DIR", help="keep compiled reports here between searches")
+    p.add_argument("--largest", action="store_true",
+                   help="the most layers of this width that fit the devices, without and with "
+                        "train.offload (formulas only, nothing compiled)")
     v = p.add_argument_group("verify (--verify)")
     v.add_argument("--verify", action="store_true",
                    help="train a shrunk model on the config's mesh and layout and on one device, in "
@@ -109,6 +115,15 @@ def execute(args) -> int:
         raise UserError("--verify checks the config's own layout, --search ranks others: give one of them.")
     from meshtrain.planner import fast_compile, hardware
     hw = hardware.get(args.hardware)
+    if args.largest:
+        if args.search or args.verify:
+            raise UserError("--largest answers for the config's own mesh and layout: give it without --search "
+                            "or --verify.")
+        from meshtrain.planner import capacity
+        fits = capacity.largest(cfg, hw)
+        print(json.dumps([dataclasses.asdict(f) for f in fits], indent=2) if args.json
+              else capacity.render(name, cfg, hw, fits))
+        return 0
     # Before JAX starts; it sets XLA_FLAGS in this process's environment, which search
     # workers inherit (and so would any other child: a caller in-process, like a test,
     # restores it).

@@ -6,6 +6,7 @@ link, the CPU's shows none; checkpoints move between runs with and without; and 
 cannot take it says so in one line."""
 
 import collections
+import dataclasses
 import re
 import types
 
@@ -16,7 +17,7 @@ import pytest
 from meshtrain.checkpoints.store import Checkpointer
 from meshtrain.errors import UserError
 from meshtrain.parallel import offload
-from meshtrain.planner import memory_check
+from meshtrain.planner import analytic, capacity, hardware, host_offload, memory_check
 from meshtrain.run import memory_budget
 from meshtrain import mesh as mesh_lib
 from meshtrain.run import experiment
@@ -29,11 +30,16 @@ MIB = 2**20
 HOST = "pinned_host"
 # (config, train.offload) pairs, each trained beside the same config without offload.
 CASES = [("gpt2_tiny_dp8", "opt_state"), ("gpt2_tiny_dp8", "params"), ("gpt2_tiny_fsdp8", "opt_state,params"),
-         ("llama_tiny_fsdp8", "opt_state,params"), ("gpt2_tiny_pp2_dp4", "opt_state")]
+         ("llama_tiny_fsdp8", "opt_state,params"), ("gpt2_tiny_pp2_dp4", "opt_state"),
+         ("gpt2_tiny_dp8:accum", "opt_state,params")]
+# A case's name: a config, and after ":" a variant of it (ACCUM: two microbatches a step).
+VARIANTS = {"accum": {"train.grad_accum_steps": "2"}}
 
 
 def build(name, offload="", **overrides):
-    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload, **overrides}))
+    name, _, variant = name.partition(":")
+    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload,
+                                                **VARIANTS.get(variant, {}), **overrides}))
 
 
 def train(exp, steps=STEPS):
@@ -185,3 +191,40 @@ def test_the_memory_check_counts_the_offloaded_state_against_the_hosts_ram(capsy
                                    "100.0 MiB and cannot fit: 8 simulated CPU devices share this host's RAM: 8 x "
                                    "160.0 MiB = 1.25 GiB against 1.30 GiB available (a test's budget)")
     assert memory_check.check(None, {**memory, "host": 40 * MIB}, print, budget=budget)
+
+
+def test_the_planners_offload_formulas_are_the_compiled_shardings_bytes():
+    """What the formulas say moves to the host is what the compiled step takes in host
+    memory, and the device's share of the params is the rest plus two layers of the stack,
+    each read off the compiled shardings."""
+    exp = build("llama_tiny_fsdp8", "opt_state,params")
+    compiled = exp.compile(analysis=True)
+    state, memory = analytic.state_bytes(exp), metrics_lib.memory_report(compiled)
+    # (the optimizer's step counts go to the host too: scalars the formulas leave out)
+    counts = sum(a.dtype.itemsize for a in jax.tree.leaves(exp.abstract_state().opt_state) if not a.shape)
+    assert state["params"] + state["optimizer"] + counts == pytest.approx(memory["host"], rel=1e-9)
+    shardings = compiled.input_shardings[0][0].params
+    per_leaf = {k: sum(np.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize
+                       for a, sh in zip(jax.tree.leaves(exp.model.shapes[k]), jax.tree.leaves(shardings[k])))
+                for k in exp.model.shapes}
+    stack = per_leaf.pop(exp.model.stacked)
+    shares = analytic.memory(exp)
+    assert shares["params"] == pytest.approx(sum(per_leaf.values()) + 2 * stack / exp.model.cfg.num_layers, rel=1e-9)
+    account = host_offload.account(exp, state, hardware.get("h100"))
+    assert account["host_bytes"] == pytest.approx(state["params"] + state["optimizer"] + state["gradients"]
+                                                  * state["stacked"]["gradients"], rel=1e-9)
+    assert account["link_s"] == pytest.approx(
+        max(account["to_device_bytes"], account["to_host_bytes"]) / (64e9 * 0.8), rel=1e-9)
+
+
+def test_largest_is_the_deepest_model_that_fits_and_offload_makes_it_deeper():
+    """On a made-up device of 8 MiB (8 usable): the answer fits and one more layer does not."""
+    hw = dataclasses.replace(hardware.get("h100"), hbm_bytes=8 * MIB / 0.9, usable_memory=0.9)
+    cfg = configured("gpt2_tiny_dp8", **{"train.batch_size": "8"})
+    fits = {f.offload: f for f in capacity.largest(cfg, hw)}
+    assert 0 < fits["none"].layers < fits["opt_state"].layers < fits["opt_state,params"].layers
+    for f in fits.values():
+        assert capacity.evaluate(cfg, hw, f.layers, f.offload)[0]
+        assert not capacity.evaluate(cfg, hw, f.layers + 1, f.offload)[0]
+    text = capacity.render("gpt2_tiny_dp8", cfg, hw, list(fits.values()))
+    assert f"train.offload=none              {fits['none'].layers} layers" in text

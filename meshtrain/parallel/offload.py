@@ -86,11 +86,17 @@ def to_host(shardings):
     return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
 
 
-def grads_shardings(offload: Offload, model, grad_shardings):
+def grads_on_host(offload: Offload, model, accum_steps: int) -> bool:
+    """Whether the stacked layers' gradients end the backward in host memory: under params
+    offload the transpose of each layer's fetch sends its gradient there, but with
+    microbatches their float32 sum is kept on the device."""
+    return offload.params and model.stacked is not None and accum_steps == 1
+
+
+def grads_shardings(offload: Offload, model, grad_shardings, accum_steps: int = 1):
     """Where the step's gradients are reduced to (`grad_shardings`, params-shaped), the
-    stacked layers' in host memory under params offload (the transpose of each layer's
-    fetch sends its gradient there)."""
-    if not offload.params or model.stacked is None:
+    stacked layers' in host memory where they end the backward there (grads_on_host)."""
+    if not grads_on_host(offload, model, accum_steps):
         return grad_shardings
     return {**grad_shardings, model.stacked: to_host(grad_shardings[model.stacked])}
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from meshtrain.errors import UserError
 from meshtrain.parallel import grad_reduce
 from meshtrain.parallel.layouts.rules import mesh_axes_of
-from meshtrain.planner import context, experts, pipeline_memory
+from meshtrain.planner import context, experts, host_offload, pipeline_memory
 from meshtrain.planner.split_cost import group_size, local_batch, split_over
 from meshtrain.step import loss as loss_lib, optim, state as state_lib, train_step as step_lib
 
@@ -77,11 +77,20 @@ def attention_on(exp, hw=None) -> str:
 
 
 def memory(exp, hw=None) -> dict[str, float]:
-    """Per-device bytes by the formulas in the module docstring, with the attention kernel
-    the run would use on `hw` (`attention_on`)."""
+    """Per-device bytes on the device by the formulas in the module docstring, with the
+    attention kernel the run would use on `hw` (`attention_on`), and under train.offload
+    the device's share of the state (planner/host_offload.py)."""
+    state = state_bytes(exp)
+    return {**host_offload.device_shares(exp, state), "activations": activations(exp, hw)}
+
+
+def state_bytes(exp) -> dict[str, float]:
+    """Per-device bytes of the params, optimizer state and gradients, wherever they live,
+    and each one's share in the stacked layers ("stacked": {name: fraction})."""
     m = exp.model
     pbytes = jnp.dtype(m.cfg.param_dtype).itemsize
-    params, opt = sum(_elements(exp, exp.shardings.params)), sum(_elements(exp, exp.grad_shardings))
+    p_el, o_el = _elements(exp, exp.shardings.params), _elements(exp, exp.grad_shardings)
+    params, opt = sum(p_el), sum(o_el)
     split = sum(_elements(exp, state_lib.param_shardings(m, exp.layout, exp.mesh, "grads")))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
     once = gathered(exp)
@@ -89,8 +98,13 @@ def memory(exp, hw=None) -> dict[str, float]:
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
         grads += sum(n * (4 + w) for n, w in zip(_elements(exp, exp.shardings.params, once), wbytes)) - opt * 4
     moments = sum(jnp.dtype(d).itemsize for d in optim.moment_dtypes(exp.cfg.optim, m.cfg.param_dtype))
+    in_stack = [getattr(path[0], "key", None) == m.stacked
+                for path, _ in jax.tree_util.tree_flatten_with_path(m.shapes)[0]]
+
+    def stacked(elements):
+        return sum(n for n, s in zip(elements, in_stack) if s) / sum(elements) if sum(elements) else 0.0
     return {"params": params * pbytes, "optimizer": opt * moments, "gradients": grads,
-            "activations": activations(exp, hw)}
+            "stacked": {"params": stacked(p_el), "optimizer": stacked(o_el), "gradients": stacked(p_el)}}
 
 
 def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each", shape=None):

@@ -43,6 +43,11 @@ class Hardware:
     compute_capability: str = "9.0"   # CUDA's, for which attention kernel model.attention=auto takes
     nics_per_node: int = 0            # compute NICs in a node; 0: one per device
     source: str = "the --hardware file"  # where the figures come from, quoted in messages
+    # train.offload's side (planner/host_offload.py): the node's RAM, and the link between a
+    # device and its host's memory, one way per device (full duplex)
+    host_memory_bytes: float = 2e12
+    host_link_bandwidth: float = 64e9  # PCIe 5 x16; the GH200's C2C is 450e9 a way
+    host_link_efficiency: float = 0.8  # share of it transfers reach (assumed)
 
     @property
     def nics(self) -> int:
@@ -73,6 +78,9 @@ class Hardware:
 # peaks; NVLink 4 is 900 GB/s per GPU both ways (450 one way), NVLink 3 600 (300).
 # DGX H100 and DGX H200 data sheets: 8 single-port ConnectX-7 NICs for compute, 400 Gb/s
 # NDR each (50 GB/s); DGX A100: 8 single-port ConnectX-6, 200 Gb/s HDR each (25 GB/s).
+# Host side: DGX H100/H200 have 2 TB of system memory and each GPU a PCIe 5 x16 link to it
+# (H100 SXM data sheet: 128 GB/s both ways, 64 one way); DGX A100 (640 GB) 2 TB, DGX A100
+# (320 GB) 1 TB, over PCIe 4 x16 (64 GB/s both ways, 32 one way).
 _HOPPER = {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12}
 _AMPERE = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
 # Measured on one H200 (GPT-2 small, remat none, 64 x 1024 tokens: the profile in
@@ -94,9 +102,10 @@ TABLE: dict[str, Hardware] = {
                      source="H200 SXM and DGX H200 data sheets: NVLink 4, 8 x 400 Gb/s NDR NICs a node",
                      elementwise_efficiency=0.742, calibration=_MEASURED_NOTE, **HOPPER_MEASURED),
     "a100": Hardware("a100", _AMPERE, 80e9, 2.039e12, 8, 300e9, 25e9, matmul_efficiency=0.85,
-                     compute_capability="8.0", nics_per_node=8, source=_A100_SOURCE),
+                     compute_capability="8.0", nics_per_node=8, source=_A100_SOURCE, host_link_bandwidth=32e9),
     "a100_40gb": Hardware("a100_40gb", _AMPERE, 40e9, 1.555e12, 8, 300e9, 25e9, matmul_efficiency=0.85,
-                          compute_capability="8.0", nics_per_node=8, source=_A100_SOURCE),
+                          compute_capability="8.0", nics_per_node=8, source=_A100_SOURCE, host_memory_bytes=1e12,
+                          host_link_bandwidth=32e9),
 }
 
 

@@ -18,7 +18,8 @@ import time
 import jax
 
 from meshtrain.errors import mib
-from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, hlo, hlo_flops, roofline, split_cost, work
+from meshtrain.planner import analytic, beyond_bounds, bounds as bounds_lib, hlo, hlo_flops, host_offload, roofline, \
+    split_cost, work
 from meshtrain.planner.hardware import Hardware
 from meshtrain.runlog import metrics
 
@@ -34,10 +35,10 @@ def compiled_memory(exp, compiled, formula: dict) -> dict[str, float]:
     state_shardings = compiled.input_shardings[0][0]
     abstract = exp.abstract_state()
 
-    def shard_bytes(shapes, shardings) -> float:
+    def shard_bytes(shapes, shardings) -> float:  # what the device holds between steps (not train.offload's)
         return float(sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
                          for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings))
-                         if s.shape))
+                         if s.shape and sh.memory_kind != "pinned_host"))
     params = shard_bytes(abstract.params, state_shardings.params)
     optimizer = shard_bytes(abstract.opt_state, state_shardings.opt_state)
     grads = params + formula["gradients"] - formula["params"]
@@ -75,6 +76,10 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
                                  work.step_work(exp, hw))
     pipe = analytic.pipeline_activations(exp, hw)
     fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
+    offload = host_offload.account(exp, analytic.state_bytes(exp), hw)
+    if offload is not None:  # the node's RAM must hold every device's offloaded share too
+        fits["host_fits"] = offload["host_fits"]
+        fits["fits"] = fits["fits"] and offload["host_fits"]
     return {
         "config": exp.cfg.to_dict(), "mesh": dict(mesh.shape), "dcn": exp.dcn, "layout": exp.layout.name,
         "model": exp.model.family.describe(cfg), "devices": devices, "hardware": hw.describe(),
@@ -85,6 +90,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
         "analytic_memory_per_device_bytes": formula,
         "memory_ratio": {k: _ratio(memory[k], formula[k]) for k in MEMORY_KEYS},
         "fits": fits,
+        "offload": offload,
         "collectives": [_row(r) for r in rows],
         "collective_bounds": [_row(r) for r in bounds],
         "collective_bytes_per_step": sum(r["bytes"] for r in rows),

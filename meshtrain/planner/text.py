@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshtrain.errors import GiB, MiB, mib
+from meshtrain.errors import GiB, MiB, gib, mib
 from meshtrain.planner.report import MEMORY_KEYS
 
 
@@ -99,6 +99,18 @@ def split_lines(name: str, s: dict) -> list[str]:
     return lines + [f"    not counted: {why}" for why in s["not_counted"]]
 
 
+def offload_lines(o: dict, step_s: float) -> list[str]:
+    """train.offload's host share and link time (planner/host_offload.py)."""
+    verdict = "fits" if o["host_fits"] else "DOES NOT FIT"
+    return [f"  offloaded (train.offload={','.join(o['offload'])}): {gib(o['host_bytes'])} per device in "
+            f"host memory; the node's devices {gib(o['node_host_bytes'])} of its "
+            f"{gib(o['host_memory_bytes'])}: {verdict}",
+            f"  over the host link per step: {gib(o['to_device_bytes'])} to the device, "
+            f"{gib(o['to_host_bytes'])} back: {o['link_s'] * 1e3:,.1f} ms at "
+            f"{o['link_bandwidth'] / 1e9:,.0f} GB/s a way, beside a predicted step of {step_s * 1e3:,.1f} ms "
+            f"(hidden where XLA overlaps it with compute, added where it cannot)"]
+
+
 def render(r: dict) -> str:
     lines = [f"plan: {r.get('config_name', '')} | {r['devices']} devices, mesh "
              + ",".join(f"{a}:{n}" for a, n in r["mesh"].items() if n > 1 or a == "data")
@@ -118,6 +130,8 @@ def render(r: dict) -> str:
     lines += table(rows, right={1, 2, 3})
     fit = r["fits"]
     lines += fit_lines(fit, mem)
+    if r.get("offload"):
+        lines += offload_lines(r["offload"], r["prediction"]["step_time_s"])
     if r.get("pipeline"):
         lines += pipeline_lines(r["pipeline"])
     lines += ["", "collectives per step (MiB each device sends; ring algorithms)"]

@@ -1,0 +1,80 @@
+"""The question users ask before renting: how large a model trains on these devices, with
+and without host offload? (`meshtrain plan --config=NAME --largest`)
+
+At the config's width, mesh, layout, batch and remat, the most layers whose formula total
+(planner/analytic.py, the device's share under train.offload: planner/host_offload.py)
+fits the hardware's usable memory, and whose offloaded state fits its node's RAM; found
+by bisection on model.num_layers (the formulas grow with it), by the formulas alone:
+nothing is compiled or allocated, so a 70B plan runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+from meshtrain import config as config_lib, mesh as mesh_lib
+from meshtrain.errors import UserError
+from meshtrain.planner import analytic, host_offload
+
+SETTINGS = ("none", "opt_state", "opt_state,params")
+MAX_LAYERS = 4096
+KEYS = ("params", "optimizer", "gradients", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    offload: str
+    layers: int          # 0: not even one layer fits
+    params: int          # the model's parameters at that depth
+    device_bytes: float  # the formula total per device
+    host_bytes: float    # offloaded per device
+
+
+def evaluate(cfg, hw, layers: int, offload: str) -> tuple[bool, Fit]:
+    """Whether `cfg` with `layers` layers and train.offload=`offload` fits `hw`."""
+    c = copy.deepcopy(cfg)
+    config_lib.override(c, "model.num_layers", str(layers))
+    config_lib.override(c, "train.offload", offload)
+    exp = analytic.abstract_experiment(c)
+    device = sum(v or 0.0 for k, v in analytic.memory(exp, hw).items() if k in KEYS)
+    account = host_offload.account(exp, analytic.state_bytes(exp), hw)
+    ok = device <= hw.hbm_bytes * hw.usable_memory and (account is None or account["host_fits"])
+    return ok, Fit(offload, layers, exp.model.family.num_params(exp.model.cfg), device,
+                   0.0 if account is None else account["host_bytes"])
+
+
+def largest(cfg, hw, settings=SETTINGS) -> list[Fit]:
+    """The deepest fitting model per offload setting (layers in multiples of the stages)."""
+    stages = mesh_lib.parse_shape(cfg.mesh.shape)["stage"]
+    step = stages * max(cfg.pipeline.repeats, 1) if stages > 1 else 1
+    out = []
+    for offload in settings:
+        try:
+            ok, fit = evaluate(cfg, hw, step, offload)
+        except UserError:  # e.g. params offload under a pipeline: not a setting for this config
+            continue
+        if not ok:
+            out.append(dataclasses.replace(fit, layers=0, params=0))
+            continue
+        lo, hi = 1, MAX_LAYERS // step  # in units of `step`: lo fits, hi + 1 is unknown
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok, found = evaluate(cfg, hw, mid * step, offload)
+            lo, hi, fit = (mid, hi, found) if ok else (lo, mid - 1, fit)
+        out.append(fit)
+    return out
+
+
+def render(name: str, cfg, hw, fits: list[Fit]) -> str:
+    devices = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
+    lines = [f"largest {cfg.model.name} at this width on {devices} x {hw.name} ({hw.hbm_bytes / 1e9:,.0f} GB "
+             f"each, {hw.host_memory_bytes / 1e12:,.1f} TB of host RAM a node), by the formulas ({name}: "
+             f"layout {cfg.layout if ':' not in cfg.layout else 'of its own'}, mesh {cfg.mesh.shape}, "
+             f"batch {cfg.train.batch_size}, remat {cfg.model.remat}):"]
+    for f in fits:
+        what = f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {f.device_bytes / 2**30:,.1f} GiB per device" \
+            + (f", {f.host_bytes / 2**30:,.1f} GiB in host memory" if f.host_bytes else "") if f.layers else "not one layer fits"
+        lines.append(f"  train.offload={f.offload:17} {what}")
+    return "\n".join(lines)
