@@ -15,6 +15,8 @@
   lint, findings, lint_sharding, lint_experts   the layout linter: its findings, sharding and MoE checks
   memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
+  host_offload, capacity   train.offload's device and host shares and host-link time; the
+                 largest model that fits, with and without offload (--largest)
 
 Beside it: --verify (a layout trained against one device) is meshtrain/run/verify.py, the
 memory budget the check reads meshtrain/run/memory_budget.py, the notebooks' pictures

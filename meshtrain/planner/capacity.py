@@ -30,6 +30,8 @@ class Fit:
     params: int          # the model's parameters at that depth
     device_bytes: float  # the formula total per device
     host_bytes: float    # offloaded per device
+    link_s: float        # the host link's busier direction per step (planner/host_offload.py)
+    limit: str = ""      # what one more layer would not fit: "device memory" or "host memory"
 
 
 def evaluate(cfg, hw, layers: int, offload: str) -> tuple[bool, Fit]:
@@ -40,9 +42,12 @@ def evaluate(cfg, hw, layers: int, offload: str) -> tuple[bool, Fit]:
     exp = analytic.abstract_experiment(c)
     device = sum(v or 0.0 for k, v in analytic.memory(exp, hw).items() if k in KEYS)
     account = host_offload.account(exp, analytic.state_bytes(exp), hw)
-    ok = device <= hw.hbm_bytes * hw.usable_memory and (account is None or account["host_fits"])
-    return ok, Fit(offload, layers, exp.model.family.num_params(exp.model.cfg), device,
-                   0.0 if account is None else account["host_bytes"])
+    on_device = device <= hw.hbm_bytes * hw.usable_memory
+    on_host = account is None or account["host_fits"]
+    return on_device and on_host, Fit(offload, layers, exp.model.family.num_params(exp.model.cfg), device,
+                                      0.0 if account is None else account["host_bytes"],
+                                      0.0 if account is None else account["link_s"],
+                                      "device memory" if not on_device else "" if on_host else "host memory")
 
 
 def largest(cfg, hw, settings=SETTINGS) -> list[Fit]:
@@ -58,12 +63,14 @@ def largest(cfg, hw, settings=SETTINGS) -> list[Fit]:
         if not ok:
             out.append(dataclasses.replace(fit, layers=0, params=0))
             continue
-        lo, hi = 1, MAX_LAYERS // step  # in units of `step`: lo fits, hi + 1 is unknown
+        lo, hi = 1, MAX_LAYERS // step  # in units of `step`: lo fits, above hi is not tried
         while lo < hi:
             mid = (lo + hi + 1) // 2
             ok, found = evaluate(cfg, hw, mid * step, offload)
             lo, hi, fit = (mid, hi, found) if ok else (lo, mid - 1, fit)
-        out.append(fit)
+        limit = (evaluate(cfg, hw, (lo + 1) * step, offload)[1].limit if lo < MAX_LAYERS // step
+                 else f"the search's {MAX_LAYERS} layers")
+        out.append(dataclasses.replace(fit, limit=limit))
     return out
 
 
@@ -74,7 +81,8 @@ def render(name: str, cfg, hw, fits: list[Fit]) -> str:
              f"layout {cfg.layout if ':' not in cfg.layout else 'of its own'}, mesh {cfg.mesh.shape}, "
              f"batch {cfg.train.batch_size}, remat {cfg.model.remat}):"]
     for f in fits:
-        what = f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {f.device_bytes / 2**30:,.1f} GiB per device" \
-            + (f", {f.host_bytes / 2**30:,.1f} GiB in host memory" if f.host_bytes else "") if f.layers else "not one layer fits"
+        what = (f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {f.device_bytes / 2**30:,.1f} GiB per device"
+                + (f", {f.host_bytes / 2**30:,.1f} GiB in host memory, {f.link_s:,.1f} s a step on the host link"
+                   if f.host_bytes else "") + f"; one more layer exceeds {f.limit}") if f.layers else "not one layer fits"
         lines.append(f"  train.offload={f.offload:17} {what}")
     return "\n".join(lines)
