@@ -22,6 +22,12 @@
 #      with the image's JAX, once as CI runs them and once with XLA:CPU's YNN fusions off
 #      (--xla_cpu_experimental_ynn_fusion_type=, the lead of jax-ml/jax#39257 for the
 #      pipelined CPU compiles that aborted on JAX 0.11.2).
+#   8. `offload` (not in the defaults; a call of its own, about 6 minutes): GPT-2 medium and
+#      Llama 3.2 1B, remat full, at one batch (--max-batch 8) without offload, with
+#      train.offload=opt_state and with opt_state,params: step time, peak device memory
+#      (memory_stats) beside the compiled estimate and the host share, and the offload tests
+#      under the image's JAX on CPU. The planner's figures for the same runs (device and host
+#      shares, the host link's time) come first, from `meshtrain plan`.
 #
 # The planner's predictions for these runs are committed before the session, in
 # benchmarks/results/predictions.json (`python benchmarks/planner_calibration.py
@@ -117,10 +123,27 @@ stage() {
       JAX_PLATFORMS=cpu step tests_jax "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files
       XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_experimental_ynn_fusion_type=" JAX_PLATFORMS=cpu \
         step tests_jax_no_ynn "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files ;;
+    offload)
+      local o m
+      for m in gpt2_medium_dp8_tp4 llama3_1b_fsdp8; do  # planned first (formulas; CPU compile)
+        JAX_PLATFORMS=cpu step "plan_$m" 150 python3 -m meshtrain.plan --config=$m --config.mesh.shape=data:1 \
+          --config.layout=dp --config.model.remat=full --config.train.batch_size=8 --config.train.grad_accum_steps=1 \
+          --config.train.offload=opt_state,params --json
+      done
+      for o in none opt_state opt_state,params; do
+        step "offload_${o//,/_}" 200 python3 benchmarks/gpu.py --models gpt2_medium,llama3_1b --remat full \
+          --max-batch 8 --steps 10 --repeats 3 --warmup 3 --overhead-pairs 0 \
+          --out "$OUT/gpu_offload_${o//,/_}.json" --config.train.offload=$o
+      done
+      JAX_PLATFORMS=cpu step tests_offload "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
+        tests/test_offload.py
+      # $OUT brings back at most 8 files: the stage's logs travel as one
+      (cd "$OUT" && tar czf offload_logs.tgz plan_*.log offload_*.log tests_offload.log \
+        && rm -f plan_*.log offload_*.log tests_offload.log) ;;
     tests) JAX_PLATFORMS=cpu step tests "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider \
         tests/test_moe.py tests/test_moe_layouts.py tests/test_planner_experts.py tests/test_gpu_bench.py ;;
     *) echo "unknown stage $1 (gpt2_small overhead profile moe moe_profile moe_fusion tests gpt2_medium" \
-         "llama3_1b unrolled scan_fusion tests_jax)"; return 2 ;;
+         "llama3_1b unrolled scan_fusion tests_jax offload)"; return 2 ;;
   esac
 }
 [ -f benchmarks/results/predictions.json ] && cp benchmarks/results/predictions.json "$OUT/"
