@@ -54,6 +54,17 @@ def offloads(name: str) -> bool:
     return name == "offload_dots" or name.startswith(OFFLOAD)
 
 
+def on_device(name: str) -> str:
+    """The policy whose device-side activations `name` keeps: an offload policy keeps the
+    layer's input there, as `full` does (its saved activations live in host memory)."""
+    return "full" if offloads(name) else name
+
+
+def recomputes(name: str) -> bool:
+    """Whether the backward reruns the layer's forward (its collectives too)."""
+    return name != "none"
+
+
 def check(name: str) -> None:
     tags = offloaded_tags(name)
     unknown = [t for t in tags if t not in TAGS]

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import UserError
+from meshtrain.models import remat
 from meshtrain.parallel import grad_reduce
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import context, experts, host_offload, pipeline_memory
@@ -143,7 +144,8 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     per_layer = m.family.layer_activation_bytes
     if per_layer is None:
         return None
-    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
+    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype,
+                              remat=remat.on_device(m.cfg.remat))
     n, split = layer_splits(exp)
     tokens = b["rows"] * cfg.seq_len / n
     kept = cfg.num_layers * per_layer(cfg, tokens, b["tensor"], cfg.remat, **split)
@@ -176,7 +178,8 @@ def pipeline_activations(exp, hw=None, dtype: str | None = None):
     per_layer = m.family.layer_activation_bytes
     if per_layer is None or pipe is None:
         return None
-    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype)
+    cfg = dataclasses.replace(m.cfg, attention=attention_on(exp, hw), dtype=dtype or m.cfg.dtype,
+                              remat=remat.on_device(m.cfg.remat))
     t, mb = cfg.seq_len, b["pipeline_rows"]
     recompute = per_layer(cfg, mb * t, b["tensor"], "none") if cfg.remat != "none" else 0.0
     inner = exp.layout.without("stage")

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from meshtrain.models import remat
 from meshtrain.parallel import sequence
 from meshtrain.planner import hlo_flops
-from meshtrain.planner.split_cost import RECOMPUTES, Term, Traffic, local_batch, split_over
+from meshtrain.planner.split_cost import Term, Traffic, local_batch, split_over
 
 KINDS = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter")}
 
@@ -65,7 +66,7 @@ def traffic(exp) -> Traffic | None:
     d = _dims(exp)
     t, layers = d["seq_len"], m.cfg.num_layers * d["micro"]
     block = d["rows"] * t / n * d["kv_heads"] * d["head_dim"] * d["bytes"]
-    again = m.cfg.remat in RECOMPUTES
+    again = remat.recomputes(m.cfg.remat)
     per_pass = 2 * (n - 1) * block * layers  # ring: 2 (n-1) blocks; allgather: 2 x (n-1) blocks
     ring = kind == "ring"
     ops = (2 * (n - 1) if ring else 2) * layers

@@ -33,11 +33,11 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.models import moe
+from meshtrain.models import moe, remat
 from meshtrain.parallel import experts as expert_parallel
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import context
-from meshtrain.planner.split_cost import RECOMPUTES, Term, Traffic, local_batch, split_over
+from meshtrain.planner.split_cost import Term, Traffic, local_batch, split_over
 from meshtrain.step import optim
 
 WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -94,7 +94,7 @@ def traffic(exp) -> Traffic | None:
                                f"experts on every token, no all-to-all (no formula for the sum instead)")
         out.counted = False
         return out
-    again = cfg.remat in RECOMPUTES
+    again = remat.recomputes(cfg.remat)
     what = f"MoE ({mode}): tokens to their experts and back, forward and backward"
     out.figures["buffer_bytes"] = buffer
     out.terms = {"forward": Term("all-to-all", wire * layers * per_pass, layers * ops, True, what),

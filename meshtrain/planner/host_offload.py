@@ -21,7 +21,9 @@ Per device, with P, O and G the params', optimizer state's and gradients' bytes
                   link is full duplex; XLA overlaps transfers with compute where the
                   schedule lets it, so the plan shows it beside the step, not added to it
 
-Activation offload (model.remat=offload_*) is not in these sums.
+Activation offload (model.remat=offload_*): the device keeps what `full` keeps (each layer's
+input; planner/analytic.py asks the family at models/remat.on_device's policy); the
+offloaded activations' host bytes and link traffic are not in these sums yet.
 """
 
 from __future__ import annotations

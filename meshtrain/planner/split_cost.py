@@ -21,7 +21,6 @@ from collections.abc import Callable
 from meshtrain.parallel.layouts.rules import TARGETS
 from meshtrain.planner import hlo
 
-RECOMPUTES = ("full", "save_dots")  # remat policies that rerun a layer's forward, its collectives too
 
 
 def group_size(shape, axes) -> int:
