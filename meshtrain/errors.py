@@ -27,6 +27,19 @@ def shown(value, limit: int = 40) -> str:
 MiB, GiB = 2**20, 2**30  # the byte units every message and report uses
 
 
+def comma_list(key: str, text, names: tuple[str, ...], example: str) -> tuple[str, ...]:
+    """A config value that is a comma list of `names`, each at most once ("" or "none":
+    none): "a, b" -> ("a", "b"); else a UserError naming `key`, what is wrong and `example`."""
+    given = tuple(n.strip().lower() for n in str(text).split(",") if n.strip())
+    given = () if given == ("none",) else given
+    unknown = [n for n in given if n not in names]
+    if unknown or len(set(given)) != len(given):
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a name given twice"
+        raise UserError(f"{key}={text!r}: {what}. Give a comma list of {', '.join(names)} (or none), "
+                        f"e.g. --config.{key}={example}.")
+    return given
+
+
 def gib(nbytes: float) -> str:
     """Bytes as a message says them: GiB (MiB below one GiB), three significant figures or more."""
     if nbytes < GiB:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, comma_list
 from meshtrain.models import remat
 from meshtrain.models.remat import FETCHED, HOST
 
@@ -41,20 +41,13 @@ NAMES = ("opt_state", "params")
 
 
 def parse(text: str) -> tuple[str, ...]:
-    """"opt_state, params" -> ("opt_state", "params"); "" or "none" -> ()."""
-    names = tuple(n.strip().lower() for n in str(text).split(",") if n.strip())
-    return () if names == ("none",) else names
+    """"opt_state, params" -> ("opt_state", "params"); "" or "none" -> () (checked)."""
+    return comma_list("train.offload", text, NAMES, "opt_state,params")
 
 
 def check_config(t) -> None:
     """train.offload: a comma list of NAMES, each at most once ("" or none: nothing)."""
-    names = parse(t.offload)
-    unknown = [n for n in names if n not in NAMES]
-    if unknown or len(set(names)) != len(names):
-        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a name given twice"
-        raise UserError(
-            f"train.offload={t.offload!r}: {what}. Give a comma list of {', '.join(NAMES)} (or none), "
-            f"e.g. --config.train.offload=opt_state,params.")
+    parse(t.offload)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,27 +23,21 @@ import pathlib
 import secrets
 import sys
 
-from meshtrain.errors import UserError, warn
+from meshtrain.errors import comma_list, warn
 
 NAMES = ("tensorboard", "jsonl", "wandb")
 
 
 def parse(text: str) -> list[str]:
-    """"tensorboard, wandb" -> ["tensorboard", "wandb"]; "" or "none" -> []."""
-    names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
-    return [] if names == ["none"] else names
+    """"tensorboard, wandb" -> ["tensorboard", "wandb"]; "" or "none" -> [] (checked:
+    check_config)."""
+    return list(comma_list("train.trackers", text, NAMES, "tensorboard,jsonl,wandb"))
 
 
 def check_config(t) -> None:
     """train.trackers: a comma list of NAMES, each at most once (or "" / "none": no files
     but run.json)."""
-    names = parse(t.trackers)
-    unknown = [n for n in names if n not in NAMES]
-    if unknown or len(set(names)) != len(names):
-        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a name given twice"
-        raise UserError(
-            f"train.trackers={t.trackers!r}: {what}. Give a comma list of {', '.join(NAMES)} "
-            f"(or none), e.g. --config.train.trackers=tensorboard,jsonl,wandb.")
+    parse(t.trackers)
 
 
 class Tracker:
