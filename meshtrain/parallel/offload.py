@@ -3,17 +3,20 @@ needs it (ZeRO-Offload's and ZeRO-Infinity's storage roles, on one SPMD program)
 
 train.offload is a comma list of what lives in host memory ("pinned_host") between steps:
 
-  opt_state   the optimizer's state. The step brings it to the device for the update
-              (`fetch`) and its output shardings write the new state back to the host;
-              the update itself stays on the device (ZeRO-Offload runs it on the host's
-              CPU instead; here XLA overlaps the transfers with the step).
+  opt_state   the optimizer's state. It comes to the device for the update and goes back
+              to the host; the update itself stays on the device (ZeRO-Offload runs it on
+              the host's CPU instead; here XLA overlaps the transfers with the step).
   params      the parameters. The stacked layers' come to the device one layer at a time,
               inside the layer scan, for the forward and again for the backward (the layer
               is rematerialised so that no fetched copy outlives its layer: `Arrival`); the
               rest (embeddings, final norm) come at the step's start. Each layer's
               gradients go back to host memory as the backward leaves the layer (the
-              transpose of the fetch), and come to the device, with the parameters, for the
-              update.
+              transpose of the fetch; with microbatches their sum stays on the device).
+
+Under either, the update streams the stacked layers (`streamed_update`): one layer's
+parameters, gradients and optimizer state at a time come to the device, are updated, and
+go back where they are stored; the rest is fetched whole. So about one layer's state is
+on the device at a time, in the update too.
 
 Shapes and shardings are those of the state without offload; only the memory kind
 differs, so a checkpoint restores either way. Inside jit host memory is typed: an
