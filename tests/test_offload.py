@@ -137,6 +137,10 @@ def test_cuda_lowering_moves_each_layers_params_and_each_offloaded_activation_an
     t, h, e, f = cfg.seq_len, cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.mlp_dim
     for shape in ((b, t, 3, h, e), (b, t, f)):
         assert cuda[(HOST, tensor_type(shape, "float32"))] == 1 and cpu[(HOST, tensor_type(shape, "float32"))] == 0
+    # The planner's host bytes for them: those two tensors of every layer, each device's
+    # share of the batch (8-way data parallelism).
+    lowered = sum(np.prod(shape) * 4 / 8 for shape in ((b, t, 3, h, e), (b, t, f)))
+    assert analytic.offloaded_activations(exp) == pytest.approx(cfg.num_layers * lowered, rel=1e-12)
 
 
 def test_a_checkpoint_moves_between_runs_with_and_without_offload(tmp_path):

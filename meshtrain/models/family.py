@@ -159,6 +159,10 @@ class Family:
     active_params: Callable[[Any], int] | None = None
     pipelines: bool = True
     metrics: tuple[str, ...] = ()
+    # cfg -> {remat tag: (elements per token on every tensor rank, elements per token split
+    # over tensor)}: what a layer's tagged activations (models/remat.py TAGS) hold, which the
+    # planner counts in host memory under model.remat=offload_*; None: not counted
+    tagged_elements: Callable[[Any], Mapping[str, tuple[float, float]]] | None = None
 
     def fields(self) -> tuple[str, ...]:
         """The dimension fields a size sets (the same for every size of the family)."""

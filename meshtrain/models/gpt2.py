@@ -277,6 +277,14 @@ def layer_activation_bytes(cfg: GPT2Config, tokens: int, tensor: int, remat: str
                                      split=split, scores=scores, tensor=tensor, sp=sp)
 
 
+def tagged_elements(cfg: GPT2Config) -> dict[str, tuple[float, float]]:
+    """Per token, each tagged activation's elements (whole, split over tensor): the qkv
+    projection [3, H, E] and the MLP's first matmul [F] split by heads and mlp, the two
+    output projections [D] whole (each rank's partial sum)."""
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    return {"qkv": (0, 3 * d), "attn_out": (d, 0), "mlp_up": (0, f), "mlp_down": (d, 0)}
+
+
 def flops_per_token(cfg: GPT2Config) -> float:
     """Training FLOPs per token, llm.c accounting: 6 N + 6 L D T."""
     return 6.0 * num_params(cfg) + 6.0 * cfg.num_layers * cfg.embed_dim * cfg.seq_len
@@ -292,7 +300,7 @@ def _check(cfg: GPT2Config) -> None:
 FAMILY = family.register(family.Family(
     name="gpt2", config=GPT2Config, module=GPT2, sizes=sizes.GPT2_SIZES,
     activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
-    flops_per_token=flops_per_token,
+    flops_per_token=flops_per_token, tagged_elements=tagged_elements,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim"},
     describe=lambda c: (f"gpt2: {c.num_layers} layers, {c.num_heads} heads, embed {c.embed_dim}, "

@@ -360,10 +360,19 @@ def _describe(c: LlamaConfig) -> str:
             f"output, params {c.param_dtype}")
 
 
+def tagged_elements(cfg: LlamaConfig) -> dict[str, tuple[float, float]]:
+    """Per token, each tagged activation's elements (whole, split over tensor): q [H, E] and
+    k, v [K, E], and SwiGLU's gate and up [2, F], split by heads and mlp; the two output
+    projections [D] whole (each rank's partial sum)."""
+    d, e = cfg.embed_dim, cfg.head_dim
+    return {"qkv": (0, (cfg.num_heads + 2 * cfg.num_kv_heads) * e), "attn_out": (d, 0),
+            "mlp_up": (0, 2 * cfg.mlp_dim), "mlp_down": (d, 0)}
+
+
 FAMILY = family.register(family.Family(
     name="llama", config=LlamaConfig, module=Llama, sizes=sizes.LLAMA_SIZES,
     activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
-    flops_per_token=flops_per_token,
+    flops_per_token=flops_per_token, tagged_elements=tagged_elements,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",
                "mlp": "model.mlp_dim"},

@@ -197,10 +197,16 @@ def _describe(c: MixtralConfig) -> str:
             f"{active_params(c) / 1e6:,.1f}M of {num_params(c) / 1e6:,.1f}M parameters active")
 
 
+def tagged_elements(cfg: MixtralConfig) -> dict[str, tuple[float, float]]:
+    """The attention's tags, Llama's (the experts tag nothing: offload:mlp_up keeps none)."""
+    return {tag: n for tag, n in llama.tagged_elements(cfg).items() if tag in ("qkv", "attn_out")}
+
+
 FAMILY = family.register(family.Family(
     name="mixtral", config=MixtralConfig, module=Mixtral, sizes=sizes.MIXTRAL_SIZES,
     activations=activations, num_params=num_params, active_params=active_params,
     flops_per_token=flops_per_token, pipelines=False, layer_activation_bytes=layer_activation_bytes,
+    tagged_elements=tagged_elements,
     size_keys={**llama.FAMILY.size_keys, "experts": "model.num_experts"},
     describe=_describe, check=_check, metrics=(*(f"moe_{n}" for n in moe.STATS), "moe_aux_loss"),
 ))

@@ -154,6 +154,23 @@ def activations(exp, hw=None, dtype: str | None = None) -> float | None:
     return kept + _head(exp, cfg, b["rows"] / n, b["vocab"])
 
 
+def offloaded_activations(exp) -> float | None:
+    """Bytes per device model.remat=offload_* keeps in host memory: every layer's tagged
+    activations (all four under offload_dots) for the tokens one microbatch puts on a
+    device, in the compute dtype (Family.tagged_elements); 0 without an offload policy;
+    None where not counted (a family without tags, a pipeline)."""
+    m = exp.model
+    if not remat.offloads(m.cfg.remat):
+        return 0.0
+    if m.family.tagged_elements is None or m.pipeline is not None:
+        return None
+    b, n = local_batch(exp), layer_splits(exp)[0]
+    tags = remat.offloaded_tags(m.cfg.remat) or remat.TAGS
+    per_token = sum(whole + split / b["tensor"] for tag, (whole, split) in m.family.tagged_elements(m.cfg).items()
+                    if tag in tags)
+    return m.cfg.num_layers * b["rows"] * m.cfg.seq_len / n * per_token * jnp.dtype(m.cfg.dtype).itemsize
+
+
 def layer_splits(exp) -> tuple[int, dict]:
     """(n: each sequence's positions split n ways by context parallelism, the keywords of
     layer_activation_bytes for this layout: sp, context and expert, each only where it

@@ -41,7 +41,7 @@ def evaluate(cfg, hw, layers: int, offload: str) -> tuple[bool, Fit]:
     config_lib.override(c, "train.offload", offload)
     exp = analytic.abstract_experiment(c)
     device = sum(v or 0.0 for k, v in analytic.memory(exp, hw).items() if k in KEYS)
-    account = host_offload.account(exp, analytic.state_bytes(exp), hw)
+    account = host_offload.account(exp, analytic.state_bytes(exp), hw, analytic.offloaded_activations(exp))
     on_device = device <= hw.hbm_bytes * hw.usable_memory
     on_host = account is None or account["host_fits"]
     return on_device and on_host, Fit(offload, layers, exp.model.family.num_params(exp.model.cfg), device,

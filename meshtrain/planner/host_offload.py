@@ -22,14 +22,16 @@ Per device, with P, O and G the params', optimizer state's and gradients' bytes
                   schedule lets it, so the plan shows it beside the step, not added to it
 
 Activation offload (model.remat=offload_*): the device keeps what `full` keeps (each layer's
-input; planner/analytic.py asks the family at models/remat.on_device's policy); the
-offloaded activations' host bytes and link traffic are not in these sums yet.
+input; planner/analytic.py asks the family at models/remat.on_device's policy), the host
+every layer's tagged activations (analytic.offloaded_activations: Family.tagged_elements
+per token), written over the link in the forward and read back in the backward.
 """
 
 from __future__ import annotations
 
 import math
 
+from meshtrain.models import remat
 from meshtrain.parallel import offload as offload_lib
 
 KEYS = ("params", "optimizer", "gradients")
@@ -54,20 +56,24 @@ def device_shares(exp, state: dict) -> dict[str, float]:
     return out
 
 
-def account(exp, state: dict, hw) -> dict | None:
+def account(exp, state: dict, hw, activations: float | None = 0.0) -> dict | None:
     """What offload moves per device: host bytes, link bytes each way and their time on
-    `hw`, and whether the node's RAM holds every device's share; None without offload."""
+    `hw`, and whether the node's RAM holds every device's share; None without offload.
+    `activations`: the bytes model.remat=offload_* keeps in host memory (analytic's
+    offloaded_activations; None: not counted), written in the forward, read in the backward."""
     off = offload_lib.Offload.of(exp.cfg.train)
-    if not off:
+    if not off and not remat.offloads(exp.model.cfg.remat):
         return None
     s = state["stacked"]
     p, o, g = state["params"], state["optimizer"], state["gradients"] * s["gradients"]
-    host = (p + g if off.params else 0.0) + (o if off.opt_state else 0.0)
-    to_device = (o if off.opt_state else 0.0) + (2 * p + p * s["params"] + 2 * g if off.params else 0.0)
-    to_host = (o if off.opt_state else 0.0) + (p + g if off.params else 0.0)
+    a = activations or 0.0
+    host = (p + g if off.params else 0.0) + (o if off.opt_state else 0.0) + a
+    to_device = (o if off.opt_state else 0.0) + (2 * p + p * s["params"] + 2 * g if off.params else 0.0) + a
+    to_host = (o if off.opt_state else 0.0) + (p + g if off.params else 0.0) + a
     rate = hw.host_link_bandwidth * hw.host_link_efficiency
     node = host * min(math.prod(exp.mesh.shape.values()), hw.devices_per_node)  # the run's devices on a node
-    return {"offload": list(off.names), "host_bytes": host, "node_host_bytes": node,
+    return {"offload": list(off.names), "remat": exp.model.cfg.remat, "activation_bytes": activations,
+            "host_bytes": host, "node_host_bytes": node,
             "host_memory_bytes": hw.host_memory_bytes, "host_fits": node <= 0.9 * hw.host_memory_bytes,
             "to_device_bytes": to_device, "to_host_bytes": to_host,
             "link_bandwidth": hw.host_link_bandwidth, "link_s": max(to_device, to_host) / rate}

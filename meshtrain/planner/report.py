@@ -76,7 +76,7 @@ def plan(exp, hw: Hardware, compiled=None, compile_s: float | None = None) -> di
                                  work.step_work(exp, hw))
     pipe = analytic.pipeline_activations(exp, hw)
     fits = memory_fits(hw, formula, memory, cpu_activation_account(exp, hw))
-    offload = host_offload.account(exp, analytic.state_bytes(exp), hw)
+    offload = host_offload.account(exp, analytic.state_bytes(exp), hw, analytic.offloaded_activations(exp))
     if offload is not None:  # the node's RAM must hold every device's offloaded share too
         fits["host_fits"] = offload["host_fits"]
         fits["fits"] = fits["fits"] and offload["host_fits"]

@@ -102,7 +102,11 @@ def split_lines(name: str, s: dict) -> list[str]:
 def offload_lines(o: dict, step_s: float) -> list[str]:
     """train.offload's host share and link time (planner/host_offload.py)."""
     verdict = "fits" if o["host_fits"] else "DOES NOT FIT"
-    return [f"  offloaded (train.offload={','.join(o['offload'])}): {gib(o['host_bytes'])} per device in "
+    what = ([f"train.offload={','.join(o['offload'])}"] if o["offload"] else []) + (
+        [f"model.remat={o['remat']}: activations {gib(o['activation_bytes'])}"] if o["activation_bytes"] else [])
+    if o["activation_bytes"] is None:
+        what.append(f"model.remat={o['remat']}'s activations not counted (no tag formula for this model or schedule)")
+    return [f"  offloaded ({'; '.join(what)}): {gib(o['host_bytes'])} per device in "
             f"host memory; the node's devices {gib(o['node_host_bytes'])} of its "
             f"{gib(o['host_memory_bytes'])}: {verdict}",
             f"  over the host link per step: {gib(o['to_device_bytes'])} to the device, "
