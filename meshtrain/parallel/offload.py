@@ -178,8 +178,7 @@ def _param_marks(params, stacked: str) -> dict:
 
 
 def _squares(g) -> jax.Array:
-    """[] float32: the sum of squares of one gradient leaf, one layer at a time for a stacked
-    [L, ...] one (the order the streamed update reads it in), else whole."""
+    """[] float32: the sum of squares of `g`."""
     return jnp.sum(jnp.square(g.astype(jnp.float32)))
 
 

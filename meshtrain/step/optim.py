@@ -174,9 +174,12 @@ def scale_by_layer_trust_ratio(axes_tree, trust_coefficient: float = 1.0,
         ps, axes = treedef.flatten_up_to(params), treedef.flatten_up_to(axes_tree)
 
         def scale(u, p, ax):
-            if not is_matrix(ax):
+            if not is_matrix(ax) or u.size == 0:  # (a zero-size stand-in: parallel/offload.py)
                 return u
-            over = tuple(i for i, a in enumerate(ax) if a not in STACKED)
+            # the trailing dims, those not stacked: a stacked [L, ...] weight, or one layer's
+            # slice of it (host offload's streamed update, parallel/offload.py)
+            n = sum(a not in STACKED for a in ax)
+            over = tuple(range(u.ndim - n, u.ndim))
             p_norm = jnp.sqrt(jnp.sum(jnp.square(p), axis=over, keepdims=True))
             u_norm = jnp.sqrt(jnp.sum(jnp.square(u), axis=over, keepdims=True))
             ratio = trust_coefficient * p_norm / (u_norm + eps)
