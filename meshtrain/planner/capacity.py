@@ -15,12 +15,11 @@ import dataclasses
 import math
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError
+from meshtrain.errors import UserError, gib
 from meshtrain.planner import analytic, host_offload
 
 SETTINGS = ("none", "opt_state", "opt_state,params")
 MAX_LAYERS = 4096
-KEYS = ("params", "optimizer", "gradients", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +39,7 @@ def evaluate(cfg, hw, layers: int, offload: str) -> tuple[bool, Fit]:
     config_lib.override(c, "model.num_layers", str(layers))
     config_lib.override(c, "train.offload", offload)
     exp = analytic.abstract_experiment(c)
-    device = sum(v or 0.0 for k, v in analytic.memory(exp, hw).items() if k in KEYS)
+    device = sum(v or 0.0 for v in analytic.memory(exp, hw).values())
     account = host_offload.account(exp, analytic.state_bytes(exp), hw, analytic.offloaded_activations(exp))
     on_device = device <= hw.hbm_bytes * hw.usable_memory
     on_host = account is None or account["host_fits"]
@@ -81,8 +80,8 @@ def render(name: str, cfg, hw, fits: list[Fit]) -> str:
              f"layout {cfg.layout if ':' not in cfg.layout else 'of its own'}, mesh {cfg.mesh.shape}, "
              f"batch {cfg.train.batch_size}, remat {cfg.model.remat}):"]
     for f in fits:
-        what = (f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {f.device_bytes / 2**30:,.1f} GiB per device"
-                + (f", {f.host_bytes / 2**30:,.1f} GiB in host memory, {f.link_s:,.1f} s a step on the host link"
+        what = (f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {gib(f.device_bytes)} per device"
+                + (f", {gib(f.host_bytes)} in host memory, {f.link_s:,.1f} s a step on the host link"
                    if f.host_bytes else "") + f"; one more layer exceeds {f.limit}") if f.layers else "not one layer fits"
         lines.append(f"  train.offload={f.offload:17} {what}")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ import math
 
 from meshtrain.models import remat
 from meshtrain.parallel import offload as offload_lib
+from meshtrain.run.memory_budget import MARGIN  # the share of a host's RAM a run may take
 
 KEYS = ("params", "optimizer", "gradients")
 
@@ -74,6 +75,6 @@ def account(exp, state: dict, hw, activations: float | None = 0.0) -> dict | Non
     node = host * min(math.prod(exp.mesh.shape.values()), hw.devices_per_node)  # the run's devices on a node
     return {"offload": list(off.names), "remat": exp.model.cfg.remat, "activation_bytes": activations,
             "host_bytes": host, "node_host_bytes": node,
-            "host_memory_bytes": hw.host_memory_bytes, "host_fits": node <= 0.9 * hw.host_memory_bytes,
+            "host_memory_bytes": hw.host_memory_bytes, "host_fits": node <= MARGIN["cpu"] * hw.host_memory_bytes,
             "to_device_bytes": to_device, "to_host_bytes": to_host,
             "link_bandwidth": hw.host_link_bandwidth, "link_s": max(to_device, to_host) / rate}

@@ -293,9 +293,9 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
             params, opt_state = offload_lib.streamed_update(
                 tx, grads, state.opt_state, state.params, stacked=model.stacked, offload=offload,
                 clip=grad_clip, norm=grad_norm, good=good)
-        else:  # offloaded state (a pipeline's, or a model without a layer stack's) fetched whole
-            old = (offload_lib.fetch(state.params) if offload.params else state.params,
-                   offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
+        else:  # offloaded optimizer state (a pipeline's, or a model's without a layer stack) fetched
+            # whole; params offload always streams (offload.check_model refuses it elsewhere)
+            old = (state.params, offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
             updates, opt_state = tx.update(grads, old[1], old[0])
             params = optax.apply_updates(old[0], updates)
             if good is not None:
