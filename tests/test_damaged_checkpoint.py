@@ -192,13 +192,13 @@ def test_sample_eval_and_convert_refuse_a_damaged_step_naming_the_intact_one(dam
 
 @pytest.mark.slow
 def test_two_processes_fall_back_together_to_the_step_process_0_chose(straight, tmp_path):
-    from support.processes import local_sh
+    from support.processes import ONE_DEVICE_EACH, local_sh
     w = tmp_path / "w"
-    first = local_sh(2, TINY, f"--workdir={w}", *RUN, "--config.train.stop_at=6")
+    first = local_sh(2, TINY, ONE_DEVICE_EACH, f"--workdir={w}", *RUN, "--config.train.stop_at=6")
     assert first.returncode == 0, first.stderr[-3000:]
     step_6 = w / "checkpoints" / "step_6"
     file = cut(max((step_6 / "state").glob("ocdbt.process_1/d/*"), key=lambda p: p.stat().st_size))
-    done = local_sh(2, TINY, f"--workdir={w}", *RUN)
+    done = local_sh(2, TINY, ONE_DEVICE_EACH, f"--workdir={w}", *RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     said = paragraph(done.stdout + done.stderr, "meshtrain: warning: Checkpoint step 6")
     assert file in said and "Resuming from step 3 instead" in said
@@ -212,7 +212,7 @@ def test_two_processes_fall_back_together_to_the_step_process_0_chose(straight, 
     assert sorted(p.name for p in (w / "checkpoints").glob("step_*")) == ["step_6", "step_9"]
     shutil.rmtree(w / "checkpoints" / "step_6")  # only a damaged step left: both stop
     cut(max((w / "checkpoints" / "step_9" / "state").glob("ocdbt.process_1/d/*"), key=lambda p: p.stat().st_size))
-    done = local_sh(2, TINY, f"--workdir={w}", *RUN, "--config.train.steps=12")
+    done = local_sh(2, TINY, ONE_DEVICE_EACH, f"--workdir={w}", *RUN, "--config.train.steps=12")
     assert done.returncode == 2, done.stderr[-3000:]
     logs = [(w / "logs" / f"process_{i}.log").read_text() for i in range(2)]
     assert "error: Checkpoint step 9" in logs[0] and "no older intact step" in logs[0]

@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain.runlog import goodput
 from meshtrain.train import main
-from support.processes import ENV, ROOT, losses, steps_on_disk, trainer
+from support.processes import ENV, ONE_DEVICE_EACH, ROOT, losses, steps_on_disk, trainer
 
 pytestmark = pytest.mark.slow
 TINY = "gpt2_tiny_dp8"
@@ -40,9 +40,11 @@ def pid_of(log0: str, process: int) -> str:
     return re.search(rf"^  process {process}: host \S+, pid (\d+),", log0, re.M).group(1)
 
 
-def local_sh(n: int, *args, env: dict):
-    """launch/local.sh with the fault hook; -> (status, stderr, wall time when it ended)."""
-    done = subprocess.run([str(ROOT / "launch" / "local.sh"), str(n), TINY, *args], cwd=ROOT,
+def local_sh(n: int, *args, env: dict, devices_each: int = 1):
+    """launch/local.sh with the fault hook, `devices_each` simulated devices a process (1 or
+    8 / n); -> (status, stderr, wall time when it ended)."""
+    mesh = [ONE_DEVICE_EACH] if devices_each == 1 else []
+    done = subprocess.run([str(ROOT / "launch" / "local.sh"), str(n), TINY, *mesh, *args], cwd=ROOT,
                           env={**ENV, **FAULT_PYTHON, **env}, capture_output=True, text=True, timeout=300)
     return done.returncode, done.stderr, time.time()
 
@@ -89,12 +91,16 @@ def test_a_blocked_data_iterator_is_reported_exits_3_and_the_rerun_resumes_like_
 
 def test_two_processes_one_asleep_before_a_step_both_exit_3_and_name_it(tmp_path):
     """Process 1 sleeps before step 15, alive; process 0 waits for it in the step's
-    collectives. Steps 1-14 are an even run: no straggler is named there."""
+    collectives. Steps 1-14 are an even run: no straggler is named there. Four devices a
+    process: with one, the sleeper's own watchdog can reach its bound first and stop process 0
+    with status 1 before process 0 reports its wait (either is a clean end; this test reads
+    process 0's report)."""
     w = tmp_path / "w"
     status, err, ended = local_sh(
         2, f"--workdir={w}", "--config.train.steps=20", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.checkpoint.every=0", "--config.train.straggler_every=4",
-        f"--config.train.hang_timeout={HANG_TIMEOUT}", env=fault(kind="sleep", step=15, process=1, seconds=600))
+        f"--config.train.hang_timeout={HANG_TIMEOUT}", env=fault(kind="sleep", step=15, process=1, seconds=600),
+        devices_each=4)
     log0, log1 = ((w / "logs" / f"process_{i}.log").read_text() for i in range(2))
     took = ended - fault_began(log1)
     print(f"process 1 asleep before step 15: both exited {took:.1f} s later (hang_timeout={HANG_TIMEOUT})")

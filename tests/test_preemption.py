@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain.runlog import goodput
 from meshtrain.train import main
-from support.processes import exact_losses, free_port, steps_on_disk, wait_for
+from support.processes import ONE_DEVICE_EACH, exact_losses, free_port, steps_on_disk, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0"]
@@ -158,11 +158,11 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, ref
 @pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_saves_one_step_on_both(tmp_path):
     w = tmp_path / "w"
-    args = ["--config.train.steps=300", "--config.checkpoint.every=0"]
+    args = ["--config.train.steps=300", "--config.checkpoint.every=0", ONE_DEVICE_EACH]
     port = free_port()
 
     def launch(log):
-        common = {"JAX_NUM_CPU_DEVICES": "4", "JAX_NUM_PROCESSES": "2",
+        common = {"JAX_NUM_CPU_DEVICES": "1", "JAX_NUM_PROCESSES": "2",
                   "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
         return [start(w, *args, env={**common, "JAX_PROCESS_ID": str(i)}, log=f"{log}{i}.txt")
                 for i in range(2)]

@@ -11,6 +11,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
+# gpt2_tiny_dp8 over two processes with one simulated device each (dp8's batch, model and
+# losses), for the tests whose story is the processes: signals, hangs, lost peers, the
+# checkpoint both write. With 4 devices a process, XLA:CPU runs each all-reduce as gloo
+# rings over all 8 devices, one ring per gradient: a step costs 3x the CPU (docs/testing.md).
+ONE_DEVICE_EACH = "--config.mesh.shape=data:2"
 
 
 def free_port() -> int:
