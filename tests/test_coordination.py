@@ -5,6 +5,7 @@ processes (tests/test_multihost.py)."""
 
 import contextlib
 import io
+import threading
 import time
 
 import pytest
@@ -148,6 +149,24 @@ def test_a_failed_process_is_named_and_settle_returns_while_all_beat(capfd):
         wait_for(lambda: exits[0].status, timeout=10, what="process 0 to stop")
         stop(peers)
     assert "process 1 (host node1, pid 101) stopped with status 1: ValueError: bad batch" in capfd.readouterr().err
+
+
+def test_settle_takes_a_dead_peers_last_beat_for_no_sign_of_life():
+    """Process 2 beats once more and dies; the others' collectives fail at once and they
+    settle before their threads read that beat (or, for process 1, before process 0's beat
+    passes it on). Neither may count it as a beat after the failure: both wait until process 2
+    is named lost (with it, a gloo error's traceback reached the console one run in six)."""
+    with service(3) as stores:
+        peers, exits = watch(stores)
+        peers[2]._beat({})
+        peers[2].leaving = True  # dead after its last beat
+        settled = {i: threading.Event() for i in (0, 1)}
+        for i in (0, 1):
+            threading.Thread(target=lambda i=i: (peers[i].settle(), settled[i].set()), daemon=True).start()
+        wait_for(lambda: all(exits[i].status or settled[i].is_set() for i in (0, 1)), timeout=20,
+                 what="both to settle or stop")
+        assert [exits[i].status for i in (0, 1)] == [1, 1] and not any(e.is_set() for e in settled.values())
+        stop(peers)
 
 
 def test_two_processes_hear_of_a_hang_and_the_report_names_who_never_dispatched():

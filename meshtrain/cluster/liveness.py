@@ -68,7 +68,6 @@ class Liveness:
         self.progress_of: Callable[[], dict] | None = None
         self.progress: dict[int, object] = {}
         self.progress_table: object = None
-        self.heard_counts: dict[int, int] = {}  # process 0's beat: the counts it heard (others)
         self.on_hung: Callable[[dict], None] | None = None
         self.thread: threading.Thread | None = None
 
@@ -124,10 +123,6 @@ class Liveness:
                 self.progress[i] = beat["progress"]
             elif i == 0:
                 self.progress_table = beat.get("table")
-                heard = beat.get("heard")
-                if isinstance(heard, dict):
-                    self.heard_counts = {int(k): v for k, v in heard.items()
-                                         if str(k).isascii() and str(k).isdigit() and isinstance(v, int)}
         for i, at in self.heard.items():
             if i not in self.done and now - at > self.heartbeat_timeout and not self.leaving:
                 self._lost(i, f"silent for {now - at:.0f} s (distributed.heartbeat_timeout="
@@ -230,24 +225,42 @@ class Liveness:
 
     def settle(self) -> None:
         """A failure in this process may be a peer's loss seen first by a collective: waits
-        until every other process beat again (returns) or is found lost (the thread exits)."""
+        until every other process beat again (returns) or is found lost (the thread exits).
+        "Again" counts from the beats in the store now, read here: a dead peer's last beat
+        may still be unread by the thread, and reading it later is no sign of life. Process
+        0's counts of the others reach the others through its own beat, late by up to a
+        beat, so they count a peer alive there only two beats on; a count not yet known
+        when this starts is counted from where it is first seen."""
         if self.thread is None or self.leaving:
             return
-        mark = self._counts_now()
+        mark = self._stored_counts()
+        after = {i: 1 if self.id == 0 or i == 0 else 2 for i in mark}
         deadline = time.monotonic() + self.heartbeat_timeout + 2.0
         while time.monotonic() < deadline and not self.leaving:
-            now = self._counts_now()
-            if all(now.get(i, -1) > c or i in self.done for i, c in mark.items()):
+            now = self._stored_counts()
+            mark.update({i: now.get(i, -1) for i, c in mark.items() if c < 0})  # not heard of yet
+            if all(0 <= c <= now.get(i, -1) - after[i] or i in self.done for i, c in mark.items()):
                 return
             time.sleep(0.05)
         while self.leaving and time.monotonic() < deadline + LINGER_S + 5:
             time.sleep(0.5)  # the thread is stopping the process
 
-    def _counts_now(self) -> dict[int, int]:
-        if self.id == 0:
-            return {i: self.counts.get(i, -1) for i in range(1, self.n)}
-        return {**{i: self.heard_counts.get(i, -1) for i in range(1, self.n) if i != self.id},
-                0: self.counts.get(0, -1)}
+    def _stored_counts(self) -> dict[int, int]:
+        """{process: beat count} of every other process, as the store holds them now:
+        process 0 reads each beat, the others process 0's (its own count, and those it heard)."""
+        try:
+            if self.id == 0:
+                beats = {kv.index_of(k, BEAT, self.n): kv.parse(v) for k, v in self.store.entries(BEAT)}
+                return {i: b["n"] if isinstance(b, dict) and isinstance(b.get("n"), int) else -1
+                        for i in range(1, self.n) for b in [beats.get(i)]}
+            beat = kv.parse(self.store.try_get(f"{BEAT}/0"))
+        except Exception:  # noqa: BLE001 - the service is gone: JAX ends this process itself
+            return {}
+        beat = beat if isinstance(beat, dict) else {}
+        heard = beat.get("heard") if isinstance(beat.get("heard"), dict) else {}
+        counts = {int(k): v for k, v in heard.items() if str(k).isascii() and str(k).isdigit() and isinstance(v, int)}
+        return {0: beat.get("n") if isinstance(beat.get("n"), int) else -1,
+                **{i: counts.get(i, -1) for i in range(1, self.n) if i != self.id}}
 
     def leave(self, status: int, message: str = "", end_timeout: float = 300.0) -> None:
         """Done (status 0): waits for every process at the end, then process 0 waits until
