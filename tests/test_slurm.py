@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from meshtrain.train import main
-from support.processes import ENV, ROOT, logged, losses, steps_on_disk, wait_for
+from support.processes import ENV, ONE_DEVICE_EACH, ROOT, logged, losses, steps_on_disk, wait_for
 from support.slurm_cluster import SlurmCluster, first_job_id, skip_reason, slurm  # noqa: F401  (slurm: the fixture)
 
 SBATCH = str(ROOT / "launch" / "slurm.sbatch")
@@ -179,7 +179,7 @@ def rank_log(tmp_path, job, rank) -> str:
 @pytest.mark.slow
 def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm, tmp_path):  # noqa: F811
     w = tmp_path / "w"
-    first = submit(slurm, tmp_path, "gpt2_tiny_dp8", *RUN)
+    first = submit(slurm, tmp_path, "gpt2_tiny_dp8", ONE_DEVICE_EACH, *RUN)
     slurm.wait_state(first, "RUNNING", timeout=60)
     print("squeue:", *slurm.squeue_lines(), sep="\n  ")
     wait_for(lambda: re.search(r"^step +(9|1\d)/", rank_log(tmp_path, first, 0), re.M), what="step 9")
@@ -196,7 +196,7 @@ def test_sbatch_trains_is_preempted_with_term_and_resumes_like_one_process(slurm
     assert "srun exited with status 0" in job_log
     print(f"job {first}: {info['JobState']} {info['ExitCode']}, stopped at step {stopped}")
 
-    second = submit(slurm, tmp_path, "gpt2_tiny_dp8", *RUN)
+    second = submit(slurm, tmp_path, "gpt2_tiny_dp8", ONE_DEVICE_EACH, *RUN)
     one = tmp_path / "one"  # the unbroken run, in this process while the second job starts
     assert main(["--config=gpt2_tiny_dp8", *RUN, f"--workdir={one}"]) == 0
     info = slurm.wait_state(second, timeout=180)
@@ -252,12 +252,12 @@ class TimeLimitJob(threading.Thread):
     def _run(self):
         ref = self.tmp_path / "ref"
         cluster = SlurmCluster(FirstJobId=str(first_job_id(apart=512)))  # apart from `slurm`'s jobs
-        unbroken = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp8", *LONG,
+        unbroken = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", "gpt2_tiny_dp8", ONE_DEVICE_EACH, *LONG,
                                      f"--workdir={ref}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
         try:
             t0 = time.monotonic()
-            self.job = submit(cluster, self.tmp_path, "gpt2_tiny_dp8", *LONG,
+            self.job = submit(cluster, self.tmp_path, "gpt2_tiny_dp8", ONE_DEVICE_EACH, *LONG,
                               sbatch_args=["--time=1", "--signal=B:USR1@5"], env=SLOW_FIRST_RUN)
             self.info = cluster.wait_state(self.job, timeout=900)
             self.took = time.monotonic() - t0

@@ -56,14 +56,14 @@ def test_a_task_asleep_before_a_step_ends_the_job_with_status_3_naming_it(slurm,
 
 def test_a_task_killed_with_sigkill_is_named_and_a_resubmission_resumes_like_one_process(slurm, tmp_path):  # noqa: F811
     from meshtrain.train import main
-    from support.processes import losses
+    from support.processes import ONE_DEVICE_EACH, losses
     run = ["--config.train.steps=16", "--config.train.log_every=1", "--config.train.eval_every=0",
            "--config.checkpoint.every=4", "--config.distributed.heartbeat_timeout=4"]
     w = tmp_path / "w"
     slurm.env.update({"WORKDIR": str(w), "PYTHONPATH": str(ROOT),
                       "PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable,
                       "MESHTRAIN_TEST_FAULT": json.dumps({"kind": "kill", "step": 11, "process": 1})})
-    job = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", *run], cwd=tmp_path)
+    job = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", ONE_DEVICE_EACH, *run], cwd=tmp_path)
     info = slurm.wait_state(job, timeout=240)
     logs = [(tmp_path / "logs" / f"meshtrain-{job}-rank{r}.out").read_text() for r in range(2)]
     job_log = (tmp_path / f"meshtrain-{job}.out").read_text()
@@ -80,7 +80,7 @@ def test_a_task_killed_with_sigkill_is_named_and_a_resubmission_resumes_like_one
     assert "Committed checkpoints are kept; the latest is step 8" in logs[0]
 
     slurm.env.update({"PYTHON": sys.executable})  # the trainer itself, no fault
-    again = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", *run], cwd=tmp_path)
+    again = slurm.sbatch([*CPU_JOB, SBATCH, "gpt2_tiny_dp8", ONE_DEVICE_EACH, *run], cwd=tmp_path)
     # The unbroken run, in this process while the resubmitted job starts.
     assert main(["--config=gpt2_tiny_dp8", *run, f"--workdir={tmp_path / 'one'}"]) == 0
     info = slurm.wait_state(again, timeout=240)
