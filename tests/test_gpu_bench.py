@@ -21,7 +21,9 @@ TINY = [("model.dtype", "float32"), ("model.num_layers", "1")]  # the fastest co
 
 
 def cpu_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    """One CPU device, and the suite's XLA flags (tests/conftest.py: its compiles, 2x less
+    CPU; the GPU flags gpu.py adds to them touch no CPU compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     return {**env, "JAX_PLATFORMS": "cpu"}
 
 
