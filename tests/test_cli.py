@@ -12,7 +12,7 @@ from support.processes import metric_rows
 
 
 def run_cli(*args, env=None, timeout=600):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    full_env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "meshtrain.train", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout)

@@ -35,7 +35,7 @@ def copy(src, dst, keep=lambda row: True, drop_keys=()):
 
 def run_compare(*args):
     """The command as users run it, in its own process."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     return subprocess.run([sys.executable, "-m", "meshtrain.compare", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
