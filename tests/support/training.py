@@ -10,6 +10,11 @@ from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
 
 STEPS = 20
+# A run of this many steps or fewer compiles with the analysis options (LLVM -O0): the
+# compile is 3x faster and each step 2.5x slower, so it pays up to about 7 steps
+# (gpt2_tiny_dp8 and llama_tiny's ring: O1 compile 1.5 / 5.9 CPU-s, a step 0.11 / 0.22;
+# -O0 0.5 / 1.8, a step 0.3 / 0.57; docs/testing.md).
+ANALYSIS_STEPS = 5
 
 # XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
 # (tests/conftest.py), which turn a few ops into loops (a scatter-add into a `while`) and
@@ -79,11 +84,13 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
 def trained(cfg, steps=STEPS, devices=None):
     """(loss of each of `steps` steps, step 1's gradients) of `cfg` on its own mesh (or
     `devices`), as losses_and_grads gives them, read off the train step alone: one program
-    compiled, not a gradient program beside it (run/verify.py's step_1_gradients, as --verify reads them)."""
+    compiled, not a gradient program beside it (run/verify.py's step_1_gradients, as --verify
+    reads them). Up to ANALYSIS_STEPS steps, compiled with the analysis options."""
     assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
     exp = Experiment.build(cfg, devices=devices)
     losses, grads = [], None
-    for state, metrics in stepped(exp, steps):
+    step = exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
+    for state, metrics in stepped(exp, steps, step=step):
         losses.append(float(metrics["loss"]))
         if grads is None:
             grads = step_1_gradients(exp, state, float(metrics["grad_norm"]))
