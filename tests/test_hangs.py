@@ -40,10 +40,10 @@ def pid_of(log0: str, process: int) -> str:
     return re.search(rf"^  process {process}: host \S+, pid (\d+),", log0, re.M).group(1)
 
 
-def local_sh(n: int, *args, env: dict, devices_each: int = 1):
-    """launch/local.sh with the fault hook, `devices_each` simulated devices a process (1 or
-    8 / n); -> (status, stderr, wall time when it ended)."""
-    mesh = [ONE_DEVICE_EACH] if devices_each == 1 else []
+def local_sh(n: int, *args, env: dict, one_device_each: bool = True):
+    """launch/local.sh with the fault hook, one simulated device a process (else 8 / n);
+    -> (status, stderr, wall time when it ended)."""
+    mesh = [ONE_DEVICE_EACH] if one_device_each else []
     done = subprocess.run([str(ROOT / "launch" / "local.sh"), str(n), TINY, *mesh, *args], cwd=ROOT,
                           env={**ENV, **FAULT_PYTHON, **env}, capture_output=True, text=True, timeout=300)
     return done.returncode, done.stderr, time.time()
@@ -100,7 +100,7 @@ def test_two_processes_one_asleep_before_a_step_both_exit_3_and_name_it(tmp_path
         2, f"--workdir={w}", "--config.train.steps=20", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.checkpoint.every=0", "--config.train.straggler_every=4",
         f"--config.train.hang_timeout={HANG_TIMEOUT}", env=fault(kind="sleep", step=15, process=1, seconds=600),
-        devices_each=4)
+        one_device_each=False)
     log0, log1 = ((w / "logs" / f"process_{i}.log").read_text() for i in range(2))
     took = ended - fault_began(log1)
     print(f"process 1 asleep before step 15: both exited {took:.1f} s later (hang_timeout={HANG_TIMEOUT})")
