@@ -15,6 +15,11 @@ STEPS = 20
 # (gpt2_tiny_dp8 and llama_tiny's ring: O1 compile 1.5 / 5.9 CPU-s, a step 0.11 / 0.22;
 # -O0 0.5 / 1.8, a step 0.3 / 0.57; docs/testing.md).
 ANALYSIS_STEPS = 5
+# The 20-step layout comparisons (test_equivalence, test_context, test_llama) train 16 rows a
+# step, not the tiny configs' 32: a step's CPU is in proportion to its rows on this host
+# (gpt2_tiny_dp8 115 -> 61 CPU-ms, llama_tiny's ring 234 -> 120) and the split of each row
+# is what they compare. Every data replica still gets whole rows (16 / 8 = 2 on data:8).
+ROWS = {"train.batch_size": "16"}
 
 # XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
 # (tests/conftest.py), which turn a few ops into loops (a scatter-add into a `while`) and
