@@ -14,8 +14,10 @@ from meshtrain.train import main
 from support.configs import configured
 
 
+# 16 rows a step, as the layout comparisons train (support.training.ROWS): the runs' CPU is
+# in proportion to their rows, and what these tests compare is what a checkpoint carries.
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=0"]
+       "--config.checkpoint.every=0", "--config.train.batch_size=16"]
 
 
 def train(name, workdir, *extra):
@@ -23,7 +25,8 @@ def train(name, workdir, *extra):
 
 
 def build(name, **overrides):
-    return configured(name, **{"train.steps": 20, **overrides})
+    """NAME's config as RUN trains it, with OVERRIDES."""
+    return configured(name, **{"train.steps": 20, "train.batch_size": 16, **overrides})
 
 
 def copy(src, tmp_path):
