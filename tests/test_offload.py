@@ -24,6 +24,7 @@ from meshtrain.run import experiment
 from meshtrain.run.experiment import Experiment
 from meshtrain.runlog import metrics as metrics_lib
 from support.configs import configured
+from support.training import ROWS
 
 STEPS = 5
 MIB = 2**20
@@ -39,7 +40,7 @@ VARIANTS = {"accum": {"train.grad_accum_steps": "2"}, "lamb": {"optim.name": "la
 
 def build(name, offload="", **overrides):
     name, _, variant = name.partition(":")
-    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload,
+    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload, **ROWS,
                                                 **VARIANTS.get(variant, {}), **overrides}))
 
 
