@@ -15,7 +15,7 @@ from meshtrain.errors import UserError
 from meshtrain.planner import hlo
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import stepped
+from support.training import ROWS, stepped
 
 STEPS = 3
 
@@ -23,7 +23,7 @@ STEPS = 3
 def train(make_config, name, **overrides):
     """(count and bytes each device sends of the step's all-reduces over `data`; losses and
     grad norms of STEPS steps; final params), compiling the step once."""
-    exp = Experiment.build(make_config(name, **overrides))
+    exp = Experiment.build(make_config(name, **{**ROWS, **overrides}))
     step = exp.compile(analysis=True)
     rows = [r for r in hlo.collective_table(step, exp.mesh, lambda d: 0)
             if r["kind"] == "all-reduce" and r["mesh_axes"] == ("data",)]
@@ -81,9 +81,11 @@ def test_reduction_by_hand_trains_like_the_default(name, overrides, make_config)
 
 def test_microbatches_reduce_once_per_step(make_config):
     """XLA all-reduces each microbatch's gradient when left to itself; the step reduces the
-    accumulated per-replica gradients once, so 4 microbatches send what 1 does."""
-    one = train(make_config, "gpt2_tiny_dp8")
-    four = train(make_config, "gpt2_tiny_dp8", **{"train.grad_accum_steps": 4})
+    accumulated per-replica gradients once, so 4 microbatches send what 1 does (32 rows:
+    a row a replica a microbatch)."""
+    rows = {"train.batch_size": "32"}
+    one = train(make_config, "gpt2_tiny_dp8", **rows)
+    four = train(make_config, "gpt2_tiny_dp8", **rows, **{"train.grad_accum_steps": 4})
     assert four[0] == 1 and four[1] == pytest.approx(one[1], rel=1e-6)
     np.testing.assert_allclose(four[2], one[2], rtol=1e-5)
 

@@ -14,7 +14,7 @@ import pytest
 
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import stepped
+from support.training import ROWS, stepped
 
 STEPS = 20
 # (config, overrides): each layout family on 8 simulated devices.
@@ -33,7 +33,7 @@ MODELS = ["vgg_tiny", "resnet_tiny"]
 # orders (one device against eight) drift apart to ~1e-4 in 20 steps whatever the layout.
 # ResNet learns at 0.05 already; at 0.2 its steps are large enough that rounding grows
 # to ~1e-3 in 20 steps even between one device and eight-way data parallelism.
-FAST = {"vgg_tiny": {"optim.lr": 0.2, "optim.warmup_steps": 0, "optim.schedule": "constant"},
+FAST = {"vgg_tiny": {"optim.lr": 0.2, "optim.warmup_steps": 0, "optim.schedule": "constant", **ROWS},
         "resnet_tiny": {"optim.lr": 0.05, "optim.warmup_steps": 0, "optim.schedule": "constant"}}
 
 
