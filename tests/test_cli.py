@@ -1,21 +1,18 @@
 """The command line, run as users run it: a short training run, compile-only, bad input."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from meshtrain.train import main as train_main
-from support.processes import metric_rows
+from support.processes import metric_rows, own_devices_env
 
 
 def run_cli(*args, env=None, timeout=600):
-    full_env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "meshtrain.train", *args], capture_output=True,
-                          text=True, env=full_env, timeout=timeout)
+                          text=True, env=own_devices_env(**(env or {})), timeout=timeout)
 
 
 def test_short_run_writes_run_json_and_metrics(tmp_path):

@@ -2,7 +2,6 @@
 column that metrics.RunLog writes (continued across a resume)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from meshtrain import compare
 from meshtrain.runlog import goodput
 from meshtrain.runlog import metrics
 from meshtrain.train import main as train_main
-from support.processes import metric_rows
+from support.processes import metric_rows, own_devices_env
 
 RUN = ["--config.train.steps=12", "--config.train.eval_every=6", "--config.train.log_every=3",
        "--config.train.eval_steps=1", "--config.checkpoint.every=0"]
@@ -35,9 +34,8 @@ def copy(src, dst, keep=lambda row: True, drop_keys=()):
 
 def run_compare(*args):
     """The command as users run it, in its own process."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     return subprocess.run([sys.executable, "-m", "meshtrain.compare", *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=own_devices_env(), timeout=120)
 
 
 @pytest.fixture(scope="module")

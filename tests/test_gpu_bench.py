@@ -3,7 +3,6 @@ path (probe, batch search, timing, MFU, JSON, docs table; the bare-JAX compariso
 CPU with --allow-cpu and a one-layer GPT-2 tiny."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,14 +16,15 @@ import gpu  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_runs  # noqa: E402
 
+from support.processes import own_devices_env
+
 TINY = [("model.dtype", "float32"), ("model.num_layers", "1")]  # the fastest compile on CPU
 
 
 def cpu_env() -> dict:
     """One CPU device, and the suite's XLA flags (tests/conftest.py: its compiles, 2x less
     CPU; the GPU flags gpu.py adds to them touch no CPU compile)."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    return {**env, "JAX_PLATFORMS": "cpu"}
+    return own_devices_env(JAX_PLATFORMS="cpu")
 
 
 def bench(*args):

@@ -86,12 +86,12 @@ def test_accumulation_with_batchnorm_matches_one_device(make_config):
     import jax
     import numpy as np
 
-    from support.training import loss_curve
+    from support.training import ROWS, loss_curve
 
     def losses(cfg, **kw):  # four steps, compiled with the planner's analysis options (3-4x faster)
         exp = Experiment.build(cfg, **kw)
         return loss_curve(exp, 4, exp.compile(analysis=True))
-    over = {"train.grad_accum_steps": 2, "optim.warmup_steps": 0, "train.batch_size": 16}  # a row a replica a microbatch
+    over = {"train.grad_accum_steps": 2, "optim.warmup_steps": 0, **ROWS}  # a row a replica a microbatch
     many = losses(make_config("resnet_tiny_dp8", **over))
     one = losses(make_config("resnet_tiny_dp8", **over), devices=jax.devices()[:1], mesh_shape="data:1")
     np.testing.assert_allclose(many, one, rtol=1e-5)

@@ -17,7 +17,7 @@ import pytest
 
 from support.configs import configured as config
 from support.processes import losses
-from support.training import loss_and_grads
+from support.training import ROWS, loss_and_grads
 from meshtrain import config as config_lib
 from meshtrain.parallel.pipeline import ticks
 from meshtrain.parallel.pipeline.scan import Pipeline
@@ -177,7 +177,7 @@ def test_1f1b_keeps_less_than_gpipe_and_residuals_recompute_nothing():
 
 
 RUN = ["--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=0", "--config.train.batch_size=16"]  # a row a replica a microbatch
+       "--config.checkpoint.every=0", *(f"--config.{k}={v}" for k, v in ROWS.items())]  # a row a replica a microbatch
 
 
 def test_a_checkpoint_saved_under_one_schedule_resumes_under_another(tmp_path):

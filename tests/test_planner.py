@@ -20,7 +20,7 @@ from meshtrain.errors import UserError
 from meshtrain.planner import hlo
 from meshtrain.planner import analytic, hardware, report as report_lib, roofline, split_cost
 from meshtrain.run.experiment import Experiment
-from support.processes import metric_rows
+from support.processes import metric_rows, own_devices_env
 
 CONFIGS = ["gpt2_tiny_dp8", "gpt2_tiny_fsdp8", "gpt2_tiny_dp8_zero1", "gpt2_tiny_dp8_zero2", "gpt2_tiny_dp2_tp4",
            "gpt2_tiny_pp2_dp4", "llama_tiny_dp2_tp4", "llama_tiny_fsdp8"]
@@ -367,10 +367,9 @@ def test_the_winners_command_parses_builds_and_trains(searched, tmp_path):
     exp = Experiment.build(cfg, devices=jax.devices()[:math.prod(shape.values())])
     assert dict(exp.mesh.shape) == dict(searched[0]["ranked"][0]["mesh"])
     assert exp.layout.name == searched[0]["ranked"][0]["layout"]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     run = subprocess.run([sys.executable, "-m", "meshtrain", *argv[1:], "--config.train.steps=2",
                           "--config.train.log_every=1", f"--workdir={tmp_path}"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=own_devices_env(), timeout=600)
     assert run.returncode == 0, run.stderr
     rows = metric_rows(tmp_path)
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]

@@ -5,7 +5,6 @@ converted Hugging Face model samples what transformers' greedy `generate` does."
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from meshtrain.parallel.pipeline.scan import from_stages
 from meshtrain.run.experiment import Experiment
 from meshtrain.sampling import generate as gen
 from support.sampling import N_NEW, greedy_by_recompute, make_prompts, peaky, samples
+from support.processes import own_devices_env
 
 
 @pytest.fixture(scope="module", params=["gpt2_tiny_dp2_tp4", "llama_tiny_dp2_tp4"])
@@ -132,11 +132,8 @@ def run_cli(module, *args, timeout=600):
     """`python -m MODULE ARGS` in a fresh interpreter that simulates its own devices. It
     keeps the suite's other XLA flags (LLVM -O1, conftest.py): its programs compile as
     fast as the suite's and share their persistent cache."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=own_devices_env(), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

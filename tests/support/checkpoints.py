@@ -12,12 +12,13 @@ import numpy as np
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.train import main
 from support.configs import configured
+from support.training import ROWS
 
 
-# 16 rows a step, as the layout comparisons train (support.training.ROWS): the runs' CPU is
-# in proportion to their rows, and what these tests compare is what a checkpoint carries.
+# ROWS rows a step, as the layout comparisons train: the runs' CPU is in proportion to their
+# rows, and what these tests compare is what a checkpoint carries.
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=0", "--config.train.batch_size=16"]
+       "--config.checkpoint.every=0", *(f"--config.{k}={v}" for k, v in ROWS.items())]
 
 
 def train(name, workdir, *extra):
@@ -26,7 +27,7 @@ def train(name, workdir, *extra):
 
 def build(name, **overrides):
     """NAME's config as RUN trains it, with OVERRIDES."""
-    return configured(name, **{"train.steps": 20, "train.batch_size": 16, **overrides})
+    return configured(name, **{"train.steps": 20, **ROWS, **overrides})
 
 
 def copy(src, tmp_path):

@@ -18,6 +18,17 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
 ONE_DEVICE_EACH = "--config.mesh.shape=data:2"
 
 
+def own_devices_env(**extra: str) -> dict:
+    """This process's environment, and EXTRA, for a child that simulates its own CPU devices
+    (no JAX_NUM_CPU_DEVICES, no XLA device-count flag): it keeps the suite's other XLA flags
+    (LLVM -O1, tests/conftest.py) and compilation cache, so its programs compile as fast as
+    the suite's and share their cache entries."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    return {**env, **extra}
+
+
 def free_port() -> int:
     """A free port (for JAX's coordination service, the one port a job opens for itself)."""
     with socket.socket() as s:
