@@ -185,17 +185,19 @@ def _squares(g) -> jax.Array:
 def leaf_squares(grads, stacked: str | None, streamed: bool = False) -> jax.Array:
     """[leaves] float32 sums of squares of `grads` in jax.tree.leaves order. A stacked leaf
     sums its layers' sums, each layer fetched on its own when `streamed` (its gradients may
-    be in host memory), so a run with and without offload adds them in one order."""
+    be in host memory)."""
     out = []
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         if getattr(path[0], "key", None) != stacked:
             out.append(_squares(fetch(g) if streamed else g))
         elif streamed:
             out.append(jnp.sum(jax.lax.map(lambda gi: _squares(fetch(gi)), g)))
-        else:  # the same sums, one layer at a time as the streamed scan takes them: a
-            # vmapped sum over [layers, ...] adds in another order (1 ulp apart in about half
-            # of random draws); XLA still combines the layers' reductions across devices into one
-            out.append(jnp.sum(jnp.stack([_squares(g[i]) for i in range(g.shape[0])])))
+        else:  # the same sums, with one reduction across devices for all layers, not one each.
+            # XLA adds a layer's squares here in another order than the streamed scan does
+            # (1 ulp apart for about half of random gradients); adding them one layer at a time
+            # here too costs 3x the step's compile at 32 layers, so the two agree only where
+            # the values allow (docs/performance.md, "Host offload").
+            out.append(jnp.sum(jax.vmap(_squares)(g)))
     return jnp.stack(out)
 
 
