@@ -24,6 +24,7 @@ from meshtrain.run import experiment
 from meshtrain.run.experiment import Experiment
 from meshtrain.runlog import metrics as metrics_lib
 from support.configs import configured
+from support.training import ROWS
 
 STEPS = 5
 MIB = 2**20
@@ -39,7 +40,7 @@ VARIANTS = {"accum": {"train.grad_accum_steps": "2"}, "lamb": {"optim.name": "la
 
 def build(name, offload="", **overrides):
     name, _, variant = name.partition(":")
-    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload,
+    return Experiment.build(configured(name, **{"train.steps": str(STEPS), "train.offload": offload, **ROWS,
                                                 **VARIANTS.get(variant, {}), **overrides}))
 
 
@@ -115,6 +116,28 @@ def placements(exp, platform: str) -> collections.Counter:
 
 def tensor_type(shape, dtype) -> str:
     return "x".join(map(str, shape)) + "x" + {"float32": "f32"}[str(dtype)]
+
+
+@pytest.mark.parametrize("spec", [(), ("data",), (None, "data"), (None, None, "data")],
+                         ids=["replicated", "layers", "dim1", "dim2"])
+def test_the_gradient_norm_adds_in_one_order_streamed_or_not(spec):
+    """A stacked leaf's sum of squares, streamed one layer at a time (offload) or not, is the
+    same float32 number for any gradients, not only for the ones a run happens to draw,
+    and the unstreamed one stays one reduction across devices (the layers split over
+    devices, as a pipeline's stages: the sum across them)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(0)
+    on_device = {"blocks": {"w": NamedSharding(mesh, P(*spec))}, "wte": NamedSharding(mesh, P())}
+    on_host = {**on_device, "blocks": offload.to_host(on_device["blocks"])}  # as params offload leaves them
+    sums = [jax.jit(lambda g, w=w, s=s: offload.leaf_squares(g, "blocks", w, streamed=s))
+            for w, s in ((on_device, False), (on_host, True))]
+    for _ in range(20):
+        g = {"blocks": {"w": rng.standard_normal((8, 64, 256), np.float32) * 10 ** rng.uniform(-4, 0)},
+             "wte": rng.standard_normal((64, 64), np.float32)}
+        np.testing.assert_array_equal(*(np.asarray(f(jax.device_put(g, w))) for f, w in zip(sums, (on_device, on_host))))
+    hlo = sums[0].lower(jax.device_put(g, on_device)).compile().as_text()
+    assert hlo.count("all-reduce(") == (0 if spec == () else 1)
 
 
 def test_cuda_lowering_moves_each_layers_params_and_each_offloaded_activation_and_the_cpus_moves_none():

@@ -182,23 +182,51 @@ def _squares(g) -> jax.Array:
     return jnp.sum(jnp.square(g.astype(jnp.float32)))
 
 
-def leaf_squares(grads, stacked: str | None, streamed: bool = False) -> jax.Array:
-    """[leaves] float32 sums of squares of `grads` in jax.tree.leaves order. A stacked leaf
-    sums its layers' sums, each layer fetched on its own when `streamed` (its gradients may
-    be in host memory)."""
-    out = []
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if getattr(path[0], "key", None) != stacked:
-            out.append(_squares(fetch(g) if streamed else g))
-        elif streamed:
-            out.append(jnp.sum(jax.lax.map(lambda gi: _squares(fetch(gi)), g)))
-        else:  # the same sums, with one reduction across devices for all layers, not one each.
-            # XLA adds a layer's squares here in another order than the streamed scan does
-            # (1 ulp apart for about half of random gradients); adding them one layer at a time
-            # here too costs 3x the step's compile at 32 layers, so the two agree only where
-            # the values allow (docs/performance.md, "Host offload").
-            out.append(jnp.sum(jax.vmap(_squares)(g)))
-    return jnp.stack(out)
+def leaf_squares(grads, stacked: str | None, shardings, streamed: bool = False) -> jax.Array:
+    """[leaves] float32 sums of squares of `grads` (placed as `shardings` say) in
+    jax.tree.leaves order. The stacked leaves' are added in one order whether or not they are
+    `streamed` (their layers fetched one at a time: their gradients may be in host memory),
+    so a run with offload has the norm of the run without, bit for bit (_stacked_squares)."""
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    where = jax.tree.leaves(shardings)
+    is_stacked = [getattr(path[0], "key", None) == stacked for path, _ in flat]
+    rest = iter([_squares(fetch(g) if streamed else g) for (_, g), s in zip(flat, is_stacked) if not s])
+    layers = iter(_stacked_squares([g for (_, g), s in zip(flat, is_stacked) if s],
+                                   [w for w, s in zip(where, is_stacked) if s], streamed))
+    return jnp.stack([next(layers) if s else next(rest) for s in is_stacked])
+
+
+def _stacked_squares(leaves: list, shardings: list, streamed: bool) -> list:
+    """[] float32 sum of squares of each [layers, ...] leaf, written per device so that XLA
+    cannot add in another order when the layers are streamed than when they are not: each
+    device adds its own slice's squares one layer at a time in one loop for all leaves
+    ([layers, leaves] partial sums), then one all-reduce per distinct split adds the devices'
+    partials. A vmapped reduction over [layers, ...] was 1 ulp off the streamed loop's for
+    about half of random gradients; a loop per layer outside shard_map tripled the compile
+    at 32 layers."""
+    if not leaves:
+        return []
+    mesh = shardings[0].mesh
+    specs = [jax.sharding.PartitionSpec(*s.spec) for s in shardings]
+
+    def split_over(spec, dims) -> tuple[str, ...]:
+        return tuple(a for d in dims for a in ((spec[d],) if isinstance(spec[d], str) else spec[d] or ()))
+
+    layer_axes = {split_over(s, [0]) if len(s) else () for s in specs}
+    if len(layer_axes) > 1:
+        raise ValueError(f"stacked leaves split their layers differently: {sorted(layer_axes)}")
+    (layer_axes,) = layer_axes
+
+    def body(*local):
+        def one_layer(xs):
+            return jnp.stack([_squares(fetch(x) if streamed else x) for x in xs])
+        partial = jax.lax.map(one_layer, local)  # [local layers, leaves]
+        sums = [jax.lax.psum(partial[:, j], axes) if (axes := split_over(s, range(1, len(s)))) else partial[:, j]
+                for j, s in enumerate(specs)]
+        return jnp.stack(sums, axis=1)
+    per_layer = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                              out_specs=jax.sharding.PartitionSpec(layer_axes or None, None))(*leaves)
+    return list(jnp.sum(per_layer, axis=0))
 
 
 def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, *, stacked: str,

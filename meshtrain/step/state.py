@@ -202,13 +202,14 @@ def base_key_data(seed) -> jax.Array:
 
 
 def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState,
-               seed: int) -> TrainState:
-    """Creates the state directly in its shards (no host copy of the full model)."""
+               seed: int, compiler_options: dict | None = None) -> TrainState:
+    """Creates the state directly in its shards (no host copy of the full model), its one
+    program compiled with `compiler_options` (XLA's, as jax.jit takes them)."""
     def init():
         params, stats = model.init_variables(seed)
         return TrainState(step=jnp.zeros((), jnp.int32), rng=base_key_data(seed), params=params,
                           opt_state=tx.init(params), stats=stats)
-    return jax.jit(init, out_shardings=shardings)()
+    return jax.jit(init, out_shardings=shardings, compiler_options=compiler_options)()
 
 
 def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:

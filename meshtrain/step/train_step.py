@@ -284,10 +284,10 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
         grads, loss, task_metrics, stats = grads_and_loss(state.params, state.stats, batch, key)
         # Offloaded params' gradients left for host memory layer by layer: pinned there.
-        grads = jax.lax.with_sharding_constraint(
-            grads, offload_lib.grads_shardings(offload, model, grad_shardings, grad_accum_steps))
+        placed = offload_lib.grads_shardings(offload, model, grad_shardings, grad_accum_steps)
+        grads = jax.lax.with_sharding_constraint(grads, placed)
         grad_norm, count, first = norm_and_nonfinite(offload_lib.leaf_squares(
-            grads, model.stacked, streamed=offload_lib.grads_on_host(offload, model, grad_accum_steps)))
+            grads, model.stacked, placed, streamed=offload_lib.grads_on_host(offload, model, grad_accum_steps)))
         good = jnp.isfinite(loss) & (count == 0) if nonfinite == "skip" else None
         if streams:  # the stacked layers' update one layer at a time, from and to host memory
             params, opt_state = offload_lib.streamed_update(
