@@ -72,7 +72,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # params and a float32 accumulator of full size), "each" gathers them in every
     # microbatch, "auto" picks once when the planner's memory formula says it fits the
     # device (docs/performance.md); a no-op elsewhere. skip_memory_check: start even
-    # when the compiled step's memory does not fit the devices (planner/memory_check.py).
+    # when the compiled step's memory does not fit the devices (run/memory_check.py).
     # trackers: where metric rows go besides the progress lines, a comma list of
     # tensorboard, jsonl, wandb (the `wandb` extra), or none (meshtrain/runlog/trackers.py;
     # docs/architecture.md, "Outputs").

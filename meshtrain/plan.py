@@ -119,10 +119,11 @@ def execute(args) -> int:
         if args.search or args.verify:
             raise UserError("--largest answers for the config's own mesh and layout: give it without --search "
                             "or --verify.")
+        from meshtrain.pictures import text
         from meshtrain.planner import capacity
         fits = capacity.largest(cfg, hw)
         print(json.dumps([dataclasses.asdict(f) for f in fits], indent=2) if args.json
-              else capacity.render(name, cfg, hw, fits))
+              else text.largest(name, cfg, hw, fits))
         return 0
     # Before JAX starts; it sets XLA_FLAGS in this process's environment, which search
     # workers inherit (and so would any other child: a caller in-process, like a test,
@@ -149,7 +150,7 @@ def execute(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        from meshtrain.planner import text
+        from meshtrain.pictures import text
         print(text.render(report))
     return 0
 

@@ -51,7 +51,7 @@ def execute(args, started: dict | None = None) -> int:
     launch, cluster, source = join(args.config, flags, started)
 
     from meshtrain.cluster.preemption import Preemption
-    from meshtrain.planner import memory_check
+    from meshtrain.run import memory_check
 
     preemption = Preemption()  # from here on, SIGTERM and Ctrl-C save at the next step
     try:
@@ -107,7 +107,8 @@ def build(cfg, workdir: str | None, launch, cluster, source: str, xla_line: str)
     import jax
 
     from meshtrain.checkpoints import store as checkpoint_lib
-    from meshtrain.planner import accumulation, memory_check
+    from meshtrain.planner import accumulation
+    from meshtrain.run import memory_check
     from meshtrain.run.experiment import Experiment
     exp = Experiment.build(cfg, choose_gather=accumulation.choose)
     cfg = exp.cfg  # resolved: init.from's model and tokenizer filled in

@@ -1,4 +1,4 @@
-"""The memory check between compiling and allocating (meshtrain/planner/memory_check.py,
+"""The memory check between compiling and allocating (meshtrain/run/memory_check.py,
 its budget meshtrain/run/memory_budget.py).
 
 The command-line tests run gpt2_tiny_dp8 in this process with the host's RAM faked
@@ -17,7 +17,7 @@ import pytest
 
 from meshtrain import train
 from meshtrain.errors import UserError, gib
-from meshtrain.planner import memory_check
+from meshtrain.run import memory_check
 from meshtrain.run import memory_budget
 from meshtrain.run.experiment import Experiment
 from support.processes import ENV, ROOT

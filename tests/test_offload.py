@@ -17,7 +17,9 @@ import pytest
 from meshtrain.checkpoints.store import Checkpointer
 from meshtrain.errors import UserError
 from meshtrain.parallel import offload
-from meshtrain.planner import analytic, capacity, hardware, hlo, host_offload, memory_check
+from meshtrain.pictures import text
+from meshtrain.planner import analytic, capacity, hardware, hlo, host_offload
+from meshtrain.run import memory_check
 from meshtrain.run import memory_budget
 from meshtrain import mesh as mesh_lib
 from meshtrain.run import experiment
@@ -258,5 +260,5 @@ def test_largest_is_the_deepest_model_that_fits_and_offload_makes_it_deeper():
     for f in fits.values():
         assert capacity.evaluate(cfg, hw, f.layers, f.offload)[0]
         assert not capacity.evaluate(cfg, hw, f.layers + 1, f.offload)[0]
-    text = capacity.render("gpt2_tiny_dp8", cfg, hw, list(fits.values()))
-    assert f"train.offload=none              {fits['none'].layers} layers" in text
+    shown = text.largest("gpt2_tiny_dp8", cfg, hw, list(fits.values()))
+    assert f"train.offload=none              {fits['none'].layers} layers" in shown

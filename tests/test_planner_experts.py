@@ -8,7 +8,8 @@ import pytest
 
 from support.configs import configured
 from meshtrain import models
-from meshtrain.planner import analytic, experts, hardware, lint, report as report_lib, search, text
+from meshtrain.pictures import text
+from meshtrain.planner import analytic, experts, hardware, lint, report as report_lib, search
 from meshtrain.run.experiment import Experiment
 
 H100 = hardware.get("h100")

@@ -11,7 +11,8 @@ import pytest
 from meshtrain import config as config_lib
 from meshtrain.parallel.pipeline import ticks as pipeline_ticks
 from meshtrain.parallel.pipeline.scan import Pipeline
-from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report as report_lib, search, text
+from meshtrain.pictures import text
+from meshtrain.planner import analytic, hardware, lint, pipeline_memory, report as report_lib, search
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
 

@@ -1,5 +1,5 @@
 """Whether the disk where checkpoints go can hold what the run keeps: checked at start,
-before compiling, as planner/memory_check.py checks device memory.
+before compiling, as run/memory_check.py checks device memory.
 
     check(directory, exp, cfg.checkpoint, present=2, start=40, end=120, say=print)
 

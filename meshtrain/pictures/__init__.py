@@ -1,4 +1,5 @@
-"""Pictures of layouts for the notebooks (notebooks/layouts.ipynb, notebooks/scaling.ipynb).
+"""Pictures of layouts and the planner's reports: figures for the notebooks
+(notebooks/layouts.ipynb, notebooks/scaling.ipynb) and text for the terminal.
 
   sharding_picture(ax, shape, sharding)   one array's shards as rectangles, labelled with
                                           the devices that hold each block
@@ -8,7 +9,8 @@
   scaling_figure(rows)                    memory and predicted step time against device
                                           count, one line per strategy (scaling_row dicts)
 
-A spatial layout's rows and halos are drawn by pictures/spatial.py.
+A spatial layout's rows and halos are drawn by pictures/spatial.py; the planner's reports
+as text for a terminal (`meshtrain plan`) by pictures/text.py.
 
 matplotlib is imported inside the functions, and no backend is chosen here: a notebook
 gets its inline backend, a script whatever matplotlib picks (Agg without a display).

@@ -8,20 +8,21 @@
   beyond_bounds  the traffic those bounds do not count: known excess, axes with no formula
   pipeline_memory  a pipelined step's activations per schedule (gpipe, circular, 1f1b, interleaved)
   hlo, hlo_flops   a compiled program's collectives, loops counted; its matmul and conv FLOPs
-  report, text   compile one config's train step and set it beside the formulas; that for a terminal
+  report   compile one config's train step and set it beside the formulas
   roofline, work   the predicted step time; the work beside its matmuls (attention, memory-bound bytes)
   search, compile_pool, ranking   enumerate layouts, predict by formula, compile the few that can win
                  (in worker processes, cached on disk), rank them and name the winner's command
   lint, findings, lint_sharding, lint_experts   the layout linter: its findings, sharding and MoE checks
-  memory_check  whether a compiled step fits the devices it will run on, and the cheapest fix
   accumulation  train.accum_gather="auto": gather fsdp params once per step, or per microbatch
   host_offload, capacity   train.offload's device and host shares and host-link time; the
                  largest model that fits, with and without offload (--largest)
 
 Beside it: --verify (a layout trained against one device) is meshtrain/run/verify.py, the
-memory budget the check reads meshtrain/run/memory_budget.py, the notebooks' pictures
-meshtrain/pictures/, the generators of docs/planner.md's tables tools/docs_tables.py (not
-shipped), and the sequence-parallel HLO reader tests/support/sequence_parallel.py.
+check at a run's start that its step fits (and the cheapest fix the formulas find)
+meshtrain/run/memory_check.py with its budget meshtrain/run/memory_budget.py, the reports
+drawn (the notebooks' pictures, the terminal's text) meshtrain/pictures/, the generators
+of docs/planner.md's tables tools/docs_tables.py (not shipped), and the sequence-parallel
+HLO reader tests/support/sequence_parallel.py.
 """
 
 

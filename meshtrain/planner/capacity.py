@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 from meshtrain import config as config_lib, mesh as mesh_lib
-from meshtrain.errors import UserError, gib
+from meshtrain.errors import UserError
 from meshtrain.planner import analytic, host_offload
 
 SETTINGS = ("none", "opt_state", "opt_state,params")
@@ -71,17 +70,3 @@ def largest(cfg, hw, settings=SETTINGS) -> list[Fit]:
                  else f"the search's {MAX_LAYERS} layers")
         out.append(dataclasses.replace(fit, limit=limit))
     return out
-
-
-def render(name: str, cfg, hw, fits: list[Fit]) -> str:
-    devices = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
-    lines = [f"largest {cfg.model.name} at this width on {devices} x {hw.name} ({hw.hbm_bytes / 1e9:,.0f} GB "
-             f"each, {hw.host_memory_bytes / 1e12:,.1f} TB of host RAM a node), by the formulas ({name}: "
-             f"layout {cfg.layout if ':' not in cfg.layout else 'of its own'}, mesh {cfg.mesh.shape}, "
-             f"batch {cfg.train.batch_size}, remat {cfg.model.remat}):"]
-    for f in fits:
-        what = (f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {gib(f.device_bytes)} per device"
-                + (f", {gib(f.host_bytes)} in host memory, {f.link_s:,.1f} s a step on the host link"
-                   if f.host_bytes else "") + f"; one more layer exceeds {f.limit}") if f.layers else "not one layer fits"
-        lines.append(f"  train.offload={f.offload:17} {what}")
-    return "\n".join(lines)

@@ -16,7 +16,7 @@ import shlex
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import GiB, MiB, UserError
-from meshtrain.planner import text
+from meshtrain.pictures import text
 
 
 def merge(feasible: list[dict], compiled: dict) -> list[dict]:

@@ -1,5 +1,5 @@
 """What memory each device of this process has for a run, read when the run starts: the
-budget the compiled step's peak is checked against (planner/memory_check.py) and that
+budget the compiled step's peak is checked against (run/memory_check.py) and that
 train.accum_gather="auto" chooses by (planner/accumulation.py).
 
   accelerator  its own memory: memory_stats()["bytes_limit"] (what XLA's allocator may

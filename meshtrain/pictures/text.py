@@ -1,7 +1,12 @@
-"""The planner's report as text for a terminal (`python -m meshtrain.plan` without --json)."""
+"""The planner's reports as text for a terminal (`python -m meshtrain.plan` without --json):
+`render` one config's plan (planner/report.py), `largest` the deepest model that fits
+(planner/capacity.py), `table` columns aligned (the search's ranking too)."""
 
 from __future__ import annotations
 
+import math
+
+from meshtrain import mesh as mesh_lib
 from meshtrain.errors import GiB, MiB, gib, mib
 from meshtrain.planner.report import MEMORY_KEYS
 
@@ -176,4 +181,20 @@ def render(r: dict) -> str:
     if r.get("lint"):
         lines += ["", "lint:"] + [f"  [{f['severity']}] {f['what']} Cost: {f['cost']} Fix: {f['fix']}"
                                   for f in r["lint"]]
+    return "\n".join(lines)
+
+
+def largest(name: str, cfg, hw, fits: list) -> str:
+    """`meshtrain plan --largest`: the deepest model that fits, per offload setting
+    (`fits`: planner/capacity.py's Fit, one a setting)."""
+    devices = math.prod(mesh_lib.parse_shape(cfg.mesh.shape).values())
+    lines = [f"largest {cfg.model.name} at this width on {devices} x {hw.name} ({hw.hbm_bytes / 1e9:,.0f} GB "
+             f"each, {hw.host_memory_bytes / 1e12:,.1f} TB of host RAM a node), by the formulas ({name}: "
+             f"layout {cfg.layout if ':' not in cfg.layout else 'of its own'}, mesh {cfg.mesh.shape}, "
+             f"batch {cfg.train.batch_size}, remat {cfg.model.remat}):"]
+    for f in fits:
+        what = (f"{f.layers} layers, {f.params / 1e9:,.2f} B params: {gib(f.device_bytes)} per device"
+                + (f", {gib(f.host_bytes)} in host memory, {f.link_s:,.1f} s a step on the host link"
+                   if f.host_bytes else "") + f"; one more layer exceeds {f.limit}") if f.layers else "not one layer fits"
+        lines.append(f"  train.offload={f.offload:17} {what}")
     return "\n".join(lines)
