@@ -78,6 +78,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # docs/architecture.md, "Outputs").
     # offload: what lives in host memory between steps, a comma list of opt_state, params
     # (or "" / none; meshtrain/parallel/offload.py, docs/performance.md).
+    # grad_compression: the data replicas' gradients reduced over slow links as int8 (a byte
+    # a value) or onebit (a sign a value), or none; compress_axes: over which replica axes
+    # ("": those mesh.dcn splits, else data); error_feedback: what compression loses is
+    # added back the next step (meshtrain/parallel/compression.py, docs/performance.md).
     # hang_timeout: seconds without a finished step before every process reports where it
     # is and exits 3 (None: max(300, 20 x the median step); 0: off); hang_timeout_busy bounds
     # the first step, a checkpoint save or an eval (0: none). straggler_every: steps per
@@ -87,7 +91,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    log_every=10, eval_every=100, eval_steps=4,
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
                    loss_chunk=256, grad_dtype="", accum_gather="auto", skip_memory_check=False,
-                   trackers="tensorboard,jsonl", offload="", hang_timeout=None, hang_timeout_busy=1800.0,
+                   trackers="tensorboard,jsonl", offload="", grad_compression="none", compress_axes="",
+                   error_feedback=True, hang_timeout=None, hang_timeout_busy=1800.0,
                    straggler_every=100, straggler_fraction=0.1)
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;

@@ -168,12 +168,12 @@ def load_stats(src: InitSource, model, stats_shardings) -> dict:
 
 def init_state(src: InitSource, exp):
     """TrainState at step 0: `src`'s params (load_params) and statistics (load_stats), a
-    fresh optimizer state, the run's seed; in exp.shardings."""
+    fresh optimizer state and reduction state, the run's seed; in exp.shardings."""
     from meshtrain.step import state as state_lib
     params = load_params(src, exp.model, exp.shardings.params)
     stats = load_stats(src, exp.model, exp.shardings.stats)
 
     def init(p, s):
         return state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=state_lib.base_key_data(exp.cfg.train.seed),
-                                    params=p, opt_state=exp.tx.init(p), stats=s)
+                                    params=p, opt_state=exp.tx.init(p), stats=s, comm=state_lib.zeros(exp.comm))
     return jax.jit(init, out_shardings=exp.shardings, donate_argnums=(0, 1))(params, stats)

@@ -1,6 +1,9 @@
 """Checkpoints: Orbax saves (async by default), atomic commit, restore into the current layout.
 
-    DIR/step_N/state   the TrainState (step, rng, params, opt_state): OCDBT arrays
+    DIR/step_N/state   the TrainState (step, rng, params, opt_state, stats): OCDBT arrays
+    DIR/step_N/comm    TrainState.comm where it holds arrays (train.grad_compression's
+                       error feedback: one row a device); a run whose buffers differ in
+                       shape (another device count) or that saved none starts them at zero
     DIR/step_N/meta    JSON: the data iterator state, the skipped-step count, and what
                        the run was (layout, mesh, pipeline, model dims), for messages
 
@@ -25,6 +28,7 @@ the leaf and both shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -38,6 +42,7 @@ from meshtrain import models, tree_paths
 from meshtrain.checkpoints import integrity, orbax_log, restage, save_failure
 from meshtrain.checkpoints.lock import LOCK_NAME
 from meshtrain.errors import RunFailed, UserError, warn
+from meshtrain.step.state import TrainState
 
 STEP_PREFIX = "step"
 STEP_NAME = re.compile(rf"{STEP_PREFIX}_(\d+)")
@@ -125,6 +130,18 @@ def describe(leaf) -> str:
     return f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
 
 
+def saved_fields(state) -> dict:
+    """A TrainState (or its ShapeDtypeStructs) as its "state" item holds it: every field
+    but comm, which has an item of its own (the same layout as before comm existed)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "comm"}
+
+
+def _zeros(shapes):
+    """Zeros in the shardings of a pytree of ShapeDtypeStructs."""
+    return jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
+                   out_shardings=jax.tree.map(lambda s: s.sharding, shapes))()
+
+
 def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
     """Raises a UserError naming the first leaf whose saved shape or dtype differs from `target`."""
     saved, wanted = tree_paths.flat(saved_tree), tree_paths.flat(target)
@@ -191,7 +208,8 @@ class Checkpointer:
             enable_async_checkpointing=use_async, create=True)
         _register_array_handler()
         # Handlers named up front, so a fresh process can read a checkpoint's metadata.
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        handlers = {"state": ocp.StandardCheckpointHandler(), "comm": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers=handlers)
         self.log = orbax_log.OrbaxLog(self.dir)  # Orbax's errors and tracebacks, off the console
         self.pending = self.failure = False  # a save not yet waited for; a failure reported
@@ -234,7 +252,7 @@ class Checkpointer:
         meta = self.read_meta(step)
         saved = restage.arrangement((meta.get("run") or {}).get("pipeline"))
         current = restage.arrangement(exp.model.pipeline)
-        target = exp.abstract_state()
+        target = saved_fields(exp.abstract_state())
         if saved != current:
             target = restage.saved_target(target, current, saved, exp.model.stacked)
         return target, saved, current, meta
@@ -246,18 +264,34 @@ class Checkpointer:
         check_fits(getattr(saved, "tree", saved), target, self.where(step), meta.get("run"))
         return meta
 
+    def _comm_fits(self, step: int, comm) -> bool:
+        """Whether step's comm item holds arrays of `comm`'s shapes and dtypes."""
+        if not comm or not (pathlib.Path(self.where(step)) / "comm").exists():
+            return False
+        saved = self.manager.item_metadata(step)["comm"]
+        saved = tree_paths.flat(getattr(saved, "tree", saved))
+        wanted = tree_paths.flat(comm)
+        return saved.keys() == wanted.keys() and all(describe(saved[k]) == describe(wanted[k]) for k in wanted)
+
     def restore(self, step: int, exp):
         """(TrainState in exp's shardings, meta), from any layout, mesh or pipeline arrangement.
         A read that fails is a UserError naming the step and, where it can, the file; the
         step is then moved to DIR/ignored/ if an older one is left to resume from."""
         with integrity.reading(pathlib.Path(self.where(step)), lambda: self._unreadable(step)):
             target, saved, current, _ = self.target(step, exp)
+            comm = exp.abstract_state().comm
+            fits = self._comm_fits(step, comm)
+            items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        state = restored.state
+                **items, **({"comm": ocp.args.StandardRestore(comm)} if fits else {})))
+        state = TrainState(**restored.state)
         if saved != current:
-            state = restage.restack(state, current, saved, exp.shardings, exp.model.stacked)
-        return state, restored.meta
+            state = restage.restack(state, current, saved, exp.shardings.replace(comm={}), exp.model.stacked)
+        if comm and not fits:
+            warn(f"train.grad_compression's error feedback starts from zero at step {step}: the checkpoint "
+                 f"holds no buffers of this run's shapes (saved without error feedback, or on another "
+                 f"number of devices).")
+        return state.replace(comm=restored.comm if fits else _zeros(comm)), restored.meta
 
     def _unreadable(self, step: int) -> str:
         """What to do about step `step`, which failed to read: moved aside when an older
@@ -305,8 +339,9 @@ class Checkpointer:
         # of that save be reported under its own step.
         self.wait(step)
         try:
+            comm = {"comm": ocp.args.StandardSave(state.comm)} if jax.tree.leaves(state.comm) else {}
             started = self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+                state=ocp.args.StandardSave(saved_fields(state)), meta=ocp.args.JsonSave(meta), **comm))
         except Exception as e:  # noqa: BLE001 - any failure to write is the same story
             raise self.failed(step, e) from e
         if not started:

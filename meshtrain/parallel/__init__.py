@@ -10,6 +10,8 @@ docs/pipeline.md, docs/performance.md).
   experts             expert parallelism's dispatch: all-to-all to the experts' devices (shard_map)
   grad_reduce         the data-parallel replicas' gradient reduction (dtype, accumulation,
                       ZeRO-2's reduce-scatter in the backward)
+  compression         that reduction over slow links in fewer bytes: int8 or one bit a value,
+                      two phases (all-to-all, all-gather), error feedback (shard_map)
   offload             host offload: optimizer state and parameters kept in host memory
                       between steps, each layer's parameters fetched in the layer scan
   pipeline/           pipeline stages inside the one step: GPipe and circular as a scan over

@@ -58,6 +58,7 @@ from meshtrain.errors import UserError
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
+from meshtrain.parallel import compression
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
@@ -73,16 +74,45 @@ class Reduction:
 
     dtype: str = ""       # train.grad_dtype: "" reduces in the dtype the backward makes
     gather: str = "each"  # train.accum_gather, "auto" decided before the step is built: once | each
+    # train.grad_compression over its axes (compression.resolve, once the replica axes are known)
+    compression: compression.Compression | None = None
 
     @classmethod
-    def of(cls, train, gather: str) -> "Reduction":
-        return cls(dtype=train.grad_dtype, gather=gather)
+    def of(cls, train, gather: str, comp: compression.Compression | None = None) -> "Reduction":
+        return cls(dtype=train.grad_dtype, gather=gather, compression=comp)
 
     def by_hand(self, microbatches: int, has_stats: bool) -> bool:
         """Whether the step reduces over the replica axes itself (`per_replica`, `reduce`):
-        for a dtype of its own, or once per step after accumulating microbatches (a model
-        with BatchStat state leaves every microbatch's reduction to XLA)."""
-        return bool(self.dtype) or (microbatches > 1 and not has_stats)
+        for a dtype or a compression of its own, or once per step after accumulating
+        microbatches (a model with BatchStat state leaves every microbatch's reduction to XLA)."""
+        return bool(self.dtype) or self.compression is not None or (microbatches > 1 and not has_stats)
+
+    def axes(self, layout: Layout, mesh: Mesh, param_shardings, microbatches: int,
+             has_stats: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(gathered, replicas): the axes train.accum_gather=once gathers the params over
+        (gathered_axes) and the replica axes the step reduces over by hand (() when XLA does)."""
+        by_hand = self.by_hand(microbatches, has_stats)
+        return (gathered_axes(layout, mesh, param_shardings, microbatches, self.gather),
+                replicas_by_hand(layout, mesh, param_shardings, microbatches, self.gather) if by_hand else ())
+
+
+def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] | None, param_shapes,
+           param_shardings) -> tuple[Reduction, dict]:
+    """(the run's Reduction, TrainState.comm's ShapeDtypeStructs): train.grad_dtype, the
+    gather mode (`gather`: "auto" decided) and train.grad_compression over its axes, which
+    follow the replica axes of the reduction by hand (compression.resolve)."""
+    if train.grad_compression == "none":
+        return Reduction.of(train, gather), {}
+    replicas = replicas_by_hand(layout, mesh, param_shardings, train.grad_accum_steps, gather)
+    comp = compression.resolve(train, replicas, dcn, dict(mesh.shape))
+    return (Reduction.of(train, gather, comp),
+            compression.state_shapes(comp, param_shapes, param_shardings, mesh, replicas))
+
+
+def replicas_by_hand(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, gather: str) -> tuple[str, ...]:
+    """The replica axes a reduction by hand sums over (those train.accum_gather=once
+    gathers the params over included)."""
+    return replica_axes(layout, mesh, param_shardings, gathered_axes(layout, mesh, param_shardings, microbatches, gather))
 
 
 def check(train) -> None:
@@ -99,6 +129,12 @@ def check(train) -> None:
 def check_stats(train, has_stats: bool, family: str) -> None:
     """train.grad_dtype reduces per-replica gradients, whose forward passes would see only
     their replica's rows: BatchNorm's statistics would then differ from one device's."""
+    if train.grad_compression != "none" and has_stats:
+        raise UserError(
+            f"train.grad_compression={train.grad_compression} with model.name={family!r}, whose BatchNorm "
+            f"statistics are synchronised over the whole batch: the compressed reduction runs each data "
+            f"replica's forward pass on its own rows, so the statistics would depend on the layout. Set "
+            f"train.grad_compression=none, or model.batch_norm=false.")
     grad_dtype = train.grad_dtype
     if grad_dtype and has_stats:
         raise UserError(
@@ -229,6 +265,12 @@ def sequential_runner(pins, constrain: Constrain, *, scan: bool) -> Callable:
 def check_layout(train, layout: Layout) -> None:
     """train.grad_dtype needs whole per-replica gradients to reduce by hand; a layout that
     splits gradients inside the backward pass (ZeRO-2) has none."""
+    if train.grad_compression != "none" and layout.splits_grads:
+        raise UserError(
+            f"train.grad_compression={train.grad_compression} with layout {layout.name!r}: this layout "
+            f"reduce-scatters each layer's gradient inside the backward pass (ZeRO-2's grads table), so no "
+            f"device holds a replica's whole gradient to compress. Use zero1 (the optimizer state split, "
+            f"the gradient reduced once per step, compressed) or dp.")
     grad_dtype = train.grad_dtype
     if grad_dtype and layout.splits_grads:
         raise UserError(

@@ -12,7 +12,9 @@ Memory per device (bytes), for fp32 master weights:
                optimizer's sharding when train.grad_accum_steps > 1; with
                train.accum_gather=once (`gathered`) the accumulator has the gathered
                params' sharding (fsdp struck), and the gathered params themselves (matrices
-               in the compute dtype) count here too: both live through the microbatch loop
+               in the compute dtype) count here too: both live through the microbatch loop;
+               with train.grad_compression's error feedback, its buffers: (1 + 1/c) x the
+               local gradient's values x 4 bytes (parallel/compression.py)
   activations  layers on the device x the family's per-layer bytes (Korthikanti et al.
                2022, at the remat policy) for the tokens one microbatch puts on a device
                (the residual stream's share divided by tensor under sequence parallelism;
@@ -94,6 +96,7 @@ def state_bytes(exp) -> dict[str, float]:
     params, opt = sum(p_el), sum(o_el)
     split = sum(_elements(exp, state_lib.param_shardings(m, exp.layout, exp.mesh, "grads")))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
+    grads += sum(s.shape[1] * 4 for s in jax.tree.leaves(exp.comm))  # compression's feedback: a row a device
     once = gathered(exp)
     if once:  # accumulator and gathered params at the params' sharding without `once`
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
@@ -122,8 +125,11 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
         model, layout, params, opt = plan.model, plan.layout, plan.params, plan.opt_state
     else:
         params, opt = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
+    reduction, comm = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
+                                         mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params)
     return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
-                                 shardings=types.SimpleNamespace(params=params), grad_shardings=opt)
+                                 shardings=types.SimpleNamespace(params=params), grad_shardings=opt,
+                                 reduction=reduction, comm=comm)
 
 
 def gathered(exp) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.parallel import grad_reduce
+from meshtrain.parallel import compression, grad_reduce
 from meshtrain.planner import context, experts, halo
 from meshtrain.planner.analytic import embed_dim, gathered, has_stream, loss_chunks, spec_axes
 from meshtrain.planner.split_cost import SplitCost, Term, Traffic, group_size, local_batch, split_over
@@ -139,6 +139,7 @@ def _gradients(exp, add) -> None:
     once = gathered(exp)
     replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params, once)
     zero2 = exp.layout.splits_grads
+    comp, bucket = exp.reduction.compression, 0.0
     for leaf in leaves(exp):
         local = leaf.local
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
@@ -148,6 +149,13 @@ def _gradients(exp, add) -> None:
             g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/parallel/grad_reduce.py)
         zero = [a for a in reduce_axes if a in leaf.opt]
         plain = [a for a in reduce_axes if a not in leaf.opt]
+        if comp and reduce_axes and set(reduce_axes) <= set(replicas):
+            bucket += reduced  # one compressed bucket for every leaf (compression.wire, below)
+            plain, zero = [], []
+            if any(a in leaf.opt for a in reduce_axes):  # ZeRO-1: the update is split, its result gathered
+                n = group_size(shape, [a for a in reduce_axes if a in leaf.opt])
+                add("all-gather", [a for a in reduce_axes if a in leaf.opt], 0, (n - 1) / n * local * pbytes,
+                    "ZeRO-1 updated-param all-gather")
         # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.
         if plain:
             n = group_size(shape, plain)
@@ -187,6 +195,8 @@ def _gradients(exp, add) -> None:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
+    for kind, axes, nbytes, what in (compression.wire(comp, bucket, shape, replicas) if comp and bucket else []):
+        add(kind, list(axes), 0, nbytes, what)
 
 
 def _stream(exp) -> tuple[dict, float] | None:

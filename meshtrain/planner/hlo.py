@@ -329,22 +329,25 @@ def collectives_by_axes(compiled_or_text, mesh, node_of=None) -> dict[tuple[str,
 
 
 def collective_table(compiled_or_text, mesh, node_of=None) -> list[dict]:
-    """Collectives per step by (kind, mesh axes spanned): [{kind, mesh_axes, count, bytes,
-    result_bytes, nodes}], `bytes` being the ring-algorithm bytes each device sends per
-    step (see `wire` above) and `result_bytes` the ops' result sizes, both summed over
-    executions (loop trip counts included); `nodes`: the most nodes one group touches."""
+    """Collectives per step by (kind, mesh axes spanned, whether a group crosses nodes):
+    [{kind, mesh_axes, count, bytes, result_bytes, nodes}], `bytes` being the ring-algorithm
+    bytes each device sends per step (see `wire` above) and `result_bytes` the ops' result
+    sizes, both summed over executions (loop trip counts included); `nodes`: the most
+    nodes one group touches (a row's ops all stay in a node, or all cross: an axis whose
+    groups are cut in a node's and across nodes, as a hierarchical reduction does, gives
+    two rows)."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     spans = _spans(mesh, node_of)
-    rows: dict[tuple[str, tuple[str, ...]], dict] = {}
+    rows: dict[tuple[str, tuple[str, ...], bool], dict] = {}
     for kind, times, nbytes, groups, wire in _sent(text, mesh.devices.size):
         axes, most = spans(groups)
-        row = rows.setdefault((kind, axes), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
-                                             "result_bytes": 0, "nodes": 1})
+        row = rows.setdefault((kind, axes, most > 1), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
+                                                       "result_bytes": 0, "nodes": 1})
         row["count"] += times
         row["bytes"] += times * wire
         row["result_bytes"] += times * nbytes
         row["nodes"] = max(row["nodes"], most)
-    return sorted(rows.values(), key=lambda r: (r["mesh_axes"], KINDS.index(r["kind"])))
+    return sorted(rows.values(), key=lambda r: (r["mesh_axes"], KINDS.index(r["kind"]), r["nodes"]))
 
 
 def with_compiled(f: dict, rows: list[dict], kinds) -> dict:

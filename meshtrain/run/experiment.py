@@ -30,7 +30,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.parallel import layouts
 from meshtrain.parallel import sequence
-from meshtrain.parallel import grad_reduce, offload as offload_lib
+from meshtrain.parallel import compression as grad_compression, grad_reduce, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
@@ -129,6 +129,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     loop.check_config(cfg.train)
     tasks.kind(fam.task).check_config(cfg.train, dims)
     grad_reduce.check(cfg.train)
+    grad_compression.check(cfg.train)
     grad_reduce.check_layout(cfg.train, layout)
     offload_lib.check_config(cfg.train)
     offload_lib.check_model(offload_lib.Offload.of(cfg.train), fam.name, fam.stacked, cfg.train.accum_gather,
@@ -240,6 +241,8 @@ class Experiment:
     accum_gather: str = "each"
     accum_why: str = ""
     offload: offload_lib.Offload = offload_lib.Offload()  # what train.offload keeps in host memory
+    reduction: grad_reduce.Reduction = grad_reduce.Reduction()  # how the replicas' gradients are reduced
+    comm: Any = dataclasses.field(default_factory=dict)  # TrainState.comm's ShapeDtypeStructs
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -272,22 +275,24 @@ class Experiment:
         tx = optim.make(cfg.optim, schedule, model.axes)
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
-        shardings = offload.state_shardings(
-            state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats))
         task = tasks.for_family(model.task, source.info, cfg.data)
         batch_sharding = step_lib.batch_sharding(layout, mesh, task.batch_fields(model.cfg, 1))
         accum, why = (choose_gather(cfg, mesh, plan) if choose_gather is not None else
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
         if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
+        reduction, comm = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params)
+        shardings = offload.state_shardings(
+            state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
         train_step = step_lib.make_train_step(
             model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
-            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=grad_reduce.Reduction.of(t, accum),
+            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=reduction,
             task=task, batch_shardings=batch_sharding, offload=offload, grad_clip=cfg.optim.grad_clip)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction,
+                   comm)
 
     @property
     def batch_fields(self):
@@ -309,7 +314,7 @@ class Experiment:
         if self.init is not None:
             return reading.init_state(self.init, self)
         return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed,
-                                    analysis_options() if self._quick_init() else None)
+                                    analysis_options() if self._quick_init() else None, self.comm)
 
     def _quick_init(self) -> bool:
         """Whether the init compiles with the analysis options: on CPU, for a model of at
@@ -322,7 +327,7 @@ class Experiment:
         return self.mesh.devices.flat[0].platform == "cpu"
 
     def abstract_state(self) -> state_lib.TrainState:
-        return state_lib.abstract_state(self.model, self.tx, self.shardings)
+        return state_lib.abstract_state(self.model, self.tx, self.shardings, self.comm)
 
     def compile(self, analysis: bool = False):
         """AOT-compiles the train step from shapes alone (nothing allocated). `analysis`:

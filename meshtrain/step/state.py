@@ -42,6 +42,9 @@ class TrainState:
     # The model's non-trainable state (nnx.BatchStat: BatchNorm's running statistics), a
     # nested dict of arrays that the training forward pass updates; {} for most models.
     stats: Any = flax.struct.field(default_factory=dict)
+    # What the gradients' reduction carries from step to step: train.grad_compression's
+    # error feedback buffers (parallel/compression.py); {} for most runs.
+    comm: Any = flax.struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,17 +186,19 @@ def check_activations(model: ModelDef, micro_batch: int, layout: Layout, mesh: M
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, params, moments,
-                    mesh: Mesh, stats=None) -> TrainState:
+                    mesh: Mesh, stats=None, comm=None) -> TrainState:
     """TrainState of NamedShardings from params-shaped shardings of the params and of the
-    optimizer moments (`param_shardings` under the params and opt_state rules), and the
-    stats' (`stats_shardings`; default: none, for a model without)."""
+    optimizer moments (`param_shardings` under the params and opt_state rules), the
+    stats' (`stats_shardings`; default: none, for a model without) and the reduction's
+    state's (`comm`: ShapeDtypeStructs, compression.state_shapes; default: none)."""
     abstract_opt = jax.eval_shape(tx.init, model.shapes)
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(
         tx, lambda _, s: s, abstract_opt, moments,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(step=replicated, rng=replicated, params=params, opt_state=opt,
-                      stats={} if stats is None else stats)
+                      stats={} if stats is None else stats,
+                      comm={} if comm is None else jax.tree.map(lambda s: s.sharding, comm))
 
 
 def base_key_data(seed) -> jax.Array:
@@ -202,20 +207,27 @@ def base_key_data(seed) -> jax.Array:
 
 
 def init_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState,
-               seed: int, compiler_options: dict | None = None) -> TrainState:
+               seed: int, compiler_options: dict | None = None, comm=None) -> TrainState:
     """Creates the state directly in its shards (no host copy of the full model), its one
-    program compiled with `compiler_options` (XLA's, as jax.jit takes them)."""
+    program compiled with `compiler_options` (XLA's, as jax.jit takes them); `comm`: the
+    reduction state's ShapeDtypeStructs (zeros to start)."""
     def init():
         params, stats = model.init_variables(seed)
         return TrainState(step=jnp.zeros((), jnp.int32), rng=base_key_data(seed), params=params,
-                          opt_state=tx.init(params), stats=stats)
+                          opt_state=tx.init(params), stats=stats, comm=zeros(comm))
     return jax.jit(init, out_shardings=shardings, compiler_options=compiler_options)()
 
 
-def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+def zeros(shapes) -> Any:
+    """Zeros shaped like a pytree of ShapeDtypeStructs (None: {})."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes or {})
+
+
+def abstract_state(model: ModelDef, tx: optax.GradientTransformation, shardings: TrainState,
+                   comm=None) -> TrainState:
     """ShapeDtypeStructs with shardings, for compiling without allocating."""
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), rng=jax.eval_shape(base_key_data, 0),
                         params=model.shapes, opt_state=jax.eval_shape(tx.init, model.shapes),
-                        stats=model.stats_shapes)
+                        stats=model.stats_shapes, comm=comm or {})
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
 from meshtrain.models.stack import is_matrix
-from meshtrain.parallel import grad_reduce, offload as offload_lib
+from meshtrain.parallel import compression, grad_reduce, offload as offload_lib
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
@@ -181,15 +181,14 @@ def gradient_names(model: ModelDef) -> list[str]:
 def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
                task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int,
                reduction: grad_reduce.Reduction, offload: offload_lib.Offload) -> Callable:
-    """grads_and_loss(params, stats, batch, key) -> (grads, loss, metrics, stats): the
-    objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
-    replicas' reduction done by hand where `replica_axes` says so, else left to XLA. Sums
+    """grads_and_loss(params, stats, comm, batch, key) -> (grads, loss, metrics, stats, comm):
+    the objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
+    replicas' reduction done by hand where `replica_axes` says so (compressed with `comm`'s
+    feedback buffers under train.grad_compression), else left to XLA. Sums
     are kept in float32 (gathered matrices' gradients arrive in the compute dtype); under
     a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole."""
     k = grad_accum_steps
-    by_hand = reduction.by_hand(k, bool(model.stats_shapes))
-    gathered = grad_reduce.gathered_axes(layout, mesh, shardings.params, k, reduction.gather)
-    replicas = grad_reduce.replica_axes(layout, mesh, shardings.params, gathered) if by_hand else ()
+    gathered, replicas = reduction.axes(layout, mesh, shardings.params, k, bool(model.stats_shapes))
     # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads); per replica
     # (loss [n], grads [n, ...]), reduced below, when there are replica axes.
     objective = make_objective(model, layout.without(*replicas) if replicas else layout, mesh, task, loss_chunk,
@@ -228,16 +227,20 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
         mean = jax.tree.map(lambda g, s: (g / k).astype(jnp.float32 if replicas else s.dtype), grads, grad_shapes)
         return mean, loss / k, jax.tree.map(lambda m: m / k, metrics), stats
 
-    def grads_and_loss(params, stats, batch, key):
+    def grads_and_loss(params, stats, comm, batch, key):
         if k == 1:
             (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
         else:
             grads, loss, metrics, stats = accumulate(params, stats, batch, key)
         if not replicas:
-            return grads, loss, metrics, stats
+            return grads, loss, metrics, stats, comm
         # per-replica losses and metrics [n]; no stats (a model with them has no replica axes)
-        grads = grad_reduce.reduce(grads, reduction.dtype or produced_dtypes(model), params)
-        return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats
+        if reduction.compression is not None:
+            grads, comm = compression.reduce(grads, params, reduction.compression, mesh, replicas,
+                                             compression.inner_specs(shardings.params, replicas), comm)
+        else:
+            grads = grad_reduce.reduce(grads, reduction.dtype or produced_dtypes(model), params)
+        return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats, comm
     return grads_and_loss
 
 
@@ -282,7 +285,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
-        grads, loss, task_metrics, stats = grads_and_loss(state.params, state.stats, batch, key)
+        grads, loss, task_metrics, stats, comm = grads_and_loss(state.params, state.stats, state.comm, batch, key)
         # Offloaded params' gradients left for host memory layer by layer: pinned there.
         placed = offload_lib.grads_shardings(offload, model, grad_shardings, grad_accum_steps)
         grads = jax.lax.with_sharding_constraint(grads, placed)
@@ -305,7 +308,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
         return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
-                          stats=stats), metrics
+                          stats=stats, comm=comm), metrics
 
     return jax.jit(train_step, in_shardings=(shardings, batches),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))

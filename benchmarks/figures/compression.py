@@ -1,0 +1,70 @@
+"""Reproduces docs/performance.md, "Gradients over slow links": convergence of each
+train.grad_compression setting against the float32 reduction.
+
+python benchmarks/figures/compression.py --text=FILE [--config gpt2_tiny_dp8] [--steps 300]
+                                         [--workdir runs/compression] [--out FIGURE]
+
+Trains the config with mesh.dcn=data:2 (two simulated nodes) once per setting: the
+reduction XLA writes (float32 here), int8, onebit with error feedback and onebit without,
+same seed and data (data.kind=text on FILE: any text corpus; the docs' figure used the
+fortune files of Debian's `fortunes` and `fortunes-min` packages, 2.5 MB of English, the
+ascii-art files left out), evaluating 12 times on the held-out tail. Prints each run's
+final train and eval loss against the float32 run's, and draws the curves with
+`meshtrain compare` (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+SETTINGS = {  # label -> overrides
+    "float32": {},
+    "int8": {"train.grad_compression": "int8"},
+    "onebit": {"train.grad_compression": "onebit"},
+    "onebit-no-feedback": {"train.grad_compression": "onebit", "train.error_feedback": "false"},
+}
+
+
+def last(path: pathlib.Path, key: str) -> float:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r[key] for r in rows if key in r][-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--text", required=True, help="a text corpus (data.kind=text)")
+    p.add_argument("--config", default="gpt2_tiny_dp8")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--workdir", default="runs/compression")
+    p.add_argument("--out", default="", help="the curves' figure (meshtrain compare --out)")
+    p.add_argument("--only", default="", help="a comma list of SETTINGS' labels (default: all)")
+    args = p.parse_args()
+    labels = [s for s in args.only.split(",") if s] or list(SETTINGS)
+    base = [f"--config={args.config}", "--config.mesh.dcn=data:2", "--config.data.kind=text",
+            f"--config.data.path={args.text}", f"--config.train.steps={args.steps}",
+            f"--config.train.eval_every={max(args.steps // 12, 1)}", "--config.train.log_every=10",
+            "--config.checkpoint.every=0", "--config.train.trackers=jsonl"]
+    results = {}
+    for label in labels:
+        workdir = pathlib.Path(args.workdir) / label
+        extra = [f"--config.{k}={v}" for k, v in SETTINGS[label].items()]
+        subprocess.run([sys.executable, "-m", "meshtrain.train", *base, *extra, f"--workdir={workdir}"], check=True)
+        metrics = workdir / "metrics.jsonl"
+        results[label] = last(metrics, "loss"), last(metrics, "eval_loss")
+    ref = results.get("float32")
+    print(f"{'setting':20} {'train loss':>10} {'eval loss':>10} {'eval vs float32':>16}")
+    for label, (train, evaluated) in results.items():
+        vs = f"{(evaluated / ref[1] - 1) * 100:+.2f}%" if ref else "-"
+        print(f"{label:20} {train:10.4f} {evaluated:10.4f} {vs:>16}")
+    if args.out:
+        runs = [str(pathlib.Path(args.workdir) / label) for label in results]
+        subprocess.run([sys.executable, "-m", "meshtrain.compare", *runs, f"--out={args.out}",
+                        f"--labels={','.join(results)}"], check=True)
+
+
+if __name__ == "__main__":
+    main()
