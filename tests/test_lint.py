@@ -1,7 +1,9 @@
 """The layout linter (meshtrain/planner/lint.py): one test per finding on a shipped config, the numbers
 against their formula, and each fix applied as the command line would apply it."""
 
+import dataclasses
 import math
+import re
 
 import jax
 import pytest
@@ -254,6 +256,25 @@ def test_expert_on_dcn():
     assert "2.2x slower" in f.cost and "H100 SXM and DGX H100 data sheets" in f.cost
     assert apply(cfg, f.fix) == [("mesh.dcn", "data:2")]
     assert run_lint(cfg) == []
+
+
+def test_gradients_on_a_slow_dcn_suggest_compression_with_the_time_each_saves():
+    """gpt2_small_dp8 with data on 2 nodes of 4: on a node with one 100 Gb/s NIC the
+    gradients' two-level all-reduce across nodes (roofline.collective_seconds of the bound)
+    outlasts the matmuls it could hide behind and both compressions save most of what shows;
+    on a DGX H100's 8 x 400 Gb/s it hides, so nothing is flagged."""
+    slow = dataclasses.replace(hardware.get("h100"), name="slow", network_bandwidth=12.5e9, nics_per_node=1,
+                               source="one 100 Gb/s NIC")
+    cfg = configured("gpt2_small_dp8", **{"mesh.dcn": "data:2"})
+    f = only(lint.lint(cfg, hw=slow), "gradients-on-dcn")
+    ms = [float(x) for x in re.findall(r"([\d.]+) ms", f.cost)]  # exposed; int8 in all, exposed; onebit's
+    exposed = ms[0], ms[2], ms[4]
+    assert exposed[0] > exposed[1] > exposed[2] and exposed[0] > 4 * exposed[2] and f.severity == "warning"
+    assert "across 2 nodes" in f.what and "one 100 Gb/s NIC" in f.cost
+    assert [v for _, v in apply(cfg, f.fix)] == ["int8"] and "or --config.train.grad_compression=onebit" in f.fix
+    assert "gradients-on-dcn" not in [g.code for g in lint.lint(cfg, hw=hardware.get("h100"))]
+    compressed = configured("gpt2_small_dp8", **{"mesh.dcn": "data:2", "train.grad_compression": "int8"})
+    assert "gradients-on-dcn" not in [g.code for g in lint.lint(compressed, hw=slow)]
 
 
 def test_tensor_on_dcn_honours_a_context_split():

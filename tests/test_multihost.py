@@ -271,6 +271,29 @@ def test_kill_9_of_one_process_stops_the_other_in_bounded_time_and_a_relaunch_re
     assert_same_losses(losses(w), reference)
 
 
+def test_two_processes_as_two_nodes_compress_and_a_kill_9_relaunch_resumes_like_one_process(tmp_path):
+    """train.grad_compression=onebit with two processes as two nodes (mesh.dcn=data:2: the
+    compressed phases cross between the processes over gloo, the float32 ones stay in a
+    process): a kill -9 of one after a save and a relaunch end with the one-process run's
+    losses, the feedback buffers read back from the checkpoint."""
+    args = [f"--config={TINY}", "--config.train.steps=10", *RUN[1:], "--config.mesh.dcn=data:2",
+            "--config.train.grad_compression=onebit"]
+    assert main([*args, f"--workdir={tmp_path / 'one'}"]) == 0
+    w = tmp_path / "w"
+    procs = processes(2, [*args, f"--workdir={w}", "--config.checkpoint.every=5",
+                          "--config.distributed.heartbeat_timeout=4"], tmp_path)
+    wait_for(lambda: logged(tmp_path / "p0.txt", 7), what="step 7")
+    procs[1].send_signal(signal.SIGKILL)
+    assert procs[0].wait(timeout=60) == 1
+    procs[1].wait(timeout=60)
+    last = steps_on_disk(w)[-1]
+    assert (w / "checkpoints" / f"step_{last}" / "comm").is_dir()
+    done = local_sh(2, *args[:1], f"--workdir={w}", *args[1:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {last}" in done.stdout and "error feedback starts from zero" not in done.stderr
+    assert_same_losses(losses(w), losses(tmp_path / "one"))
+
+
 def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
     """SIGSTOP stands in for a host that vanished: alive to the kernel, silent to the job."""
     args = [f"--config={TINY}", ONE_DEVICE_EACH, "--config.train.steps=300", "--config.train.log_every=1",

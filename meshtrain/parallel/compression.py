@@ -174,24 +174,25 @@ def state_shapes(comp: Compression | None, param_shapes, param_shardings, mesh: 
 
 
 def wire(comp: Compression, size: float, mesh_shape: dict[str, int], replicas: tuple[str, ...]) -> list[tuple]:
-    """[(collective kind, mesh axes, bytes each device sends a step, what)] of the reduction
-    of one device's bucket of `size` values (module docstring): the float32 psum over the
-    replica axes outside `comp.axes`, then each phase's (c-1)/c of c chunks' payload and
-    scales."""
+    """[(collective kind, mesh axes, bytes each device sends a step, what, whether its groups
+    stay inside a node)] of the reduction of one device's bucket of `size` values (module
+    docstring): the float32 psum over the replica axes outside `comp.axes`, the node's
+    float32 reduce-scatter and all-gather, and across nodes each phase's (k-1)/k of k
+    chunks' payload and scales."""
     c = math.prod(mesh_shape[a] for a in comp.axes)
     k, per_node, m = _sizes(comp, int(size), c)
     payload = m if comp.kind == "int8" else m / 8
     phase = (k - 1) / k * k * (payload + 4 * -(-m // BLOCK[comp.kind]))
     inside = tuple(a for a in replicas if a not in comp.axes)
     n = math.prod(mesh_shape[a] for a in inside)
-    out = [("all-reduce", inside, 2 * (n - 1) / n * size * 4, "gradient bucket summed in float32 before compression")] \
-        if n > 1 else []
+    out = [("all-reduce", inside, 2 * (n - 1) / n * size * 4, "gradient bucket summed in float32 before compression",
+            False)] if n > 1 else []
     if per_node > 1:  # inside a node, float32: a reduce-scatter before, an all-gather after
         node = (per_node - 1) / per_node * c * m * 4
-        out += [("reduce-scatter", comp.axes, node, "gradient bucket reduce-scattered in float32 inside a node"),
-                ("all-gather", comp.axes, node, "reduced bucket gathered in float32 inside a node")]
-    return out + [("all-to-all", comp.axes, phase, f"{comp.kind} gradient chunks to their reducers across nodes"),
-                  ("all-gather", comp.axes, phase, f"{comp.kind} reduced chunks to every node")]
+        out += [("reduce-scatter", comp.axes, node, "gradient bucket reduce-scattered in float32 inside a node", True),
+                ("all-gather", comp.axes, node, "reduced bucket gathered in float32 inside a node", True)]
+    return out + [("all-to-all", comp.axes, phase, f"{comp.kind} gradient chunks to their reducers across nodes", False),
+                  ("all-gather", comp.axes, phase, f"{comp.kind} reduced chunks to every node", False)]
 
 
 def reduce(grads_n, like, comp: Compression, mesh: Mesh, replicas: tuple[str, ...], specs: list[P], errors: dict):

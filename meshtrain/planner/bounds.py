@@ -59,12 +59,14 @@ class _Rows:
         self.mesh, self.rows = mesh, {}
         self.order = {a: i for i, a in enumerate(mesh.axis_names)}
 
-    def add(self, kind, axes, count, nbytes, what) -> None:
+    def add(self, kind, axes, count, nbytes, what, in_node: bool = False) -> None:
+        """`in_node`: groups of the axes' positions inside one node (roofline.place keeps
+        them off the network), as a hierarchical reduction's first and last phases."""
         axes = tuple(sorted((a for a in axes if self.mesh.shape[a] > 1), key=self.order.get))
         if not axes or nbytes <= 0:
             return
-        r = self.rows.setdefault((kind, axes), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
-                                                "what": what})
+        r = self.rows.setdefault((kind, axes, in_node), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
+                                                         "what": what, **({"in_node": True} if in_node else {})})
         r["count"] += count
         r["bytes"] += nbytes
 
@@ -195,8 +197,8 @@ def _gradients(exp, add) -> None:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
-    for kind, axes, nbytes, what in (compression.wire(comp, bucket, shape, replicas) if comp and bucket else []):
-        add(kind, list(axes), 0, nbytes, what)
+    for kind, axes, nbytes, what, in_node in (compression.wire(comp, bucket, shape, replicas) if comp and bucket else []):
+        add(kind, list(axes), 0, nbytes, what, in_node)
 
 
 def _stream(exp) -> tuple[dict, float] | None:

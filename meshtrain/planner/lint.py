@@ -8,8 +8,9 @@ overrides (shell-quoted), then prose in parentheses, or prose alone; `fix_overri
 reads the overrides back. The checks here: batch-indivisible, tensor-over-heads,
 sequence-indivisible (2 n must divide model.seq_len), tensor-, context- and expert-on-dcn
 (the plan report's bound for that axis, bounds.SPLIT_COSTS, at a ring's share of its nodes'
-NICs, roofline.ring_bandwidth), pipeline-bubble ((S-1)/(r*M+S-1) over BUBBLE_LIMIT) and
-pipeline-activations. The sharding checks (replicated-param, zero-saves-nothing, unused-axis)
+NICs, roofline.ring_bandwidth), gradients-on-dcn (the data gradients' reduction across
+nodes outlasting the matmuls, where train.grad_compression would cut it), pipeline-bubble
+((S-1)/(r*M+S-1) over BUBBLE_LIMIT) and pipeline-activations. The sharding checks (replicated-param, zero-saves-nothing, unused-axis)
 are planner/lint_sharding.py's, the MoE ones (experts-indivisible, capacity-drops)
 planner/lint_experts.py's, `Finding` and the shared arithmetic planner/findings.py's.
 `stage` on DCN is not flagged: a pipeline sends one microbatch slot between neighbouring
@@ -19,14 +20,16 @@ GB/s = 1e9 bytes/s per direction.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
-from meshtrain import mesh as mesh_lib, models
+from meshtrain import config as config_lib, mesh as mesh_lib, models
 from meshtrain.errors import GiB, UserError, mib
 from meshtrain.mesh import AXES
 from meshtrain.parallel import layouts, sequence
 from meshtrain.planner import analytic, bounds, hardware as hardware_lib, lint_experts, roofline
+from meshtrain.runlog import metrics
 from meshtrain.planner.findings import (Finding, Run, axes_text, batch_multiple, fix_overrides, mesh_text, named_axes,
                                         override, surplus_to_data)
 from meshtrain.planner.lint_sharding import replicated, unused, zero
@@ -35,6 +38,7 @@ from meshtrain.planner.split_cost import group_size, split_over
 __all__ = ["Finding", "fix_overrides", "lint"]
 BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined step not flagged
 SAVES_A_LOT = 0.25                       # share of the device's usable memory 1F1B must save to be flagged
+SLOW_GRADIENTS = 0.25                    # share of the gradients' exposed time compression must save to be suggested
 
 
 def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | None = None,
@@ -58,7 +62,7 @@ def lint(cfg, mesh_shape: dict[str, int] | None = None, dcn: dict[str, int] | No
     run = Run(cfg, layouts.get(cfg.layout), shape, dcn, dims, model, hw or hardware_lib.TABLE["h100"])
     found = [*_batch(run), *_heads(run), *_sequence(run), *lint_experts.indivisible(run),
              *lint_experts.capacity_drops(run), *unused(run), *replicated(run), *_on_dcn(run), *_bubble(run),
-             *zero(run), *_pipeline_activations(run)]
+             *zero(run), *_pipeline_activations(run), *_gradients_on_dcn(run)]
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -177,13 +181,78 @@ def _bound(run: Run, section: str, built: dict) -> float | None:
     """The plan report's bound of `section` (bounds.SPLIT_COSTS), bytes per device per step,
     on an abstract mesh of the run's shape (built once into `built`); None where the config
     does not build or the split has no formula."""
-    if "exp" not in built:
-        try:
-            built["exp"] = analytic.abstract_experiment(run.cfg, run.model, run.layout, shape=run.shape)
-        except UserError:
-            built["exp"] = None
-    t = built["exp"] and bounds.SPLIT_COSTS[section].traffic(built["exp"])
+    t = _abstract(run, built) and bounds.SPLIT_COSTS[section].traffic(built["exp"])
     return t.bound_bytes if t else None
+
+
+def _abstract(run: Run, built: dict, **overrides):
+    """run's config on an abstract mesh of its shape (analytic.abstract_experiment), with
+    `overrides` (config keys), built once a set into `built`; None where it does not build."""
+    key = "exp" if not overrides else tuple(sorted(overrides.items()))
+    if key not in built:
+        cfg = run.cfg
+        if overrides:
+            cfg = copy.deepcopy(run.cfg)
+            for k, v in overrides.items():
+                config_lib.override(cfg, k, v)
+        try:
+            built[key] = analytic.abstract_experiment(cfg, run.model, run.layout, shape=run.shape)
+        except UserError:
+            built[key] = None
+    return built[key]
+
+
+def _gradients_on_dcn(run: Run) -> list[Finding]:
+    """data across nodes on a link slow for the gradients: their reduction across nodes
+    (the two-level float32 all-reduce, roofline.collective_seconds) against the step's
+    matmuls, and what train.grad_compression would take instead."""
+    dcn, shape, hw, built = run.dcn, run.shape, run.hw, {}
+    t = run.cfg.train
+    if not dcn or dcn["data"] <= 1 or t.grad_compression != "none":
+        return []
+    times = {}
+    for kind in ("none", "int8", "onebit"):
+        exp = _abstract(run, built, **({"train.grad_compression": kind} if kind != "none" else {}))
+        if exp is None or not getattr(exp.model.cfg, "seq_len", 0):
+            return []  # the layout cannot compress (its gradients are not whole per data replica)
+        times[kind] = sum(roofline.collective_seconds(hw, {**r, **_across_data(r, shape, dcn, hw)})
+                          for r in bounds.collective_bounds(exp) if list(r["mesh_axes"]) == ["data"])
+    cfg = exp.model.cfg
+    matmuls = metrics.flops_per_unit(cfg) * t.batch_size * cfg.seq_len / math.prod(shape.values()) / (
+        hw.peak(cfg.dtype) * hw.matmul_efficiency)
+    # XLA overlaps the replicas' reduction with the backward pass: what outlasts the matmuls
+    # shows in the step (the roofline's rule). Flagged where that is so and compression saves.
+    exposed = {k: max(v - matmuls, 0.0) for k, v in times.items()}
+    saving = [k for k in ("int8", "onebit") if exposed[k] <= (1 - SLOW_GRADIENTS) * exposed["none"]]
+    if not exposed["none"] or not saving:
+        return []
+    ms = {k: f"{v * 1e3:,.3g} ms" for k, v in {**times, "matmuls": matmuls}.items()}
+    shown = {k: f"{v * 1e3:,.3g} ms" for k, v in exposed.items()}
+    why = {"int8": "a quarter of the bytes across nodes, float32 inside: docs/performance.md measures its loss "
+                   "within 0.2% of float32's", "onebit": "a thirty-second of the bytes, a few percent of loss"}
+    return [Finding(
+        "gradients-on-dcn", "warning",
+        f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the data axis across {dcn['data']} nodes, and the gradient "
+        f"reduction across them takes {ms['none']} a step on {hw.name}'s network, longer than the {ms['matmuls']} "
+        f"of matmuls XLA can hide it behind",
+        f"about {shown['none']} a step exposed (a two-level all-reduce at the node's NICs: {hw.source}); with its "
+        f"in-node float32 phases, int8 would take {ms['int8']} ({shown['int8']} exposed), onebit {ms['onebit']} "
+        f"({shown['onebit']})",
+        ", or ".join(f"{override('train.grad_compression', k)} ({why[k]})" for k in saving))]
+
+
+def _across_data(row: dict, shape: dict, dcn: dict, hw) -> dict:
+    """How a data-axis row's groups sit on nodes (roofline.placement's fields, from the
+    shape and mesh.dcn alone): the whole axis, m = data / k devices a node, or a
+    hierarchical reduction's groups inside a node or across the k nodes (one device a node)."""
+    k = dcn["data"]
+    m = shape["data"] // k
+    if row.get("in_node"):
+        return {"crosses_nodes": False, "nodes": 1}
+    whole = row["kind"] == "all-reduce"  # compression's phases run across, one device a node
+    per_node, size = (m, shape["data"]) if whole else (1, k)
+    return {"crosses_nodes": True, "nodes": k, "per_node": per_node, "group_size": size,
+            "groups_per_node": max(hw.devices_per_node // per_node, 1)}
 
 
 # ----------------------------------------------------------------------------------- pipeline

@@ -71,6 +71,8 @@ def place(rows: list[dict], mesh, node_of) -> list[dict]:
         if axes not in cache:
             cache[axes] = placement(mesh, axes, node_of)
         r.update(cache[axes])
+        if r.get("in_node"):  # groups cut inside a node (bounds' in-node rows)
+            r.update(crosses_nodes=False, nodes=1)
     return rows
 
 
