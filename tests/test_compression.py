@@ -81,6 +81,16 @@ def test_compressed_runs_train_close_to_the_float32_reduction(runs):
     assert worker.shape[0] == server.shape[0] == 8 and worker.shape[1] == 2 * server.shape[1]  # a row a device; 2 nodes
 
 
+def test_mixed_precision_buckets_a_dtype_and_trains_like_xlas_reduction():
+    """bfloat16 compute: matrices' gradients arrive in bfloat16, the rest in float32, a bucket
+    each (the in-node phases in its dtype); int8 across the nodes trains as XLA's reduction."""
+    plain, int8 = (build(kind, **{"model.dtype": "bfloat16"}) for kind in ("none", "int8"))
+    assert int8.reduction.compression.cut.dtypes == ("float32", "bfloat16")
+    losses = [np.array([float(m["loss"]) for _, m in stepped(e, 3, step=e.compile(analysis=True))])
+              for e in (plain, int8)]  # the third loss is the first after a step of lr > 0
+    assert np.abs(losses[1] - losses[0]).max() < 1e-3 * losses[0][0]
+
+
 @pytest.mark.parametrize("kind", ["int8", "onebit"])
 def test_error_feedback_loses_nothing_for_good(kind):
     """Summed over steps, what the two phases deliver plus what the buffers hold is the

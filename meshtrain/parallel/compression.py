@@ -5,15 +5,17 @@ without error feedback (1-bit SGD, Seide et al. 2014; DeepSpeed's 1-bit Adam, ar
 
 The reduction runs per device (shard_map) on the replicas' gradients [n, ...] of the
 hand-written path (grad_reduce.per_replica). Every device flattens its local pieces of all
-leaves into one float32 bucket v (a small leaf costs no padding of its own); the replicas
-along the compressed axes (c positions: k nodes of m, mesh.dcn's factor k) line up, each
-holding the same pieces of the other axes' splits. Over them, hierarchically:
+leaves into a bucket a dtype (`Buckets`: the dtype they arrive in, bfloat16 matrices beside
+float32 vectors under mixed precision; a small leaf costs no padding of its own); the
+replicas along the compressed axes (c positions: k nodes of m, mesh.dcn's factor k) line
+up, each holding the same pieces of the other axes' splits. Over them, hierarchically:
 
-    inside a node    a float32 reduce-scatter: each device keeps k chunks of the node's sum
-    across nodes     1. compress each chunk; all-to-all: node j's device receives chunk j
-                        of every node's piece
+    inside a node    a reduce-scatter a bucket, in its dtype (as XLA's own reduction):
+                     each device keeps k chunks of the node's sum
+    across nodes     1. compress each chunk (every bucket's, as one float32 vector);
+                        all-to-all: node j's device receives chunk j of every node's piece
                      2. decompress, sum in float32, compress; all-gather to every node
-    inside a node    a float32 all-gather of the reduced pieces
+    inside a node    an all-gather a bucket of the reduced pieces, in its dtype
 
 as DeepSpeed's compressed_allreduce and ZeRO++'s all_to_all_quant_reduce do across nodes;
 without mesh.dcn the two phases run over all c positions. A replica axis not compressed is
@@ -59,6 +61,7 @@ class Compression:
     axes: tuple[str, ...]
     feedback: bool = True
     nodes: int = 1
+    cut: "Buckets | None" = None  # the run's buckets (`buckets`), once its shapes are known
 
     def groups(self, c: int) -> tuple[list[list[int]] | None, list[list[int]] | None]:
         """(the positions in one node, one from each node): axis_index_groups of the
@@ -132,12 +135,32 @@ def compressed_sum(kind: str, v: jax.Array, axes: tuple[str, ...], c: int, error
     return total, (None if errors is None else {"worker": v - sent, "server": mine - kept})
 
 
-def _sizes(comp: Compression, size: int, c: int) -> tuple[int, int, int]:
-    """(k nodes, m positions a node, values of one compressed chunk) for a bucket of `size`
-    values over c positions: padded to k m chunks, a node's float32 reduce-scatter leaves
-    each device k chunks, compressed across the k nodes."""
-    k = comp.nodes if comp.nodes > 1 else c
-    return k, c // k, chunk(size, c)
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """One device's gradient pieces as the reduction cuts them: a bucket a dtype (the
+    dtype the replicas' gradients arrive in: the in-node phase sums each in its own, as
+    XLA's reduction would), each of `sizes[i]` values padded to c chunks of `chunks[i]`;
+    across nodes the k chunks of every bucket go as one float32 vector [k, sum(chunks)]."""
+
+    k: int                        # nodes (compressed positions)
+    per_node: int                 # positions a node
+    dtypes: tuple[str, ...]       # a bucket's dtype
+    members: tuple[tuple[int, ...], ...]  # its leaves (their index)
+    sizes: tuple[int, ...]        # its values
+    chunks: tuple[int, ...]       # its chunk's values
+
+    @classmethod
+    def of(cls, comp: Compression, c: int, sizes: list[int], dtypes: list) -> "Buckets":
+        k = comp.nodes if comp.nodes > 1 else c
+        names = list(dict.fromkeys(jnp.dtype(d).name for d in dtypes))
+        members = tuple(tuple(i for i, d in enumerate(dtypes) if jnp.dtype(d).name == n) for n in names)
+        totals = tuple(sum(sizes[i] for i in m) for m in members)
+        return cls(k, c // k, tuple(names), members, totals, tuple(chunk(t, c) for t in totals))
+
+    @property
+    def m(self) -> int:
+        """Values of one compressed chunk (every bucket's)."""
+        return sum(self.chunks)
 
 
 def inner_specs(param_shardings, replicas: tuple[str, ...]) -> list[P]:
@@ -160,37 +183,46 @@ def _names(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def state_shapes(comp: Compression | None, param_shapes, param_shardings, mesh: Mesh,
-                 replicas: tuple[str, ...]) -> dict:
-    """The feedback buffers' ShapeDtypeStructs (TrainState.comm): {"worker": [devices, c m],
-    "server": [devices, m]} float32, each device its own row; {} without feedback."""
+def buckets(comp: Compression, param_shapes, param_shardings, mesh: Mesh, replicas: tuple[str, ...],
+            grad_dtypes) -> Buckets:
+    """The Buckets of the replicas' gradients (`grad_dtypes`: a leaf's dtype as it arrives,
+    in jax.tree.leaves order) split as the params are, less the replica axes."""
+    specs = inner_specs(param_shardings, replicas)
+    sizes = [local_size([s.shape], [spec], mesh) for s, spec in zip(jax.tree.leaves(param_shapes), specs)]
+    return Buckets.of(comp, math.prod(mesh.shape[a] for a in comp.axes), sizes, list(grad_dtypes))
+
+
+def state_shapes(comp: Compression | None, mesh: Mesh) -> dict:
+    """The feedback buffers' ShapeDtypeStructs (TrainState.comm): {"worker": [devices, k m],
+    "server": [devices, m]} float32 (m: comp.cut.m), each device its own row; {} without
+    feedback."""
     if comp is None or not comp.feedback:
         return {}
-    size = local_size([s.shape for s in jax.tree.leaves(param_shapes)], inner_specs(param_shardings, replicas), mesh)
-    k, _, m = _sizes(comp, size, math.prod(mesh.shape[a] for a in comp.axes))
-    rows = NamedSharding(mesh, P(mesh.axis_names))
-    return {"worker": jax.ShapeDtypeStruct((mesh.size, k * m), jnp.float32, sharding=rows),
-            "server": jax.ShapeDtypeStruct((mesh.size, m), jnp.float32, sharding=rows)}
+    cut, rows = comp.cut, NamedSharding(mesh, P(mesh.axis_names))
+    return {"worker": jax.ShapeDtypeStruct((mesh.size, cut.k * cut.m), jnp.float32, sharding=rows),
+            "server": jax.ShapeDtypeStruct((mesh.size, cut.m), jnp.float32, sharding=rows)}
 
 
-def wire(comp: Compression, size: float, mesh_shape: dict[str, int], replicas: tuple[str, ...]) -> list[tuple]:
+def wire(comp: Compression, mesh_shape: dict[str, int], replicas: tuple[str, ...]) -> list[tuple]:
     """[(collective kind, mesh axes, bytes each device sends a step, what, whether its groups
-    stay inside a node)] of the reduction of one device's bucket of `size` values (module
-    docstring): the float32 psum over the replica axes outside `comp.axes`, the node's
-    float32 reduce-scatter and all-gather, and across nodes each phase's (k-1)/k of k
-    chunks' payload and scales."""
-    c = math.prod(mesh_shape[a] for a in comp.axes)
-    k, per_node, m = _sizes(comp, int(size), c)
+    stay inside a node)] of the reduction of one device's buckets (module docstring): the
+    psum over the replica axes outside `comp.axes` and the node's reduce-scatter and
+    all-gather, each bucket in its dtype; across nodes each phase's (k-1)/k of k chunks'
+    payload and scales."""
+    cut = comp.cut
+    c, k, m = math.prod(mesh_shape[a] for a in comp.axes), cut.k, cut.m
     payload = m if comp.kind == "int8" else m / 8
     phase = (k - 1) / k * k * (payload + 4 * -(-m // BLOCK[comp.kind]))
     inside = tuple(a for a in replicas if a not in comp.axes)
     n = math.prod(mesh_shape[a] for a in inside)
-    out = [("all-reduce", inside, 2 * (n - 1) / n * size * 4, "gradient bucket summed in float32 before compression",
+    held = sum(size * jnp.dtype(d).itemsize for size, d in zip(cut.sizes, cut.dtypes))
+    padded = sum(c * chunk_ * jnp.dtype(d).itemsize for chunk_, d in zip(cut.chunks, cut.dtypes))
+    out = [("all-reduce", inside, 2 * (n - 1) / n * held, "gradient buckets summed before compression",
             False)] if n > 1 else []
-    if per_node > 1:  # inside a node, float32: a reduce-scatter before, an all-gather after
-        node = (per_node - 1) / per_node * c * m * 4
-        out += [("reduce-scatter", comp.axes, node, "gradient bucket reduce-scattered in float32 inside a node", True),
-                ("all-gather", comp.axes, node, "reduced bucket gathered in float32 inside a node", True)]
+    if cut.per_node > 1:  # inside a node: a reduce-scatter before, an all-gather after
+        node = (cut.per_node - 1) / cut.per_node * padded
+        out += [("reduce-scatter", comp.axes, node, "gradient buckets reduce-scattered inside a node", True),
+                ("all-gather", comp.axes, node, "reduced buckets gathered inside a node", True)]
     return out + [("all-to-all", comp.axes, phase, f"{comp.kind} gradient chunks to their reducers across nodes", False),
                   ("all-gather", comp.axes, phase, f"{comp.kind} reduced chunks to every node", False)]
 
@@ -203,33 +235,39 @@ def reduce(grads_n, like, comp: Compression, mesh: Mesh, replicas: tuple[str, ..
     n = math.prod(mesh.shape[a] for a in replicas)
     c = math.prod(mesh.shape[a] for a in comp.axes)
     inside = tuple(a for a in replicas if a not in comp.axes)
-    size = local_size([x.shape[1:] for x in leaves], specs, mesh)
-    k, per_node, m = _sizes(comp, size, c)
+    cut = Buckets.of(comp, c, [local_size([x.shape[1:]], [s], mesh) for x, s in zip(leaves, specs)],
+                     [x.dtype for x in leaves])
     in_node, across = comp.groups(c)
     rows = P(mesh.axis_names)
 
     def body(errs, *local):
-        v = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in local])
-        v = jax.lax.psum(v, inside) if inside else v
-        v = jnp.pad(v, (0, c * m - size))
-        if per_node > 1:  # float32 inside the node: each device keeps k chunks of the node's sum
-            v = jax.lax.psum_scatter(v, comp.axes, axis_index_groups=in_node, tiled=True)
-        total, errs = compressed_sum(comp.kind, v, comp.axes, k,
+        pieces = []  # per bucket, [k, its chunk] in float32: what crosses the nodes
+        for members, size, m_b in zip(cut.members, cut.sizes, cut.chunks):
+            v = jnp.concatenate([local[i].reshape(-1) for i in members])
+            v = jax.lax.psum(v, inside) if inside else v
+            v = jnp.pad(v, (0, c * m_b - size))
+            if cut.per_node > 1:  # inside the node, in its dtype: k chunks of the node's sum stay here
+                v = jax.lax.psum_scatter(v, comp.axes, axis_index_groups=in_node, tiled=True)
+            pieces.append(v.astype(jnp.float32).reshape(cut.k, m_b))
+        total, errs = compressed_sum(comp.kind, jnp.concatenate(pieces, axis=1).reshape(-1), comp.axes, cut.k,
                                      {name: e[0] for name, e in errs.items()} if errs else None, across)
-        if per_node > 1:
-            total = jax.lax.all_gather(total, comp.axes, axis_index_groups=in_node, tiled=True)
-        out, start = [], 0
-        for x in local:
-            piece = x[0]
-            out.append((total[start:start + piece.size].reshape(piece.shape) / n))
-            start += piece.size
-        return tuple(out), ({k: e[None] for k, e in errs.items()} if errs else {})
+        total, out, start = total.reshape(cut.k, cut.m), [None] * len(local), 0
+        for members, dtype, m_b in zip(cut.members, cut.dtypes, cut.chunks):
+            t = total[:, start:start + m_b].reshape(-1).astype(dtype)
+            start += m_b
+            t = jax.lax.all_gather(t, comp.axes, axis_index_groups=in_node, tiled=True) if cut.per_node > 1 else t
+            at = 0
+            for i in members:
+                piece = local[i][0]
+                out[i] = t[at:at + piece.size].reshape(piece.shape).astype(jnp.float32) / n
+                at += piece.size
+        return tuple(out), ({name: e[None] for name, e in errs.items()} if errs else {})
 
-    err_specs = {k: rows for k in errors}
+    err_specs = {name: rows for name in errors}
     mean, errors = jax.shard_map(body, mesh=mesh, in_specs=(err_specs, *[P(replicas, *s) for s in specs]),
                                  out_specs=(tuple(P(*s) for s in specs), err_specs),
                                  check_vma=False)(errors, *leaves)
-    mean = [g.astype(l.dtype) for g, l in zip(mean, jax.tree.leaves(like))]
+    mean = [g.astype(w.dtype) for g, w in zip(mean, jax.tree.leaves(like))]
     return treedef.unflatten(mean), errors
 
 

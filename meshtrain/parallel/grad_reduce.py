@@ -97,16 +97,18 @@ class Reduction:
 
 
 def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] | None, param_shapes,
-           param_shardings) -> tuple[Reduction, dict]:
+           param_shardings, grad_dtypes) -> tuple[Reduction, dict]:
     """(the run's Reduction, TrainState.comm's ShapeDtypeStructs): train.grad_dtype, the
     gather mode (`gather`: "auto" decided) and train.grad_compression over its axes, which
-    follow the replica axes of the reduction by hand (compression.resolve)."""
+    follow the replica axes of the reduction by hand (compression.resolve), its buckets cut
+    from the gradients as they arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order)."""
     if train.grad_compression == "none":
         return Reduction.of(train, gather), {}
     replicas = replicas_by_hand(layout, mesh, param_shardings, train.grad_accum_steps, gather)
     comp = compression.resolve(train, replicas, dcn, dict(mesh.shape))
-    return (Reduction.of(train, gather, comp),
-            compression.state_shapes(comp, param_shapes, param_shardings, mesh, replicas))
+    comp = dataclasses.replace(comp, cut=compression.buckets(comp, param_shapes, param_shardings, mesh, replicas,
+                                                             grad_dtypes))
+    return Reduction.of(train, gather, comp), compression.state_shapes(comp, mesh)
 
 
 def replicas_by_hand(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, gather: str) -> tuple[str, ...]:

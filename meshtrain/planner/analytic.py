@@ -126,7 +126,8 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
     else:
         params, opt = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
     reduction, comm = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
-                                         mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params)
+                                         mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params,
+                                         step_lib.replica_dtypes(model, cfg.train.grad_accum_steps))
     return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
                                  shardings=types.SimpleNamespace(params=params), grad_shardings=opt,
                                  reduction=reduction, comm=comm)

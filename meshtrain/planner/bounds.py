@@ -141,7 +141,7 @@ def _gradients(exp, add) -> None:
     once = gathered(exp)
     replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params, once)
     zero2 = exp.layout.splits_grads
-    comp, bucket = exp.reduction.compression, 0.0
+    comp = exp.reduction.compression
     for leaf in leaves(exp):
         local = leaf.local
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
@@ -151,8 +151,7 @@ def _gradients(exp, add) -> None:
             g = grad_bytes  # reduced by hand in train.grad_dtype (meshtrain/parallel/grad_reduce.py)
         zero = [a for a in reduce_axes if a in leaf.opt]
         plain = [a for a in reduce_axes if a not in leaf.opt]
-        if comp and reduce_axes and set(reduce_axes) <= set(replicas):
-            bucket += reduced  # one compressed bucket for every leaf (compression.wire, below)
+        if comp and reduce_axes and set(reduce_axes) <= set(replicas):  # in the buckets (compression.wire, below)
             plain, zero = [], []
             if any(a in leaf.opt for a in reduce_axes):  # ZeRO-1: the update is split, its result gathered
                 n = group_size(shape, [a for a in reduce_axes if a in leaf.opt])
@@ -197,7 +196,7 @@ def _gradients(exp, add) -> None:
                 "FSDP weight all-gather, forward and backward, per microbatch (ZeRO-3)")
             add("reduce-scatter", gather, 0, k * (n - 1) * local * g,
                 "FSDP gradient reduce-scatter, per microbatch")
-    for kind, axes, nbytes, what, in_node in (compression.wire(comp, bucket, shape, replicas) if comp and bucket else []):
+    for kind, axes, nbytes, what, in_node in (compression.wire(comp, shape, replicas) if comp else []):
         add(kind, list(axes), 0, nbytes, what, in_node)
 
 

@@ -228,15 +228,15 @@ def _gradients_on_dcn(run: Run) -> list[Finding]:
         return []
     ms = {k: f"{v * 1e3:,.3g} ms" for k, v in {**times, "matmuls": matmuls}.items()}
     shown = {k: f"{v * 1e3:,.3g} ms" for k, v in exposed.items()}
-    why = {"int8": "a quarter of the bytes across nodes, float32 inside: docs/performance.md measures its loss "
-                   "within 0.2% of float32's", "onebit": "a thirty-second of the bytes, a few percent of loss"}
+    why = {"int8": "a byte a value across nodes: docs/performance.md measures its loss within 0.2% of "
+                   "float32's", "onebit": "a thirty-second of the bytes, a few percent of loss"}
     return [Finding(
         "gradients-on-dcn", "warning",
         f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the data axis across {dcn['data']} nodes, and the gradient "
         f"reduction across them takes {ms['none']} a step on {hw.name}'s network, longer than the {ms['matmuls']} "
         f"of matmuls XLA can hide it behind",
         f"about {shown['none']} a step exposed (a two-level all-reduce at the node's NICs: {hw.source}); with its "
-        f"in-node float32 phases, int8 would take {ms['int8']} ({shown['int8']} exposed), onebit {ms['onebit']} "
+        f"in-node phases, int8 would take {ms['int8']} ({shown['int8']} exposed), onebit {ms['onebit']} "
         f"({shown['onebit']})",
         ", or ".join(f"{override('train.grad_compression', k)} ({why[k]})" for k in saving))]
 

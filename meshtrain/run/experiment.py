@@ -281,7 +281,8 @@ class Experiment:
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
         if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
-        reduction, comm = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params)
+        reduction, comm = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
+                                             step_lib.replica_dtypes(model, t.grad_accum_steps))
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
         train_step = step_lib.make_train_step(

@@ -65,6 +65,12 @@ def produced_dtypes(model: ModelDef) -> dict:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
+def replica_dtypes(model: ModelDef, grad_accum_steps: int) -> list:
+    """The dtype each gradient leaf (jax.tree.leaves order) reaches a reduction by hand in:
+    as produced, or float32 once summed over microbatches (`_gradients`' accumulate)."""
+    return [d if grad_accum_steps == 1 else "float32" for d in jax.tree.leaves(produced_dtypes(model))]
+
+
 def make_cast(model: ModelDef, layout: Layout, mesh: Mesh,
               offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """params -> params with every matrix (two or more logical axes besides layers/stage:
