@@ -136,7 +136,7 @@ def write_checkpoint(out: Path, params: dict, meta: dict) -> None:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from meshtrain.checkpoints import store as checkpoint_lib
+    from meshtrain.checkpoints import steps as steps_lib
     from meshtrain.checkpoints import init_from
     # No deep copy of numpy leaves (Orbax's default copies the whole model first: we hold
     # the only reference); the jax.Array entry only keeps Orbax from warning it has none.
@@ -144,7 +144,7 @@ def write_checkpoint(out: Path, params: dict, meta: dict) -> None:
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
         (jax.Array, ocp.type_handlers.ArrayHandler()))
     manager = ocp.CheckpointManager(
-        out, options=ocp.CheckpointManagerOptions(step_prefix=checkpoint_lib.STEP_PREFIX, create=True,
+        out, options=ocp.CheckpointManagerOptions(step_prefix=steps_lib.STEP_PREFIX, create=True,
                                                   enable_async_checkpointing=False),
         item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
                        "meta": ocp.JsonCheckpointHandler()})

@@ -103,7 +103,7 @@ def execute(args) -> int:
     flags = check_flags(args)
     cfg = load_config(flags, args.overrides)
     if flags["workdir"] is not None:  # found before JAX starts: a missing step fails fast
-        from meshtrain.checkpoints.store import STEP_PREFIX
+        from meshtrain.checkpoints.steps import STEP_PREFIX
         ckpt_dir, step = workdir_step(cfg, flags["workdir"], flags["step"])
         where, step_arg = ckpt_dir / f"{STEP_PREFIX}_{step}", None
     else:

@@ -188,7 +188,7 @@ def open_checkpoints(cfg, exp, workdir: str | None, cluster, stack: contextlib.E
     -> (Checkpointer or None, step to resume from or None, meta["run"] of that checkpoint)."""
     import jax
 
-    from meshtrain.checkpoints import disk_space, store as checkpoint_lib
+    from meshtrain.checkpoints import disk_space, steps as steps_lib, store as checkpoint_lib
     from meshtrain.checkpoints.lock import DirectoryLock
     ckpt_dir = checkpoint_lib.checkpoint_dir(cfg, workdir)
     if jax.process_index() == 0:  # process 0 locks the workdir, and the checkpoint dir when it lies elsewhere
@@ -212,7 +212,7 @@ def open_checkpoints(cfg, exp, workdir: str | None, cluster, stack: contextlib.E
         f"{c.keep or 'all'}, {'async' if c['async'] else 'sync'}")
     step = checkpointer.latest_step()
     saved = None if step is None else checkpointer.check_fits(step, exp).get("run", {})
-    disk_space.check(checkpointer.dir, exp, c, present=len(checkpoint_lib.committed_steps(checkpointer.dir)),
+    disk_space.check(checkpointer.dir, exp, c, present=len(steps_lib.committed_steps(checkpointer.dir)),
                      start=step or 0, end=cfg.train.stop_at or cfg.train.steps, say=say)
     if step is None:
         return checkpointer, None, None

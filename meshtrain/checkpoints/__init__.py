@@ -1,6 +1,7 @@
 """What a run keeps on disk (docs/checkpoints.md).
 
   store         Orbax checkpoints of a training run: save, restore into any layout, verify
+  steps         the steps in a checkpoint directory: which are committed, what is set aside
   integrity     is a committed step readable: indexes and small files checked, no array read
   reading       a checkpoint's arrays into a run: params into any layout, statistics, leaves
   restage       block stacks between pipeline arrangements ([L, ...] <-> [S, L/S, ...])

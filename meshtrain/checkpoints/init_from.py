@@ -40,7 +40,7 @@ import time
 import jax
 
 from meshtrain import models, tree_paths
-from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.checkpoints import steps as steps_lib
 from meshtrain.checkpoints import restage
 from meshtrain.errors import UserError
 
@@ -89,19 +89,19 @@ def config_of(family: str, architecture: dict, **run) -> models.ModelConfig:
 
 def _step_dir(path: pathlib.Path, step: int | None) -> pathlib.Path:
     """A committed step directory under `path` (a step dir, a checkpoint dir, a workdir)."""
-    if checkpoint_lib.STEP_NAME.fullmatch(path.name) and checkpoint_lib.is_committed(path):
+    if steps_lib.STEP_NAME.fullmatch(path.name) and steps_lib.is_committed(path):
         if step is not None and int(path.name.split("_")[1]) != step:
             raise UserError(f"{path} is step {path.name.split('_')[1]}, not --step={step}.")
         return path
     for where in (path, path / "checkpoints"):
-        steps = checkpoint_lib.committed_steps(where) if where.is_dir() else []
+        steps = steps_lib.committed_steps(where) if where.is_dir() else []
         if steps:
             if step is None:
-                return where / f"{checkpoint_lib.STEP_PREFIX}_{steps[-1]}"
+                return where / f"{steps_lib.STEP_PREFIX}_{steps[-1]}"
             if step not in steps:
                 raise UserError(f"{where} has no committed step {step}; its steps are "
                                 f"{', '.join(map(str, steps))}.")
-            return where / f"{checkpoint_lib.STEP_PREFIX}_{step}"
+            return where / f"{steps_lib.STEP_PREFIX}_{step}"
     raise UserError(
         f"{path} holds no meshtrain checkpoint: no committed step_N in it or in "
         f"{path / 'checkpoints'}. Give a directory written by `python -m meshtrain.convert "
@@ -169,7 +169,7 @@ def read(path, step: int | None = None) -> InitSource:
         raise UserError(f"init.from={str(path)!r} does not exist. Give a directory written by "
                         f"`python -m meshtrain.convert from_hf` or a training --workdir.")
     step_dir = _step_dir(path, step)
-    checkpoint_lib.check_readable(step_dir)  # a damaged step: one paragraph, the step to pick instead
+    steps_lib.check_readable(step_dir)  # a damaged step: one paragraph, the step to pick instead
     meta = _read_json_item(step_dir / "meta")
     if "family" in meta:  # converted
         family, arch = meta["family"], meta["architecture"]

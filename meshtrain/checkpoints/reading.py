@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
 from meshtrain.checkpoints import integrity, restage
-from meshtrain.checkpoints import store as checkpoint_lib
+from meshtrain.checkpoints import steps as steps_lib
 from meshtrain.checkpoints.init_from import InitSource, check_model
 from meshtrain.errors import UserError
 from meshtrain.parallel.pipeline.scan import Pipeline, from_stages, to_stages
@@ -37,7 +37,7 @@ def saved_params(src: InitSource) -> dict:
 def _reading(src: InitSource):
     """A failed read of `src` -> one UserError paragraph naming the step, the file and the
     step to pick instead (integrity.reading)."""
-    return integrity.reading(src.step_dir, lambda: checkpoint_lib.older_intact(src.step_dir))
+    return integrity.reading(src.step_dir, lambda: steps_lib.older_intact(src.step_dir))
 
 
 def nest(flat: dict) -> dict:

@@ -38,7 +38,7 @@ def paragraph(directory: pathlib.Path, step: int, error: BaseException, stopped_
               latest: int | None, removed: bool, report: pathlib.Path | None) -> str:
     """What failed, where the run stopped (`stopped_at`), what is safe (`latest`: the newest
     committed step) and how to resume; `report`: Orbax's log, if it wrote one."""
-    latest_dir = None if latest is None else directory / f"step_{latest}"  # store.STEP_PREFIX
+    latest_dir = None if latest is None else directory / f"step_{latest}"  # steps.STEP_PREFIX
     reason = (str(error).strip() or "no reason given").splitlines()[0]
     text = f"Saving checkpoint step {step} in {directory} failed: {type(error).__name__}: {reason}."
     if stopped_at:

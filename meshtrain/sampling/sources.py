@@ -103,10 +103,10 @@ def from_workdir(flags: dict) -> Loaded:
     cfg = run_config(saved_run, flags)
     shape, devices, why = mesh_devices(mesh_lib.parse_shape(cfg.mesh.shape))
 
-    from meshtrain.checkpoints import init_from, store as checkpoint_lib
+    from meshtrain.checkpoints import init_from, steps as steps_lib
     model, layout, mesh, shardings = build(cfg, saved_run, shape, devices, flags["dtype"])
     ckpt_dir, step = workdir_step(cfg, flags["workdir"], flags["step"])
-    meta = step_meta(ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}")
+    meta = step_meta(ckpt_dir / f"{steps_lib.STEP_PREFIX}_{step}")
     tok = prompt_tokenizer(tokenizer(cfg, flags["workdir"], model.cfg), init_from.prompt_special_tokens(meta))
     return Loaded(model, layout, mesh, shardings, tok, f"step {step} of {flags['workdir']}", why,
                   lambda: restore_params(ckpt_dir, step, model, shardings))
@@ -256,10 +256,10 @@ def workdir_step(cfg, workdir: str, step: int | None) -> tuple[pathlib.Path, int
 
 def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
     """The committed step to read: `step`, or the latest; a damaged one is a UserError naming
-    the file and the newest intact step (store.check_readable). Read-only: the directory may
+    the file and the newest intact step (steps.check_readable). Read-only: the directory may
     belong to a run still training, so nothing in it is moved or cleaned."""
-    from meshtrain.checkpoints import store as checkpoint_lib
-    steps = checkpoint_lib.committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
+    from meshtrain.checkpoints import steps as steps_lib
+    steps = steps_lib.committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
     if not steps:
         raise UserError(f"No committed checkpoint in {ckpt_dir}: the run has not saved one yet "
                         f"(checkpoints are saved every checkpoint.every steps, at the end and on "
@@ -270,7 +270,7 @@ def pick_step(ckpt_dir: pathlib.Path, step: int | None) -> int:
                         f"{', '.join(map(str, steps))}. Pass one of them, or leave --step out "
                         f"for the latest.")
     step = steps[-1] if step is None else step
-    checkpoint_lib.check_readable(ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}")
+    steps_lib.check_readable(ckpt_dir / f"{steps_lib.STEP_PREFIX}_{step}")
     return step
 
 
@@ -278,9 +278,9 @@ def restore_params(ckpt_dir: pathlib.Path, step: int, model, shardings):
     """Only the params of step `step` (not the optimizer state), read straight into
     `shardings`; a pipelined run's [S, r*Lc, ...] stacks are put back in layer order.
     A failed read is a UserError naming the step, the file and the step to pass instead."""
-    from meshtrain.checkpoints import integrity, store as checkpoint_lib
-    where = ckpt_dir / f"{checkpoint_lib.STEP_PREFIX}_{step}"
-    with integrity.reading(where, lambda: checkpoint_lib.older_intact(where)):
+    from meshtrain.checkpoints import integrity, steps as steps_lib
+    where = ckpt_dir / f"{steps_lib.STEP_PREFIX}_{step}"
+    with integrity.reading(where, lambda: steps_lib.older_intact(where)):
         return _read_params(where, model, shardings)
 
 
