@@ -33,6 +33,7 @@ from meshtrain.checkpoints.lock import LOCK_NAME
 from meshtrain.checkpoints.steps import (IGNORED, STEP_PREFIX, committed_steps, set_aside, set_aside_damaged,
                                          set_aside_uncommitted)
 from meshtrain.errors import RunFailed, UserError, warn
+from meshtrain.step import state as state_lib
 from meshtrain.step.state import TrainState
 
 def describe(leaf) -> str:
@@ -46,9 +47,8 @@ def saved_fields(state) -> dict:
 
 
 def _zeros(shapes):
-    """Zeros in the shardings of a pytree of ShapeDtypeStructs."""
-    return jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
-                   out_shardings=jax.tree.map(lambda s: s.sharding, shapes))()
+    """Zeros in the shardings of a pytree of ShapeDtypeStructs (state.zeros, placed)."""
+    return jax.jit(lambda: state_lib.zeros(shapes), out_shardings=jax.tree.map(lambda s: s.sharding, shapes))()
 
 
 def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:

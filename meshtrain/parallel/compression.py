@@ -235,8 +235,7 @@ def reduce(grads_n, like, comp: Compression, mesh: Mesh, replicas: tuple[str, ..
     n = math.prod(mesh.shape[a] for a in replicas)
     c = math.prod(mesh.shape[a] for a in comp.axes)
     inside = tuple(a for a in replicas if a not in comp.axes)
-    cut = Buckets.of(comp, c, [local_size([x.shape[1:]], [s], mesh) for x, s in zip(leaves, specs)],
-                     [x.dtype for x in leaves])
+    cut = comp.cut  # cut once from the shapes (buckets); the gradients arrive as it says
     in_node, across = comp.groups(c)
     rows = P(mesh.axis_names)
 

@@ -91,24 +91,24 @@ class Reduction:
              has_stats: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(gathered, replicas): the axes train.accum_gather=once gathers the params over
         (gathered_axes) and the replica axes the step reduces over by hand (() when XLA does)."""
+        gathered = gathered_axes(layout, mesh, param_shardings, microbatches, self.gather)
         by_hand = self.by_hand(microbatches, has_stats)
-        return (gathered_axes(layout, mesh, param_shardings, microbatches, self.gather),
-                replicas_by_hand(layout, mesh, param_shardings, microbatches, self.gather) if by_hand else ())
+        return gathered, (replica_axes(layout, mesh, param_shardings, gathered) if by_hand else ())
 
 
 def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] | None, param_shapes,
-           param_shardings, grad_dtypes) -> tuple[Reduction, dict]:
-    """(the run's Reduction, TrainState.comm's ShapeDtypeStructs): train.grad_dtype, the
-    gather mode (`gather`: "auto" decided) and train.grad_compression over its axes, which
-    follow the replica axes of the reduction by hand (compression.resolve), its buckets cut
-    from the gradients as they arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order)."""
+           param_shardings, grad_dtypes) -> Reduction:
+    """The run's Reduction: train.grad_dtype, the gather mode (`gather`: "auto" decided)
+    and train.grad_compression over its axes, which follow the replica axes of the
+    reduction by hand (compression.resolve), its buckets cut from the gradients as they
+    arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order)."""
     if train.grad_compression == "none":
-        return Reduction.of(train, gather), {}
+        return Reduction.of(train, gather)
     replicas = replicas_by_hand(layout, mesh, param_shardings, train.grad_accum_steps, gather)
     comp = compression.resolve(train, replicas, dcn, dict(mesh.shape))
     comp = dataclasses.replace(comp, cut=compression.buckets(comp, param_shapes, param_shardings, mesh, replicas,
                                                              grad_dtypes))
-    return Reduction.of(train, gather, comp), compression.state_shapes(comp, mesh)
+    return Reduction.of(train, gather, comp)
 
 
 def replicas_by_hand(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, gather: str) -> tuple[str, ...]:

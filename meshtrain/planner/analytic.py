@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from meshtrain.errors import UserError
 from meshtrain.models import remat
-from meshtrain.parallel import grad_reduce
+from meshtrain.parallel import compression, grad_reduce
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import context, experts, host_offload, pipeline_memory
 from meshtrain.planner.split_cost import group_size, local_batch, split_over
@@ -96,7 +96,8 @@ def state_bytes(exp) -> dict[str, float]:
     params, opt = sum(p_el), sum(o_el)
     split = sum(_elements(exp, state_lib.param_shardings(m, exp.layout, exp.mesh, "grads")))
     grads = split * pbytes + (opt * 4 if exp.cfg.train.grad_accum_steps > 1 else 0)
-    grads += sum(s.shape[1] * 4 for s in jax.tree.leaves(exp.comm))  # compression's feedback: a row a device
+    feedback = compression.state_shapes(exp.reduction.compression, exp.mesh)  # a row a device
+    grads += sum(s.shape[1] * 4 for s in feedback.values())
     once = gathered(exp)
     if once:  # accumulator and gathered params at the params' sharding without `once`
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
@@ -125,12 +126,12 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
         model, layout, params, opt = plan.model, plan.layout, plan.params, plan.opt_state
     else:
         params, opt = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
-    reduction, comm = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
+    reduction = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
                                          mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params,
                                          step_lib.replica_dtypes(model, cfg.train.grad_accum_steps))
     return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
                                  shardings=types.SimpleNamespace(params=params), grad_shardings=opt,
-                                 reduction=reduction, comm=comm)
+                                 reduction=reduction)
 
 
 def gathered(exp) -> tuple[str, ...]:

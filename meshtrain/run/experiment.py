@@ -242,7 +242,6 @@ class Experiment:
     accum_why: str = ""
     offload: offload_lib.Offload = offload_lib.Offload()  # what train.offload keeps in host memory
     reduction: grad_reduce.Reduction = grad_reduce.Reduction()  # how the replicas' gradients are reduced
-    comm: Any = dataclasses.field(default_factory=dict)  # TrainState.comm's ShapeDtypeStructs
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -281,8 +280,9 @@ class Experiment:
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
         if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
-        reduction, comm = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
-                                             step_lib.replica_dtypes(model, t.grad_accum_steps))
+        reduction = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
+                                       step_lib.replica_dtypes(model, t.grad_accum_steps))
+        comm = grad_compression.state_shapes(reduction.compression, mesh)
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
         train_step = step_lib.make_train_step(
@@ -292,8 +292,7 @@ class Experiment:
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction,
-                   comm)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction)
 
     @property
     def batch_fields(self):
@@ -321,6 +320,11 @@ class Experiment:
         """Whether the init compiles with the analysis options: on CPU, for a model of at
         most QUICK_INIT_PARAMS parameters."""
         return self.on_cpu and self.num_params() <= QUICK_INIT_PARAMS
+
+    @property
+    def comm(self) -> dict:
+        """TrainState.comm's ShapeDtypeStructs: the reduction's feedback buffers, or {}."""
+        return grad_compression.state_shapes(self.reduction.compression, self.mesh)
 
     @property
     def on_cpu(self) -> bool:
