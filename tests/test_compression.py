@@ -3,6 +3,8 @@ bytes over the compressed axis against a float32 reduction, the feedback buffers
 bookkeeping, training close to the float32 reduction, an exact resume with the buffers
 in the checkpoint, and what cannot compress refused with the fix."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -155,3 +157,11 @@ def test_what_cannot_compress_is_refused_with_the_fix(name, overrides, words):
         Experiment.build(cfg, devices=devices_for(cfg.mesh.shape))
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_error_feedback_must_be_a_bool():
+    """A config file may give a string where the command line's parser would keep the type."""
+    keys = dict(grad_compression="onebit", grad_dtype="", error_feedback=True)
+    compression.check(types.SimpleNamespace(**keys))
+    with pytest.raises(UserError, match="train.error_feedback='yes': must be true or false"):
+        compression.check(types.SimpleNamespace(**{**keys, "error_feedback": "yes"}))
