@@ -94,6 +94,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    trackers="tensorboard,jsonl", offload="", grad_compression="none", compress_axes="",
                    error_feedback=True, hang_timeout=None, hang_timeout_busy=1800.0,
                    straggler_every=100, straggler_fraction=0.1)
+    # DiLoCo (meshtrain/parallel/diloco.py, docs/performance.md): every > 0 trains each
+    # island (a node of mesh.dcn's data factor, or each data replica) apart for that many
+    # steps, then averages the islands' progress with outer Nesterov SGD (outer_lr, outer_momentum).
+    c.diloco = dict(every=0, outer_lr=0.7, outer_momentum=0.9)
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
     # every_minutes also saves at the first log step that many minutes after the last save

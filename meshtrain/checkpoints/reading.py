@@ -175,5 +175,6 @@ def init_state(src: InitSource, exp):
 
     def init(p, s):
         return state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=state_lib.base_key_data(exp.cfg.train.seed),
-                                    params=p, opt_state=exp.tx.init(p), stats=s, comm=state_lib.zeros(exp.comm))
-    return jax.jit(init, out_shardings=exp.shardings, donate_argnums=(0, 1))(params, stats)
+                                    params=p, opt_state=exp.tx.init(p), stats=s)
+    state = jax.jit(init, out_shardings=exp.shardings.replace(comm={}), donate_argnums=(0, 1))(params, stats)
+    return state.replace(comm=exp.fresh_comm(state.params))

@@ -196,6 +196,10 @@ class Checkpointer:
         state = TrainState(**restored.state)
         if saved != current:
             state = restage.restack(state, current, saved, exp.shardings.replace(comm={}), exp.model.stacked)
+        if comm and not fits and exp.diloco is not None:
+            warn(f"DiLoCo starts a new round from the outer params at step {step}: the checkpoint holds no "
+                 f"round of this run's shapes (saved without diloco.every, or on another data axis size).")
+            return state.replace(comm=exp.fresh_comm(state.params)), restored.meta
         if comm and not fits:
             warn(f"train.grad_compression's error feedback starts from zero at step {step}: the checkpoint "
                  f"holds no buffers of this run's shapes (saved without error feedback, or on another "

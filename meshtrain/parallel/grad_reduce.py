@@ -175,11 +175,12 @@ def _param_axes(param_shardings) -> set[str]:
     return {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes_of(entry)}
 
 
-def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh) -> Callable:
+def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh, own_params: bool = False) -> Callable:
     """value_and_grad(params, stats, batch, key) -> (out, grads), built on the layout
     without the replica axes (`Layout.without(*axes)`), -> fn(params, stats, batch, key)
     -> (out [n, ...], grads [n, ...]), replica i on rows i*B/n .. (i+1)*B/n of every batch
-    field, the rows its devices hold."""
+    field, the rows its devices hold, and on params[i] when `own_params` (params [n, ...],
+    DiLoCo's islands) else on the params all share."""
     n = math.prod(mesh.shape[a] for a in axes)
     split = NamedSharding(mesh, P(axes))
 
@@ -187,7 +188,7 @@ def per_replica(value_and_grad: Callable, axes: tuple[str, ...], mesh: Mesh) -> 
         rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x.reshape(n, x.shape[0] // n, *x.shape[1:]), split), batch)
         keys = None if key is None else jax.random.split(key, n)
-        return jax.vmap(value_and_grad, in_axes=(None, None, 0, None if key is None else 0),
+        return jax.vmap(value_and_grad, in_axes=(0 if own_params else None, None, 0, None if key is None else 0),
                         spmd_axis_name=axes)(params, stats, rows, keys)
     return fn
 

@@ -30,13 +30,13 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.parallel import layouts
 from meshtrain.parallel import sequence
-from meshtrain.parallel import compression as grad_compression, grad_reduce, offload as offload_lib
+from meshtrain.parallel import compression as grad_compression, diloco as diloco_lib, grad_reduce, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
 from meshtrain.runlog import trackers
 from meshtrain.step import tasks
-from meshtrain.step import loss as loss_lib, optim, state as state_lib, train_step as step_lib
+from meshtrain.step import loss as loss_lib, optim, rounds, state as state_lib, train_step as step_lib
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:
@@ -130,6 +130,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     tasks.kind(fam.task).check_config(cfg.train, dims)
     grad_reduce.check(cfg.train)
     grad_compression.check(cfg.train)
+    diloco_lib.check(cfg.diloco)
     grad_reduce.check_layout(cfg.train, layout)
     offload_lib.check_config(cfg.train)
     offload_lib.check_model(offload_lib.Offload.of(cfg.train), fam.name, fam.stacked, cfg.train.accum_gather,
@@ -171,6 +172,15 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
             f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({source.vocab_size} "
             f"tokens from {kind!r}). Leave model.vocab_size unset to follow the data.")
     return m.vocab_size or source.vocab_size
+
+
+def comm_shapes(reduction: grad_reduce.Reduction, dil: diloco_lib.Diloco | None, inner_tx, model: state_lib.ModelDef,
+                param_shardings, moment_shardings, mesh: Mesh) -> dict:
+    """TrainState.comm's ShapeDtypeStructs: train.grad_compression's feedback buffers,
+    DiLoCo's round (the replicas' params and inner optimizer state), or {}."""
+    if dil is not None:
+        return diloco_lib.state_shapes(dil, inner_tx, model.shapes, param_shardings, moment_shardings)
+    return grad_compression.state_shapes(reduction.compression, mesh)
 
 
 # A step compiled to be read, not run, needs no fast machine code: XLA:CPU's LLVM
@@ -242,6 +252,9 @@ class Experiment:
     accum_why: str = ""
     offload: offload_lib.Offload = offload_lib.Offload()  # what train.offload keeps in host memory
     reduction: grad_reduce.Reduction = grad_reduce.Reduction()  # how the replicas' gradients are reduced
+    # diloco.*: the islands, and the inner optimizer (optim.*'s; `tx` is then the outer one)
+    diloco: diloco_lib.Diloco | None = None
+    inner_tx: optax.GradientTransformation | None = None
 
     @classmethod
     def build(cls, cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -282,17 +295,29 @@ class Experiment:
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
         reduction = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
                                        step_lib.replica_dtypes(model, t.grad_accum_steps))
-        comm = grad_compression.state_shapes(reduction.compression, mesh)
+        dil = diloco_lib.resolve(cfg.diloco, t, layout, dict(mesh.shape), dcn,
+                                 grad_reduce.replica_axes(layout, mesh, plan.params), grad_shardings,
+                                 bool(model.stats_shapes),
+                                 model.pipeline is not None)
+        inner_tx, tx = (tx, dil.outer_tx()) if dil else (None, tx)
+        comm = comm_shapes(reduction, dil, inner_tx, model, plan.params, grad_shardings, mesh)
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
-        train_step = step_lib.make_train_step(
-            model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
-            nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=reduction,
-            task=task, batch_shardings=batch_sharding, offload=offload, grad_clip=cfg.optim.grad_clip)
+        if dil:
+            train_step = rounds.make_rounds(
+                model, tx, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
+                grad_accum_steps=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, task=task,
+                batch_shardings=batch_sharding)
+        else:
+            train_step = step_lib.make_train_step(
+                model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
+                nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=reduction,
+                task=task, batch_shardings=batch_sharding, offload=offload, grad_clip=cfg.optim.grad_clip)
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
-                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction)
+                   train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction,
+                   dil, inner_tx)
 
     @property
     def batch_fields(self):
@@ -313,8 +338,19 @@ class Experiment:
         """Step 0: fresh params, or init.from's params; a fresh optimizer either way."""
         if self.init is not None:
             return reading.init_state(self.init, self)
-        return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed,
-                                    analysis_options() if self._quick_init() else None, self.comm)
+        if self.diloco is None:
+            return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed,
+                                        analysis_options() if self._quick_init() else None, self.comm)
+        state = state_lib.init_state(self.model, self.tx, self.shardings.replace(comm={}), self.cfg.train.seed,
+                                     analysis_options() if self._quick_init() else None)
+        return state.replace(comm=self.fresh_comm(state.params))
+
+    def fresh_comm(self, params):
+        """TrainState.comm as a run starts it from `params`: the feedback buffers' zeros, or
+        DiLoCo's round from the outer params."""
+        if self.diloco is None:
+            return jax.jit(lambda: state_lib.zeros(self.comm), out_shardings=self.shardings.comm)()
+        return rounds.start(self.diloco, self.inner_tx, self.shardings.comm)(params)
 
     def _quick_init(self) -> bool:
         """Whether the init compiles with the analysis options: on CPU, for a model of at
@@ -323,8 +359,10 @@ class Experiment:
 
     @property
     def comm(self) -> dict:
-        """TrainState.comm's ShapeDtypeStructs: the reduction's feedback buffers, or {}."""
-        return grad_compression.state_shapes(self.reduction.compression, self.mesh)
+        """TrainState.comm's ShapeDtypeStructs: the reduction's feedback buffers, DiLoCo's
+        round, or {}."""
+        return comm_shapes(self.reduction, self.diloco, self.inner_tx, self.model, self.shardings.params,
+                           self.grad_shardings, self.mesh)
 
     @property
     def on_cpu(self) -> bool:
@@ -338,6 +376,9 @@ class Experiment:
         """AOT-compiles the train step from shapes alone (nothing allocated). `analysis`:
         a step only read (its HLO, buffers, collectives, FLOPs), never run: on CPU it
         compiles with analysis_options(), 2-4x faster."""
+        options = analysis_options() if analysis and self.on_cpu else None
+        if isinstance(self.train_step, rounds.Rounds):
+            return self.train_step.compile(self.abstract_state(), self.abstract_batch(), options)
         lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
         if analysis and self.on_cpu:
             return lowered.compile(analysis_options())

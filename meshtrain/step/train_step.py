@@ -67,7 +67,7 @@ def produced_dtypes(model: ModelDef) -> dict:
 
 def replica_dtypes(model: ModelDef, grad_accum_steps: int) -> list:
     """The dtype each gradient leaf (jax.tree.leaves order) reaches a reduction by hand in:
-    as produced, or float32 once summed over microbatches (`_gradients`' accumulate)."""
+    as produced, or float32 once summed over microbatches (`make_gradients`' accumulate)."""
     return [d if grad_accum_steps == 1 else "float32" for d in jax.tree.leaves(produced_dtypes(model))]
 
 
@@ -184,23 +184,27 @@ def gradient_names(model: ModelDef) -> list[str]:
     return list(tree_paths.flat(model.shapes))
 
 
-def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
+def make_gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings,
                task: tasks.Task, batches, *, grad_accum_steps: int, loss_chunk: int,
-               reduction: grad_reduce.Reduction, offload: offload_lib.Offload) -> Callable:
+               reduction: grad_reduce.Reduction, offload: offload_lib.Offload, own_params: bool = False) -> Callable:
     """grads_and_loss(params, stats, comm, batch, key) -> (grads, loss, metrics, stats, comm):
     the objective's, averaged over k = grad_accum_steps microbatches (module docstring), the
     replicas' reduction done by hand where `replica_axes` says so (compressed with `comm`'s
     feedback buffers under train.grad_compression), else left to XLA. Sums
     are kept in float32 (gathered matrices' gradients arrive in the compute dtype); under
-    a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole."""
+    a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole.
+    `own_params` (DiLoCo): params [data, ...], each data replica's own, and the grads,
+    loss and metrics are returned per replica [data, ...], unreduced."""
     k = grad_accum_steps
     gathered, replicas = reduction.axes(layout, mesh, shardings.params, k, bool(model.stats_shapes))
+    if own_params:
+        gathered, replicas = (), ("data",)
     # grad_fn(params, stats, batch, key) -> ((loss, (metrics, stats)), grads); per replica
     # (loss [n], grads [n, ...]), reduced below, when there are replica axes.
     objective = make_objective(model, layout.without(*replicas) if replicas else layout, mesh, task, loss_chunk,
                                offload)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
-    grad_fn = grad_reduce.per_replica(grad_fn, replicas, mesh) if replicas else grad_fn
+    grad_fn = grad_reduce.per_replica(grad_fn, replicas, mesh, own_params) if replicas else grad_fn
     gather = make_gather(model, layout, mesh, gathered)
     micro_shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), batches)
 
@@ -238,7 +242,7 @@ def _gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: TrainStat
             (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
         else:
             grads, loss, metrics, stats = accumulate(params, stats, batch, key)
-        if not replicas:
+        if not replicas or own_params:
             return grads, loss, metrics, stats, comm
         # per-replica losses and metrics [n]; no stats (a model with them has no replica axes)
         if reduction.compression is not None:
@@ -283,7 +287,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
-    grads_and_loss = _gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
+    grads_and_loss = make_gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
                                 grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction,
                                 offload=offload)
     streams = offload_lib.streams(offload, model)
