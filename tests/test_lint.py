@@ -258,7 +258,7 @@ def test_expert_on_dcn():
     assert run_lint(cfg) == []
 
 
-def test_gradients_on_a_slow_dcn_suggest_compression_with_the_time_each_saves():
+def test_gradients_on_a_slow_dcn_suggest_compression_and_diloco_with_the_time_each_saves():
     """gpt2_small_dp8 with data on 2 nodes of 4: on a node with one 100 Gb/s NIC the
     gradients' two-level all-reduce across nodes (roofline.collective_seconds of the bound)
     outlasts the matmuls it could hide behind and both compressions save most of what shows;
@@ -272,6 +272,8 @@ def test_gradients_on_a_slow_dcn_suggest_compression_with_the_time_each_saves():
     assert exposed[0] > exposed[1] > exposed[2] and exposed[0] > 4 * exposed[2] and f.severity == "warning"
     assert "across 2 nodes" in f.what and "one 100 Gb/s NIC" in f.cost
     assert [v for _, v in apply(cfg, f.fix)] == ["int8"] and "or --config.train.grad_compression=onebit" in f.fix
+    diloco = float(re.search(r"DiLoCo, the nodes meeting every 32 steps: ([\d.]+) ms a step", f.fix).group(1))
+    assert diloco < exposed[0] / 4 and "or --config.diloco.every=32" in f.fix
     assert "gradients-on-dcn" not in [g.code for g in lint.lint(cfg, hw=hardware.get("h100"))]
     compressed = configured("gpt2_small_dp8", **{"mesh.dcn": "data:2", "train.grad_compression": "int8"})
     assert "gradients-on-dcn" not in [g.code for g in lint.lint(compressed, hw=slow)]

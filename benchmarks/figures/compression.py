@@ -6,6 +6,7 @@ python benchmarks/figures/compression.py --text=FILE [--config gpt2_tiny_dp8] [-
 
 Trains the config with mesh.dcn=data:2 (two simulated nodes) once per setting: the
 reduction XLA writes (float32 here), int8, onebit with error feedback and onebit without,
+and DiLoCo with a round of 8 steps (diloco.every=8, the two nodes its islands),
 same seed and data (data.kind=text on FILE: any text corpus; the docs' figure used the
 fortune files of Debian's `fortunes` and `fortunes-min` packages, 2.5 MB of English, the
 ascii-art files left out), evaluating 12 times on the held-out tail. Prints each run's
@@ -26,6 +27,12 @@ SETTINGS = {  # label -> overrides
     "int8": {"train.grad_compression": "int8"},
     "onebit": {"train.grad_compression": "onebit"},
     "onebit-no-feedback": {"train.grad_compression": "onebit", "train.error_feedback": "false"},
+    # DiLoCo: the two nodes train apart, meeting every 8 steps: the paper's outer Nesterov
+    # (lr 0.7, momentum 0.9), MaxText's lr, a half-half pair and plain averaging
+    "diloco-8": {"diloco.every": "8"},
+    "diloco-8-lr0.3": {"diloco.every": "8", "diloco.outer_lr": "0.3"},
+    "diloco-8-lr0.5-m0.5": {"diloco.every": "8", "diloco.outer_lr": "0.5", "diloco.outer_momentum": "0.5"},
+    "diloco-8-average": {"diloco.every": "8", "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0"},
 }
 
 

@@ -12,6 +12,8 @@ docs/pipeline.md, docs/performance.md).
                       ZeRO-2's reduce-scatter in the backward)
   compression         that reduction over slow links in fewer bytes: int8 or one bit a value,
                       two phases (all-to-all, all-gather), error feedback (shard_map)
+  diloco              islands that train apart and meet every H steps: the round's state,
+                      the island's mean inside a node, the outer mean across (shard_map)
   offload             host offload: optimizer state and parameters kept in host memory
                       between steps, each layer's parameters fetched in the layer scan
   pipeline/           pipeline stages inside the one step: GPipe and circular as a scan over

@@ -58,7 +58,7 @@ from meshtrain.errors import UserError
 from meshtrain.models.stack import run_stack
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
-from meshtrain.parallel import compression
+from meshtrain.parallel import compression, diloco
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 
 GRAD_DTYPES = ("", "float32", "bfloat16")
@@ -109,6 +109,15 @@ def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] |
     comp = dataclasses.replace(comp, cut=compression.buckets(comp, param_shapes, param_shardings, mesh, replicas,
                                                              grad_dtypes))
     return Reduction.of(train, gather, comp)
+
+
+def state_shapes(reduction: Reduction, dil, inner_tx, param_shapes, param_shardings, moment_shardings,
+                 mesh: Mesh) -> dict:
+    """TrainState.comm's ShapeDtypeStructs: train.grad_compression's feedback buffers,
+    DiLoCo's round (`dil`: the replicas' params and `inner_tx`'s state), or {}."""
+    if dil is not None:
+        return diloco.state_shapes(dil, inner_tx, param_shapes, param_shardings, moment_shardings)
+    return compression.state_shapes(reduction.compression, mesh)
 
 
 def replicas_by_hand(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, gather: str) -> tuple[str, ...]:

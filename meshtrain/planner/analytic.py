@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from meshtrain.errors import UserError
 from meshtrain.models import remat
-from meshtrain.parallel import compression, grad_reduce
+from meshtrain.parallel import compression, diloco, grad_reduce
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 from meshtrain.planner import context, experts, host_offload, pipeline_memory
 from meshtrain.planner.split_cost import group_size, local_batch, split_over
@@ -103,12 +103,17 @@ def state_bytes(exp) -> dict[str, float]:
         wbytes = [jnp.dtype(d).itemsize for d in jax.tree.leaves(step_lib.produced_dtypes(m))]
         grads += sum(n * (4 + w) for n, w in zip(_elements(exp, exp.shardings.params, once), wbytes)) - opt * 4
     moments = sum(jnp.dtype(d).itemsize for d in optim.moment_dtypes(exp.cfg.optim, m.cfg.param_dtype))
+    dil = getattr(exp, "diloco", None)
+    if dil is not None:  # DiLoCo: the replica's own params beside the outer ones, and the outer momentum
+        params, extra = 2 * params, params * 4 if dil.outer_momentum else 0
+    else:
+        extra = 0
     in_stack = [getattr(path[0], "key", None) == m.stacked
                 for path, _ in jax.tree_util.tree_flatten_with_path(m.shapes)[0]]
 
     def stacked(elements):
         return sum(n for n, s in zip(elements, in_stack) if s) / sum(elements) if sum(elements) else 0.0
-    return {"params": params * pbytes, "optimizer": opt * moments, "gradients": grads,
+    return {"params": params * pbytes, "optimizer": opt * moments + extra, "gradients": grads,
             "stacked": {"params": stacked(p_el), "optimizer": stacked(o_el), "gradients": stacked(p_el)}}
 
 
@@ -129,9 +134,13 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
     reduction = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
                                          mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params,
                                          step_lib.replica_dtypes(model, cfg.train.grad_accum_steps))
+    dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape))
+    dil = diloco.resolve(cfg.diloco, cfg.train, layout, dict(mesh.shape), dcn,
+                         grad_reduce.replica_axes(layout, mesh, params), opt, bool(model.stats_shapes),
+                         model.pipeline is not None)
     return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
                                  shardings=types.SimpleNamespace(params=params), grad_shardings=opt,
-                                 reduction=reduction)
+                                 reduction=reduction, diloco=dil)
 
 
 def gathered(exp) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ import math
 import jax.numpy as jnp
 
 from meshtrain import tree_paths
-from meshtrain.parallel import compression, grad_reduce
+from meshtrain.parallel import compression, diloco, grad_reduce
 from meshtrain.planner import context, experts, halo
 from meshtrain.planner.analytic import embed_dim, gathered, has_stream, loss_chunks, spec_axes
 from meshtrain.planner.split_cost import SplitCost, Term, Traffic, group_size, local_batch, split_over
@@ -59,14 +59,16 @@ class _Rows:
         self.mesh, self.rows = mesh, {}
         self.order = {a: i for i, a in enumerate(mesh.axis_names)}
 
-    def add(self, kind, axes, count, nbytes, what, in_node: bool = False) -> None:
+    def add(self, kind, axes, count, nbytes, what, in_node: bool | None = False) -> None:
         """`in_node`: groups of the axes' positions inside one node (roofline.place keeps
-        them off the network), as a hierarchical reduction's first and last phases."""
+        them off the network), as a hierarchical reduction's first and last phases; None:
+        groups of one position a node (its phase across them)."""
         axes = tuple(sorted((a for a in axes if self.mesh.shape[a] > 1), key=self.order.get))
         if not axes or nbytes <= 0:
             return
+        where = {"in_node": True} if in_node else {"across": True} if in_node is None else {}
         r = self.rows.setdefault((kind, axes, in_node), {"kind": kind, "mesh_axes": axes, "count": 0, "bytes": 0.0,
-                                                         "what": what, **({"in_node": True} if in_node else {})})
+                                                         "what": what, **where})
         r["count"] += count
         r["bytes"] += nbytes
 
@@ -142,6 +144,7 @@ def _gradients(exp, add) -> None:
     replicas = grad_reduce.replica_axes(exp.layout, mesh, exp.shardings.params, once)
     zero2 = exp.layout.splits_grads
     comp = exp.reduction.compression
+    dil = getattr(exp, "diloco", None)
     for leaf in leaves(exp):
         local = leaf.local
         g = compute  # the narrowest dtype gradients are computed in: a true lower bound
@@ -157,6 +160,11 @@ def _gradients(exp, add) -> None:
                 n = group_size(shape, [a for a in reduce_axes if a in leaf.opt])
                 add("all-gather", [a for a in reduce_axes if a in leaf.opt], 0, (n - 1) / n * local * pbytes,
                     "ZeRO-1 updated-param all-gather")
+        if dil and "data" in plain:  # DiLoCo: an island's mean inside the node (the rounds' below)
+            plain = [a for a in plain if a != "data"]
+            summed = 4 if k > 1 else g  # microbatches accumulate in float32
+            add("all-reduce", ["data"], 0, 2 * (dil.per_island - 1) / dil.per_island * local * summed,
+                "gradient mean inside an island (DiLoCo)", True)
         # Gradient reductions: XLA combines and splits them freely, so the bound counts no ops.
         if plain:
             n = group_size(shape, plain)
@@ -198,6 +206,10 @@ def _gradients(exp, add) -> None:
                 "FSDP gradient reduce-scatter, per microbatch")
     for kind, axes, nbytes, what, in_node in (compression.wire(comp, shape, replicas) if comp else []):
         add(kind, list(axes), 0, nbytes, what, in_node)
+    if dil:  # the outer step's, once a round: a step's share
+        for kind, axes, nbytes, what, in_node in diloco.wire(dil, sum(leaf.local for leaf in leaves(exp))):
+            add(kind, list(axes), 0, nbytes / dil.every, f"{what}, once every {dil.every} steps (DiLoCo)",
+                True if in_node else None)
 
 
 def _stream(exp) -> tuple[dict, float] | None:

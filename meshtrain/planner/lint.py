@@ -38,6 +38,7 @@ from meshtrain.planner.split_cost import group_size, split_over
 __all__ = ["Finding", "fix_overrides", "lint"]
 BUBBLE_LIMIT = 0.25                      # the largest idle share of a pipelined step not flagged
 SAVES_A_LOT = 0.25                       # share of the device's usable memory 1F1B must save to be flagged
+ROUND = 32                              # the DiLoCo round the gradients-on-dcn lint prices
 SLOW_GRADIENTS = 0.25                    # share of the gradients' exposed time compression must save to be suggested
 
 
@@ -208,7 +209,7 @@ def _gradients_on_dcn(run: Run) -> list[Finding]:
     matmuls, and what train.grad_compression would take instead."""
     dcn, shape, hw, built = run.dcn, run.shape, run.hw, {}
     t = run.cfg.train
-    if not dcn or dcn["data"] <= 1 or t.grad_compression != "none":
+    if not dcn or dcn["data"] <= 1 or t.grad_compression != "none" or run.cfg.diloco.every:
         return []
     times = {}
     for kind in ("none", "int8", "onebit"):
@@ -223,13 +224,24 @@ def _gradients_on_dcn(run: Run) -> list[Finding]:
     # XLA overlaps the replicas' reduction with the backward pass: what outlasts the matmuls
     # shows in the step (the roofline's rule). Flagged where that is so and compression saves.
     exposed = {k: max(v - matmuls, 0.0) for k, v in times.items()}
-    saving = [k for k in ("int8", "onebit") if exposed[k] <= (1 - SLOW_GRADIENTS) * exposed["none"]]
+    # DiLoCo's outer step runs alone, once a round (no matmuls to hide behind): a round of
+    # ROUND steps, a step's share of it
+    local = _abstract(run, built, **{"diloco.every": str(ROUND)})
+    if local is not None:
+        times["diloco"] = sum(roofline.collective_seconds(hw, {**r, **_across_data(r, shape, dcn, hw)})
+                              for r in bounds.collective_bounds(local) if list(r["mesh_axes"]) == ["data"])
+        exposed["diloco"] = times["diloco"]
+    saving = [k for k in ("int8", "onebit", "diloco")
+              if k in exposed and exposed[k] <= (1 - SLOW_GRADIENTS) * exposed["none"]]
     if not exposed["none"] or not saving:
         return []
     ms = {k: f"{v * 1e3:,.3g} ms" for k, v in {**times, "matmuls": matmuls}.items()}
     shown = {k: f"{v * 1e3:,.3g} ms" for k, v in exposed.items()}
     why = {"int8": "a byte a value across nodes: docs/performance.md measures its loss within 0.2% of "
-                   "float32's", "onebit": "a thirty-second of the bytes, a few percent of loss"}
+                   "float32's", "onebit": "a thirty-second of the bytes, a few percent of loss",
+           "diloco": f"DiLoCo, the nodes meeting every {ROUND} steps: {ms.get('diloco', '')} a step over data, a "
+                     f"round's outer step included; "
+                     f"docs/performance.md measures rounds of 8 within 1% of the loss with outer lr 1 - momentum"}
     return [Finding(
         "gradients-on-dcn", "warning",
         f"mesh.dcn={mesh_lib.format_factors(dcn)} puts the data axis across {dcn['data']} nodes, and the gradient "
@@ -238,7 +250,8 @@ def _gradients_on_dcn(run: Run) -> list[Finding]:
         f"about {shown['none']} a step exposed (a two-level all-reduce at the node's NICs: {hw.source}); with its "
         f"in-node phases, int8 would take {ms['int8']} ({shown['int8']} exposed), onebit {ms['onebit']} "
         f"({shown['onebit']})",
-        ", or ".join(f"{override('train.grad_compression', k)} ({why[k]})" for k in saving))]
+        ", or ".join(f"{override('diloco.every', ROUND) if k == 'diloco' else override('train.grad_compression', k)} "
+                     f"({why[k]})" for k in saving))]
 
 
 def _across_data(row: dict, shape: dict, dcn: dict, hw) -> dict:
@@ -249,7 +262,8 @@ def _across_data(row: dict, shape: dict, dcn: dict, hw) -> dict:
     m = shape["data"] // k
     if row.get("in_node"):
         return {"crosses_nodes": False, "nodes": 1}
-    whole = row["kind"] == "all-reduce"  # compression's phases run across, one device a node
+    # compression's phases and DiLoCo's outer all-reduce run across, one device a node
+    whole = row["kind"] == "all-reduce" and not row.get("across")
     per_node, size = (m, shape["data"]) if whole else (1, k)
     return {"crosses_nodes": True, "nodes": k, "per_node": per_node, "group_size": size,
             "groups_per_node": max(hw.devices_per_node // per_node, 1)}

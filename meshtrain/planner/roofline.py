@@ -73,6 +73,8 @@ def place(rows: list[dict], mesh, node_of) -> list[dict]:
         r.update(cache[axes])
         if r.get("in_node"):  # groups cut inside a node (bounds' in-node rows)
             r.update(crosses_nodes=False, nodes=1)
+        elif r.get("across") and r["crosses_nodes"]:  # one position a node: the axis's m groups share its NICs
+            r.update(per_node=1, groups_per_node=r["per_node"] * r["groups_per_node"], group_size=r["nodes"])
     return rows
 
 

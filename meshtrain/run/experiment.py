@@ -174,15 +174,6 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
     return m.vocab_size or source.vocab_size
 
 
-def comm_shapes(reduction: grad_reduce.Reduction, dil: diloco_lib.Diloco | None, inner_tx, model: state_lib.ModelDef,
-                param_shardings, moment_shardings, mesh: Mesh) -> dict:
-    """TrainState.comm's ShapeDtypeStructs: train.grad_compression's feedback buffers,
-    DiLoCo's round (the replicas' params and inner optimizer state), or {}."""
-    if dil is not None:
-        return diloco_lib.state_shapes(dil, inner_tx, model.shapes, param_shardings, moment_shardings)
-    return grad_compression.state_shapes(reduction.compression, mesh)
-
-
 # A step compiled to be read, not run, needs no fast machine code: XLA:CPU's LLVM
 # optimisations and fusion emitters go (half of a CPU compile and more), and the partitioned
 # HLO, its collectives and FLOPs stay the same; the buffer peak moves by a few hundred bytes
@@ -300,19 +291,15 @@ class Experiment:
                                  bool(model.stats_shapes),
                                  model.pipeline is not None)
         inner_tx, tx = (tx, dil.outer_tx()) if dil else (None, tx)
-        comm = comm_shapes(reduction, dil, inner_tx, model, plan.params, grad_shardings, mesh)
+        comm = grad_reduce.state_shapes(reduction, dil, inner_tx, model.shapes, plan.params, grad_shardings, mesh)
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
-        if dil:
-            train_step = rounds.make_rounds(
-                model, tx, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
-                grad_accum_steps=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, task=task,
-                batch_shardings=batch_sharding)
-        else:
-            train_step = step_lib.make_train_step(
-                model, tx, schedule, layout, mesh, shardings, grad_shardings, grad_accum_steps=t.grad_accum_steps,
-                nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, reduction=reduction,
-                task=task, batch_shardings=batch_sharding, offload=offload, grad_clip=cfg.optim.grad_clip)
+        same = dict(grad_accum_steps=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, task=task,
+                    batch_shardings=batch_sharding)
+        train_step = (rounds.make_rounds(model, tx, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
+                                         **same) if dil else step_lib.make_train_step(model, tx, schedule, layout, mesh, shardings, grad_shardings,
+                                                           reduction=reduction, offload=offload,
+                                                           grad_clip=cfg.optim.grad_clip, **same))
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,
@@ -338,9 +325,6 @@ class Experiment:
         """Step 0: fresh params, or init.from's params; a fresh optimizer either way."""
         if self.init is not None:
             return reading.init_state(self.init, self)
-        if self.diloco is None:
-            return state_lib.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed,
-                                        analysis_options() if self._quick_init() else None, self.comm)
         state = state_lib.init_state(self.model, self.tx, self.shardings.replace(comm={}), self.cfg.train.seed,
                                      analysis_options() if self._quick_init() else None)
         return state.replace(comm=self.fresh_comm(state.params))
@@ -361,8 +345,8 @@ class Experiment:
     def comm(self) -> dict:
         """TrainState.comm's ShapeDtypeStructs: the reduction's feedback buffers, DiLoCo's
         round, or {}."""
-        return comm_shapes(self.reduction, self.diloco, self.inner_tx, self.model, self.shardings.params,
-                           self.grad_shardings, self.mesh)
+        return grad_reduce.state_shapes(self.reduction, self.diloco, self.inner_tx, self.model.shapes,
+                                        self.shardings.params, self.grad_shardings, self.mesh)
 
     @property
     def on_cpu(self) -> bool:

@@ -57,15 +57,12 @@ class Rounds:
         return Rounds(inner, self.outer.lower(state).compile(options), self.metrics.lower(metrics).compile(options),
                       self.every)
 
-    # What the planner reads of a compiled step is the inner step's: the outer step runs once a round.
-    def as_text(self) -> str:
-        return self.inner.as_text()
-
-    def memory_analysis(self):
-        return self.inner.memory_analysis()
-
-    def cost_analysis(self):
-        return self.inner.cost_analysis()
+    def __getattr__(self, name: str):
+        # What is read of a compiled step (its HLO, memory, costs, arguments) is the inner
+        # step's: the one that runs every step (the outer step's cost is per round: planner).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def make_rounds(model: ModelDef, tx: optax.GradientTransformation, inner_tx: optax.GradientTransformation,
