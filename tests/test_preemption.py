@@ -152,7 +152,10 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, ref
         first = piece["steps"]["first"]
         assert piece["steps"]["repeated"] == max(0, min(reached, piece["steps"]["last"]) - first + 1)
         assert sum(piece["seconds"].values()) == pytest.approx(piece["wall_s"], rel=1e-3)
-    assert goodput.add_up(pieces)["repeated_steps"] >= 1  # a kill mid-save leaves steps to redo
+    # Not ">= 1": a kill between a step's save starting and its goodput row (written after
+    # the save is started) leaves the killed run's last counted step committed, and nothing
+    # to redo; about one run in three here. The sum is what the pieces say, every time.
+    assert goodput.add_up(pieces)["repeated_steps"] == sum(p["steps"]["repeated"] for p in pieces)
 
 
 @pytest.mark.slow
