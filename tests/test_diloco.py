@@ -48,6 +48,20 @@ def test_a_round_a_step_with_outer_sgd_at_lr_1_is_data_parallelism(rounds):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_an_island_keeps_its_fsdp_and_tensor_splits_and_a_round_a_step_is_still_data_parallelism():
+    """llama_tiny_dp2_fsdp2_tp2: each of the 2 data replicas (an island each, no mesh.dcn)
+    is FSDP x tensor inside, as in the run without DiLoCo."""
+    runs = []
+    for over in ({}, {"diloco.every": "1", "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0"}):
+        exp = build("llama_tiny_dp2_fsdp2_tp2", **{"mesh.dcn": "", **over})
+        runs.append([jax.device_get(step) for step in stepped(exp, 2, step=exp.compile(analysis=True))])
+    assert exp.diloco.islands == 2 and exp.diloco.per_island == 1
+    np.testing.assert_allclose([float(m["loss"]) for _, m in runs[1]], [float(m["loss"]) for _, m in runs[0]],
+                               rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(runs[1][-1][0].params), jax.tree.leaves(runs[0][-1][0].params)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_an_inner_step_sends_nothing_across_nodes_and_a_round_what_the_formula_says(rounds):
     exp, compiled, history = rounds[2]
     node_of = roofline.node_of_position(exp.mesh, 4, exp.dcn)
