@@ -29,11 +29,11 @@ def build(name="gpt2_tiny_dp8", devices=None, **overrides):
 
 @pytest.fixture(scope="module")
 def rounds():
-    """(data parallelism's, a round a step's, a round every 2 steps') experiment, compiled
-    step and STEPS steps' (state, metrics)."""
+    """(data parallelism's, a round a step's, a round every 2 steps', and the same with the
+    pseudo-gradient in int8) experiment, compiled step and STEPS steps' (state, metrics)."""
     out = []
     for over in ({}, {"diloco.every": "1", "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0"},
-                 {"diloco.every": "2"}):
+                 {"diloco.every": "2"}, {"diloco.every": "2", "train.grad_compression": "int8"}):
         exp = build(**over)
         compiled = exp.compile(analysis=True)
         # On the host as they come: the next step donates each state's arrays.
@@ -42,7 +42,7 @@ def rounds():
 
 
 def test_a_round_a_step_with_outer_sgd_at_lr_1_is_data_parallelism(rounds):
-    (_, _, plain), (_, _, local), _ = rounds
+    (_, _, plain), (_, _, local), *_ = rounds
     np.testing.assert_allclose([float(m["loss"]) for _, m in local], [float(m["loss"]) for _, m in plain], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(local[-1][0].params), jax.tree.leaves(plain[-1][0].params)):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -105,9 +105,26 @@ def test_a_resume_mid_round_is_exact_and_one_on_another_data_size_starts_a_round
         np.testing.assert_array_equal(rows, np.broadcast_to(outer_p, rows.shape))
 
 
+def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_alike(rounds):
+    """train.grad_compression=int8 under DiLoCo compresses the outer step's chunks across
+    nodes (compression's two phases, no feedback), as the formula says; the inner steps
+    are untouched."""
+    (_, _, plain), (_, _, _), (exp, compiled, f32), (exp8, compiled8, int8) = rounds
+    node_of = roofline.node_of_position(exp.mesh, 4, exp.dcn)
+    across = [sum(r["bytes"] for r in hlo.collective_table(c.outer, e.mesh, node_of) if r["nodes"] > 1)
+              for e, c in ((exp, compiled), (exp8, compiled8))]
+    local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
+                                   [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)
+    assert across[1] == pytest.approx(sum(w[2] for w in diloco.wire(exp8.diloco, local) if not w[4]), rel=0.01)
+    assert 0.24 < across[1] / across[0] <= 0.27
+    assert [r for r in hlo.collective_table(compiled8.inner, exp8.mesh, node_of) if r["nodes"] > 1] == []
+    np.testing.assert_allclose([float(m["loss"]) for _, m in int8], [float(m["loss"]) for _, m in f32], rtol=1e-3)
+    assert not np.array_equal(jax.tree.leaves(int8[-1][0].params)[0], jax.tree.leaves(f32[-1][0].params)[0])
+
+
 @pytest.mark.parametrize("name,overrides,words", [
     ("gpt2_tiny_dp8_zero1", {}, ["splits the optimizer state over data", "Use dp"]),
-    ("gpt2_tiny_dp8", {"train.grad_compression": "int8"}, ["train.grad_compression", "DiLoCo replaces"]),
+    ("gpt2_tiny_dp8", {"train.grad_dtype": "bfloat16"}, ["train.grad_dtype", "DiLoCo replaces"]),
     ("gpt2_tiny_pp2_dp4", {"mesh.dcn": ""}, ["pipeline"]),
     ("vgg_tiny_digits_dp2", {"mesh.dcn": ""}, ["BatchNorm", "batch_norm=false"]),
     ("gpt2_tiny_dp8", {"diloco.every": "-1"}, ["integer >= 1", "0: off"]),

@@ -218,6 +218,7 @@ def run_summary(exp, resumed: dict | None = None) -> dict:
     return {
         "layout": exp.layout.name, "mesh": dict(exp.mesh.shape),
         "pipeline": None if pipe is None else {"stages": pipe.stages, "repeats": pipe.repeats},
+        "diloco": exp.cfg.diloco.every,  # its opt_state is the outer optimizer's, its comm the round
         "model": exp.model.family.describe(m),
         "family": exp.model.family.name, "architecture": models.architecture(m),
         "tokenizer": None if exp.cfg.data.kind == "synthetic" else exp.cfg.data.tokenizer,

@@ -67,7 +67,8 @@ def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
     origin = ""
     if saved_run:
         origin = (f" It was saved by a run with model {saved_run.get('model')}, layout "
-                  f"{saved_run.get('layout')!r}, pipeline {saved_run.get('pipeline')}.")
+                  f"{saved_run.get('layout')!r}, pipeline {saved_run.get('pipeline')}"
+                  f"{', diloco.every ' + str(saved_run['diloco']) if saved_run.get('diloco') else ''}.")
     raise UserError(
         f"The checkpoint {where} does not fit this run: {problems[0]}{more}.{origin} Resume with "
         f"the model settings it was saved with, or start fresh with another --workdir or "

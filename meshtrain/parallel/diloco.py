@@ -27,7 +27,8 @@ The state (TrainState):
 The outer mean crosses nodes once per round: since an island's m replicas hold the same
 values, device i of a node all-reduces only chunk i of m of its copy with the device i of
 every other node (2 (I-1)/I x S/m float32 bytes each, S its values), then gathers the
-node's m chunks inside it ((m-1)/m x S). A step's metrics are per replica [data]; their
+node's m chunks inside it ((m-1)/m x S); with train.grad_compression the chunks cross in
+the compressed reduction's two phases instead (parallel/compression.py). A step's metrics are per replica [data]; their
 mean over every replica (a few scalars across nodes) is a program of its own
 (`mean_metrics`), so the inner step's HLO shows no cross-node collective at all.
 """
@@ -42,6 +43,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
+from meshtrain.parallel import compression
 from meshtrain.parallel.layouts.rules import mesh_axes_of
 
 AXIS = "data"
@@ -57,6 +59,7 @@ class Diloco:
     outer_momentum: float
     islands: int
     per_island: int
+    compress: str = "none"  # train.grad_compression: the pseudo-gradient's chunks across nodes
 
     @property
     def replicas(self) -> int:
@@ -103,8 +106,7 @@ def resolve(c, train, layout, mesh_shape: dict[str, int], dcn: dict[str, int] | 
         why = (f"layout {layout.name!r} splits the optimizer state over data, which each island keeps whole. "
                f"Use dp (or fsdp to split it inside a node)")
     else:
-        for key, value, what in (("train.grad_compression", train.grad_compression != "none", "compresses"),
-                                 ("train.grad_dtype", bool(train.grad_dtype), "casts"),
+        for key, value, what in (("train.grad_dtype", bool(train.grad_dtype), "casts"),
                                  ("train.offload", bool(train.offload), "moves")):
             if value:
                 why = f"{key} {what} the step's reduction, which DiLoCo replaces. Set {key} back to its default"
@@ -116,7 +118,7 @@ def resolve(c, train, layout, mesh_shape: dict[str, int], dcn: dict[str, int] | 
             why = "train.accum_gather=once gathers over fsdp inside each replica's program. Set it to each"
     if why:
         raise UserError(f"diloco.every={c.every}: {why}.")
-    return Diloco(c.every, c.outer_lr, c.outer_momentum, islands, d // islands)
+    return Diloco(c.every, c.outer_lr, c.outer_momentum, islands, d // islands, train.grad_compression)
 
 
 def rows(sharding: NamedSharding) -> NamedSharding:
@@ -184,7 +186,12 @@ def outer_mean(inner_n, dil: Diloco, mesh: Mesh, param_shardings):
         flat = jnp.pad(flat, (0, m * chunk - size)).reshape(m, chunk)
         if m > 1:  # this device's chunk of its island's copy: the others hold the rest
             flat = jax.lax.dynamic_index_in_dim(flat, jax.lax.axis_index(AXIS) % m, keepdims=False)
-        total = jax.lax.psum(flat, AXIS, axis_index_groups=across) / k
+        if dil.compress == "none":
+            total = jax.lax.psum(flat, AXIS, axis_index_groups=across) / k
+        else:  # its two phases across nodes (parallel/compression.py), no feedback: a round's is used once
+            padded = compression.chunk(flat.shape[0], k) * k
+            total = compression.compressed_sum(dil.compress, jnp.pad(flat, (0, padded - flat.shape[0])), AXIS, k,
+                                               None, across)[0][:flat.shape[0]] / k
         if m > 1:
             total = jax.lax.all_gather(total, AXIS, axis_index_groups=in_node, tiled=True)
         total, out, at = total.reshape(-1), [], 0
@@ -213,10 +220,17 @@ def wire(dil: Diloco, local_values: int) -> list[tuple]:
     groups stay inside a node)] of the outer step, `local_values` being one device's
     values of one replica's params (their float32 copy)."""
     m, k = dil.per_island, dil.islands
-    chunk = -(-local_values // m) * 4
-    out = [("all-reduce", (AXIS,), 2 * (k - 1) / k * chunk, "pseudo-gradient chunks summed across nodes", False)]
+    values = -(-local_values // m)
+    if dil.compress == "none":
+        out = [("all-reduce", (AXIS,), 2 * (k - 1) / k * values * 4, "pseudo-gradient chunks summed across nodes",
+                False)]
+    else:  # compression's two phases over the k nodes: (k-1) of k chunks' payload and scales each
+        c = compression.chunk(values, k)
+        phase = (k - 1) * ((c if dil.compress == "int8" else c / 8) + 4 * -(-c // compression.BLOCK[dil.compress]))
+        out = [("all-to-all", (AXIS,), phase, f"{dil.compress} pseudo-gradient chunks to their reducers", False),
+               ("all-gather", (AXIS,), phase, f"{dil.compress} reduced chunks to every node", False)]
     if m > 1:
-        out.append(("all-gather", (AXIS,), (m - 1) * chunk, "the mean's chunks gathered inside a node", True))
+        out.append(("all-gather", (AXIS,), (m - 1) * values * 4, "the mean's chunks gathered inside a node", True))
     return out
 
 

@@ -97,12 +97,13 @@ class Reduction:
 
 
 def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] | None, param_shapes,
-           param_shardings, grad_dtypes) -> Reduction:
+           param_shardings, grad_dtypes, diloco_on: bool = False) -> Reduction:
     """The run's Reduction: train.grad_dtype, the gather mode (`gather`: "auto" decided)
     and train.grad_compression over its axes, which follow the replica axes of the
     reduction by hand (compression.resolve), its buckets cut from the gradients as they
-    arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order)."""
-    if train.grad_compression == "none":
+    arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order). Under DiLoCo (`diloco_on`)
+    the compression is the outer step's (parallel/diloco.py), not the step's."""
+    if train.grad_compression == "none" or diloco_on:
         return Reduction.of(train, gather)
     replicas = replicas_by_hand(layout, mesh, param_shardings, train.grad_accum_steps, gather)
     comp = compression.resolve(train, replicas, dcn, dict(mesh.shape))

@@ -133,7 +133,8 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
         params, opt = (state_lib.param_shardings(model, layout, mesh, t) for t in ("params", "opt_state"))
     reduction = grad_reduce.of_run(cfg.train, accum_gather, layout, mesh,
                                          mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape)), model.shapes, params,
-                                         step_lib.replica_dtypes(model, cfg.train.grad_accum_steps))
+                                         step_lib.replica_dtypes(model, cfg.train.grad_accum_steps),
+                                         bool(cfg.diloco.every))
     dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape))
     dil = diloco.resolve(cfg.diloco, cfg.train, layout, dict(mesh.shape), dcn,
                          grad_reduce.replica_axes(layout, mesh, params), opt, bool(model.stats_shapes),

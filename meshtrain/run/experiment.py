@@ -285,7 +285,7 @@ class Experiment:
         if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
         reduction = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
-                                       step_lib.replica_dtypes(model, t.grad_accum_steps))
+                                       step_lib.replica_dtypes(model, t.grad_accum_steps), bool(cfg.diloco.every))
         dil = diloco_lib.resolve(cfg.diloco, t, layout, dict(mesh.shape), dcn,
                                  grad_reduce.replica_axes(layout, mesh, plan.params), grad_shardings,
                                  bool(model.stats_shapes),
