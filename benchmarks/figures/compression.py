@@ -33,6 +33,8 @@ SETTINGS = {  # label -> overrides
     "diloco-8-lr0.3": {"diloco.every": "8", "diloco.outer_lr": "0.3"},
     "diloco-8-lr0.5-m0.5": {"diloco.every": "8", "diloco.outer_lr": "0.5", "diloco.outer_momentum": "0.5"},
     "diloco-8-average": {"diloco.every": "8", "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0"},
+    "diloco-8-average-int8": {"diloco.every": "8", "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0",
+                              "train.grad_compression": "int8"},
 }
 
 
