@@ -68,6 +68,8 @@ def test_an_inner_step_sends_nothing_across_nodes_and_a_round_what_the_formula_s
     inner = hlo.collective_table(compiled.inner, exp.mesh, node_of)
     assert [r for r in inner if r["nodes"] > 1] == []
     assert any(r["mesh_axes"] == ("data",) and r["kind"] == "all-reduce" for r in inner)  # the island's mean
+    # ... which the plan report times on the node's links, not the network
+    assert not any(r["crosses_nodes"] for r in roofline.place(inner, exp.mesh, node_of))
     outer = hlo.collective_table(compiled.outer, exp.mesh, node_of)
     local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
                                    [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)

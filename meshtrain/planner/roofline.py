@@ -70,8 +70,9 @@ def place(rows: list[dict], mesh, node_of) -> list[dict]:
         axes = tuple(r["mesh_axes"])
         if axes not in cache:
             cache[axes] = placement(mesh, axes, node_of)
+        touched = r.get("nodes")  # a compiled row's (hlo.collective_table): the most nodes a group touches
         r.update(cache[axes])
-        if r.get("in_node"):  # groups cut inside a node (bounds' in-node rows)
+        if r.get("in_node") or touched == 1:  # groups cut inside a node (bounds' in-node rows, or compiled)
             r.update(crosses_nodes=False, nodes=1)
         elif r.get("across") and r["crosses_nodes"]:  # one position a node: the axis's m groups share its NICs
             r.update(per_node=1, groups_per_node=r["per_node"] * r["groups_per_node"], group_size=r["nodes"])
