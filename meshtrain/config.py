@@ -97,7 +97,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # DiLoCo (meshtrain/parallel/diloco.py, docs/performance.md): every > 0 trains each
     # island (a node of mesh.dcn's data factor, or each data replica) apart for that many
     # steps, then averages the islands' progress with outer Nesterov SGD (outer_lr, outer_momentum).
-    c.diloco = dict(every=0, outer_lr=0.7, outer_momentum=0.9)
+    # fragments > 1: streaming DiLoCo, the stacked layers in that many ranges meeting in turn.
+    c.diloco = dict(every=0, outer_lr=0.7, outer_momentum=0.9, fragments=1)
     # Orbax checkpoints (docs/checkpoints.md). dir "" is WORKDIR/checkpoints (none without
     # --workdir); every=0 saves only at the end, at stop_at and on SIGTERM or Ctrl-C;
     # every_minutes also saves at the first log step that many minutes after the last save

@@ -70,7 +70,7 @@ def test_an_inner_step_sends_nothing_across_nodes_and_a_round_what_the_formula_s
     assert any(r["mesh_axes"] == ("data",) and r["kind"] == "all-reduce" for r in inner)  # the island's mean
     # ... which the plan report times on the node's links, not the network
     assert not any(r["crosses_nodes"] for r in roofline.place(inner, exp.mesh, node_of))
-    outer = hlo.collective_table(compiled.outer, exp.mesh, node_of)
+    outer = hlo.collective_table(compiled.outer[0], exp.mesh, node_of)
     local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
                                    [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)
     for kind, axes, nbytes, _, in_node in diloco.wire(exp.diloco, local):
@@ -113,7 +113,7 @@ def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_ali
     are untouched."""
     (_, _, plain), (_, _, _), (exp, compiled, f32), (exp8, compiled8, int8) = rounds
     node_of = roofline.node_of_position(exp.mesh, 4, exp.dcn)
-    across = [sum(r["bytes"] for r in hlo.collective_table(c.outer, e.mesh, node_of) if r["nodes"] > 1)
+    across = [sum(r["bytes"] for r in hlo.collective_table(c.outer[0], e.mesh, node_of) if r["nodes"] > 1)
               for e, c in ((exp, compiled), (exp8, compiled8))]
     local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
                                    [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)
@@ -124,6 +124,74 @@ def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_ali
     assert not np.array_equal(jax.tree.leaves(int8[-1][0].params)[0], jax.tree.leaves(f32[-1][0].params)[0])
 
 
+@pytest.mark.parametrize("fragment", [0, 1])
+def test_an_outer_step_is_nesterov_sgd_on_the_pseudo_gradient_of_its_fragment_alone(fragment):
+    """diloco.outer_update against optax.sgd(0.7, 0.9, nesterov) on outer params - the
+    islands' mean, on a toy: 2 islands of 4 replicas, a stack of 4 layers in 2 fragments
+    (the rest rides with the first). Fragment 1 moves layers 2-3 and their momentum only."""
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "tensor"))
+    dil = diloco.Diloco(every=4, outer_lr=0.7, outer_momentum=0.9, islands=2, per_island=4, fragments=2)
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"w": rng.normal(size=(4, 3)).astype(np.float32)}, "head": rng.normal(size=(5,)).astype(np.float32)}
+    island = [jax.tree.map(lambda p: p + rng.normal(size=p.shape).astype(np.float32), params) for _ in range(2)]
+    rows = jax.tree.map(lambda a, b: np.stack([a] * 4 + [b] * 4), *island)
+    tx = dil.outer_tx()
+    opt = tx.update(jax.tree.map(lambda p: np.ones_like(p), params), tx.init(params), params)[1]  # a momentum of 1s
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    put = lambda t, sh: jax.tree.map(jax.device_put, t, sh)  # noqa: E731
+    got = jax.jit(lambda p, o, r: diloco.outer_update(dil, p, o, {"params": r}, mesh, replicated, "blocks", fragment))(
+        put(params, replicated), opt, put(rows, jax.tree.map(diloco.rows, replicated)))
+    delta = jax.tree.map(lambda p, a, b: p - (a + b) / 2, params, *island)
+    updates, want_opt = tx.update(delta, opt, params)
+    want = optax.apply_updates(params, updates)
+    part = {"blocks": {"w": np.s_[2:4] if fragment else np.s_[0:2]}, "head": np.s_[:] if fragment == 0 else np.s_[0:0]}
+    for path, got_p, want_p, old, got_m, want_m, old_m in zip(
+            ["blocks", "head"], jax.tree.leaves(got[0]), jax.tree.leaves(want), jax.tree.leaves(params),
+            jax.tree.leaves(got[1][0].trace), jax.tree.leaves(want_opt[0].trace), jax.tree.leaves(opt[0].trace)):
+        mine = jax.tree.leaves(part[path])[0] if path == "head" else part["blocks"]["w"]
+        moved = np.zeros(old.shape, bool)
+        moved[mine] = True
+        np.testing.assert_allclose(np.asarray(got_p)[moved], want_p[moved], rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got_p)[~moved], old[~moved])
+        np.testing.assert_allclose(np.asarray(got_m)[moved], want_m[moved], rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got_m)[~moved], old_m[~moved])
+        rows_p = np.asarray(jax.tree.leaves(got[2]["params"])[["blocks", "head"].index(path)])
+        np.testing.assert_array_equal(rows_p[:, moved], np.broadcast_to(np.asarray(got_p)[moved], (8, moved.sum())))
+
+
+def test_streaming_fragments_meet_in_turn_and_each_sends_its_share(rounds):
+    """diloco.fragments=2 on gpt2_tiny_dp8 (2 layers): fragment 1 (layer 1) meets after
+    steps 1, 3, ..., fragment 0 (layer 0 and the rest) after 2, 4, ...; each outer program
+    sends the formula's bytes for its values, and the two add up to the whole round's."""
+    dil = diloco.Diloco(every=4, outer_lr=0.7, outer_momentum=0.9, islands=2, per_island=4, fragments=2)
+    assert [dil.due(s) for s in range(1, 9)] == [[], [1], [], [0], [], [1], [], [0]]
+    assert dil.layer_ranges(5) == [(0, 2), (2, 5)] and dil.layer_ranges(4) == [(0, 2), (2, 4)]
+    whole, _, _ = rounds[2]
+    exp = build(**{"diloco.every": "2", "diloco.fragments": "2"})
+    compiled = exp.compile(analysis=True)
+    node_of = roofline.node_of_position(exp.mesh, 4, exp.dcn)
+    specs = [s.spec for s in jax.tree.leaves(exp.shardings.params)]
+    stacked = [getattr(p[0], "key", None) == exp.model.stacked
+               for p, _ in jax.tree_util.tree_flatten_with_path(exp.model.shapes)[0]]
+    sent = []
+    for f, program in enumerate(compiled.outer):
+        shapes = [(s.shape[0] // 2, *s.shape[1:]) if st else s.shape
+                  for s, st in zip(jax.tree.leaves(exp.model.shapes), stacked) if st or f == 0]
+        local = compression.local_size(shapes, [sp for sp, st in zip(specs, stacked) if st or f == 0], exp.mesh)
+        across = sum(r["bytes"] for r in hlo.collective_table(program, exp.mesh, node_of) if r["nodes"] > 1)
+        assert across == pytest.approx(sum(w[2] for w in diloco.wire(exp.diloco, local) if not w[4]), rel=0.01)
+        sent.append(across)
+    full = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)], specs, exp.mesh)
+    assert sum(sent) == pytest.approx(sum(w[2] for w in diloco.wire(whole.diloco, full) if not w[4]), rel=0.01)
+    assert max(sent) < 0.75 * sum(sent)
+    history = [jax.device_get(x) for x in stepped(exp, 2, step=compiled)]
+    for k, rows in jax.tree_util.tree_flatten_with_path(history[0][0].comm["params"])[0]:
+        if getattr(k[0], "key", None) == exp.model.stacked:  # after step 1: layer 1 met, layer 0 apart
+            assert np.array_equal(rows[0, 1], rows[7, 1]) and not np.array_equal(rows[0, 0], rows[7, 0])
+
+
 @pytest.mark.parametrize("name,overrides,words", [
     ("gpt2_tiny_dp8_zero1", {}, ["splits the optimizer state over data", "Use dp"]),
     ("gpt2_tiny_dp8", {"train.grad_dtype": "bfloat16"}, ["train.grad_dtype", "DiLoCo replaces"]),
@@ -131,6 +199,9 @@ def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_ali
     ("vgg_tiny_digits_dp2", {"mesh.dcn": ""}, ["BatchNorm", "batch_norm=false"]),
     ("gpt2_tiny_dp8", {"diloco.every": "-1"}, ["integer >= 1", "0: off"]),
     ("gpt2_tiny_dp8", {"diloco.outer_momentum": "1.0"}, ["0 <= momentum < 1"]),
+    ("gpt2_tiny_dp8", {"diloco.fragments": "3"}, ["divides every"]),
+    ("gpt2_tiny_dp8", {"diloco.fragments": "4"}, ["2 stacked layers", "at most 2"]),
+    ("vgg_tiny_dp8", {"diloco.fragments": "2"}, ["no stacked layers"]),
 ])
 def test_what_cannot_train_apart_is_refused_with_the_fix(name, overrides, words):
     cfg = configured(name, **{"diloco.every": "4", "mesh.dcn": "data:2", **overrides})

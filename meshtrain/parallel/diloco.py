@@ -60,6 +60,9 @@ class Diloco:
     islands: int
     per_island: int
     compress: str = "none"  # train.grad_compression: the pseudo-gradient's chunks across nodes
+    # streaming DiLoCo: the stacked layers cut into this many ranges (the rest rides with the
+    # first), fragment f meeting every `every` steps from step f x every / fragments
+    fragments: int = 1
 
     @property
     def replicas(self) -> int:
@@ -73,6 +76,19 @@ class Diloco:
             return None, None
         return ([[n * m + i for i in range(m)] for n in range(k)], [[n * m + i for n in range(k)] for i in range(m)])
 
+    def offsets(self) -> list[int]:
+        """The step each fragment's rounds are counted from (f x every / fragments)."""
+        return [f * self.every // self.fragments for f in range(self.fragments)]
+
+    def due(self, step: int) -> list[int]:
+        """The fragments whose outer step follows inner step `step` (1, 2, ...)."""
+        return [f for f, o in enumerate(self.offsets()) if (step - o) % self.every == 0]
+
+    def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        """Each fragment's layers [lo, hi) of the stack, as even as they go."""
+        cuts = [round(f * num_layers / self.fragments) for f in range(self.fragments + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
+
     def outer_tx(self) -> optax.GradientTransformation:
         """Nesterov SGD on the pseudo-gradient (torch's SGD(nesterov=True), as the paper's)."""
         return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.outer_momentum > 0)
@@ -83,15 +99,20 @@ def check(c) -> None:
     if not isinstance(c.every, int) or c.every < 0:
         raise UserError(f"diloco.every={c.every!r}: the inner steps a round, an integer >= 1 (0: off; the "
                         f"paper's 500, MaxText's default 36).")
+    if not isinstance(c.fragments, int) or c.fragments < 1 or (c.every and c.every % c.fragments):
+        raise UserError(f"diloco.fragments={c.fragments!r} with diloco.every={c.every}: an integer >= 1 that "
+                        f"divides every (streaming DiLoCo: a fragment meets every {c.every} steps, one every "
+                        f"every / fragments steps).")
     if not 0 < c.outer_lr or not 0 <= c.outer_momentum < 1:
         raise UserError(f"diloco.outer_lr={c.outer_lr}, diloco.outer_momentum={c.outer_momentum}: need an lr > 0 "
                         f"and 0 <= momentum < 1 (the paper's 0.7 and 0.9).")
 
 
 def resolve(c, train, layout, mesh_shape: dict[str, int], dcn: dict[str, int] | None, replicas: tuple[str, ...],
-            moment_shardings, has_stats: bool, pipelined: bool) -> Diloco | None:
+            moment_shardings, has_stats: bool, pipelined: bool, stack: tuple | None = None) -> Diloco | None:
     """diloco.* on this run's mesh, or None when off; refused where the islands cannot
-    keep a whole model each or where another key reduces the gradients its own way."""
+    keep a whole model each or where another key reduces the gradients its own way.
+    `stack`: (the stacked layers' params key, their count, their shardings) for fragments."""
     if not c.every:
         return None
     d = mesh_shape[AXIS]
@@ -116,9 +137,24 @@ def resolve(c, train, layout, mesh_shape: dict[str, int], dcn: dict[str, int] | 
             why = "a pipeline's schedule is not run per island yet. Use a layout without a stage axis"
         if train.accum_gather == "once":
             why = "train.accum_gather=once gathers over fsdp inside each replica's program. Set it to each"
+        if c.fragments > 1:
+            key, layers, shardings = stack or (None, 0, {})
+            if key is None or layers < c.fragments:
+                why = (f"diloco.fragments={c.fragments} cuts the stacked layers into ranges, and this model has "
+                       f"{layers or 'no'} stacked layers. Set diloco.fragments to at most {max(layers, 1)}")
+            elif any(len(sh.spec) and sh.spec[0] is not None for sh in jax.tree.leaves(shardings)):
+                why = "the layout splits the stacked layers' layer dim, which the fragments cut. Use fragments=1"
     if why:
         raise UserError(f"diloco.every={c.every}: {why}.")
-    return Diloco(c.every, c.outer_lr, c.outer_momentum, islands, d // islands, train.grad_compression)
+    return Diloco(c.every, c.outer_lr, c.outer_momentum, islands, d // islands, train.grad_compression,
+                  c.fragments)
+
+
+def stack_of(stacked: str | None, param_shapes, param_shardings) -> tuple:
+    """`resolve`'s `stack`: (the stacked layers' params key, their count, their shardings)."""
+    if stacked is None:
+        return None, 0, {}
+    return stacked, jax.tree.leaves(param_shapes[stacked])[0].shape[0], param_shardings[stacked]
 
 
 def rows(sharding: NamedSharding) -> NamedSharding:
@@ -204,15 +240,40 @@ def outer_mean(inner_n, dil: Diloco, mesh: Mesh, param_shardings):
     return treedef.unflatten(list(out))
 
 
-def outer_update(dil: Diloco, tx: optax.GradientTransformation, params, opt_state, inner: dict, mesh: Mesh,
-                 param_shardings):
-    """Inside jit, the outer step: (outer params, outer optimizer state, the next round)."""
-    mean = outer_mean(inner["params"], dil, mesh, param_shardings)
-    delta = jax.tree.map(lambda p, x: p.astype(jnp.float32) - x, params, mean)
-    updates, opt_state = tx.update(delta, opt_state, params)
-    params = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype), params, updates)
-    stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (dil.replicas, *p.shape)), params)
-    return params, opt_state, {**inner, "params": stacked}
+def outer_update(dil: Diloco, params, opt_state, inner: dict, mesh: Mesh, param_shardings,
+                 stacked: str | None = None, fragment: int = 0):
+    """Inside jit, fragment `fragment`'s outer step (all of the params when dil.fragments
+    is 1): (outer params, outer optimizer state, the next round). The outer optimizer is
+    dil.outer_tx's Nesterov SGD, written out so that a fragment updates its slice of the
+    momentum alone: m = momentum m + delta, params -= lr (delta + momentum m)."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = [getattr(p[0], "key", None) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    rows, shardings = jax.tree.leaves(inner["params"]), jax.tree.leaves(param_shardings)
+    traces = jax.tree.leaves(opt_state[0].trace) if dil.outer_momentum else None
+    cut = dil.fragments > 1
+    if cut:
+        lo, hi = dil.layer_ranges(jax.tree.leaves(params[stacked])[0].shape[0])[fragment]
+    mine = [i for i, key in enumerate(paths) if key == stacked or fragment == 0]
+
+    def take(x, i, lead=0):  # leaf i's part in this fragment
+        return x[(slice(None),) * lead + (slice(lo, hi),)] if cut and paths[i] == stacked else x
+
+    def put(x, part, i, lead=0):
+        return x.at[(slice(None),) * lead + (slice(lo, hi),)].set(part) if cut and paths[i] == stacked else part
+    mean = outer_mean([take(rows[i], i, 1) for i in mine], dil, mesh, [shardings[i] for i in mine])
+    for i, m in zip(mine, mean):
+        p = take(leaves[i], i)
+        delta = p.astype(jnp.float32) - m
+        if traces is not None:
+            trace = dil.outer_momentum * take(traces[i], i) + delta
+            traces[i] = put(traces[i], trace, i)
+            delta = delta + dil.outer_momentum * trace
+        new = (p.astype(jnp.float32) - dil.outer_lr * delta).astype(p.dtype)
+        leaves[i] = put(leaves[i], new, i)
+        rows[i] = put(rows[i], jnp.broadcast_to(new, (dil.replicas, *new.shape)), i, 1)
+    if traces is not None:
+        opt_state = (opt_state[0]._replace(trace=treedef.unflatten(traces)), *opt_state[1:])
+    return treedef.unflatten(leaves), opt_state, {**inner, "params": treedef.unflatten(rows)}
 
 
 def wire(dil: Diloco, local_values: int) -> list[tuple]:

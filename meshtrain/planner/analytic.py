@@ -138,7 +138,7 @@ def abstract_experiment(cfg, model=None, layout=None, accum_gather: str = "each"
     dcn = mesh_lib.parse_dcn(cfg.mesh.dcn, dict(mesh.shape))
     dil = diloco.resolve(cfg.diloco, cfg.train, layout, dict(mesh.shape), dcn,
                          grad_reduce.replica_axes(layout, mesh, params), opt, bool(model.stats_shapes),
-                         model.pipeline is not None)
+                         model.pipeline is not None, diloco.stack_of(model.stacked, model.shapes, params))
     return types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout, model=model, accum_gather=accum_gather,
                                  shardings=types.SimpleNamespace(params=params), grad_shardings=opt,
                                  reduction=reduction, diloco=dil)

@@ -288,15 +288,15 @@ class Experiment:
                                        step_lib.replica_dtypes(model, t.grad_accum_steps), bool(cfg.diloco.every))
         dil = diloco_lib.resolve(cfg.diloco, t, layout, dict(mesh.shape), dcn,
                                  grad_reduce.replica_axes(layout, mesh, plan.params), grad_shardings,
-                                 bool(model.stats_shapes),
-                                 model.pipeline is not None)
+                                 bool(model.stats_shapes), model.pipeline is not None,
+                                 diloco_lib.stack_of(model.stacked, model.shapes, plan.params))
         inner_tx, tx = (tx, dil.outer_tx()) if dil else (None, tx)
         comm = grad_reduce.state_shapes(reduction, dil, inner_tx, model.shapes, plan.params, grad_shardings, mesh)
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
         same = dict(grad_accum_steps=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, task=task,
                     batch_shardings=batch_sharding)
-        train_step = (rounds.make_rounds(model, tx, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
+        train_step = (rounds.make_rounds(model, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
                                          **same) if dil else step_lib.make_train_step(model, tx, schedule, layout, mesh, shardings, grad_shardings,
                                                            reduction=reduction, offload=offload,
                                                            grad_clip=cfg.optim.grad_clip, **same))

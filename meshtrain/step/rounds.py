@@ -1,6 +1,7 @@
 """DiLoCo's steps (diloco.every = H > 0; the scheme in meshtrain/parallel/diloco.py): an
-inner step every step, an outer step after every H-th, and the metrics' mean, three
-jitted programs behind one callable the loop calls like the train step:
+inner step every step, an outer step after every H-th (a fragment's, under
+diloco.fragments), and the metrics' mean, jitted programs behind one callable the loop
+calls like the train step:
 
     rounds(state, batch) -> (state, metrics)
 
@@ -13,6 +14,7 @@ that an inner step's HLO holds no collective across nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +36,9 @@ class Rounds:
     in the round: the state's step, read once from the device and counted after."""
 
     inner: Any
-    outer: Any
+    outer: tuple     # a program a fragment (one without diloco.fragments)
     metrics: Any
-    every: int
+    dil: diloco.Diloco
     _last: Any = None
     _step: int = 0
 
@@ -45,8 +47,8 @@ class Rounds:
             self._step = int(jax.device_get(state.step))
         state, metrics = self.inner(state, batch)
         self._step += 1
-        if self._step % self.every == 0:
-            state = self.outer(state)
+        for fragment in self.dil.due(self._step):
+            state = self.outer[fragment](state)
         self._last = state
         return state, self.metrics(metrics)
 
@@ -54,8 +56,8 @@ class Rounds:
         """The three programs compiled from shapes (`state`, `batch`: ShapeDtypeStructs)."""
         inner = self.inner.lower(state, batch).compile(options)
         metrics = jax.eval_shape(self.inner, state, batch)[1]
-        return Rounds(inner, self.outer.lower(state).compile(options), self.metrics.lower(metrics).compile(options),
-                      self.every)
+        return Rounds(inner, tuple(o.lower(state).compile(options) for o in self.outer),
+                      self.metrics.lower(metrics).compile(options), self.dil)
 
     def __getattr__(self, name: str):
         # What is read of a compiled step (its HLO, memory, costs, arguments) is the inner
@@ -65,11 +67,11 @@ class Rounds:
         return getattr(self.inner, name)
 
 
-def make_rounds(model: ModelDef, tx: optax.GradientTransformation, inner_tx: optax.GradientTransformation,
+def make_rounds(model: ModelDef, inner_tx: optax.GradientTransformation,
                 schedule: optax.Schedule, layout: Layout, mesh: Mesh, shardings: TrainState, param_shardings,
                 dil: diloco.Diloco, *, grad_accum_steps: int, nonfinite: str, loss_chunk: int, task: tasks.Task,
                 batch_shardings) -> Rounds:
-    """The run's Rounds: `tx` the outer optimizer (dil.outer_tx), `inner_tx` optim.*'s,
+    """The run's Rounds: `inner_tx` optim.*'s (the outer optimizer is dil's),
     `param_shardings` the layout's (one replica's params)."""
     grads_and_loss = make_gradients(model, layout, mesh, shardings, param_shardings, task, batch_shardings,
                                 grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk,
@@ -96,16 +98,17 @@ def make_rounds(model: ModelDef, tx: optax.GradientTransformation, inner_tx: opt
         return state.replace(step=state.step + 1, stats=stats,
                              comm={"params": new_params, "opt_state": new_opt}), metrics
 
-    def outer_step(state: TrainState) -> TrainState:
-        params, opt_state, comm = diloco.outer_update(dil, tx, state.params, state.opt_state, state.comm, mesh,
-                                                      param_shardings)
+    def outer_step(state: TrainState, fragment: int) -> TrainState:
+        params, opt_state, comm = diloco.outer_update(dil, state.params, state.opt_state, state.comm, mesh,
+                                                      param_shardings, model.stacked, fragment)
         return state.replace(params=params, opt_state=opt_state, comm=comm)
 
     per_replica = NamedSharding(mesh, P(diloco.AXIS))
     return Rounds(jax.jit(inner_step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, per_replica),
                           donate_argnums=(0,)),
-                  jax.jit(outer_step, in_shardings=(shardings,), out_shardings=shardings, donate_argnums=(0,)),
-                  jax.jit(diloco.mean_metrics, out_shardings=NamedSharding(mesh, P())), dil.every)
+                  tuple(jax.jit(functools.partial(outer_step, fragment=f), in_shardings=(shardings,),
+                                out_shardings=shardings, donate_argnums=(0,)) for f in range(dil.fragments)),
+                  jax.jit(diloco.mean_metrics, out_shardings=NamedSharding(mesh, P())), dil)
 
 
 def start(dil: diloco.Diloco, inner_tx: optax.GradientTransformation, comm_shardings) -> Callable:
