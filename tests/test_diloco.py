@@ -90,7 +90,7 @@ def test_a_resume_mid_round_is_exact_and_one_on_another_data_size_starts_a_round
     exp, compiled, history = rounds[2]
     ck = store.Checkpointer(tmp_path / "ck", every=0, keep=2, use_async=False)
     first = next(stepped(exp, 1, step=compiled))[0]
-    ck.save(1, first, {})  # step 1 of a 2-step round
+    ck.save(1, first, {"run": {"diloco": 2}})  # step 1 of a 2-step round; meta["run"] as a run writes it
     ck.wait()
     resumed, _ = ck.restore(1, exp)
     batches = exp.train_batches(1)
@@ -122,6 +122,31 @@ def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_ali
     assert [r for r in hlo.collective_table(compiled8.inner, exp8.mesh, node_of) if r["nodes"] > 1] == []
     np.testing.assert_allclose([float(m["loss"]) for _, m in int8], [float(m["loss"]) for _, m in f32], rtol=1e-3)
     assert not np.array_equal(jax.tree.leaves(int8[-1][0].params)[0], jax.tree.leaves(f32[-1][0].params)[0])
+
+
+def test_a_resume_across_diloco_and_not_takes_the_params_and_starts_the_optimizer_afresh(rounds, tmp_path, capsys):
+    """A DiLoCo checkpoint resumed without DiLoCo takes its outer params (and step); a plain
+    one resumed with DiLoCo starts a round from its params; each says so in one line."""
+    (plain_exp, _, plain), _, (exp, _, local), _ = rounds
+    ck = store.Checkpointer(tmp_path / "ck", every=0, keep=3, use_async=False)
+    for step, (e, history) in ((2, (exp, local)), (3, (plain_exp, plain))):
+        state = jax.tree.map(jax.device_put, history[step - 1][0], e.shardings)
+        ck.save(step, state, {"run": {"diloco": e.cfg.diloco.every}})
+    ck.wait()
+    ck.check_fits(2, plain_exp)
+    into_plain, _ = ck.restore(2, plain_exp)
+    into_local, _ = ck.restore(3, exp)
+    ck.close()
+    err = capsys.readouterr().err
+    assert "step 2 was saved with diloco.every=2 and this run has none: it takes the checkpoint's outer params" in err
+    assert "step 3 was saved without DiLoCo and this run has diloco.every=2" in err and "and round afresh" in err
+    for got, want in ((into_plain, local[1][0]), (into_local, plain[2][0])):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.params), want.params)
+        assert int(got.step) == int(want.step)
+    assert all(float(abs(x).max()) == 0 for x in jax.tree.leaves(into_plain.opt_state))
+    for outer_p, rows in zip(jax.tree.leaves(jax.device_get(into_local.params)),
+                             jax.tree.leaves(jax.device_get(into_local.comm["params"]))):
+        np.testing.assert_array_equal(rows, np.broadcast_to(outer_p, rows.shape))
 
 
 @pytest.mark.parametrize("fragment", [0, 1])

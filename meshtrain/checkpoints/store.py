@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshtrain import models, tree_paths
+from meshtrain import tree_paths
 from meshtrain.checkpoints import integrity, orbax_log, restage, save_failure
 from meshtrain.checkpoints.lock import LOCK_NAME
 from meshtrain.checkpoints.steps import (IGNORED, STEP_PREFIX, committed_steps, set_aside, set_aside_damaged,
@@ -49,6 +49,12 @@ def saved_fields(state) -> dict:
 def _zeros(shapes):
     """Zeros in the shardings of a pytree of ShapeDtypeStructs (state.zeros, placed)."""
     return jax.jit(lambda: state_lib.zeros(shapes), out_shardings=jax.tree.map(lambda s: s.sharding, shapes))()
+
+
+def other_optimizer(meta: dict, exp) -> bool:
+    """Whether the checkpoint's run and `exp` differ in having DiLoCo (meta["run"]["diloco"]):
+    their optimizer states are then of different kinds (DiLoCo's is the outer one)."""
+    return bool((meta.get("run") or {}).get("diloco")) != (getattr(exp, "diloco", None) is not None)
 
 
 def check_fits(saved_tree, target, where: str, saved_run: dict | None) -> None:
@@ -168,11 +174,37 @@ class Checkpointer:
         return target, saved, current, meta
 
     def check_fits(self, step: int, exp) -> dict:
-        """Compares the saved shapes and dtypes with what `exp` would read; returns meta."""
+        """Compares the saved shapes and dtypes with what `exp` would read; returns meta.
+        Across DiLoCo and not (`other_optimizer`) the optimizer states differ by design."""
         target, _, _, meta = self.target(step, exp)
         saved = self.manager.item_metadata(step)["state"]
-        check_fits(getattr(saved, "tree", saved), target, self.where(step), meta.get("run"))
+        saved = getattr(saved, "tree", saved)
+        if other_optimizer(meta, exp):
+            saved, target = ({k: v for k, v in t.items() if k != "opt_state"} for t in (saved, target))
+        check_fits(saved, target, self.where(step), meta.get("run"))
         return meta
+
+    def _restore_params(self, step: int, exp, target: dict, saved, current, meta: dict):
+        """(TrainState, meta) of a checkpoint whose optimizer is another kind (DiLoCo's outer
+        Nesterov against optim.*'s): its params (the outer params under DiLoCo), step, rng
+        and statistics, read without its optimizer state (Orbax's partial restore); the
+        optimizer state and the round start afresh, said in one line."""
+        part = {k: v for k, v in target.items() if k != "opt_state"}
+        args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
+                            part)
+        with ocp.PyTreeCheckpointer() as reader:
+            got = reader.restore(pathlib.Path(self.where(step)) / "state",
+                                 args=ocp.args.PyTreeRestore(item=part, restore_args=args, partial_restore=True))
+        if saved != current:
+            got = restage.restack(got, current, saved, {k: getattr(exp.shardings, k) for k in got}, exp.model.stacked)
+        was = (meta.get("run") or {}).get("diloco")
+        warn(f"step {step} was saved {f'with diloco.every={was}' if was else 'without DiLoCo'} and this run has "
+             f"{f'diloco.every={exp.diloco.every}' if exp.diloco else 'none'}: it takes the checkpoint's "
+             f"{'outer ' if was else ''}params, step and data position, and starts its optimizer state"
+             f"{' and round' if exp.diloco else ''} afresh.")
+        opt_state = jax.jit(exp.tx.init, out_shardings=exp.shardings.opt_state)(got["params"])
+        return TrainState(step=got["step"], rng=got["rng"], params=got["params"], opt_state=opt_state,
+                          stats=got["stats"], comm=exp.fresh_comm(got["params"])), meta
 
     def _comm_fits(self, step: int, comm) -> bool:
         """Whether step's comm item holds arrays of `comm`'s shapes and dtypes."""
@@ -188,7 +220,9 @@ class Checkpointer:
         A read that fails is a UserError naming the step and, where it can, the file; the
         step is then moved to DIR/ignored/ if an older one is left to resume from."""
         with integrity.reading(pathlib.Path(self.where(step)), lambda: self._unreadable(step)):
-            target, saved, current, _ = self.target(step, exp)
+            target, saved, current, meta = self.target(step, exp)
+            if other_optimizer(meta, exp):
+                return self._restore_params(step, exp, target, saved, current, meta)
             comm = exp.abstract_state().comm
             fits = self._comm_fits(step, comm)
             items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
