@@ -232,8 +232,9 @@ class Checkpointer:
         if saved != current:
             state = restage.restack(state, current, saved, exp.shardings.replace(comm={}), exp.model.stacked)
         if comm and not fits and exp.diloco is not None:
-            warn(f"DiLoCo starts a new round from the outer params at step {step}: the checkpoint holds no "
-                 f"round of this run's shapes (saved without diloco.every, or on another data axis size).")
+            warn(f"DiLoCo starts a new round from the outer params at step {step}, its outer momentum at zero: "
+                 f"the checkpoint holds no round of this run's shapes (saved on another data axis size or device "
+                 f"count, or with other diloco.fragments).")
             return state.replace(comm=exp.fresh_comm(state.params)), restored.meta
         if comm and not fits:
             warn(f"train.grad_compression's error feedback starts from zero at step {step}: the checkpoint "

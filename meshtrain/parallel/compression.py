@@ -119,20 +119,33 @@ def compressed_sum(kind: str, v: jax.Array, axes: tuple[str, ...], c: int, error
     over `axes` (within `groups` of c positions, axis_index_groups; None: all of them)
     [c * m], as the two phases leave it, and the feedback buffers after this step:
     {"worker": [c * m], "server": [m]}, or None without feedback)."""
-    m = v.shape[0] // c
     if errors is not None:
         v = v + errors["worker"]
+    mine, sent = compressed_scatter(kind, v, axes, c, groups)
+    if errors is not None:
+        mine = mine + errors["server"]
+    total, kept = compressed_gather(kind, mine, axes, groups)
+    return total, (None if errors is None else {"worker": v - sent, "server": mine - kept})
+
+
+def compressed_scatter(kind: str, v: jax.Array, axes: tuple[str, ...], c: int, groups=None):
+    """Phase 1: v [c * m] -> (chunk j of the group's sum [m] on its j-th device, what this
+    device's compressed v decompresses to [c * m])."""
+    m = v.shape[0] // c
     payload, scale = compress(kind, v.reshape(c, m))
     sent = decompress(kind, payload, scale, m).reshape(-1)
     payload, scale = (jax.lax.all_to_all(x, axes, 0, 0, axis_index_groups=groups) for x in (payload, scale))
-    mine = jnp.sum(decompress(kind, payload, scale, m), axis=0)  # [m]: chunk j of the sum
-    if errors is not None:
-        mine = mine + errors["server"]
+    return jnp.sum(decompress(kind, payload, scale, m), axis=0), sent
+
+
+def compressed_gather(kind: str, mine: jax.Array, axes: tuple[str, ...], groups=None):
+    """Phase 2: each device's [m] -> (every device's, compressed and back, [c * m]; this
+    device's own as the others read it [m])."""
+    m = mine.shape[0]
     payload, scale = compress(kind, mine)
     kept = decompress(kind, payload, scale, m)
     payload, scale = (jax.lax.all_gather(x, axes, axis_index_groups=groups) for x in (payload, scale))
-    total = decompress(kind, payload, scale, m).reshape(-1)
-    return total, (None if errors is None else {"worker": v - sent, "server": mine - kept})
+    return decompress(kind, payload, scale, m).reshape(-1), kept
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,12 @@ axes are fixed, so an island is not an axis of its own: it is a block of positio
 The state (TrainState):
 
     params       the outer params: what eval, checkpoints, sampling and convert read
-    opt_state    the outer optimizer's (Nesterov SGD: the momentum, `outer_tx`)
+    opt_state    empty (optax.identity's): the outer optimizer's state is in comm
     comm         the round: {"params": [data, ...] each replica's inner params,
-                             "opt_state": [data, ...] its inner optimizer's state (optim.*)}
-                 replica r's row on its own devices (split over data), the same within an island
+                             "opt_state": [data, ...] its inner optimizer's state (optim.*),
+                             "momentum": the outer Nesterov momentum, a piece a device
+                                         ([devices, piece] per fragment: about S / data)}
+                 replica r's rows on its own devices (split over data), the same within an island
 
     inner step (every step; no collective across nodes):
         grads[r] = grad of the loss at params[r] on replica r's rows (vmap over data)
@@ -21,16 +23,19 @@ The state (TrainState):
         params[r], opt_state[r] = the inner optimizer's update
     outer step (after every H-th inner step):
         delta = outer params - the mean over islands of params[r]
-        outer params, momentum = outer_tx(delta)             (lr 0.7, Nesterov 0.9: the paper's)
+        outer params, momentum = Nesterov SGD(delta)          (lr 0.7, momentum 0.9: the paper's)
         params[r] = outer params; opt_state[r] carries on
 
-The outer mean crosses nodes once per round: since an island's m replicas hold the same
-values, device i of a node all-reduces only chunk i of m of its copy with the device i of
-every other node (2 (I-1)/I x S/m float32 bytes each, S its values), then gathers the
-node's m chunks inside it ((m-1)/m x S); with train.grad_compression the chunks cross in
-the compressed reduction's two phases instead (parallel/compression.py). A step's metrics are per replica [data]; their
-mean over every replica (a few scalars across nodes) is a program of its own
-(`mean_metrics`), so the inner step's HLO shows no cross-node collective at all.
+The outer step crosses nodes once per round (outer_update): since an island's m replicas
+hold the same values, device i of a node reduce-scatters only chunk i of m of its copy's
+pseudo-gradient with the device i of every other node, updates its piece (and keeps its
+piece of the momentum: the outer state is split over all of data), and the pieces of the
+update come back the same way: 2 (I-1)/I x S/m float32 bytes each (S its values), then the
+node's m chunks are gathered inside it ((m-1)/m x S). With train.grad_compression the two
+phases across nodes are the compressed reduction's (parallel/compression.py). A step's
+metrics are per replica [data]; their mean over every replica (a few scalars across nodes)
+is a program of its own (`mean_metrics`), so the inner step's HLO shows no cross-node
+collective at all.
 """
 
 from __future__ import annotations
@@ -89,9 +94,11 @@ class Diloco:
         cuts = [round(f * num_layers / self.fragments) for f in range(self.fragments + 1)]
         return list(zip(cuts[:-1], cuts[1:]))
 
-    def outer_tx(self) -> optax.GradientTransformation:
-        """Nesterov SGD on the pseudo-gradient (torch's SGD(nesterov=True), as the paper's)."""
-        return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.outer_momentum > 0)
+    def cut(self, values: int) -> tuple[int, int]:
+        """(chunk, piece): a device's `values` cut into m chunks (the node's devices'), each
+        into k pieces (the nodes'), in whole bytes of sign bits (compression.chunk)."""
+        piece = compression.chunk(-(-values // self.per_island), self.islands)
+        return piece * self.islands, piece
 
 
 def check(c) -> None:
@@ -163,26 +170,55 @@ def rows(sharding: NamedSharding) -> NamedSharding:
 
 
 def state_shapes(dil: Diloco | None, tx: optax.GradientTransformation, param_shapes, param_shardings,
-                 moment_shardings) -> dict:
-    """TrainState.comm's ShapeDtypeStructs: the round (module docstring); {} when off."""
+                 moment_shardings, stacked: str | None = None) -> dict:
+    """TrainState.comm's ShapeDtypeStructs: the round (module docstring), and the outer
+    momentum, a piece a device per fragment ([devices, piece] float32, `piece` of the
+    fragment's values: its share of the pseudo-gradient's reduce-scatter across nodes;
+    none without momentum); {} when off."""
     if dil is None:
         return {}
     stack = lambda s, sh: jax.ShapeDtypeStruct((dil.replicas, *s.shape), s.dtype, sharding=rows(sh))  # noqa: E731
     abstract_opt = jax.eval_shape(tx.init, param_shapes)
-    replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, P())
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    replicated = NamedSharding(mesh, P())
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, moment_shardings,
                                           transform_non_params=lambda _: replicated,
                                           is_leaf=lambda x: isinstance(x, NamedSharding))
-    return {"params": jax.tree.map(stack, param_shapes, param_shardings),
-            "opt_state": jax.tree.map(stack, abstract_opt, opt_shardings)}
+    out = {"params": jax.tree.map(stack, param_shapes, param_shardings),
+           "opt_state": jax.tree.map(stack, abstract_opt, opt_shardings)}
+    if dil.outer_momentum:
+        own = NamedSharding(mesh, P(mesh.axis_names))
+        out["momentum"] = [jax.ShapeDtypeStruct((mesh.size, dil.cut(values)[1]), jnp.float32, sharding=own)
+                           for values in fragment_values(dil, param_shapes, param_shardings, stacked)]
+    return out
 
 
-def start_round(dil: Diloco, tx: optax.GradientTransformation, params) -> dict:
+def fragment_values(dil: Diloco, param_shapes, param_shardings, stacked: str | None) -> list[int]:
+    """One device's values of one replica's params in each fragment."""
+    paths = _paths(param_shapes)
+    shapes, specs = jax.tree.leaves(param_shapes), [s.spec for s in jax.tree.leaves(param_shardings)]
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    ranges = dil.layer_ranges(jax.tree.leaves(param_shapes[stacked])[0].shape[0]) if dil.fragments > 1 else [None]
+    out = []
+    for f, span in enumerate(ranges):
+        mine = [i for i, key in enumerate(paths) if key == stacked or f == 0]
+        cut = [(span[1] - span[0], *shapes[i].shape[1:]) if span and paths[i] == stacked else shapes[i].shape
+               for i in mine]
+        out.append(compression.local_size(cut, [specs[i] for i in mine], mesh))
+    return out
+
+
+def _paths(tree) -> list:
+    return [getattr(p[0], "key", None) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def start_round(dil: Diloco, tx: optax.GradientTransformation, params, momentum=()) -> dict:
     """Inside jit: the round every replica starts from `params` (the outer params) with a
-    fresh inner optimizer (a run's first round, or one resumed where the saved round
-    does not fit)."""
+    fresh inner optimizer, and `momentum` (ShapeDtypeStructs: state_shapes') at zero (a
+    run's first round, or one resumed where the saved round does not fit)."""
     stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (dil.replicas, *p.shape)), params)
-    return {"params": stacked, "opt_state": jax.vmap(tx.init)(stacked)}
+    out = {"params": stacked, "opt_state": jax.vmap(tx.init)(stacked)}
+    return {**out, "momentum": [jnp.zeros(m.shape, m.dtype) for m in momentum]} if momentum else out
 
 
 def _local_specs(shardings) -> list[P]:
@@ -206,50 +242,19 @@ def island_mean(grads_n, dil: Diloco, mesh: Mesh, param_shardings, like):
     return treedef.unflatten(list(out))
 
 
-def outer_mean(inner_n, dil: Diloco, mesh: Mesh, param_shardings):
-    """The inner params [data, ...] -> their mean over the islands, float32, in
-    `param_shardings` (module docstring: chunk i of m across nodes, gathered inside)."""
-    leaves, treedef = jax.tree.flatten(inner_n)
-    m, k = dil.per_island, dil.islands
-    in_node, across = dil.groups()
-    out_specs = tuple(s.spec for s in jax.tree.leaves(param_shardings))
-
-    def body(*local):
-        mine = [x[0] for x in local]
-        flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in mine])
-        size = flat.shape[0]
-        chunk = -(-size // m)
-        flat = jnp.pad(flat, (0, m * chunk - size)).reshape(m, chunk)
-        if m > 1:  # this device's chunk of its island's copy: the others hold the rest
-            flat = jax.lax.dynamic_index_in_dim(flat, jax.lax.axis_index(AXIS) % m, keepdims=False)
-        if dil.compress == "none":
-            total = jax.lax.psum(flat, AXIS, axis_index_groups=across) / k
-        else:  # its two phases across nodes (parallel/compression.py), no feedback: a round's is used once
-            padded = compression.chunk(flat.shape[0], k) * k
-            total = compression.compressed_sum(dil.compress, jnp.pad(flat, (0, padded - flat.shape[0])), AXIS, k,
-                                               None, across)[0][:flat.shape[0]] / k
-        if m > 1:
-            total = jax.lax.all_gather(total, AXIS, axis_index_groups=in_node, tiled=True)
-        total, out, at = total.reshape(-1), [], 0
-        for x in mine:
-            out.append(total[at:at + x.size].reshape(x.shape))
-            at += x.size
-        return tuple(out)
-    out = jax.shard_map(body, mesh=mesh, in_specs=tuple(_local_specs(param_shardings)), out_specs=out_specs,
-                        check_vma=False)(*leaves)
-    return treedef.unflatten(list(out))
-
-
-def outer_update(dil: Diloco, params, opt_state, inner: dict, mesh: Mesh, param_shardings,
-                 stacked: str | None = None, fragment: int = 0):
+def outer_update(dil: Diloco, params, inner: dict, mesh: Mesh, param_shardings, stacked: str | None = None,
+                 fragment: int = 0):
     """Inside jit, fragment `fragment`'s outer step (all of the params when dil.fragments
-    is 1): (outer params, outer optimizer state, the next round). The outer optimizer is
-    dil.outer_tx's Nesterov SGD, written out so that a fragment updates its slice of the
-    momentum alone: m = momentum m + delta, params -= lr (delta + momentum m)."""
+    is 1): (outer params, the next round). Per device (shard_map), on its flattened values
+    of the fragment: chunk i of m (the node's i-th device's; the island's replicas hold the
+    same values) of the pseudo-gradient outer - inner is reduce-scattered across nodes, so
+    each device holds one piece of the islands' mean; Nesterov SGD updates that piece's
+    momentum (m = momentum m + delta; update = delta + momentum m); the update's pieces
+    are gathered across nodes, the new chunk inside the node. Under train.grad_compression
+    the two phases across nodes are the compressed reduction's (the update is what its
+    second phase carries)."""
     leaves, treedef = jax.tree.flatten(params)
-    paths = [getattr(p[0], "key", None) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    rows, shardings = jax.tree.leaves(inner["params"]), jax.tree.leaves(param_shardings)
-    traces = jax.tree.leaves(opt_state[0].trace) if dil.outer_momentum else None
+    paths, rows, shardings = _paths(params), jax.tree.leaves(inner["params"]), jax.tree.leaves(param_shardings)
     cut = dil.fragments > 1
     if cut:
         lo, hi = dil.layer_ranges(jax.tree.leaves(params[stacked])[0].shape[0])[fragment]
@@ -260,38 +265,69 @@ def outer_update(dil: Diloco, params, opt_state, inner: dict, mesh: Mesh, param_
 
     def put(x, part, i, lead=0):
         return x.at[(slice(None),) * lead + (slice(lo, hi),)].set(part) if cut and paths[i] == stacked else part
-    mean = outer_mean([take(rows[i], i, 1) for i in mine], dil, mesh, [shardings[i] for i in mine])
-    for i, m in zip(mine, mean):
-        p = take(leaves[i], i)
-        delta = p.astype(jnp.float32) - m
-        if traces is not None:
-            trace = dil.outer_momentum * take(traces[i], i) + delta
-            traces[i] = put(traces[i], trace, i)
-            delta = delta + dil.outer_momentum * trace
-        new = (p.astype(jnp.float32) - dil.outer_lr * delta).astype(p.dtype)
+    m, k = dil.per_island, dil.islands
+    in_node, across = dil.groups()
+    momentum = inner["momentum"][fragment] if dil.outer_momentum else None
+
+    def body(mom, *local):
+        ps, rs = local[:len(local) // 2], local[len(local) // 2:]
+        p = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in ps])
+        r = jnp.concatenate([x[0].astype(jnp.float32).reshape(-1) for x in rs])
+        chunk = dil.cut(p.shape[0])[0]
+        p, r = (jnp.pad(x, (0, m * chunk - x.shape[0])).reshape(m, chunk) for x in (p, r))
+        position = jax.lax.axis_index(AXIS)
+        p, r = (jax.lax.dynamic_index_in_dim(x, position % m, keepdims=False) for x in (p, r))
+        if dil.compress == "none":
+            delta = jax.lax.psum_scatter(p - r, AXIS, axis_index_groups=across, tiled=True) / k
+        else:
+            delta = compression.compressed_scatter(dil.compress, p - r, AXIS, k, across)[0] / k
+        if mom is not None:
+            mom = dil.outer_momentum * mom[0] + delta
+            delta = delta + dil.outer_momentum * mom
+            mom = mom[None]
+        if dil.compress == "none":
+            update = jax.lax.all_gather(delta, AXIS, axis_index_groups=across, tiled=True)
+        else:
+            update = compression.compressed_gather(dil.compress, delta, AXIS, across)[0]
+        new = p - dil.outer_lr * update
+        new = jax.lax.all_gather(new, AXIS, axis_index_groups=in_node, tiled=True) if m > 1 else new
+        out, at = [], 0
+        for x in ps:
+            out.append(new[at:at + x.size].reshape(x.shape).astype(x.dtype))
+            at += x.size
+        return mom, *out
+    specs = [shardings[i].spec for i in mine]
+    own = P(mesh.axis_names)
+    got = jax.shard_map(body, mesh=mesh, in_specs=(own if dil.outer_momentum else None, *specs,
+                                                   *[P(AXIS, *s) for s in specs]),
+                        out_specs=(own if dil.outer_momentum else None, *specs), check_vma=False)(
+        momentum, *[take(leaves[i], i) for i in mine], *[take(rows[i], i, 1) for i in mine])
+    for i, new in zip(mine, got[1:]):
         leaves[i] = put(leaves[i], new, i)
         rows[i] = put(rows[i], jnp.broadcast_to(new, (dil.replicas, *new.shape)), i, 1)
-    if traces is not None:
-        opt_state = (opt_state[0]._replace(trace=treedef.unflatten(traces)), *opt_state[1:])
-    return treedef.unflatten(leaves), opt_state, {**inner, "params": treedef.unflatten(rows)}
+    out = {**inner, "params": treedef.unflatten(rows)}
+    if dil.outer_momentum:
+        out["momentum"] = [got[0] if f == fragment else x for f, x in enumerate(inner["momentum"])]
+    return treedef.unflatten(leaves), out
 
 
 def wire(dil: Diloco, local_values: int) -> list[tuple]:
     """[(collective kind, mesh axes, bytes each device sends a round, what, whether its
-    groups stay inside a node)] of the outer step, `local_values` being one device's
-    values of one replica's params (their float32 copy)."""
+    groups stay inside a node)] of an outer step over `local_values`, one device's values
+    of one replica's params (or a fragment's), float32 (outer_update)."""
     m, k = dil.per_island, dil.islands
-    values = -(-local_values // m)
+    chunk, piece = dil.cut(local_values)
     if dil.compress == "none":
-        out = [("all-reduce", (AXIS,), 2 * (k - 1) / k * values * 4, "pseudo-gradient chunks summed across nodes",
-                False)]
-    else:  # compression's two phases over the k nodes: (k-1) of k chunks' payload and scales each
-        c = compression.chunk(values, k)
-        phase = (k - 1) * ((c if dil.compress == "int8" else c / 8) + 4 * -(-c // compression.BLOCK[dil.compress]))
-        out = [("all-to-all", (AXIS,), phase, f"{dil.compress} pseudo-gradient chunks to their reducers", False),
-               ("all-gather", (AXIS,), phase, f"{dil.compress} reduced chunks to every node", False)]
+        phase = (k - 1) * piece * 4
+        out = [("reduce-scatter", (AXIS,), phase, "pseudo-gradient chunks reduce-scattered across nodes", False),
+               ("all-gather", (AXIS,), phase, "the outer update's pieces gathered across nodes", False)]
+    else:  # compression's two phases over the k nodes: (k-1) of k pieces' payload and scales each
+        phase = (k - 1) * ((piece if dil.compress == "int8" else piece / 8)
+                           + 4 * -(-piece // compression.BLOCK[dil.compress]))
+        out = [("all-to-all", (AXIS,), phase, f"{dil.compress} pseudo-gradient pieces to their reducers", False),
+               ("all-gather", (AXIS,), phase, f"{dil.compress} outer update pieces to every node", False)]
     if m > 1:
-        out.append(("all-gather", (AXIS,), (m - 1) * values * 4, "the mean's chunks gathered inside a node", True))
+        out.append(("all-gather", (AXIS,), (m - 1) * chunk * 4, "the new chunks gathered inside a node", True))
     return out
 
 

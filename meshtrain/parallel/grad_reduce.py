@@ -113,11 +113,11 @@ def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] |
 
 
 def state_shapes(reduction: Reduction, dil, inner_tx, param_shapes, param_shardings, moment_shardings,
-                 mesh: Mesh) -> dict:
+                 mesh: Mesh, stacked: str | None = None) -> dict:
     """TrainState.comm's ShapeDtypeStructs: train.grad_compression's feedback buffers,
     DiLoCo's round (`dil`: the replicas' params and `inner_tx`'s state), or {}."""
     if dil is not None:
-        return diloco.state_shapes(dil, inner_tx, param_shapes, param_shardings, moment_shardings)
+        return diloco.state_shapes(dil, inner_tx, param_shapes, param_shardings, moment_shardings, stacked)
     return compression.state_shapes(reduction.compression, mesh)
 
 

@@ -104,8 +104,8 @@ def state_bytes(exp) -> dict[str, float]:
         grads += sum(n * (4 + w) for n, w in zip(_elements(exp, exp.shardings.params, once), wbytes)) - opt * 4
     moments = sum(jnp.dtype(d).itemsize for d in optim.moment_dtypes(exp.cfg.optim, m.cfg.param_dtype))
     dil = getattr(exp, "diloco", None)
-    if dil is not None:  # DiLoCo: the replica's own params beside the outer ones, and the outer momentum
-        params, extra = 2 * params, params * 4 if dil.outer_momentum else 0
+    if dil is not None:  # DiLoCo: the replica's own params beside the outer ones, and its piece of the momentum
+        params, extra = 2 * params, params * 4 / dil.replicas if dil.outer_momentum else 0
     else:
         extra = 0
     in_stack = [getattr(path[0], "key", None) == m.stacked

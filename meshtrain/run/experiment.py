@@ -290,8 +290,9 @@ class Experiment:
                                  grad_reduce.replica_axes(layout, mesh, plan.params), grad_shardings,
                                  bool(model.stats_shapes), model.pipeline is not None,
                                  diloco_lib.stack_of(model.stacked, model.shapes, plan.params))
-        inner_tx, tx = (tx, dil.outer_tx()) if dil else (None, tx)
-        comm = grad_reduce.state_shapes(reduction, dil, inner_tx, model.shapes, plan.params, grad_shardings, mesh)
+        inner_tx, tx = (tx, optax.identity()) if dil else (None, tx)  # DiLoCo's outer state is in comm
+        comm = grad_reduce.state_shapes(reduction, dil, inner_tx, model.shapes, plan.params, grad_shardings, mesh,
+                                        model.stacked)
         shardings = offload.state_shardings(
             state_lib.state_shardings(model, tx, plan.params, grad_shardings, mesh, plan.stats, comm))
         same = dict(grad_accum_steps=t.grad_accum_steps, nonfinite=t.nonfinite, loss_chunk=t.loss_chunk, task=task,
@@ -334,7 +335,7 @@ class Experiment:
         DiLoCo's round from the outer params."""
         if self.diloco is None:
             return jax.jit(lambda: state_lib.zeros(self.comm), out_shardings=self.shardings.comm)()
-        return rounds.start(self.diloco, self.inner_tx, self.shardings.comm)(params)
+        return rounds.start(self.diloco, self.inner_tx, self.comm)(params)
 
     def _quick_init(self) -> bool:
         """Whether the init compiles with the analysis options: on CPU, for a model of at
@@ -346,7 +347,7 @@ class Experiment:
         """TrainState.comm's ShapeDtypeStructs: the reduction's feedback buffers, DiLoCo's
         round, or {}."""
         return grad_reduce.state_shapes(self.reduction, self.diloco, self.inner_tx, self.model.shapes,
-                                        self.shardings.params, self.grad_shardings, self.mesh)
+                                        self.shardings.params, self.grad_shardings, self.mesh, self.model.stacked)
 
     @property
     def on_cpu(self) -> bool:

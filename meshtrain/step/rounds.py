@@ -96,12 +96,12 @@ def make_rounds(model: ModelDef, inner_tx: optax.GradientTransformation,
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.full((n,), schedule(state.step)),
                    "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
         return state.replace(step=state.step + 1, stats=stats,
-                             comm={"params": new_params, "opt_state": new_opt}), metrics
+                             comm={**state.comm, "params": new_params, "opt_state": new_opt}), metrics
 
     def outer_step(state: TrainState, fragment: int) -> TrainState:
-        params, opt_state, comm = diloco.outer_update(dil, state.params, state.opt_state, state.comm, mesh,
-                                                      param_shardings, model.stacked, fragment)
-        return state.replace(params=params, opt_state=opt_state, comm=comm)
+        params, comm = diloco.outer_update(dil, state.params, state.comm, mesh, param_shardings, model.stacked,
+                                           fragment)
+        return state.replace(params=params, comm=comm)
 
     per_replica = NamedSharding(mesh, P(diloco.AXIS))
     return Rounds(jax.jit(inner_step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, per_replica),
@@ -111,7 +111,8 @@ def make_rounds(model: ModelDef, inner_tx: optax.GradientTransformation,
                   jax.jit(diloco.mean_metrics, out_shardings=NamedSharding(mesh, P())), dil)
 
 
-def start(dil: diloco.Diloco, inner_tx: optax.GradientTransformation, comm_shardings) -> Callable:
-    """params -> TrainState.comm: the round every replica starts from the outer params
-    (jitted into the comm shardings)."""
-    return jax.jit(lambda params: diloco.start_round(dil, inner_tx, params), out_shardings=comm_shardings)
+def start(dil: diloco.Diloco, inner_tx: optax.GradientTransformation, comm) -> Callable:
+    """params -> TrainState.comm: the round every replica starts from the outer params, the
+    outer momentum at zero (jitted into `comm`'s shardings: its ShapeDtypeStructs)."""
+    return jax.jit(lambda params: diloco.start_round(dil, inner_tx, params, comm.get("momentum", ())),
+                   out_shardings=jax.tree.map(lambda s: s.sharding, comm))
