@@ -2,7 +2,7 @@
 train.grad_compression setting against the float32 reduction.
 
 python benchmarks/figures/compression.py --text=FILE [--config gpt2_tiny_dp8] [--steps 300]
-                                         [--workdir runs/compression] [--out FIGURE]
+                                         [--workdir runs/compression] [--out FIGURE] [--seeds 0,1,2]
 
 Trains the config with mesh.dcn=data:2 (two simulated nodes) once per setting: the
 reduction XLA writes (float32 here), int8, onebit with error feedback and onebit without,
@@ -11,7 +11,9 @@ same seed and data (data.kind=text on FILE: any text corpus; the docs' figure us
 fortune files of Debian's `fortunes` and `fortunes-min` packages, 2.5 MB of English, the
 ascii-art files left out), evaluating 12 times on the held-out tail. Prints each run's
 final train and eval loss against the float32 run's, and draws the curves with
-`meshtrain compare` (--out).
+`meshtrain compare` (--out). With several --seeds (train.seed: the init and the data
+order) each setting trains once a seed, and the table gives the mean and the range of its
+eval loss, so that a difference between settings can be read against the one between seeds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def last(path: pathlib.Path, key: str) -> float:
     return [r[key] for r in rows if key in r][-1]
 
 
+def run_dir(workdir: str, label: str, seed: int, seeds: list[int]) -> pathlib.Path:
+    return pathlib.Path(workdir) / (label if len(seeds) == 1 else f"{label}-seed{seed}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--text", required=True, help="a text corpus (data.kind=text)")
@@ -51,26 +57,32 @@ def main() -> None:
     p.add_argument("--workdir", default="runs/compression")
     p.add_argument("--out", default="", help="the curves' figure (meshtrain compare --out)")
     p.add_argument("--only", default="", help="a comma list of SETTINGS' labels (default: all)")
+    p.add_argument("--seeds", default="0", help="a comma list of train.seed values")
     args = p.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     labels = [s for s in args.only.split(",") if s] or list(SETTINGS)
     base = [f"--config={args.config}", "--config.mesh.dcn=data:2", "--config.data.kind=text",
             f"--config.data.path={args.text}", f"--config.train.steps={args.steps}",
             f"--config.train.eval_every={max(args.steps // 12, 1)}", "--config.train.log_every=10",
             "--config.checkpoint.every=0", "--config.train.trackers=jsonl"]
-    results = {}
+    results = {}  # label -> [(train loss, eval loss) a seed]
     for label in labels:
-        workdir = pathlib.Path(args.workdir) / label
-        extra = [f"--config.{k}={v}" for k, v in SETTINGS[label].items()]
-        subprocess.run([sys.executable, "-m", "meshtrain.train", *base, *extra, f"--workdir={workdir}"], check=True)
-        metrics = workdir / "metrics.jsonl"
-        results[label] = last(metrics, "loss"), last(metrics, "eval_loss")
-    ref = results.get("float32")
-    print(f"{'setting':20} {'train loss':>10} {'eval loss':>10} {'eval vs float32':>16}")
-    for label, (train, evaluated) in results.items():
-        vs = f"{(evaluated / ref[1] - 1) * 100:+.2f}%" if ref else "-"
-        print(f"{label:20} {train:10.4f} {evaluated:10.4f} {vs:>16}")
+        for seed in seeds:
+            workdir = run_dir(args.workdir, label, seed, seeds)
+            extra = [f"--config.{k}={v}" for k, v in SETTINGS[label].items()] + [f"--config.train.seed={seed}"]
+            subprocess.run([sys.executable, "-m", "meshtrain.train", *base, *extra, f"--workdir={workdir}"],
+                           check=True)
+            metrics = workdir / "metrics.jsonl"
+            results.setdefault(label, []).append((last(metrics, "loss"), last(metrics, "eval_loss")))
+    mean = {label: sum(e for _, e in rows) / len(rows) for label, rows in results.items()}
+    print(f"{'setting':22} {'train loss':>10} {'eval loss':>10} {'eval range':>15} {'eval vs float32':>16}")
+    for label, rows in results.items():
+        train = sum(t for t, _ in rows) / len(rows)
+        spread = f"{min(e for _, e in rows):.4f}-{max(e for _, e in rows):.4f}" if len(rows) > 1 else "-"
+        vs = f"{(mean[label] / mean['float32'] - 1) * 100:+.2f}%" if "float32" in mean else "-"
+        print(f"{label:22} {train:10.4f} {mean[label]:10.4f} {spread:>15} {vs:>16}")
     if args.out:
-        runs = [str(pathlib.Path(args.workdir) / label) for label in results]
+        runs = [str(run_dir(args.workdir, label, seeds[0], seeds)) for label in results]
         subprocess.run([sys.executable, "-m", "meshtrain.compare", *runs, f"--out={args.out}",
                         f"--labels={','.join(results)}"], check=True)
 
