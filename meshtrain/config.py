@@ -81,7 +81,10 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # grad_compression: the data replicas' gradients reduced over slow links as int8 (a byte
     # a value) or onebit (a sign a value), or none; compress_axes: over which replica axes
     # ("": those mesh.dcn splits, else data); error_feedback: what compression loses is
-    # added back the next step (meshtrain/parallel/compression.py, docs/performance.md).
+    # added back the next step (meshtrain/parallel/compression.py, docs/performance.md);
+    # compress_momentum: each replica's next momentum is compressed instead of its gradient
+    # (1-bit Adam's form; adamw or sgd with momentum, no clipping), after compress_warmup
+    # steps reduced exactly, Adam's variance frozen from then (parallel/momentum_compression.py).
     # hang_timeout: seconds without a finished step before every process reports where it
     # is and exits 3 (None: max(300, 20 x the median step); 0: off); hang_timeout_busy bounds
     # the first step, a checkpoint save or an eval (0: none). straggler_every: steps per
@@ -92,7 +95,8 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
                    nonfinite="crash", max_skips=10, stop_at=0, profile="",
                    loss_chunk=256, grad_dtype="", accum_gather="auto", skip_memory_check=False,
                    trackers="tensorboard,jsonl", offload="", grad_compression="none", compress_axes="",
-                   error_feedback=True, hang_timeout=None, hang_timeout_busy=1800.0,
+                   error_feedback=True, compress_momentum=False, compress_warmup=0,
+                   hang_timeout=None, hang_timeout_busy=1800.0,
                    straggler_every=100, straggler_fraction=0.1)
     # DiLoCo (meshtrain/parallel/diloco.py, docs/performance.md): every > 0 trains each
     # island (a node of mesh.dcn's data factor, or each data replica) apart for that many

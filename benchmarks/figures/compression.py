@@ -5,12 +5,14 @@ python benchmarks/figures/compression.py --text=FILE [--config gpt2_tiny_dp8] [-
                                          [--workdir runs/compression] [--out FIGURE] [--seeds 0,1,2]
 
 Trains the config with mesh.dcn=data:2 (two simulated nodes) once per setting: the
-reduction XLA writes (float32 here), int8, onebit with error feedback and onebit without,
-and DiLoCo with a round of 8 steps (diloco.every=8, the two nodes its islands),
+reduction XLA writes (float32 here), int8, onebit with error feedback and onebit without;
+without clipping, float32 and onebit on the gradient and on the momentum
+(train.compress_momentum, 100 exact steps first), each with feedback and without; and
+DiLoCo with a round of 8 steps (diloco.every=8, the two nodes its islands),
 same seed and data (data.kind=text on FILE: any text corpus; the docs' figure used the
 fortune files of Debian's `fortunes` and `fortunes-min` packages, 2.5 MB of English, the
 ascii-art files left out), evaluating 12 times on the held-out tail. Prints each run's
-final train and eval loss against the float32 run's, and draws the curves with
+final train and eval loss against the float32 run's (without clipping: float32-noclip's), and draws the curves with
 `meshtrain compare` (--out). With several --seeds (train.seed: the init and the data
 order) each setting trains once a seed, and the table gives the mean and the range of its
 eval loss, so that a difference between settings can be read against the one between seeds.
@@ -29,6 +31,17 @@ SETTINGS = {  # label -> overrides
     "int8": {"train.grad_compression": "int8"},
     "onebit": {"train.grad_compression": "onebit"},
     "onebit-no-feedback": {"train.grad_compression": "onebit", "train.error_feedback": "false"},
+    # Without clipping (optim.grad_clip would clip the gradient recovered from a compressed
+    # momentum): the gradient's form and the momentum's (1-bit Adam: 100 exact steps first)
+    "float32-noclip": {"optim.grad_clip": "0"},
+    "onebit-noclip": {"optim.grad_clip": "0", "train.grad_compression": "onebit"},
+    "onebit-noclip-no-feedback": {"optim.grad_clip": "0", "train.grad_compression": "onebit",
+                                  "train.error_feedback": "false"},
+    "onebit-momentum": {"optim.grad_clip": "0", "train.grad_compression": "onebit",
+                        "train.compress_momentum": "true", "train.compress_warmup": "100"},
+    "onebit-momentum-no-feedback": {"optim.grad_clip": "0", "train.grad_compression": "onebit",
+                                    "train.compress_momentum": "true", "train.compress_warmup": "100",
+                                    "train.error_feedback": "false"},
     # DiLoCo: the two nodes train apart, meeting every 8 steps: the paper's outer Nesterov
     # (lr 0.7, momentum 0.9), MaxText's lr, a half-half pair and plain averaging
     "diloco-8": {"diloco.every": "8"},
@@ -75,12 +88,13 @@ def main() -> None:
             metrics = workdir / "metrics.jsonl"
             results.setdefault(label, []).append((last(metrics, "loss"), last(metrics, "eval_loss")))
     mean = {label: sum(e for _, e in rows) / len(rows) for label, rows in results.items()}
-    print(f"{'setting':22} {'train loss':>10} {'eval loss':>10} {'eval range':>15} {'eval vs float32':>16}")
+    print(f"{'setting':28} {'train loss':>10} {'eval loss':>10} {'eval range':>15} {'vs float32':>11}")
     for label, rows in results.items():
         train = sum(t for t, _ in rows) / len(rows)
         spread = f"{min(e for _, e in rows):.4f}-{max(e for _, e in rows):.4f}" if len(rows) > 1 else "-"
-        vs = f"{(mean[label] / mean['float32'] - 1) * 100:+.2f}%" if "float32" in mean else "-"
-        print(f"{label:22} {train:10.4f} {mean[label]:10.4f} {spread:>15} {vs:>16}")
+        ref = "float32-noclip" if "noclip" in label or "momentum" in label else "float32"
+        vs = f"{(mean[label] / mean[ref] - 1) * 100:+.2f}%" if ref in mean else "-"
+        print(f"{label:28} {train:10.4f} {mean[label]:10.4f} {spread:>15} {vs:>11}")
     if args.out:
         runs = [str(run_dir(args.workdir, label, seeds[0], seeds)) for label in results]
         subprocess.run([sys.executable, "-m", "meshtrain.compare", *runs, f"--out={args.out}",

@@ -12,6 +12,8 @@ docs/pipeline.md, docs/performance.md).
                       ZeRO-2's reduce-scatter in the backward)
   compression         that reduction over slow links in fewer bytes: int8 or one bit a value,
                       two phases (all-to-all, all-gather), error feedback (shard_map)
+  momentum_compression  the compressed momentum instead of the gradient (1-bit Adam's
+                      form): the shift, the exact warm-up, Adam with its variance frozen
   diloco              islands that train apart and meet every H steps: the round's state,
                       the island's mean inside a node, the outer mean across (shard_map)
   offload             host offload: optimizer state and parameters kept in host memory

@@ -62,6 +62,9 @@ class Compression:
     feedback: bool = True
     nodes: int = 1
     cut: "Buckets | None" = None  # the run's buckets (`buckets`), once its shapes are known
+    # train.compress_momentum: momentum_compression.Momentum (the replicas' next momentum
+    # compressed), or None
+    momentum: object = None
 
     def groups(self, c: int) -> tuple[list[list[int]] | None, list[list[int]] | None]:
         """(the positions in one node, one from each node): axis_index_groups of the

@@ -102,7 +102,8 @@ def of_run(train, gather: str, layout: Layout, mesh: Mesh, dcn: dict[str, int] |
     and train.grad_compression over its axes, which follow the replica axes of the
     reduction by hand (compression.resolve), its buckets cut from the gradients as they
     arrive (`grad_dtypes`, a leaf's in jax.tree.leaves order). Under DiLoCo (`diloco_on`)
-    the compression is the outer step's (parallel/diloco.py), not the step's."""
+    the compression is the outer step's (parallel/diloco.py), not the step's.
+    train.compress_momentum is added by momentum_compression.with_momentum."""
     if train.grad_compression == "none" or diloco_on:
         return Reduction.of(train, gather)
     replicas = replicas_by_hand(layout, mesh, param_shardings, train.grad_accum_steps, gather)

@@ -30,7 +30,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.parallel import layouts
 from meshtrain.parallel import sequence
-from meshtrain.parallel import compression as grad_compression, diloco as diloco_lib, grad_reduce, offload as offload_lib
+from meshtrain.parallel import diloco as diloco_lib, grad_reduce, momentum_compression, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
@@ -129,7 +129,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh, inputs: Inputs) -> Plan:
     loop.check_config(cfg.train)
     tasks.kind(fam.task).check_config(cfg.train, dims)
     grad_reduce.check(cfg.train)
-    grad_compression.check(cfg.train)
+    momentum_compression.check(cfg.train, cfg.optim)
     diloco_lib.check(cfg.diloco)
     grad_reduce.check_layout(cfg.train, layout)
     offload_lib.check_config(cfg.train)
@@ -275,7 +275,7 @@ class Experiment:
 
         total = max(t.steps, 1)
         schedule = optim.schedule(cfg.optim, total, t.batch_size)
-        tx = optim.make(cfg.optim, schedule, model.axes)
+        tx = optim.make(cfg.optim, schedule, model.axes, momentum_compression.frozen_variance_at(t))
         # Gradients are reduced to where the moments live (reduce-scatter under FSDP/ZeRO-1).
         grad_shardings = plan.opt_state
         task = tasks.for_family(model.task, source.info, cfg.data)
@@ -284,8 +284,9 @@ class Experiment:
                       ("each" if t.accum_gather == "auto" else t.accum_gather, f"train.accum_gather={t.accum_gather}"))
         if offload.params and accum == "once":  # "auto"'s pick; an explicit "once" was refused
             accum, why = "each", "train.offload=params brings one layer to the device at a time"
-        reduction = grad_reduce.of_run(t, accum, layout, mesh, dcn, model.shapes, plan.params,
-                                       step_lib.replica_dtypes(model, t.grad_accum_steps), bool(cfg.diloco.every))
+        reduction = momentum_compression.with_momentum(grad_reduce.of_run(
+            t, accum, layout, mesh, dcn, model.shapes, plan.params, step_lib.replica_dtypes(model, t.grad_accum_steps),
+            bool(cfg.diloco.every)), t, cfg.optim, layout, bool(cfg.diloco.every))
         dil = diloco_lib.resolve(cfg.diloco, t, layout, dict(mesh.shape), dcn,
                                  grad_reduce.replica_axes(layout, mesh, plan.params), grad_shardings,
                                  bool(model.stats_shapes), model.pipeline is not None,
@@ -362,7 +363,7 @@ class Experiment:
         a step only read (its HLO, buffers, collectives, FLOPs), never run: on CPU it
         compiles with analysis_options(), 2-4x faster."""
         options = analysis_options() if analysis and self.on_cpu else None
-        if isinstance(self.train_step, rounds.Rounds):
+        if isinstance(self.train_step, (rounds.Rounds, momentum_compression.Phased)):
             return self.train_step.compile(self.abstract_state(), self.abstract_batch(), options)
         lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
         if analysis and self.on_cpu:

@@ -30,6 +30,7 @@ import optax
 
 from meshtrain.errors import UserError
 from meshtrain.models.stack import is_matrix
+from meshtrain.parallel.momentum_compression import frozen_variance_adam
 
 NAMES = ("adamw", "sgd", "lars", "lamb")
 SCHEDULES = ("cosine", "constant")
@@ -188,9 +189,13 @@ def scale_by_layer_trust_ratio(axes_tree, trust_coefficient: float = 1.0,
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
-def _transform(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> optax.GradientTransformation:
+def _transform(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree,
+               freeze_variance_at: int | None = None) -> optax.GradientTransformation:
     mask = decay_mask(axes_tree)
     mu = o.mu_dtype or None
+    if o.name == "adamw" and freeze_variance_at is not None:  # optax.adamw's chain, its variance frozen
+        return optax.chain(frozen_variance_adam(o.b1, o.b2, o.eps, freeze_variance_at, mu),
+                           optax.add_decayed_weights(o.weight_decay, mask), optax.scale_by_learning_rate(lr))
     if o.name == "adamw":  # decoupled decay (Loshchilov & Hutter), scaled by the lr
         return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, mu_dtype=mu,
                            weight_decay=o.weight_decay, mask=mask)
@@ -213,12 +218,15 @@ def _transform(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> o
                        optax.scale_by_learning_rate(lr))
 
 
-def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree) -> optax.GradientTransformation:
+def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree,
+         freeze_variance_at: int | None = None) -> optax.GradientTransformation:
     """optim.name following the `lr` schedule (see `schedule`), after clipping the global
-    gradient norm to optim.grad_clip (0: off), with the decay mask."""
+    gradient norm to optim.grad_clip (0: off), with the decay mask. `freeze_variance_at`:
+    Adam's second moment stops changing after that many updates (train.compress_momentum,
+    parallel/momentum_compression.py)."""
     check_config(o)
     parts = []
     if o.grad_clip and o.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(o.grad_clip))
-    parts.append(_transform(o, lr, axes_tree))
+    parts.append(_transform(o, lr, axes_tree, freeze_variance_at))
     return optax.chain(*parts)

@@ -29,6 +29,7 @@ accum_gather="once" and parameters sharded over a batch axis (fsdp):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import tree_paths
 from meshtrain.models.stack import is_matrix
-from meshtrain.parallel import compression, grad_reduce, offload as offload_lib
+from meshtrain.parallel import compression, grad_reduce, momentum_compression, offload as offload_lib
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
@@ -194,7 +195,8 @@ def make_gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: Train
     are kept in float32 (gathered matrices' gradients arrive in the compute dtype); under
     a layout that splits gradients (ZeRO-2) they are kept where the moments live, never whole.
     `own_params` (DiLoCo): params [data, ...], each data replica's own, and the grads,
-    loss and metrics are returned per replica [data, ...], unreduced."""
+    loss and metrics are returned per replica [data, ...], unreduced. `shift` (c m,
+    under train.compress_momentum): momentum_compression.reduce's."""
     k = grad_accum_steps
     gathered, replicas = reduction.axes(layout, mesh, shardings.params, k, bool(model.stats_shapes))
     if own_params:
@@ -237,7 +239,7 @@ def make_gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: Train
         mean = jax.tree.map(lambda g, s: (g / k).astype(jnp.float32 if replicas else s.dtype), grads, grad_shapes)
         return mean, loss / k, jax.tree.map(lambda m: m / k, metrics), stats
 
-    def grads_and_loss(params, stats, comm, batch, key):
+    def grads_and_loss(params, stats, comm, batch, key, shift=None):
         if k == 1:
             (loss, (metrics, stats)), grads = grad_fn(params, stats, batch, key)
         else:
@@ -246,8 +248,8 @@ def make_gradients(model: ModelDef, layout: Layout, mesh: Mesh, shardings: Train
             return grads, loss, metrics, stats, comm
         # per-replica losses and metrics [n]; no stats (a model with them has no replica axes)
         if reduction.compression is not None:
-            grads, comm = compression.reduce(grads, params, reduction.compression, mesh, replicas,
-                                             compression.inner_specs(shardings.params, replicas), comm)
+            grads, comm = momentum_compression.reduce(grads, params, comm, reduction.compression, mesh, replicas,
+                                                      compression.inner_specs(shardings.params, replicas), shift)
         else:
             grads = grad_reduce.reduce(grads, reduction.dtype or produced_dtypes(model), params)
         return grads, loss.mean(), jax.tree.map(jnp.mean, metrics), stats, comm
@@ -280,48 +282,60 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     with BatchStat state accumulates without per-replica gradients (its statistics are
     over a microbatch's rows on every replica, as on one device), so XLA reduces each
     microbatch's gradients; `reduction.dtype` is refused for it (grad_reduce.check_stats).
-    `batch_shardings` defaults to token rows' (batch_sharding). `offload`: what
+    `batch_shardings` defaults to token rows' (batch_sharding); train.compress_momentum's
+    warm-up is a program of its own (momentum_compression.Phased). `offload`: what
     train.offload keeps in host memory (`shardings` say so too: parallel/offload.py); the
     update then streams the stacked layers one at a time (offload.streamed_update, which
     applies optim.grad_clip = `grad_clip` itself) and the output shardings put it back.
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
-    grads_and_loss = make_gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
-                                grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk, reduction=reduction,
-                                offload=offload)
-    streams = offload_lib.streams(offload, model)
-    dropout_on = model.cfg.dropout > 0
+    momentum = reduction.compression.momentum if reduction.compression is not None else None
 
-    def train_step(state: TrainState, batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
-        grads, loss, task_metrics, stats, comm = grads_and_loss(state.params, state.stats, state.comm, batch, key)
-        # Offloaded params' gradients left for host memory layer by layer: pinned there.
-        placed = offload_lib.grads_shardings(offload, model, grad_shardings, grad_accum_steps)
-        grads = jax.lax.with_sharding_constraint(grads, placed)
-        grad_norm, count, first = norm_and_nonfinite(offload_lib.leaf_squares(
-            grads, model.stacked, placed, streamed=offload_lib.grads_on_host(offload, model, grad_accum_steps)))
-        good = jnp.isfinite(loss) & (count == 0) if nonfinite == "skip" else None
-        if streams:  # the stacked layers' update one layer at a time, from and to host memory
-            params, opt_state = offload_lib.streamed_update(
-                tx, grads, state.opt_state, state.params, stacked=model.stacked, offload=offload,
-                clip=grad_clip, norm=grad_norm, good=good)
-        else:  # offloaded optimizer state (a pipeline's, or a model's without a layer stack) fetched
-            # whole; params offload always streams (offload.check_model refuses it elsewhere)
-            old = (state.params, offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
-            updates, opt_state = tx.update(grads, old[1], old[0])
-            params = optax.apply_updates(old[0], updates)
-            if good is not None:
-                params, opt_state = jax.tree.map(lambda o, new: jnp.where(good, new, o), old, (params, opt_state))
-        if good is not None:  # a bad step leaves params, optimizer state and stats as they were
-            stats = jax.tree.map(lambda old, new: jnp.where(good, new, old), state.stats, stats)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
-        return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
-                          stats=stats, comm=comm), metrics
+    def jitted(reduction: grad_reduce.Reduction):
+        grads_and_loss = make_gradients(model, layout, mesh, shardings, grad_shardings, task, batches,
+                                        grad_accum_steps=grad_accum_steps, loss_chunk=loss_chunk,
+                                        reduction=reduction, offload=offload)
+        moved = reduction.compression.momentum if reduction.compression is not None else None
+        streams = offload_lib.streams(offload, model)
+        dropout_on = model.cfg.dropout > 0
 
-    return jax.jit(train_step, in_shardings=(shardings, batches),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+        def train_step(state: TrainState, batch):
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if dropout_on else None
+            shift = None if moved is None else moved.offset(state.opt_state)
+            grads, loss, task_metrics, stats, comm = grads_and_loss(state.params, state.stats, state.comm, batch, key,
+                                                                    shift)
+            # Offloaded params' gradients left for host memory layer by layer: pinned there.
+            placed = offload_lib.grads_shardings(offload, model, grad_shardings, grad_accum_steps)
+            grads = jax.lax.with_sharding_constraint(grads, placed)
+            grad_norm, count, first = norm_and_nonfinite(offload_lib.leaf_squares(
+                grads, model.stacked, placed, streamed=offload_lib.grads_on_host(offload, model, grad_accum_steps)))
+            good = jnp.isfinite(loss) & (count == 0) if nonfinite == "skip" else None
+            if streams:  # the stacked layers' update one layer at a time, from and to host memory
+                params, opt_state = offload_lib.streamed_update(
+                    tx, grads, state.opt_state, state.params, stacked=model.stacked, offload=offload,
+                    clip=grad_clip, norm=grad_norm, good=good)
+            else:  # offloaded optimizer state (a pipeline's, or a model's without a layer stack) fetched
+                # whole; params offload always streams (offload.check_model refuses it elsewhere)
+                old = (state.params, offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
+                updates, opt_state = tx.update(grads, old[1], old[0])
+                params = optax.apply_updates(old[0], updates)
+                if good is not None:
+                    params, opt_state = jax.tree.map(lambda o, new: jnp.where(good, new, o), old, (params, opt_state))
+            if good is not None:  # a bad step leaves params, optimizer state and stats as they were
+                stats = jax.tree.map(lambda old, new: jnp.where(good, new, old), state.stats, stats)
+            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                       "nonfinite_grads": count, "first_nonfinite": first, **task_metrics}
+            return TrainState(step=state.step + 1, rng=state.rng, params=params, opt_state=opt_state,
+                              stats=stats, comm=comm), metrics
+
+        return jax.jit(train_step, in_shardings=(shardings, batches),
+                       out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+
+    if momentum is None or momentum.warmup == 0:
+        return jitted(reduction)
+    exact = dataclasses.replace(reduction, compression=None, dtype="float32")  # compress_momentum's warm-up
+    return momentum_compression.Phased(jitted(exact), jitted(reduction), momentum.warmup)
 
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, loss_chunk: int = 0,

@@ -3,11 +3,14 @@ helpers of the equivalence tests (every layout equals one device)."""
 
 import jax
 import numpy as np
+import pytest
 
+from meshtrain.errors import UserError
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run.experiment import analysis_options, Experiment, known_options
 from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
+from support.configs import configured
 
 STEPS = 20
 # A run of this many steps or fewer compiles with the analysis options (LLVM -O0): the
@@ -36,6 +39,16 @@ def compiled_as_users_compile(exp: Experiment):
 def devices_for(mesh: str) -> list:
     """The first devices, as many as MESH ("data:2,tensor:4") has."""
     return jax.devices()[:int(np.prod([int(p.split(":")[1]) for p in mesh.split(",")]))]
+
+
+def assert_refused(name: str, overrides: dict, words: list[str]) -> None:
+    """Building config `name` with `overrides` stops with a UserError that says each of
+    `words` (what was wrong, and the fix)."""
+    cfg = configured(name, **overrides)
+    with pytest.raises(UserError) as e:
+        Experiment.build(cfg, devices=devices_for(cfg.mesh.shape))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
 
 
 def _gradients(exp, params, batch) -> tuple[float, dict]:
@@ -115,7 +128,6 @@ def assert_same_training(name, result, reference):
 def run(name, overrides, mesh, steps=STEPS):
     """trained(): config NAME with OVERRIDES on MESH's devices, step 1's gradients read
     off its train step."""
-    from support.configs import configured
     cfg = configured(name, **overrides, **{"mesh.shape": mesh})
     return trained(cfg, steps, devices=devices_for(mesh))
 
