@@ -70,10 +70,21 @@ class Compression:
         """(the positions in one node, one from each node): axis_index_groups of the
         float32 phase inside a node and of the compressed one across nodes (None: all)."""
         k = self.nodes if self.nodes > 1 else c  # one node: compress over every position
-        m = c // k
-        if m == 1:
-            return None, None
-        return ([[n * m + i for i in range(m)] for n in range(k)], [[n * m + i for n in range(k)] for i in range(m)])
+        return node_groups(k, c // k)
+
+
+def node_groups(k: int, m: int) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+    """k nodes of m consecutive positions each -> (the positions in one node, one from each
+    node) as axis_index_groups (None, None with one position a node: the whole axis)."""
+    if m == 1:
+        return None, None
+    return ([[n * m + i for i in range(m)] for n in range(k)], [[n * m + i for n in range(k)] for i in range(m)])
+
+
+def phase_bytes(kind: str, values: int) -> float:
+    """Bytes of `values` compressed: the payload (a byte, or a bit, a value) and a float32
+    scale a block."""
+    return (values if kind == "int8" else values / 8) + 4 * -(-values // BLOCK[kind])
 
 
 def chunk(size: int, c: int) -> int:
@@ -227,8 +238,7 @@ def wire(comp: Compression, mesh_shape: dict[str, int], replicas: tuple[str, ...
     payload and scales."""
     cut = comp.cut
     c, k, m = math.prod(mesh_shape[a] for a in comp.axes), cut.k, cut.m
-    payload = m if comp.kind == "int8" else m / 8
-    phase = (k - 1) / k * k * (payload + 4 * -(-m // BLOCK[comp.kind]))
+    phase = (k - 1) * phase_bytes(comp.kind, m)
     inside = tuple(a for a in replicas if a not in comp.axes)
     n = math.prod(mesh_shape[a] for a in inside)
     held = sum(size * jnp.dtype(d).itemsize for size, d in zip(cut.sizes, cut.dtypes))

@@ -76,10 +76,7 @@ class Diloco:
     def groups(self) -> tuple[list[list[int]] | None, list[list[int]] | None]:
         """(an island's positions along data, one position from each island): the
         axis_index_groups inside a node and across nodes (None: all of data)."""
-        k, m = self.islands, self.per_island
-        if m == 1:
-            return None, None
-        return ([[n * m + i for i in range(m)] for n in range(k)], [[n * m + i for n in range(k)] for i in range(m)])
+        return compression.node_groups(self.islands, self.per_island)
 
     def offsets(self) -> list[int]:
         """The step each fragment's rounds are counted from (f x every / fragments)."""
@@ -322,8 +319,7 @@ def wire(dil: Diloco, local_values: int) -> list[tuple]:
         out = [("reduce-scatter", (AXIS,), phase, "pseudo-gradient chunks reduce-scattered across nodes", False),
                ("all-gather", (AXIS,), phase, "the outer update's pieces gathered across nodes", False)]
     else:  # compression's two phases over the k nodes: (k-1) of k pieces' payload and scales each
-        phase = (k - 1) * ((piece if dil.compress == "int8" else piece / 8)
-                           + 4 * -(-piece // compression.BLOCK[dil.compress]))
+        phase = (k - 1) * compression.phase_bytes(dil.compress, piece)
         out = [("all-to-all", (AXIS,), phase, f"{dil.compress} pseudo-gradient pieces to their reducers", False),
                ("all-gather", (AXIS,), phase, f"{dil.compress} outer update pieces to every node", False)]
     if m > 1:

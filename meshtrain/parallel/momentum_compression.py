@@ -20,14 +20,13 @@ Adam's variance is frozen after `warmup` steps (`frozen_variance_adam`), and tho
 first steps reduce exactly (the replicas' gradients summed in float32, as
 train.grad_dtype=float32 does; the feedback buffers stay zero), as 1-bit Adam warms up: a
 variance learned from compressed values would be the compression's error squared. The two
-reductions are two programs (`Phased`), not a `lax.cond` in one, so that the compressed
-step's HLO, which the planner reads, holds only the compressed collectives.
+reductions are two programs (step/programs.py's Phased), not a `lax.cond` in one, so that
+the compressed step's HLO, which the planner reads, holds only the compressed collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,39 +65,6 @@ def reduce(grads_n, params, comm, comp, mesh: Mesh, replicas: tuple[str, ...], s
     moved = jax.tree.map(lambda g, o: (g.astype(jnp.float32) + o[None]).astype(g.dtype), grads_n, shift)
     mean, comm = compression.reduce(moved, params, comp, mesh, replicas, specs, comm)
     return jax.tree.map(lambda g, o: (g.astype(jnp.float32) - o).astype(g.dtype), mean, shift), comm
-
-
-@dataclasses.dataclass
-class Phased:
-    """Two jitted steps behind one callable the loop calls like the train step: `warm`
-    (the exact reduction) before step `warmup`, `hot` (the compressed one) from it; where
-    the host is: the state's step, read once from the device and counted after."""
-
-    warm: Any
-    hot: Any
-    warmup: int
-    _last: Any = None
-    _step: int = 0
-
-    def __call__(self, state, batch):
-        if state is not self._last:  # a state this object did not return: which step is it at?
-            self._step = int(jax.device_get(state.step))
-        state, metrics = (self.warm if self._step < self.warmup else self.hot)(state, batch)
-        self._step += 1
-        self._last = state
-        return state, metrics
-
-    def compile(self, state, batch, options=None) -> "Phased":
-        """Both programs compiled from shapes (`state`, `batch`: ShapeDtypeStructs)."""
-        return Phased(self.warm.lower(state, batch).compile(options), self.hot.lower(state, batch).compile(options),
-                      self.warmup)
-
-    def __getattr__(self, name: str):
-        # What is read of a compiled step (its HLO, memory, costs) is the compressed one's:
-        # the step that runs from the warm-up's end on.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.hot, name)
 
 
 def check(train, optim) -> None:

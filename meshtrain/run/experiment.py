@@ -36,7 +36,7 @@ from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
 from meshtrain.runlog import trackers
 from meshtrain.step import tasks
-from meshtrain.step import loss as loss_lib, optim, rounds, state as state_lib, train_step as step_lib
+from meshtrain.step import loss as loss_lib, optim, programs, rounds, state as state_lib, train_step as step_lib
 
 
 def vocab_shards(layout: Layout, mesh: Mesh) -> int:
@@ -363,7 +363,7 @@ class Experiment:
         a step only read (its HLO, buffers, collectives, FLOPs), never run: on CPU it
         compiles with analysis_options(), 2-4x faster."""
         options = analysis_options() if analysis and self.on_cpu else None
-        if isinstance(self.train_step, (rounds.Rounds, momentum_compression.Phased)):
+        if isinstance(self.train_step, programs.Programs):
             return self.train_step.compile(self.abstract_state(), self.abstract_batch(), options)
         lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
         if analysis and self.on_cpu:

@@ -1,7 +1,7 @@
 """DiLoCo's steps (diloco.every = H > 0; the scheme in meshtrain/parallel/diloco.py): an
 inner step every step, an outer step after every H-th (a fragment's, under
 diloco.fragments), and the metrics' mean, jitted programs behind one callable the loop
-calls like the train step:
+calls like the train step (step/programs.py):
 
     rounds(state, batch) -> (state, metrics)
 
@@ -26,30 +26,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain.parallel import diloco, grad_reduce, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.step import tasks
+from meshtrain.step.programs import Programs
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.train_step import make_gradients, norm_and_nonfinite
 
 
 @dataclasses.dataclass
-class Rounds:
-    """The round's three programs (jitted, or compiled: `compile`) and where the host is
-    in the round: the state's step, read once from the device and counted after."""
+class Rounds(Programs):
+    """The round's three programs (jitted, or compiled: `compile`): the inner step every
+    step, a fragment's outer step after its rounds' last, the metrics' mean. What is read
+    of a compiled step is the inner step's, the one that runs every step (the outer
+    step's cost is per round: planner/bounds.py)."""
 
     inner: Any
     outer: tuple     # a program a fragment (one without diloco.fragments)
     metrics: Any
     dil: diloco.Diloco
-    _last: Any = None
-    _step: int = 0
 
-    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        if state is not self._last:  # a state this object did not return: where is it in its round?
-            self._step = int(jax.device_get(state.step))
+    @property
+    def _main(self):
+        return self.inner
+
+    def _run(self, state: TrainState, batch, step: int) -> tuple[TrainState, dict]:
         state, metrics = self.inner(state, batch)
-        self._step += 1
-        for fragment in self.dil.due(self._step):
+        for fragment in self.dil.due(step + 1):
             state = self.outer[fragment](state)
-        self._last = state
         return state, self.metrics(metrics)
 
     def compile(self, state, batch, options=None) -> "Rounds":
@@ -58,13 +59,6 @@ class Rounds:
         metrics = jax.eval_shape(self.inner, state, batch)[1]
         return Rounds(inner, tuple(o.lower(state).compile(options) for o in self.outer),
                       self.metrics.lower(metrics).compile(options), self.dil)
-
-    def __getattr__(self, name: str):
-        # What is read of a compiled step (its HLO, memory, costs, arguments) is the inner
-        # step's: the one that runs every step (the outer step's cost is per round: planner).
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def make_rounds(model: ModelDef, inner_tx: optax.GradientTransformation,

@@ -44,7 +44,7 @@ from meshtrain.parallel import compression, grad_reduce, momentum_compression, o
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
-from meshtrain.step import loss as loss_lib, tasks
+from meshtrain.step import loss as loss_lib, programs, tasks
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.tasks.task import is_field
 
@@ -283,7 +283,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     over a microbatch's rows on every replica, as on one device), so XLA reduces each
     microbatch's gradients; `reduction.dtype` is refused for it (grad_reduce.check_stats).
     `batch_shardings` defaults to token rows' (batch_sharding); train.compress_momentum's
-    warm-up is a program of its own (momentum_compression.Phased). `offload`: what
+    warm-up is a program of its own (programs.Phased). `offload`: what
     train.offload keeps in host memory (`shardings` say so too: parallel/offload.py); the
     update then streams the stacked layers one at a time (offload.streamed_update, which
     applies optim.grad_clip = `grad_clip` itself) and the output shardings put it back.
@@ -335,7 +335,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     if momentum is None or momentum.warmup == 0:
         return jitted(reduction)
     exact = dataclasses.replace(reduction, compression=None, dtype="float32")  # compress_momentum's warm-up
-    return momentum_compression.Phased(jitted(exact), jitted(reduction), momentum.warmup)
+    return programs.Phased(jitted(exact), jitted(reduction), momentum.warmup)
 
 
 def make_eval_step(model: ModelDef, layout: Layout, mesh: Mesh, param_shardings, loss_chunk: int = 0,
