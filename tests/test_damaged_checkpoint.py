@@ -20,11 +20,11 @@ from meshtrain import convert, eval as eval_cmd, sample
 from meshtrain.checkpoints import integrity
 from meshtrain.errors import UserError
 from meshtrain.train import main
-from support.processes import exact_losses
+from support.processes import FEW_ROWS, exact_losses
 
 TINY = "gpt2_tiny_dp8"
 RUN = ["--config.train.steps=9", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]
+       "--config.checkpoint.every=3", "--config.checkpoint.keep=2", FEW_ROWS]
 
 
 def train(workdir, *extra):

@@ -16,13 +16,13 @@ import pytest
 
 from meshtrain.runlog import goodput
 from meshtrain.train import main
-from support.processes import ENV, ONE_DEVICE_EACH, ROOT, losses, steps_on_disk, trainer
+from support.processes import ENV, FEW_ROWS, ONE_DEVICE_EACH, ROOT, losses, steps_on_disk, trainer
 
 pytestmark = pytest.mark.slow
 TINY = "gpt2_tiny_dp8"
 HANG_TIMEOUT = 5
 RUN = ["--config.train.steps=12", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=4", "--config.optim.warmup_steps=2"]
+       "--config.checkpoint.every=4", "--config.optim.warmup_steps=2", FEW_ROWS]
 FAULT_PYTHON = {"PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable}
 
 

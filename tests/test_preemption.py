@@ -16,10 +16,10 @@ import pytest
 
 from meshtrain.runlog import goodput
 from meshtrain.train import main
-from support.processes import ONE_DEVICE_EACH, exact_losses, free_port, steps_on_disk, wait_for
+from support.processes import FEW_ROWS, ONE_DEVICE_EACH, exact_losses, free_port, steps_on_disk, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0"]
+RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.eval_every=0", FEW_ROWS]
 
 
 def start(workdir, *extra, env=None, log="out.txt"):

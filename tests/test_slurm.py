@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from meshtrain.train import main
-from support.processes import ENV, ONE_DEVICE_EACH, ROOT, logged, losses, steps_on_disk, wait_for
+from support.processes import ENV, FEW_ROWS, ONE_DEVICE_EACH, ROOT, logged, losses, steps_on_disk, wait_for
 from support.slurm_cluster import SlurmCluster, first_job_id, skip_reason, slurm  # noqa: F401  (slurm: the fixture)
 
 SBATCH = str(ROOT / "launch" / "slurm.sbatch")
@@ -29,7 +29,7 @@ SBATCH = str(ROOT / "launch" / "slurm.sbatch")
 # CPUs come from the template (the node's CPUs / 2).
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"]
 RUN = ["--config.train.steps=24", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=4"]
+       "--config.checkpoint.every=4", FEW_ROWS]
 
 
 def test_outside_slurm_it_says_how_to_submit_and_creates_nothing(tmp_path):

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from support.processes import ROOT
+from support.processes import FEW_ROWS, ROOT
 from support.slurm_cluster import slurm  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ SBATCH = str(ROOT / "launch" / "slurm.sbatch")
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
 HANG_TIMEOUT = 5
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=4", f"--config.train.hang_timeout={HANG_TIMEOUT}"]
+       "--config.checkpoint.every=4", f"--config.train.hang_timeout={HANG_TIMEOUT}", FEW_ROWS]
 
 
 def test_a_task_asleep_before_a_step_ends_the_job_with_status_3_naming_it(slurm, tmp_path):  # noqa: F811

@@ -16,6 +16,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
 # checkpoint both write. With 4 devices a process, XLA:CPU runs each all-reduce as gloo
 # rings over all 8 devices, one ring per gradient: a step costs 3x the CPU (docs/testing.md).
 ONE_DEVICE_EACH = "--config.mesh.shape=data:2"
+# A row a data replica of gpt2_tiny_dp8 (8, not its 32) for the same tests, on both sides of
+# every comparison: what they check is the processes, not the rows, and two processes with one
+# device each train a step of 8 rows in about half the CPU of 32 (docs/testing.md).
+FEW_ROWS = "--config.train.batch_size=8"
 
 
 def own_devices_env(**extra: str) -> dict:
