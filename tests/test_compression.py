@@ -15,14 +15,14 @@ from meshtrain.parallel import compression
 from meshtrain.planner import analytic, bounds, hlo, roofline
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import ROWS, assert_refused, stepped
+from support.training import TOKENS, assert_refused, stepped
 
 STEPS = 4
 DCN = {"mesh.dcn": "data:2"}
 
 
 def build(kind="none", name="gpt2_tiny_dp8", **overrides):
-    return Experiment.build(configured(name, **{"train.steps": str(STEPS), **ROWS, **DCN,
+    return Experiment.build(configured(name, **{"train.steps": str(STEPS), **TOKENS, **DCN,
                                                 "train.grad_compression": kind, **overrides}))
 
 

@@ -14,7 +14,7 @@ from meshtrain.parallel import compression, diloco
 from meshtrain.planner import hlo, roofline
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import ROWS, devices_for, stepped
+from support.training import TOKENS, devices_for, stepped
 
 STEPS = 4
 # Inner momentum SGD, no clipping or decay: linear in the gradients, so a round a step
@@ -24,7 +24,7 @@ SGD = {"optim.name": "sgd", "optim.momentum": "0.9", "optim.grad_clip": "0", "op
 
 
 def build(name="gpt2_tiny_dp8", devices=None, **overrides):
-    cfg = configured(name, **{"train.steps": str(STEPS), **ROWS, **SGD, **overrides})
+    cfg = configured(name, **{"train.steps": str(STEPS), **TOKENS, **SGD, **overrides})
     return Experiment.build(cfg, devices=devices)
 
 

@@ -15,7 +15,7 @@ from meshtrain.errors import UserError
 from meshtrain.planner import hlo
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import ROWS, stepped
+from support.training import TOKENS, stepped
 
 STEPS = 3
 
@@ -23,7 +23,7 @@ STEPS = 3
 def train(make_config, name, **overrides):
     """(count and bytes each device sends of the step's all-reduces over `data`; losses and
     grad norms of STEPS steps; final params), compiling the step once."""
-    exp = Experiment.build(make_config(name, **{**ROWS, **overrides}))
+    exp = Experiment.build(make_config(name, **{**TOKENS, **overrides}))
     step = exp.compile(analysis=True)
     rows = [r for r in hlo.collective_table(step, exp.mesh, lambda d: 0)
             if r["kind"] == "all-reduce" and r["mesh_axes"] == ("data",)]

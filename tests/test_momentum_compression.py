@@ -16,7 +16,7 @@ from meshtrain.errors import UserError
 from meshtrain.parallel import compression, momentum_compression
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
-from support.training import ROWS, assert_refused, stepped
+from support.training import TOKENS, assert_refused, stepped
 
 WARMUP = 2
 ON = {"mesh.dcn": "data:2", "optim.grad_clip": "0", "train.grad_compression": "onebit",
@@ -26,7 +26,7 @@ ON = {"mesh.dcn": "data:2", "optim.grad_clip": "0", "train.grad_compression": "o
 def history(**overrides) -> list[tuple[float, float, np.ndarray]]:
     """Per step: (loss, the largest |feedback buffer|, Adam's first moment of the first MLP
     matrix [2, 64, 256]), read before the next step takes the state (it is donated)."""
-    exp = Experiment.build(configured("gpt2_tiny_dp8", **{"train.steps": "4", **ROWS, **overrides}))
+    exp = Experiment.build(configured("gpt2_tiny_dp8", **{"train.steps": "4", **TOKENS, **overrides}))
     out = []
     for state, m in stepped(exp, WARMUP + 2, step=exp.compile(analysis=True)):
         buffers = max((float(jnp.abs(x).max()) for x in jax.tree.leaves(state.comm)), default=0.0)

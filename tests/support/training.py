@@ -23,6 +23,11 @@ ANALYSIS_STEPS = 5
 # (gpt2_tiny_dp8 115 -> 61 CPU-ms, llama_tiny's ring 234 -> 120) and the split of each row
 # is what they compare. Every data replica still gets whole rows (16 / 8 = 2 on data:8).
 ROWS = {"train.batch_size": "16"}
+# And the language models' rows 64 positions long, not the tiny configs' 128: a layout splits
+# a row's positions only under context parallelism (whose tests choose their own lengths),
+# so the comparisons check the same splits at half the tokens a step. Both sides of every
+# comparison take it (conftest's one-device reference included).
+TOKENS = {**ROWS, "model.seq_len": "64"}
 
 # XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
 # (tests/conftest.py), which turn a few ops into loops (a scatter-add into a `while`) and
