@@ -13,9 +13,10 @@ from meshtrain.runlog import goodput
 from meshtrain.runlog import metrics
 from meshtrain.train import main as train_main
 from support.processes import metric_rows, own_devices_env
+from support.training import TOKEN_FLAGS, TOKENS
 
 RUN = ["--config.train.steps=12", "--config.train.eval_every=6", "--config.train.log_every=3",
-       "--config.train.eval_steps=1", "--config.checkpoint.every=0"]
+       "--config.train.eval_steps=1", "--config.checkpoint.every=0", *TOKEN_FLAGS]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -69,7 +70,8 @@ def test_compare_draws_a_png_and_names_both_runs(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "gpt2_tiny_dp8 (dp, data:8)" in text and "gpt2_tiny_dp2_tp4 (dp_tp, data:2,tensor:4)" in text
     assert "first there in wall time:" in text and "note:" not in text
-    assert text.count("49,152") == 2  # 12 steps x 4,096 tokens, each run
+    tokens = 12 * int(TOKENS["train.batch_size"]) * int(TOKENS["model.seq_len"])  # 12 steps of 16 x 64, each run
+    assert text.count(f"{tokens:,}") == 2
     for w in runs.values():  # the goodput column: productive steps over the wall time of the run
         total = goodput.add_up(goodput.read_pieces(w))
         assert total["pieces"] == 1 and 0 < total["goodput"] < 1

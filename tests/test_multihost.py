@@ -98,8 +98,8 @@ def throw(port: int) -> None:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> SimpleNamespace:
-    """The two-process run of launch/local.sh (4 devices a process) that the next two tests
-    read: it saves by wall time (checkpoint.every_minutes, 0.3 s here), and every payload in
+    """The two-process run of launch/local.sh (a device a process) that the next two tests
+    read: it saves by wall time (checkpoint.every_minutes, 0.18 s here), and every payload in
     PAYLOADS is thrown at each port process 0 listens on while the two start and train. The
     processes hold before their last step until every payload is thrown (tests/fault_run.py,
     through tests/fault_python as local.sh's PYTHON), so the run cannot end first on any
@@ -109,8 +109,8 @@ def two(tmp_path_factory) -> SimpleNamespace:
     env = {**ENV, "PORT": str(port), "PYTHON": str(ROOT / "tests" / "fault_python"), "FAULT_PYTHON": sys.executable,
            "MESHTRAIN_TEST_FAULT": json.dumps({"kind": "hold", "step": 20, "until": str(thrown)})}
     with open(d / "out.txt", "w") as out, open(d / "err.txt", "w") as err:
-        script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, f"--workdir={w}", *RUN,
-                                   "--config.checkpoint.every_minutes=0.005", "--config.checkpoint.keep=0"],
+        script = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "2", TINY, ONE_DEVICE_EACH, f"--workdir={w}", *RUN,
+                                   "--config.checkpoint.every_minutes=0.003", "--config.checkpoint.keep=0"],
                                   cwd=ROOT, env=env, stdout=out, stderr=err)
     try:
         wait_for(lambda: "(pids " in (d / "err.txt").read_text(), what="local.sh's first line")
@@ -145,7 +145,7 @@ def test_two_local_processes_train_like_one(two, reference):
     assert logs[1].startswith("--- local.sh ") and "meshtrain: error" not in logs[1] and "Traceback" not in logs[1]
     assert "process 1 of 2 joined; process 0 (host" in logs[1]  # what JAX's abort would mean, said first
     run = json.loads((w / "run.json").read_text())["distributed"]
-    assert run["num_processes"] == 2 and [len(p["devices"]) for p in run["processes"]] == [4, 4]
+    assert run["num_processes"] == 2 and [len(p["devices"]) for p in run["processes"]] == [1, 1]
     assert "processes: 2 (flags: process 0 of 2" in two.stdout
     assert_quiet(two.stdout, two.stderr, *logs)
 

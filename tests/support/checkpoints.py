@@ -12,13 +12,13 @@ import numpy as np
 from meshtrain.checkpoints import store as checkpoint_lib
 from meshtrain.train import main
 from support.configs import configured
-from support.training import ROWS
+from support.training import TOKEN_FLAGS, TOKENS
 
 
-# ROWS rows a step, as the layout comparisons train: the runs' CPU is in proportion to their
-# rows, and what these tests compare is what a checkpoint carries.
+# TOKENS a step (16 rows of 64 positions), as the layout comparisons train: the runs' CPU is in
+# proportion to their tokens, and what these tests compare is what a checkpoint carries.
 RUN = ["--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
-       "--config.checkpoint.every=0", *(f"--config.{k}={v}" for k, v in ROWS.items())]
+       "--config.checkpoint.every=0", *TOKEN_FLAGS]
 
 
 def train(name, workdir, *extra):
@@ -27,7 +27,7 @@ def train(name, workdir, *extra):
 
 def build(name, **overrides):
     """NAME's config as RUN trains it, with OVERRIDES."""
-    return configured(name, **{"train.steps": 20, **ROWS, **overrides})
+    return configured(name, **{"train.steps": 20, **TOKENS, **overrides})
 
 
 def copy(src, tmp_path):

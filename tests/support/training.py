@@ -28,6 +28,7 @@ ROWS = {"train.batch_size": "16"}
 # so the comparisons check the same splits at half the tokens a step. Both sides of every
 # comparison take it (conftest's one-device reference included).
 TOKENS = {**ROWS, "model.seq_len": "64"}
+TOKEN_FLAGS = [f"--config.{k}={v}" for k, v in TOKENS.items()]  # the same, for a command line
 
 # XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
 # (tests/conftest.py), which turn a few ops into loops (a scatter-add into a `while`) and
