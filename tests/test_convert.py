@@ -329,7 +329,6 @@ def test_a_finetuned_run_encodes_prompts_as_the_model_it_came_from(finetuned):
     from transformers import AutoTokenizer
 
     from meshtrain import sample
-    from meshtrain.checkpoints import store as checkpoint_lib
     from meshtrain.sampling import sources
     hf, ckpt, work, _ = finetuned
     text = "hello world, the quick"

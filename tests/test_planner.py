@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.errors import UserError
 from meshtrain.planner import hlo
-from meshtrain.planner import analytic, hardware, report as report_lib, roofline, split_cost
+from meshtrain.planner import hardware, report as report_lib, roofline, split_cost
 from meshtrain.run.experiment import Experiment
 from support.processes import metric_rows, own_devices_env
 
