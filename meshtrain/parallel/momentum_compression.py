@@ -127,25 +127,29 @@ def resolve(train, optim, layout) -> Momentum | None:
 
 def frozen_variance_at(train) -> int | None:
     """The step after which Adam's variance stays as it is: train.compress_warmup under
-    train.compress_momentum, else None (optax's Adam)."""
-    return train.compress_warmup if train.compress_momentum and train.grad_compression != "none" else None
+    train.compress_momentum (which `check` allows only with a compression), else None
+    (optax's Adam)."""
+    return train.compress_warmup if train.compress_momentum else None
 
 
 def frozen_variance_adam(b1: float, b2: float, eps: float, freeze_at: int,
                          mu_dtype=None) -> optax.GradientTransformation:
     """optax.scale_by_adam, whose second moment nu stops changing after `freeze_at` updates
     (and its bias correction with it): until then its updates and state are optax's, to the
-    bit; the state is optax's ScaleByAdamState, so checkpoints and
-    `optax.tree_utils.tree_get(state, "mu")` read it alike."""
+    bit (its update, step for step, with one select on nu and one on the count); the state
+    is optax's ScaleByAdamState, so checkpoints and `optax.tree_utils.tree_get(state, "mu")`
+    read it alike."""
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
 
     def update(updates, state, params=None):
-        out, new = adam.update(updates, state, params)
-        frozen = new.count > freeze_at
-        mu_hat = optax.tree_utils.tree_bias_correction(new.mu, b1, new.count)
-        nu_hat = optax.tree_utils.tree_bias_correction(state.nu, b2, jnp.int32(freeze_at))
-        held = jax.tree.map(lambda m, n, u: (m / (jnp.sqrt(n) + eps)).astype(u.dtype), mu_hat, nu_hat, out)
-        out = jax.tree.map(lambda h, u: jnp.where(frozen, h, u), held, out)
-        nu = jax.tree.map(lambda old, n: jnp.where(frozen, old, n), state.nu, new.nu)
-        return out, new._replace(nu=nu)
+        del params
+        count = optax.safe_increment(state.count)
+        frozen = count > freeze_at
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        nu = jax.tree.map(lambda old, new: jnp.where(frozen, old, new), state.nu,
+                          optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2))
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, jnp.where(frozen, jnp.asarray(freeze_at, count.dtype), count))
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        return out, state._replace(count=count, mu=optax.tree.cast(mu, mu_dtype), nu=optax.tree.cast_like(nu, state.nu))
     return optax.GradientTransformation(adam.init, update)

@@ -112,12 +112,17 @@ def split_layer(layer: Callable, w, x) -> Split:
     return split(fwd_bwd, w, x, x, first=[False] * n_dw + [True] * n_dx)
 
 
+def _one_layer(layer: Callable, ws, x) -> Split:
+    """split_layer at one layer's shapes: ws [L, ...] without its layer axis, x as it is."""
+    return split_layer(layer, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ws),
+                       jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
 def chunk_backward(layer: Callable, ws, x, g):
     """B for a chunk of layers, y = layer(ws[L-1], ... layer(ws[0], x)), `ws` stacked on a
     leading [L] axis: -> (dx, kept), kept being W's stash ([L, ...] per saved value). The
     layers' forward runs again (as 1F1B's `inputs` stash does), keeping each one's input."""
-    halves = split_layer(layer, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ws),
-                         jax.ShapeDtypeStruct(x.shape, x.dtype))
+    halves = _one_layer(layer, ws, x)
     _, inputs = jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, ws)
 
     def b(g, w_x):
@@ -129,7 +134,6 @@ def chunk_backward(layer: Callable, ws, x, g):
 
 def chunk_weight_grads(layer: Callable, ws, x, kept):
     """W for the chunk `chunk_backward` ran B of: -> d ws, like ws."""
-    halves = split_layer(layer, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ws),
-                         jax.ShapeDtypeStruct(x.shape, x.dtype))
+    halves = _one_layer(layer, ws, x)
     _, dws = jax.lax.scan(lambda _, saved: (None, halves.second(saved)), None, kept)
     return jax.tree.unflatten(jax.tree.structure(ws), dws)
