@@ -113,7 +113,7 @@ def base(size: str = "tiny", mesh: str = "data:1", layout: str = "dp") -> ml_col
     # init.from: a checkpoint to start from (fine-tuning): its params, step 0, fresh optimizer.
     c.init = {"from": ""}
     # Pipeline over the mesh `stage` axis (meshtrain/parallel/pipeline/scan.py); microbatches=0 is off.
-    c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1, stash="inputs")
+    c.pipeline = dict(microbatches=0, schedule="gpipe", repeats=1, stash="inputs", split="jaxpr")
     # Multi-process runs (docs/multihost.md), in seconds: how long processes wait for each
     # other at start, and how long a silent process may stay silent before all stop.
     c.distributed = dict(init_timeout=300, heartbeat_timeout=60)

@@ -69,24 +69,29 @@ def test_under_jit_the_split_step_equals_the_fused_one(case):
 
 
 def test_a_scanned_chunk_splits_per_layer(case):
-    """Three layers under lax.scan: B's reverse scan (each layer's forward again, then its
-    input gradient) and W's scan give the chunk's pullback; W runs each layer's 2 weight
-    matmuls and nothing else."""
+    """Three layers under lax.scan: the forward keeping each layer's residuals but its
+    weights, B's reverse scan and W's scan give the chunk's pullback, no matmul twice."""
     w, x, g = case
     ws = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a, -a]), w)
 
     def chunk(ws, x):
         return jax.lax.scan(lambda h, w_l: (block(w_l, h), None), x, ws)[0]
-    want_dws, want_dx = jax.jit(lambda ws, x, g: jax.vjp(chunk, ws, x)[1](g))(ws, x, g)
-    dx, kept = jax.jit(lambda ws, x, g: sb.chunk_backward(block, ws, x, g))(ws, x, g)
-    dws = jax.jit(lambda ws, x, kept: sb.chunk_weight_grads(block, ws, x, kept))(ws, x, kept)
+    want_y, pull = jax.vjp(chunk, ws, x)
+    want_dws, want_dx = pull(g)
+    layer = lambda w, k, x: block(w, x)  # noqa: E731
+    split = sb.LayerSplit(layer, ws, None, x)
+    y, res = jax.jit(split.forward)(ws, None, x)
+    dx, kept = jax.jit(split.input_grads)(ws, res, g)
+    dws = jax.jit(split.weight_grads)(ws, kept)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), dws, want_dws)
-    assert all(leaf.shape[0] == 3 for leaf in kept)  # W's stash: [layers, ...] a value
-    # B: the forward scan keeping inputs (2) and the reverse scan: of the layer's forward
-    # only x up (its output's matmul feeds no gradient), then dx's 2; W: 2.
-    assert dots(lambda ws, x, g: sb.chunk_backward(block, ws, x, g), ws, x, g) == 5
-    assert dots(lambda ws, x, kept: sb.chunk_weight_grads(block, ws, x, kept), ws, x, kept) == 2
+    # The stashes hold activations (and constants) a layer, never a weight.
+    assert all(leaf.shape[0] == 3 and leaf.shape[1:] not in ((16, 64), (64, 16)) for leaf in [*res, *kept])
+    # A scan's body once in the text: a layer's forward 2 matmuls, B 2, W 2.
+    assert dots(split.forward, ws, None, x) == 2
+    assert dots(split.input_grads, ws, res, g) == 2
+    assert dots(split.weight_grads, ws, kept) == 2
 
 
 def test_a_mask_of_the_wrong_length_is_refused(case):

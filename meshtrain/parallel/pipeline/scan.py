@@ -48,10 +48,14 @@ from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import PIPELINE_PRESETS
 from meshtrain.parallel.layouts.rules import TARGETS, Layout, mesh_axes_of
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
-# What the backward slot of 1f1b/interleaved keeps per item (meshtrain/parallel/pipeline/schedule_1f1b.py):
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb")
+# What the backward slot of 1f1b/interleaved/zb keeps per item (meshtrain/parallel/pipeline/schedule_1f1b.py):
 # "inputs" recomputes the chunk from its stashed input; "residuals" keeps autodiff's.
 STASHES = ("inputs", "residuals")
+# How zb splits a chunk's backward (meshtrain/parallel/pipeline/split_backward.py): "jaxpr"
+# splits each layer's pullback, every equation once; "two_vjps" takes one pullback for the
+# input gradient and another for the weights', the cotangent chain twice.
+SPLITS = ("jaxpr", "two_vjps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +66,14 @@ class Pipeline:
     # Benchmarks unroll the tick loop so that cost_analysis counts every tick.
     unroll: bool = False
     schedule: str = "gpipe"
-    stash: str = "inputs"  # 1f1b/interleaved only: see STASHES
+    stash: str = "inputs"  # 1f1b/interleaved/zb only: see STASHES
+    split: str = "jaxpr"   # zb only: see SPLITS
 
     @property
     def one_f_one_b(self) -> bool:
-        """Whether the backward runs in the tick loop (1f1b, interleaved) rather than by
+        """Whether the backward runs in the tick loop (1f1b, interleaved, zb) rather than by
         autodiff through the forward ticks (gpipe, circular)."""
-        return self.schedule in ("1f1b", "interleaved")
+        return self.schedule in ("1f1b", "interleaved", "zb")
 
     @property
     def ticks(self) -> int:
@@ -78,7 +83,10 @@ class Pipeline:
 
     @property
     def bubble(self) -> float:
-        """Fraction of the pipelined work that is idle (wasted in this SPMD form)."""
+        """Fraction of the pipelined work that is idle (wasted in this SPMD form); under zb
+        with F = B = W (pipeline_ticks.idle_share counts it tick by tick)."""
+        if self.schedule == "zb":
+            return 2 * (self.stages - 1) / (3 * self.repeats * self.microbatches + 2 * (self.stages - 1))
         return (self.stages - 1) / self.ticks
 
 
@@ -102,10 +110,13 @@ def from_config(p, stages: int, num_layers: int, layout: Layout | None = None) -
                 f"pipeline.microbatches=M, e.g. M={4 * stages}: the bubble is (S-1)/(M+S-1) = "
                 f"{(stages - 1) / (5 * stages - 1):.1%} at M = 4 x S.")
         return None
-    stash = p.get("stash", "inputs")
+    stash, split = p.get("stash", "inputs"), p.get("split", "jaxpr")
     if stash not in STASHES:
         raise UserError(f"pipeline.stash={stash!r}: choose one of {', '.join(STASHES)} (what the "
-                        f"backward slot of 1f1b/interleaved keeps, docs/pipeline.md).")
+                        f"backward slot of 1f1b/interleaved/zb keeps, docs/pipeline.md).")
+    if split not in SPLITS:
+        raise UserError(f"pipeline.split={split!r}: choose one of {', '.join(SPLITS)} (how zb splits a "
+                        f"chunk's backward into input and weight gradients, docs/pipeline.md).")
     one_chunk = {"gpipe": "circular", "1f1b": "interleaved"}
     if p.schedule in one_chunk and r != 1:
         raise UserError(f"pipeline.repeats={r} needs pipeline.schedule={one_chunk[p.schedule]} "
@@ -124,8 +135,8 @@ def from_config(p, stages: int, num_layers: int, layout: Layout | None = None) -
         raise UserError(
             f"pipeline.microbatches={m} is not a multiple of stage={stages}: the {p.schedule} schedule "
             f"sends microbatches round the stages in groups of S. Use M = "
-            f"{-(-m // stages) * stages} (or schedule={'gpipe' if p.schedule == 'circular' else '1f1b'}).")
-    return Pipeline(stages=stages, microbatches=m, repeats=r, schedule=p.schedule, stash=stash)
+            f"{-(-m // stages) * stages} (or pipeline.repeats=1).")
+    return Pipeline(stages=stages, microbatches=m, repeats=r, schedule=p.schedule, stash=stash, split=split)
 
 
 def uses_stage(layout: Layout) -> bool:
@@ -309,27 +320,45 @@ class StagePlan:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
         with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys;
         microbatch m's layers see its rows of the batch's `documents` (models/documents.py)."""
-        n, shard = self.n_shards, self.shard
-        micro_docs = jax.tree.map(self.microbatches, documents)
-        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
-
-        def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]
-            layer = make_layer(Constrain(self.inner, self.mesh, docs))
-            run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
-            if k is not None:
-                k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
-            return run_stack(run_one, w, x, k, scan=scan_layers)
+        per_shard = self.per_shard(make_layer, documents)
 
         def chunk(w, k, m, x):
-            mb, t, d = x.shape
+            y = per_shard(lambda layer, w, k, x: run_stack(layer, w, x, k, scan=scan_layers), w, k, m, self.rows(x))
+            return self.unrows(y)
+        return chunk
+
+    def rows(self, x):
+        """[mb, ...] -> [n, mb/n, ...]: a microbatch's rows per batch shard."""
+        return x.reshape(self.n_shards, x.shape[0] // self.n_shards, *x.shape[1:])
+
+    def unrows(self, x):
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    def per_shard(self, make_layer, documents=None, *, pin: bool = True) -> Callable:
+        """-> apply(body, w, k, m, *args): body(layer, w, k [Lc], *args) on each batch shard of
+        one stage's chunk on microbatch m, args' leaves and the results' [n, ...] a shard;
+        layer(x, one layer's params, key) -> x sees the shard's keys, microbatch m's
+        documents, and under ZeRO-2 (`pin`) pins its weight gradients (grads_pins), which
+        needs the gradient taken outside the shards' vmap, as their sum."""
+        n, shard = self.n_shards, self.shard
+        micro_docs = jax.tree.map(self.microbatches, documents)
+        pinned = None if self.grads_pins is None or not pin else grad_reduce.pinned_in_backward(self.grads_pins)
+
+        def apply(body, w, k, m, *args):
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
-            docs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)
-                                .reshape(n, mb // n, *a.shape[2:]), micro_docs)
-            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
-                w, k, x.reshape(n, mb // n, t, d), jnp.arange(n), docs)
-            return y.reshape(mb, t, d)
-        return chunk
+            docs = jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
+                                micro_docs)
+
+            def shard_fn(w, k, shard_index, docs, *args):
+                layer = make_layer(Constrain(self.inner, self.mesh, docs))
+                run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
+                if k is not None:
+                    k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
+                return body(run_one, w, k, *args)
+            return jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, *[0] * len(args)),
+                            spmd_axis_name=shard)(w, k, jnp.arange(n), docs, *args)
+        return apply
 
     def select(self, w, i):
         """Stage weights (copies [n, r, Lc, ...] or shared [r, Lc, ...]) -> chunk i's."""

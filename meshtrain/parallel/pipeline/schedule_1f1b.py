@@ -60,7 +60,7 @@ from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline.scan import StagePlan
-from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, phases, stash_slots
+from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, segments, stash_slots
 
 
 def head_layout(inner: Layout, mesh_shape, padded_vocab: int) -> Layout:
@@ -84,6 +84,7 @@ class Carry(NamedTuple):
     d_w: Any             # like the stage weights, float32: their gradients so far
     d_head: Any          # like the head's n copies, float32
     d_inputs: jax.Array  # like the inputs: stage 0's dx of each microbatch
+    w_stash: list = []   # zb: per leaf [S, K_w, ...], W's inputs between an item's B and W
 
 
 @dataclasses.dataclass
@@ -129,6 +130,9 @@ class Schedule:
         return self.plan.sharding(self.plan.shard, *self.head_layout.spec(axes, "activations"))
 
     def __call__(self, params, tokens_bt1, key):
+        if self.pipe.schedule == "zb":
+            from meshtrain.parallel.pipeline.schedule_zb import ZeroBubbleLoop
+            return ZeroBubbleLoop(self, params, tokens_bt1, key).run()
         return TickLoop(self, params, tokens_bt1, key).run()
 
 
@@ -157,8 +161,9 @@ class TickLoop:
 
         (self.inputs, self.weights, self.head), self.prepare_vjp = jax.vjp(prepare, params)
         self.keys = plan.keys(k_layers, params[stacked])
-        make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
-        self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
+        self.make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
+        self.documents = constrain.documents
+        self.chunk = plan.chunk_fn(self.make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
         # parallel/sequence.py); the targets and their weights follow them.
         micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731
@@ -245,33 +250,46 @@ class TickLoop:
             g = jnp.where(last, dy[None], g)
         g = jax.lax.with_sharding_constraint(jnp.where(bv[:, None, None, None], g, 0), sched.slot)
         items = [jax.vmap(lambda st, i, m: st[i, m % sched.k_slots], **vmap)(st, bi, bm) for st in carry.stash]
-        dw, dx = jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **vmap)(
+        weight_part, dx = jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **vmap)(
             self.weights, self.stage_keys(bi), bi, bm, items, g)
+        carry = self.keep_weight_part(carry, weight_part, t_now, bv, bi)
         dx = jax.lax.with_sharding_constraint(dx, sched.slot)
-
-        def add(acc, d):  # acc [.., S, v, Lc, ...] += d [.., S, Lc, ...] at each stage's i
-            def one(acc_s, d_s, i):
-                return (acc_s.at[:, i] if plan.copies else acc_s.at[i]).add(d_s.astype(acc_s.dtype))
-            return jax.vmap(one, (plan.w_axis, 0, 0), plan.w_axis, **vmap)(acc, d, bi)
 
         def keep_dx(d_in_s, is_first, m, dx_s):  # stage 0, repeat 0: d inputs[m]
             return d_in_s.at[m].set(jnp.where(is_first, dx_s, d_in_s[m]))
         is_first = (jnp.arange(s) == 0) & (bi == 0) & bv
         d_inputs = jax.vmap(keep_dx, **vmap)(carry.d_inputs, is_first, bm, dx)
-        return carry._replace(bwd=dx, d_w=jax.tree.map(add, carry.d_w, dw), d_inputs=d_inputs)
+        return carry._replace(bwd=dx, d_inputs=d_inputs)
+
+    def keep_weight_part(self, carry: Carry, dw, t_now, valid, i) -> Carry:
+        """What the backward slot made beside dx: 1F1B's weight gradients, added up."""
+        return self.add_dw(carry, dw, i)
+
+    def add_dw(self, carry: Carry, dw, i) -> Carry:
+        """d_w [.., S, v, Lc, ...] += dw [.., S, Lc, ...] at each stage's chunk i."""
+        plan, vmap = self.sched.plan, self.sched.stage_vmap
+
+        def add(acc, d):
+            def one(acc_s, d_s, i):
+                return (acc_s.at[:, i] if plan.copies else acc_s.at[i]).add(d_s.astype(acc_s.dtype))
+            return jax.vmap(one, (plan.w_axis, 0, 0), plan.w_axis, **vmap)(acc, d, i)
+        return carry._replace(d_w=jax.tree.map(add, carry.d_w, dw))
 
     # -- the loop -------------------------------------------------------------------------
 
-    def warm_up(self, carry: Carry, t_now):
-        return self.forward_slot(carry, t_now)[0], None
-
-    def steady(self, carry: Carry, t_now):
-        carry, fwd_items = self.forward_slot(carry, t_now)
-        carry, dy = self.head_slot(carry, fwd_items)
-        return self.backward_slot(carry, t_now, dy), None
-
-    def cool_down(self, carry: Carry, t_now):
-        return self.backward_slot(carry, t_now, None), None
+    def tick(self, slots: str):
+        """-> one tick's body running `slots` (ticks.segments): the forward slot, the loss
+        head where the last stage's forward meets its backward, the backward slot."""
+        def body(carry: Carry, t_now):
+            dy = None
+            if "f" in slots:
+                carry, fwd_items = self.forward_slot(carry, t_now)
+                if "b" in slots:
+                    carry, dy = self.head_slot(carry, fwd_items)
+            if "b" in slots:
+                carry = self.backward_slot(carry, t_now, dy)
+            return carry, None
+        return body
 
     def start(self) -> Carry:
         """Zeros, with the stash shaped from a trace of the forward slot (which also records
@@ -297,15 +315,13 @@ class TickLoop:
                      d_head=jax.tree.map(f32, self.head), d_inputs=jnp.zeros_like(self.inputs))
 
     def run(self):
-        """-> (mean loss, grads like params): warm-up, steady and cool-down ticks, then the
-        vjp of the embedding and the weight copies at what the slots gathered."""
-        pipe = self.sched.pipe
-        warm, steady_n, cool = phases(pipe)
-        unroll = lambda k: max(k, 1) if pipe.unroll else 1  # noqa: E731
+        """-> (mean loss, grads like params): a loop per run of ticks with the same slots
+        (warm-up, steady and cool-down under 1f1b), then the vjp of the embedding and the
+        weight copies at what the slots gathered."""
         carry = self.start()
-        carry, _ = jax.lax.scan(self.warm_up, carry, jnp.arange(warm), unroll=unroll(warm))
-        carry, _ = jax.lax.scan(self.steady, carry, warm + jnp.arange(steady_n), unroll=unroll(steady_n))
-        carry, _ = jax.lax.scan(self.cool_down, carry, warm + steady_n + jnp.arange(cool), unroll=unroll(cool))
+        for first, end, slots in segments(self.sched.pipe):
+            carry, _ = jax.lax.scan(self.tick(slots), carry, jnp.arange(first, end),
+                                    unroll=end - first if self.sched.pipe.unroll else 1)
         cotangents = (carry.d_inputs,
                       jax.tree.map(lambda d, w: d.astype(w.dtype), carry.d_w, self.weights),
                       jax.tree.map(lambda d, h: d.astype(h.dtype), carry.d_head, self.head))

@@ -27,12 +27,37 @@ from jax.extend import core
 class Split(NamedTuple):
     """The two halves of a function's outputs. `first(*args)` -> (its outputs, saved);
     `second(saved)` -> the rest. `saved` (a list of arrays, `saved_avals`) holds what the
-    second half reads: values the first computed and inputs; `eqns` how many equations
-    each half runs."""
+    second half reads: values the first computed and inputs (`saved_inputs[j]`: the index
+    among the flat inputs of saved value j, or None for a computed one); `eqns` how many
+    equations each half runs."""
     first: Callable
     second: Callable
     saved_avals: list
+    saved_inputs: list
     eqns: tuple[int, int]
+
+
+# Equations that call a jaxpr inline: a jitted function or a remat'd layer inside the
+# backward would otherwise be one equation yielding both halves.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
+
+
+def _inline(jaxpr, consts, *args):
+    """Evaluates `jaxpr` binding each equation again, the bodies of _CALLS in place."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]  # noqa: E731
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        body = e.params.get(_CALLS.get(e.primitive.name, ""))
+        if body is not None:
+            inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
+            outs = _inline(inner, inner_consts, *ins)
+        else:
+            with e.ctx.manager:
+                outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+            outs = outs if e.primitive.multiple_results else [outs]
+        env.update(zip(e.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _needed(eqns, outvars) -> list[int]:
@@ -51,7 +76,8 @@ def split(fn: Callable, *args, first: Sequence[bool]) -> Split:
     """fn(*args) -> a flat list or tuple of arrays; `first` marks the outputs the first half
     computes. Traced once at `args` (arrays or ShapeDtypeStructs, any pytrees)."""
     flat, in_tree = jax.tree.flatten(args)
-    closed = jax.make_jaxpr(lambda *leaves: list(fn(*jax.tree.unflatten(in_tree, leaves))))(*flat)
+    traced = jax.make_jaxpr(lambda *leaves: list(fn(*jax.tree.unflatten(in_tree, leaves))))(*flat)
+    closed = jax.make_jaxpr(lambda *leaves: _inline(traced.jaxpr, traced.consts, *leaves))(*flat)
     jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
     if len(first) != len(jaxpr.outvars):
         raise ValueError(f"split: `first` marks {len(first)} outputs, the function has {len(jaxpr.outvars)}")
@@ -64,6 +90,7 @@ def split(fn: Callable, *args, first: Sequence[bool]) -> Split:
     consts = set(jaxpr.constvars)
     saved = list(dict.fromkeys(v for v in read_by_b if isinstance(v, core.Var)
                                and v not in made_by_b and v not in consts))
+    position = {v: j for j, v in enumerate(jaxpr.invars)}
 
     def half(name, invars, outvars, eqn_ids):
         debug = core.DebugInfo(f"split_backward {name}", jaxpr.debug_info.func_src_info, None, None)
@@ -79,7 +106,8 @@ def split(fn: Callable, *args, first: Sequence[bool]) -> Split:
     def second_half(kept):
         return list(run_b(*kept))
 
-    return Split(first_half, second_half, [v.aval for v in saved], (len(in_a), len(in_b)))
+    return Split(first_half, second_half, [v.aval for v in saved], [position.get(v) for v in saved],
+                 (len(in_a), len(in_b)))
 
 
 def split_pullback(pull, g) -> tuple[Callable, Callable]:
@@ -101,39 +129,66 @@ def split_pullback(pull, g) -> tuple[Callable, Callable]:
     return b, w
 
 
-def split_layer(layer: Callable, w, x) -> Split:
-    """layer(w, x) -> y like x, its backward split: first(w, x, g) -> ([dx leaves], saved)
-    runs the layer's forward again and B; second(saved) -> [dw leaves]. Traced once at the
-    shapes of `w` and `x` (one layer's; arrays or ShapeDtypeStructs)."""
-    def fwd_bwd(w, x, g):
-        dw, dx = jax.vjp(layer, w, x)[1](g)
-        return [*jax.tree.leaves(dw), *jax.tree.leaves(dx)]
-    n_dw, n_dx = len(jax.tree.leaves(w)), len(jax.tree.leaves(x))
-    return split(fwd_bwd, w, x, x, first=[False] * n_dw + [True] * n_dx)
+def _stripped(tree):
+    """Stacked leaves [L, ...] -> one layer's shapes."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
 
 
-def _one_layer(layer: Callable, ws, x) -> Split:
-    """split_layer at one layer's shapes: ws [L, ...] without its layer axis, x as it is."""
-    return split_layer(layer, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ws),
-                       jax.ShapeDtypeStruct(x.shape, x.dtype))
+class LayerSplit:
+    """One layer's backward, split, for a chunk of layers stacked on a leading [L] axis:
+    layer(w, k, x) -> y like x, differentiated in w (a pytree) and x, k riding along (a
+    dropout key, or None). Traced once at one layer's shapes.
 
+    The forward keeps each layer's residuals (what jax.vjp's pullback holds) but the
+    weights, which every item shares; B runs each layer's share of the pullback from them
+    in a reverse scan and keeps what W reads; W runs the rest in a scan. Per layer because
+    a scan's transpose is one equation that yields both halves."""
 
-def chunk_backward(layer: Callable, ws, x, g):
-    """B for a chunk of layers, y = layer(ws[L-1], ... layer(ws[0], x)), `ws` stacked on a
-    leading [L] axis: -> (dx, kept), kept being W's stash ([L, ...] per saved value). The
-    layers' forward runs again (as 1F1B's `inputs` stash does), keeping each one's input."""
-    halves = _one_layer(layer, ws, x)
-    _, inputs = jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, ws)
+    def __init__(self, layer: Callable, ws, ks, x):
+        self.layer = layer
+        w1, k1, x1 = _stripped(ws), _stripped(ks), jax.ShapeDtypeStruct(x.shape, x.dtype)
+        self.weights = jax.tree.structure(ws)
+        box = []
 
-    def b(g, w_x):
-        (dx,), saved = halves.first(*w_x, g)
-        return dx, saved
-    dx, kept = jax.lax.scan(b, g, (ws, inputs), reverse=True)
-    return dx, kept
+        def residuals(w, k, x):
+            pull = jax.vjp(lambda w, x: layer(w, k, x), w, x)[1]
+            leaves, tree = jax.tree.flatten(pull)
+            w_leaves = jax.tree.leaves(w)
+            box.append((tree, [next((j for j, a in enumerate(w_leaves) if a is leaf), None) for leaf in leaves]))
+            return leaves
+        res = jax.eval_shape(residuals, w1, k1, x1)
+        self.pull_tree, self.shared = box[0]
+        n_dw = self.weights.num_leaves
+        self.halves = split(lambda res, g: jax.tree.leaves(jax.tree.unflatten(self.pull_tree, res)(g)),
+                            res, x1, first=[False] * n_dw + [True])
+        # What W reads that is a weight comes from the weights again, not from W's stash.
+        self.from_weights = [None if p is None or p >= len(res) else self.shared[p] for p in self.halves.saved_inputs]
+        self.kept_avals = [a for a, j in zip(self.halves.saved_avals, self.from_weights) if j is None]
 
+    def _forward_one(self, x, w_k):
+        w, k = w_k
+        pull = jax.vjp(lambda w, x: self.layer(w, k, x), w, x)
+        y, leaves = pull[0], jax.tree.leaves(pull[1])
+        return y, [a for a, j in zip(leaves, self.shared) if j is None]
 
-def chunk_weight_grads(layer: Callable, ws, x, kept):
-    """W for the chunk `chunk_backward` ran B of: -> d ws, like ws."""
-    halves = _one_layer(layer, ws, x)
-    _, dws = jax.lax.scan(lambda _, saved: (None, halves.second(saved)), None, kept)
-    return jax.tree.unflatten(jax.tree.structure(ws), dws)
+    def forward(self, ws, ks, x):
+        """-> (y, res): res [L, ...] per residual leaf, the weights left out."""
+        return jax.lax.scan(self._forward_one, x, (ws, ks))
+
+    def input_grads(self, ws, res, g):
+        """B: -> (dx, kept), kept [L, ...] per value W reads."""
+        def one(g, w_res):
+            w, stashed = w_res
+            w_leaves, stashed = jax.tree.leaves(w), iter(stashed)
+            leaves = [next(stashed) if j is None else w_leaves[j] for j in self.shared]
+            (dx,), saved = self.halves.first(leaves, g)
+            return dx, [a for a, j in zip(saved, self.from_weights) if j is None]
+        return jax.lax.scan(one, g, (ws, res), reverse=True)
+
+    def weight_grads(self, ws, kept):
+        """W: -> d ws, like ws."""
+        def one(_, w_kept):
+            w_leaves, kept = jax.tree.leaves(w_kept[0]), iter(w_kept[1])
+            return None, self.halves.second([next(kept) if j is None else w_leaves[j] for j in self.from_weights])
+        _, dws = jax.lax.scan(one, None, (ws, kept))
+        return jax.tree.unflatten(self.weights, dws)
