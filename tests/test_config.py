@@ -190,6 +190,8 @@ def test_vocab_smaller_than_tokenizer(tmp_path):
      {"pipeline.schedule": "1f1b", "pipeline.repeats": "2", "model.num_layers": "4"}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.stash='all': choose one of inputs, residuals",
      {"pipeline.schedule": "1f1b", "pipeline.stash": "all"}),
+    ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"pipeline.split='vjp': choose one of jaxpr, two_vjps \(how zb splits",
+     {"pipeline.schedule": "zb", "pipeline.split": "vjp"}),
     ("gpt2_tiny_pp2_dp4", "data:4,stage:2", r"Layout 'dp' does not put the logical axis 'stage' on the "
      r"mesh axis 'stage' in its params rules.*Use a pipeline layout \(dp_pp, fsdp_pp", {"layout": "dp"}),
 ])

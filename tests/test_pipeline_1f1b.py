@@ -114,6 +114,18 @@ CASES = {  # name: (config, overrides, layers)
     "llama_dp2_pp2_tp2_interleaved": ("llama_tiny_pp2_dp4", {
         "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
         "pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
+    # ZB-H1 (test_pipeline_zb.py), each layout once, both stashes and both splits among them
+    "gpt2_pp2_dp4_zb": ("gpt2_tiny_pp2_dp4", {"pipeline.schedule": "zb"}, 2),
+    "gpt2_pp4_dp2_zb_residuals": ("gpt2_tiny_pp4_dp2", {"pipeline.schedule": "zb", "pipeline.stash": "residuals"}, 4),
+    "gpt2_dp2_pp2_tp2_zb_two_vjps": ("gpt2_tiny_dp2_pp2_tp2", {"pipeline.schedule": "zb", "pipeline.split": "two_vjps"},
+                                     2),
+    "llama_pp2_dp4_zb_two_vjps_residuals": ("llama_tiny_pp2_dp4", {
+        "pipeline.schedule": "zb", "pipeline.split": "two_vjps", "pipeline.stash": "residuals"}, 2),
+    "llama_zero2_zb_residuals": ("llama_tiny_pp2_dp4", {"layout": "zero2_pp", "pipeline.schedule": "zb",
+                                                        "pipeline.stash": "residuals"}, 2),
+    "llama_dp2_pp2_tp2_zb_v2": ("llama_tiny_pp2_dp4", {
+        "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
+        "pipeline.schedule": "zb", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
 }
 
 
@@ -143,8 +155,8 @@ def test_1f1b_loss_and_grads_match_unpipelined(case, references):
 
 
 def test_dropout_masks_are_gpipes():
-    """The tick loop folds the same keys per layer, microbatch and batch shard as the
-    forward-only ticks, so with dropout on 1f1b's loss and gradients are GPipe's."""
+    """The tick loops fold the same keys per layer, microbatch and batch shard as the
+    forward-only ticks, so with dropout 1f1b's and zb's loss and gradients are GPipe's."""
     def with_key(schedule):
         exp = Experiment.build(config("gpt2_tiny_pp2_dp4", **{"model.dropout": 0.2, "pipeline.schedule": schedule}))
         params = exp.init_state().params
@@ -153,9 +165,11 @@ def test_dropout_masks_are_gpipes():
         loss_fn = jax.jit(jax.value_and_grad(lambda p, b, k: objective(p, {}, b, k)[0]),
                           compiler_options=analysis_options())
         return jax.device_get(loss_fn(params, batch, jax.random.key(3)))
-    (a, ga), (b, gb) = with_key("gpipe"), with_key("1f1b")
-    assert a == pytest.approx(b, rel=1e-6)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * np.abs(y).max()), ga, gb)
+    a, ga = with_key("gpipe")
+    for schedule in ("1f1b", "zb"):
+        b, gb = with_key(schedule)
+        assert a == pytest.approx(b, rel=1e-6), schedule
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * np.abs(y).max()), ga, gb)
 
 
 def test_1f1b_keeps_less_than_gpipe_and_residuals_recompute_nothing():
@@ -181,14 +195,17 @@ RUN = ["--config.train.steps=4", "--config.train.log_every=1", "--config.train.e
 
 
 def test_a_checkpoint_saved_under_one_schedule_resumes_under_another(tmp_path):
-    """Saved by circular (2 chunks per stage), resumed by 1f1b (one): the stacked blocks
-    are restaged and the losses are the unbroken circular run's."""
+    """Saved by circular (2 chunks per stage), resumed by 1f1b (one) for a step, whose
+    checkpoint zb resumes: the stacked blocks are restaged and the losses are the unbroken
+    circular run's."""
     name = "gpt2_tiny_pp4_dp2_circular"
     straight, broken = tmp_path / "straight", tmp_path / "broken"
+    one_chunk = ["--config.pipeline.repeats=1", f"--workdir={broken}"]
     assert main([f"--config={name}", *RUN, f"--workdir={straight}"]) == 0
     assert main([f"--config={name}", *RUN, "--config.train.stop_at=2", f"--workdir={broken}"]) == 0
-    assert main([f"--config={name}", *RUN, "--config.pipeline.schedule=1f1b", "--config.pipeline.repeats=1",
-                 f"--workdir={broken}"]) == 0
+    assert main([f"--config={name}", *RUN, "--config.pipeline.schedule=1f1b", "--config.train.stop_at=3",
+                 *one_chunk]) == 0
+    assert main([f"--config={name}", *RUN, "--config.pipeline.schedule=zb", *one_chunk]) == 0
     ref, got = losses(straight), losses(broken)
     assert sorted(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in (3, 4)], [ref[s] for s in (3, 4)], rtol=1e-5)

@@ -175,15 +175,15 @@ def test_lint_suggests_1f1b_where_it_saves_a_quarter_of_the_device():
 
 
 def test_search_lists_the_schedules():
-    """Each M under gpipe, 1f1b (both stashes) and, where v S divides the layers, circular and
-    interleaved with v = 2; a plain mesh has no schedule."""
+    """Each M under gpipe, 1f1b (both stashes), zb and, where v S divides the layers, circular
+    and interleaved with v = 2; a plain mesh has no schedule."""
     cands, _ = search.enumerate_candidates(8, 4, None, layouts=("dp_pp", "dp"), remats=("none",))
     on = {}
     for c in cands:
         stages = dict(c.mesh)["stage"]
         on.setdefault(stages, set()).add((c.microbatches, c.schedule, c.repeats, c.stash))
     assert on[1] == {(0, "gpipe", 1, "")}
-    plain = {("gpipe", 1, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals")}
+    plain = {("gpipe", 1, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"), ("zb", 1, "residuals")}
     chunked = {("circular", 2, ""), ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals")}
     assert on[2] == {(m, *s) for m in (2, 4, 8) for s in plain | chunked}  # 4 layers: 2 x 2 chunks
     assert on[4] == {(m, *s) for m in (4, 8, 16) for s in plain}  # 8 chunks of 4 layers: no

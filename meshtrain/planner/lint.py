@@ -273,12 +273,16 @@ def _across_data(row: dict, shape: dict, dcn: dict, hw) -> dict:
 
 def _bubble(run: Run) -> list[Finding]:
     p, s = run.cfg.pipeline, run.shape["stage"]
-    m, r = p.microbatches, (p.repeats if p.schedule in ("circular", "interleaved") else 1)
-    if s <= 1 or m <= 0 or r < 1 or 4 * (s - 1) <= r * m + s - 1:
+    m, r = p.microbatches, (p.repeats if p.schedule in ("circular", "interleaved", "zb") else 1)
+    if s <= 1 or m <= 0 or r < 1:
         return []
-    bubble = (s - 1) / (r * m + s - 1)
+    zb = lambda m: 2 * (s - 1) / (3 * r * m + 2 * (s - 1))  # noqa: E731  (Pipeline.bubble)
+    bubble = zb(m) if p.schedule == "zb" else (s - 1) / (r * m + s - 1)
+    if bubble <= BUBBLE_LIMIT:
+        return []
     step = s if r > 1 else 1
-    need = -(-3 * (s - 1) // r)  # the smallest M with r*M >= 3(S-1), i.e. bubble <= 25%
+    # the smallest M with an idle share <= 25%: r M >= 3 (S-1), or 2 (S-1) under zb
+    need = -(-(2 if p.schedule == "zb" else 3) * (s - 1) // r)
     low = -(-need // step) * step
     b, k = run.cfg.train.batch_size, run.cfg.train.grad_accum_steps
     top = b // max(k * split_over(run.layout.without("stage"), run.shape, "batch")[0], 1)
@@ -290,13 +294,19 @@ def _bubble(run: Run) -> list[Finding]:
         grown = -(-b // q) * q
         fix += " " + override("train.batch_size", grown)
         grow = f"; the batch must grow to {grown} for {new} microbatches to divide it"
-    after = (s - 1) / (r * new + s - 1)
     sign = "<" if m < s else "with"
+    if p.schedule == "zb":
+        formula = f"2(S-1)/(3rM+2(S-1)) = {2 * (s - 1)}/{3 * r * m + 2 * (s - 1)}"
+        after, other = f"{2 * (s - 1)}/{3 * r * new + 2 * (s - 1)} = {zb(new):.1%}", ""
+    else:
+        formula = f"(S-1)/(r*M+S-1) = {s - 1}/{r * m + s - 1}"
+        after = f"{s - 1}/{r * new + s - 1} = {(s - 1) / (r * new + s - 1):.1%}"
+        other = (f"; {override('pipeline.schedule', 'zb')} (ZB-H1, weight gradients in the idle ticks) idles "
+                 f"{zb(m):.1%} at M={m}" if p.schedule in ("1f1b", "interleaved", "gpipe") else "")
     return [Finding("pipeline-bubble", "warning",
-                    f"pipeline.microbatches={m} {sign} stage={s}: the bubble (S-1)/(r*M+S-1) = {s - 1}/"
-                    f"{r * m + s - 1} = {bubble:.1%} of the pipelined work is idle, over {BUBBLE_LIMIT:.0%}",
-                    f"{bubble:.1%} of each pipelined step idle; with M={new} it is {s - 1}/{r * new + s - 1} = "
-                    f"{after:.1%}{grow}", fix)]
+                    f"pipeline.microbatches={m} {sign} stage={s}: the bubble {formula} = {bubble:.1%} of the "
+                    f"pipelined work is idle, over {BUBBLE_LIMIT:.0%}",
+                    f"{bubble:.1%} of each pipelined step idle; with M={new} it is {after}{grow}{other}", fix)]
 
 
 def _pipeline_activations(run: Run) -> list[Finding]:

@@ -16,6 +16,10 @@ R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
                                                             residuals, recomputed; the send
                                                             buffers; the inputs and gradient)
       stash=residuals     v K x L/(v S) x R(mb) + 4 X + 2 M X
+    zb                  as 1f1b, and W's stash: each item's weight-gradient inputs from its
+                        B to its W, K_w = S items (pipeline_ticks.weight_stash_slots) of
+                        L/(v S) x R_W(mb), R_W = R at remat none less the attention
+                        probabilities (every matmul's input and its output's cotangent)
     every schedule      + one layer's full activations of one microbatch when model.remat
                           recomputes (the backward redoes one layer at a time)
                         + the loss head: gpipe/circular run it after the pipeline on the
@@ -26,8 +30,9 @@ R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
 
 K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep
 (docs/planner.md, "Pipeline schedules", derives it and names what the formula leaves out:
-gpipe's own loop buffers). The bubble is (S-1)/(v M + S - 1) for every schedule
-(Pipeline.bubble); stash=inputs runs 4/3 of the layers' FLOPs (LAYER_FLOPS).
+gpipe's own loop buffers). The bubble is (S-1)/(v M + S - 1) for every schedule but zb's
+2 (S-1)/(3 v M + 2 (S-1)) (Pipeline.bubble); stash=inputs runs 4/3 of the layers' FLOPs
+(LAYER_FLOPS).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class Account:
 
     @property
     def bubble(self) -> float:
-        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+        return Pipeline(self.stages, self.microbatches, self.repeats, schedule=self.schedule).bubble
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "stash": self.stash, "stages": self.stages,
@@ -106,13 +111,15 @@ def _stash_slots(stages: int, microbatches: int, repeats: int, schedule: str) ->
 
 
 def account(pipe: Pipeline, num_layers: int, residuals: Callable[[int], float], recompute: float,
-            mb_rows: int, stream: float, head_after: float, head_per_tick: float) -> Account:
+            mb_rows: int, stream: float, head_after: float, head_per_tick: float,
+            weight_inputs: Callable[[int], float] | None = None) -> Account:
     """The activations of one step (module docstring). `residuals(rows)`: R, one layer at
     model.remat for `rows` rows on the device; `recompute`: one layer's full activations
     of one microbatch when model.remat recomputes, else 0; `mb_rows`: a microbatch's rows
     on the device; `stream`: X, bytes of one [mb, T, D] on the device; `head_after`: the
     loss head run after the pipeline (gpipe, circular); `head_per_tick`: run on each tick
-    on one microbatch (1f1b, interleaved)."""
+    on one microbatch (1f1b, interleaved); `weight_inputs(rows)`: R_W, what one layer's W
+    reads (zb)."""
     s, m, v = pipe.stages, pipe.microbatches, pipe.repeats
     kept = items_kept(pipe)
     item_layers = num_layers // (v * s)
@@ -124,6 +131,8 @@ def account(pipe: Pipeline, num_layers: int, residuals: Callable[[int], float], 
         k, one_item = stash_slots(pipe), item_layers * residuals(mb_rows)
         parts = ({"stash": k * stream, "residuals": one_item} if pipe.stash == "inputs" else
                  {"stash": k * one_item})
+        if pipe.schedule == "zb":
+            parts["weight stash"] = pipeline_ticks.weight_stash_slots(pipe) * item_layers * weight_inputs(mb_rows)
         parts.update(recompute=recompute, buffers=BUFFER_SLOTS * stream, inputs=2 * m * stream, head=head_per_tick)
         stash = pipe.stash
     return Account(pipe.schedule, stash, s, m, v, kept, stash_slots(pipe), item_layers, parts,

@@ -37,9 +37,11 @@ REMAT = ("none", "save_dots", "full")
 REMAT_FLOPS = {"none": 1.0, "save_dots": 1.04, "full": 1.21}
 # Pipeline schedules tried on a stage axis: (schedule, repeats v, stash); those with v > 1
 # only where v S divides the layers (the microbatches S, 2S, 4S are multiples of S). Under
-# gpipe/circular the stash means nothing and is left out of the overrides.
+# gpipe/circular the stash means nothing and is left out of the overrides. zb with its
+# residuals (W's stash is about a stash of residuals again; with inputs it would add the
+# recompute to that).
 PIPELINE_SCHEDULES = (("gpipe", 1, ""), ("circular", 2, ""), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
-                      ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals"))
+                      ("interleaved", 2, "inputs"), ("interleaved", 2, "residuals"), ("zb", 1, "residuals"))
 # Context parallelism is searched from this many positions: a ring step's 8 c K E bytes of k and
 # v against its 8 c^2 H E FLOPs, c H / K FLOPs a byte, pass an H100's ~2,200 per NVLink byte only
 # from T ~ 8,800 for Llama 3 (H/K = 4) on 8 devices (docs/planner.md, "Sequence parallelism").
@@ -260,7 +262,7 @@ def _estimate(exp, hw, memory) -> tuple[dict, list[dict]]:
     cfg, pipe = exp.model.cfg, exp.model.pipeline
     n = exp.mesh.devices.size
     model_flops = metrics.flops_per_unit(cfg) * exp.units_per_step
-    waste = pipe.ticks / (pipe.microbatches * pipe.repeats) if pipe else 1.0
+    waste = 1 / (1 - pipe.bubble) if pipe else 1.0  # the step over its work, idle ticks included
     node_of = roofline.node_of_position(exp.mesh, hw.devices_per_node, exp.dcn)
     bounds = roofline.place(bounds_lib.collective_bounds(exp), exp.mesh, node_of)
     tokens = exp.cfg.train.batch_size * cfg.seq_len

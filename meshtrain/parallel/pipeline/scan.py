@@ -160,9 +160,11 @@ def check_layout(layout: Layout, pipe: Pipeline | None) -> None:
 def warnings_for(pipe: Pipeline | None) -> list[str]:
     if pipe is None or pipe.microbatches >= pipe.stages:
         return []
+    formula = "2(S-1)/(3rM+2(S-1))" if pipe.schedule == "zb" else "(S-1)/(r*M+S-1)"
+    more = dataclasses.replace(pipe, microbatches=4 * pipe.stages)
     return [f"pipeline.microbatches={pipe.microbatches} < stage={pipe.stages}: the bubble "
-            f"(S-1)/(r*M+S-1) = {pipe.bubble:.0%} of the pipelined work dominates; use M >= "
-            f"{4 * pipe.stages} (bubble {(pipe.stages - 1) / (4 * pipe.stages * pipe.repeats + pipe.stages - 1):.0%})."]
+            f"{formula} = {pipe.bubble:.0%} of the pipelined work dominates; use M >= "
+            f"{4 * pipe.stages} (bubble {more.bubble:.0%})."]
 
 
 # --- storage: [L, ...] in model layer order <-> [S, L/S, ...] in stage order -------------

@@ -175,13 +175,22 @@ class LayerSplit:
         """-> (y, res): res [L, ...] per residual leaf, the weights left out."""
         return jax.lax.scan(self._forward_one, x, (ws, ks))
 
+    def backward(self, ws, res, g):
+        """The fused backward from `forward`'s residuals: -> (dx, d ws)."""
+        def one(g, w_res):
+            (dw, dx) = jax.tree.unflatten(self.pull_tree, self._leaves(*w_res))(g)
+            return dx, dw
+        return jax.lax.scan(one, g, (ws, res), reverse=True)
+
+    def _leaves(self, w, stashed):
+        """One layer's pullback leaves: the stashed ones, and its weights where they are."""
+        w_leaves, stashed = jax.tree.leaves(w), iter(stashed)
+        return [next(stashed) if j is None else w_leaves[j] for j in self.shared]
+
     def input_grads(self, ws, res, g):
         """B: -> (dx, kept), kept [L, ...] per value W reads."""
         def one(g, w_res):
-            w, stashed = w_res
-            w_leaves, stashed = jax.tree.leaves(w), iter(stashed)
-            leaves = [next(stashed) if j is None else w_leaves[j] for j in self.shared]
-            (dx,), saved = self.halves.first(leaves, g)
+            (dx,), saved = self.halves.first(self._leaves(*w_res), g)
             return dx, [a for a, j in zip(saved, self.from_weights) if j is None]
         return jax.lax.scan(one, g, (ws, res), reverse=True)
 
