@@ -322,10 +322,24 @@ class StagePlan:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
         with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys;
         microbatch m's layers see its rows of the batch's `documents` (models/documents.py)."""
-        per_shard = self.per_shard(make_layer, documents)
+        n, shard = self.n_shards, self.shard
+        micro_docs = jax.tree.map(self.microbatches, documents)
+        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
+
+        def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]
+            layer = make_layer(Constrain(self.inner, self.mesh, docs))
+            run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
+            return run_stack(run_one, w, x, k, scan=scan_layers)
 
         def chunk(w, k, m, x):
-            y = per_shard(lambda layer, w, k, x: run_stack(layer, w, x, k, scan=scan_layers), w, k, m, self.rows(x))
+            if k is not None:
+                k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
+            docs = jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
+                                micro_docs)
+            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
+                w, k, self.rows(x), jnp.arange(n), docs)
             return self.unrows(y)
         return chunk
 
@@ -336,31 +350,34 @@ class StagePlan:
     def unrows(self, x):
         return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
-    def per_shard(self, make_layer, documents=None, *, pin: bool = True) -> Callable:
-        """-> apply(body, w, k, m, *args): body(layer, w, k [Lc], *args) on each batch shard of
-        one stage's chunk on microbatch m, args' leaves and the results' [n, ...] a shard;
-        layer(x, one layer's params, key) -> x sees the shard's keys, microbatch m's
-        documents, and under ZeRO-2 (`pin`) pins its weight gradients (grads_pins), which
-        needs the gradient taken outside the shards' vmap, as their sum."""
+    def layer_fn(self, make_layer, documents=None) -> Callable:
+        """-> at(m) -> layer(w, k, x [n, mb/n, T, D]) -> like x: one layer of a stage's chunk
+        on microbatch m, every batch shard at once (split_backward.LayerSplit's layer), w one
+        layer's weights (copies [n, ...] or shared), k its key folded with m, or None. The
+        same keys, documents and ZeRO-2 pins as chunk_fn's."""
         n, shard = self.n_shards, self.shard
         micro_docs = jax.tree.map(self.microbatches, documents)
-        pinned = None if self.grads_pins is None or not pin else grad_reduce.pinned_in_backward(self.grads_pins)
+        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
 
-        def apply(body, w, k, m, *args):
-            if k is not None:
-                k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
+        def at(m):
             docs = jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
                                 micro_docs)
 
-            def shard_fn(w, k, shard_index, docs, *args):
+            def shard_fn(w, k, shard_index, docs, x):
                 layer = make_layer(Constrain(self.inner, self.mesh, docs))
-                run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
-                if k is not None:
-                    k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
-                return body(run_one, w, k, *args)
-            return jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, *[0] * len(args)),
-                            spmd_axis_name=shard)(w, k, jnp.arange(n), docs, *args)
-        return apply
+                return layer(x, w if pinned is None else pinned(w),
+                             None if k is None else jax.random.fold_in(k, shard_index))
+
+            def layer(w, k, x):
+                return jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
+                    w, k, jnp.arange(n), docs, x)
+            return layer
+        return at
+
+    @property
+    def layer_axis(self) -> int:
+        """The layer dim of a chunk's weights: behind the copies' shard dim, or first."""
+        return 1 if self.copies else 0
 
     def select(self, w, i):
         """Stage weights (copies [n, r, Lc, ...] or shared [r, Lc, ...]) -> chunk i's."""

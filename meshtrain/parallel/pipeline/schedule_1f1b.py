@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import UserError
 from meshtrain.models import family, stack
@@ -60,6 +61,7 @@ from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline.scan import StagePlan
+from meshtrain.parallel.pipeline.split_backward import LayerSplit
 from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, segments, stash_slots
 
 
@@ -87,15 +89,11 @@ class Carry(NamedTuple):
     w_stash: list = []   # zb: per leaf [S, K_w, ...], W's inputs between an item's B and W
 
 
-@dataclasses.dataclass
-class Pullback:
-    """stash="residuals": how stashed leaves become a chunk's pullback again. Recorded where
-    the forward slot is traced, before the loop: `tree` is the pullback's structure and
-    `shared[j]` the index of its leaf j among the chunk's weights and keys (those are the
-    same for every item, so not stashed), or None for a stashed leaf."""
-
-    tree: Any = None
-    shared: list = dataclasses.field(default_factory=list)
+def stash_zeros(plan: StagePlan, shape, dtype) -> jax.Array:
+    """Zeros for a stash [S, ...], split over `stage`; the item's own dims as XLA places
+    them (a residual's batch shards where the layer put them)."""
+    spec = ("stage", *[P.UNCONSTRAINED] * (len(shape) - 1))
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), plan.sharding(*spec))
 
 
 class Schedule:
@@ -164,13 +162,13 @@ class TickLoop:
         self.make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
         self.documents = constrain.documents
         self.chunk = plan.chunk_fn(self.make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
+        self.layer_at = plan.layer_fn(self.make_layer, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
         # parallel/sequence.py); the targets and their weights follow them.
         micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731
         self.targets, self.target_weights = micro(targets_bt), micro(weights_bt)  # [M, mb, T]
         self.blocks = params[stacked]
         self.head_grad = jax.vmap(jax.value_and_grad(self.shard_head, argnums=(0, 1)), spmd_axis_name=plan.shard)
-        self.pullback = Pullback()
 
     # -- one stage, one item -----------------------------------------------------------
 
@@ -186,27 +184,32 @@ class TickLoop:
         """Per stage [S]: chunk i's keys (the chunk folds in the microbatch)."""
         return None if self.keys is None else jax.vmap(lambda k, i: k[i])(self.keys, i)
 
+    def layers(self, w, k, m, x_rows) -> tuple[LayerSplit, Any]:
+        """Chunk weights w, keys k [Lc], microbatch m and x [n, mb/n, T, D] -> the chunk's
+        layers one at a time (split_backward.LayerSplit), and their keys folded with m."""
+        k = None if k is None else jax.vmap(jax.random.fold_in, (0, None))(k, m)
+        return LayerSplit(self.layer_at(m), w, k, x_rows, axis=self.sched.plan.layer_axis), k
+
     def fwd_one(self, w, k, i, m, x):
-        """One stage's forward slot -> (y, the leaves to stash)."""
-        wi = self.sched.plan.select(w, i)
+        """One stage's forward slot -> (y, the leaves to stash): the chunk's input, or each
+        layer's residuals but its weights."""
+        plan = self.sched.plan
+        wi = plan.select(w, i)
         if self.sched.pipe.stash == "inputs":
             return self.chunk(wi, k, m, x), [x]
-        y, pull = jax.vjp(lambda wi, x: self.chunk(wi, k, m, x), wi, x)
-        leaves, self.pullback.tree = jax.tree.flatten(pull)
-        shared = jax.tree.leaves((wi, k))
-        self.pullback.shared = [next((j for j, a in enumerate(shared) if a is leaf), None) for leaf in leaves]
-        return y, [leaf for leaf, j in zip(leaves, self.pullback.shared) if j is None]
+        layers, k = self.layers(wi, k, m, plan.rows(x))
+        y, res = layers.forward(wi, k, plan.rows(x))
+        return plan.unrows(y), res
 
     def bwd_one(self, w, k, i, m, items, g):
         """One stage's backward slot -> (d chunk weights, dx)."""
-        wi = self.sched.plan.select(w, i)
+        plan = self.sched.plan
+        wi = plan.select(w, i)
         if self.sched.pipe.stash == "inputs":
             _, pull = jax.vjp(lambda wi, x: self.chunk(wi, k, m, x), wi, items[0])
-        else:
-            shared, stashed = jax.tree.leaves((wi, k)), iter(items)
-            pull = jax.tree.unflatten(self.pullback.tree, [
-                next(stashed) if j is None else shared[j] for j in self.pullback.shared])
-        return pull(g)
+            return pull(g)
+        dx, dw = self.layers(wi, k, m, plan.rows(g))[0].backward(wi, items, plan.rows(g))
+        return dw, plan.unrows(dx)
 
     # -- the slots of a tick, every stage at once ----------------------------------------
 
@@ -292,8 +295,7 @@ class TickLoop:
         return body
 
     def start(self) -> Carry:
-        """Zeros, with the stash shaped from a trace of the forward slot (which also records
-        the pullback's structure for stash="residuals")."""
+        """Zeros, with the stash shaped from a trace of the forward slot."""
         sched, s, v = self.sched, self.sched.pipe.stages, self.sched.pipe.repeats
         plan, k_slots, dtype = sched.plan, sched.k_slots, self.inputs.dtype
         zeros_slot = jax.lax.with_sharding_constraint(jnp.zeros((s, self.mb, self.t, self.inputs.shape[-1]), dtype),
@@ -305,9 +307,8 @@ class TickLoop:
             stash_spec = plan.sharding(sched.slot.spec[0], None, None, *sched.slot.spec[1:])
             stash = [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *items[0].shape[1:]), dtype),
                                                       stash_spec)]
-        else:
-            stash = [jax.lax.with_sharding_constraint(jnp.zeros((s, v, k_slots, *a.shape[1:]), a.dtype),
-                                                      plan.sharding("stage")) for a in items]
+        else:  # each layer's residuals [S, v, K, Lc, ...]
+            stash = [stash_zeros(plan, (s, v, k_slots, *a.shape[1:]), a.dtype) for a in items]
         f32 = lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))  # noqa: E731
         d_w = jax.tree.map(lambda a, axes: jax.lax.with_sharding_constraint(f32(a), plan.weight_sharding(axes)),
                            self.weights, plan.blocks_axes)

@@ -12,10 +12,11 @@ gradients, in the last v M ticks, where 1F1B's cool-down leaves the stages idle
 
 `pipeline.split` picks how a chunk's backward splits. "jaxpr" (the default) traces each
 layer's pullback and cuts it (split_backward.LayerSplit): B runs each equation the input
-gradient needs, W the rest, reading B's values, so no matmul runs twice; the forward slot
-keeps each layer's residuals (stash=residuals) or B runs the chunk forward again from its
-input (stash=inputs). "two_vjps" takes one pullback for dx and another for the weights'
-gradients, which runs the cotangent chain again: W keeps the chunk's input and g.
+gradient needs, W the rest, reading B's values, so no matmul runs twice; B starts from
+each layer's residuals (stash=residuals) or runs the chunk forward again from its input
+(stash=inputs). "two_vjps" takes one pullback for dx and another for the weights'
+gradients, which runs the forward and the cotangent chain again: W keeps the chunk's
+input and g.
 """
 
 from __future__ import annotations
@@ -23,27 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshtrain.parallel.pipeline.schedule_1f1b import Carry, TickLoop
-from meshtrain.parallel.pipeline.split_backward import LayerSplit
-from meshtrain.parallel.pipeline.ticks import weight_items, weight_stash_slots, weight_u, backward_u
-
-
-def _split(layer, w, k, x) -> LayerSplit:
-    """The stage layer (x, params, key) -> x as split_backward's layer(w, k, x)."""
-    return LayerSplit(lambda w, k, x: layer(x, w, k), w, k, x)
-
-
-def _forward(layer, w, k, x):
-    return _split(layer, w, k, x).forward(w, k, x)
-
-
-def _input_grads(layer, w, k, res, g):
-    return _split(layer, w, k, g).input_grads(w, res, g)
-
-
-def _recompute_and_input_grads(layer, w, k, x, g):
-    split = _split(layer, w, k, x)
-    return split.input_grads(w, split.forward(w, k, x)[1], g)
+from meshtrain.parallel.pipeline.schedule_1f1b import Carry, TickLoop, stash_zeros
+from meshtrain.parallel.pipeline.ticks import backward_u, weight_items, weight_stash_slots, weight_u
 
 
 class ZeroBubbleLoop(TickLoop):
@@ -53,41 +35,27 @@ class ZeroBubbleLoop(TickLoop):
         super().__init__(sched, params, tokens_bt1, key)
         self.k_weight = weight_stash_slots(sched.pipe)
         self.by_layer = sched.pipe.split == "jaxpr"
-        # Each shard differentiates its own layers here: the sum over shards, and its split
-        # under ZeRO-2, come after W (w_one), where the accumulator's sharding asks for it.
-        self.per_shard = sched.plan.per_shard(self.make_layer, self.documents, pin=False)
-        plan = sched.plan
-        self.x_shard = jax.ShapeDtypeStruct((self.mb // plan.n_shards, self.t, self.inputs.shape[-1]),
-                                            self.inputs.dtype)
 
     # -- one stage, one item -----------------------------------------------------------
 
     def fwd_one(self, w, k, i, m, x):
-        """-> (y, the leaves to stash): the chunk's input, or its layers' residuals."""
-        if self.sched.pipe.stash == "inputs":
-            return super().fwd_one(w, k, i, m, x)
-        if not self.by_layer:  # the chunk's pullback, and its input for W's own pullback
-            y, leaves = super().fwd_one(w, k, i, m, x)
-            return y, [*leaves, x]
-        plan = self.sched.plan
-        y, res = self.per_shard(_forward, plan.select(w, i), k, m, plan.rows(x))
-        return plan.unrows(y), res
+        """-> (y, the leaves to stash): 1F1B's, and the chunk's input for two_vjps' W."""
+        y, items = super().fwd_one(w, k, i, m, x)
+        return y, items if self.by_layer or self.sched.pipe.stash == "inputs" else [*items, x]
 
     def bwd_one(self, w, k, i, m, items, g):
         """B: -> (what W needs, dx)."""
         plan, stash = self.sched.plan, self.sched.pipe.stash
-        wi = plan.select(w, i)
+        wi, g_rows = plan.select(w, i), plan.rows(g)
         if self.by_layer:
-            if stash == "inputs":
-                dx, kept = self.per_shard(_recompute_and_input_grads, wi, k, m, plan.rows(items[0]), plan.rows(g))
-            else:
-                dx, kept = self.per_shard(_input_grads, wi, k, m, items, plan.rows(g))
+            layers, k_m = self.layers(wi, k, m, g_rows)
+            res = layers.forward(wi, k_m, plan.rows(items[0]))[1] if stash == "inputs" else items
+            dx, kept = layers.input_grads(wi, res, g_rows)
             return kept, plan.unrows(dx)
-        x = items[0] if stash == "inputs" else items[-1]
         if stash == "inputs":
-            (dx,) = jax.vjp(lambda x: self.chunk(wi, k, m, x), x)[1](g)
-        else:
-            dx = super().bwd_one(w, k, i, m, items[:-1], g)[1]
+            x, (dx,) = items[0], jax.vjp(lambda x: self.chunk(wi, k, m, x), items[0])[1](g)
+        else:  # the fused pullback, its weight gradients unused
+            x, dx = items[-1], plan.unrows(self.layers(wi, k, m, g_rows)[0].backward(wi, items[:-1], g_rows)[0])
         return [x, g], dx
 
     def w_one(self, w, k, i, m, kept):
@@ -97,10 +65,9 @@ class ZeroBubbleLoop(TickLoop):
         if not self.by_layer:
             x, g = kept
             return jax.vjp(lambda wi: self.chunk(wi, k, m, x), wi)[1](g)[0]
-        x = self.x_shard
-        dw = self.per_shard(lambda layer, w, k, kept: _split(layer, w, k, x).weight_grads(w, kept), wi, k, m, kept)
-        # Shared weights (ZeRO-2) came into the shards unbatched: their gradient sums the shards'.
-        return dw if plan.copies else jax.tree.map(lambda d: d.sum(0), dw)
+        x_rows = jax.ShapeDtypeStruct((plan.n_shards, self.mb // plan.n_shards, self.t, self.inputs.shape[-1]),
+                                      self.inputs.dtype)
+        return self.layers(wi, k, m, x_rows)[0].weight_grads(wi, kept)
 
     # -- the slots ------------------------------------------------------------------------
 
@@ -134,23 +101,11 @@ class ZeroBubbleLoop(TickLoop):
         return with_weights
 
     def start(self) -> Carry:
-        """1F1B's zeros, the weight stash shaped from a trace of the backward slot."""
+        """1F1B's zeros, and the weight stash [S, K_w, ...] shaped from a trace of the
+        backward slot."""
         carry = super().start()
         sched, plan, s = self.sched, self.sched.plan, self.sched.pipe.stages
         first = jnp.zeros(s, int)
-        if self.by_layer and sched.pipe.stash == "residuals":  # layers' residuals [S, v, K, n, Lc, ...]
-            _, items = jax.eval_shape(lambda: jax.vmap(self.fwd_one, (plan.w_axis, 0, 0, 0, 0), **sched.stage_vmap)(
-                self.weights, self.stage_keys(first), first, first, carry.fwd))
-            carry = carry._replace(stash=[self._zeros((s, sched.pipe.repeats, sched.k_slots, *a.shape[1:]), a.dtype, 3)
-                                          for a in items])
-        items = [a[:, 0, 0] for a in carry.stash]
         kept, _ = jax.eval_shape(lambda: jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **sched.stage_vmap)(
-            self.weights, self.stage_keys(first), first, first, items, carry.fwd))
-        # [S, K_w, n, ...] a shard's values by layer, or [S, K_w, mb, T, D] under two_vjps
-        return carry._replace(w_stash=[self._zeros((s, self.k_weight, *a.shape[1:]), a.dtype, 2) for a in kept])
-
-    def _zeros(self, shape, dtype, shard_dim):
-        """Zeros split over `stage` (dim 0) and the batch shards (dim `shard_dim`)."""
-        spec = ["stage", *[None] * (len(shape) - 1)]
-        spec[shard_dim] = self.sched.plan.shard
-        return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), self.sched.plan.sharding(*spec))
+            self.weights, self.stage_keys(first), first, first, [a[:, 0, 0] for a in carry.stash], carry.fwd))
+        return carry._replace(w_stash=[stash_zeros(plan, (s, self.k_weight, *a.shape[1:]), a.dtype) for a in kept])

@@ -18,9 +18,11 @@ a reverse scan of B that emits W's values, and a scan of W.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core
 
 
@@ -129,24 +131,24 @@ def split_pullback(pull, g) -> tuple[Callable, Callable]:
     return b, w
 
 
-def _stripped(tree):
-    """Stacked leaves [L, ...] -> one layer's shapes."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-
-
 class LayerSplit:
-    """One layer's backward, split, for a chunk of layers stacked on a leading [L] axis:
-    layer(w, k, x) -> y like x, differentiated in w (a pytree) and x, k riding along (a
-    dropout key, or None). Traced once at one layer's shapes.
+    """One layer's backward, split, for a chunk of L layers: layer(w, k, x) -> y like x,
+    differentiated in w (a pytree) and x, k riding along (a dropout key, or None); `ws`
+    stacks the layers' weights on dim `axis` of every leaf, `ks` (or None) on dim 0.
+    Traced once at one layer's shapes.
 
     The forward keeps each layer's residuals (what jax.vjp's pullback holds) but the
-    weights, which every item shares; B runs each layer's share of the pullback from them
-    in a reverse scan and keeps what W reads; W runs the rest in a scan. Per layer because
-    a scan's transpose is one equation that yields both halves."""
+    weights, which every item shares; `backward` runs each layer's pullback from them in a
+    reverse scan; B (`input_grads`) runs each layer's share of it for dx and keeps what W
+    reads; W (`weight_grads`) runs the rest in a scan. Per layer because a scan's
+    transpose is one equation that yields both halves."""
 
-    def __init__(self, layer: Callable, ws, ks, x):
-        self.layer = layer
-        w1, k1, x1 = _stripped(ws), _stripped(ks), jax.ShapeDtypeStruct(x.shape, x.dtype)
+    def __init__(self, layer: Callable, ws, ks, x, axis: int = 0):
+        self.layer, self.axis = layer, axis
+        self.n = jax.tree.leaves(ws)[0].shape[axis]
+        one = lambda a, axis: jax.ShapeDtypeStruct(a.shape[:axis] + a.shape[axis + 1:], a.dtype)  # noqa: E731
+        w1, k1 = jax.tree.map(lambda a: one(a, axis), ws), jax.tree.map(lambda a: one(a, 0), ks)
+        self.x1 = jax.ShapeDtypeStruct(x.shape, x.dtype)
         self.weights = jax.tree.structure(ws)
         box = []
 
@@ -156,48 +158,61 @@ class LayerSplit:
             w_leaves = jax.tree.leaves(w)
             box.append((tree, [next((j for j, a in enumerate(w_leaves) if a is leaf), None) for leaf in leaves]))
             return leaves
-        res = jax.eval_shape(residuals, w1, k1, x1)
+        self.res_avals = jax.eval_shape(residuals, w1, k1, self.x1)
         self.pull_tree, self.shared = box[0]
-        n_dw = self.weights.num_leaves
-        self.halves = split(lambda res, g: jax.tree.leaves(jax.tree.unflatten(self.pull_tree, res)(g)),
-                            res, x1, first=[False] * n_dw + [True])
-        # What W reads that is a weight comes from the weights again, not from W's stash.
-        self.from_weights = [None if p is None or p >= len(res) else self.shared[p] for p in self.halves.saved_inputs]
-        self.kept_avals = [a for a, j in zip(self.halves.saved_avals, self.from_weights) if j is None]
 
-    def _forward_one(self, x, w_k):
-        w, k = w_k
-        pull = jax.vjp(lambda w, x: self.layer(w, k, x), w, x)
-        y, leaves = pull[0], jax.tree.leaves(pull[1])
-        return y, [a for a, j in zip(leaves, self.shared) if j is None]
+    @functools.cached_property
+    def halves(self) -> Split:
+        n_dw = self.weights.num_leaves
+        return split(lambda res, g: jax.tree.leaves(jax.tree.unflatten(self.pull_tree, res)(g)),
+                     self.res_avals, self.x1, first=[False] * n_dw + [True])
+
+    @functools.cached_property
+    def from_weights(self) -> list:
+        """Per value W reads: the index of the weight it is (read from the weights again,
+        not kept in W's stash), or None."""
+        return [None if p is None or p >= len(self.res_avals) else self.shared[p] for p in self.halves.saved_inputs]
+
+    def _at(self, ws, i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, self.axis, keepdims=False), ws)
+
+    def _stacked(self, dws):
+        """[L, ...] per leaf, as scans stack them -> like ws."""
+        return jax.tree.unflatten(self.weights, [jnp.moveaxis(d, 0, self.axis) for d in jax.tree.leaves(dws)])
+
+    def _leaves(self, ws, i, stashed):
+        """Layer i's pullback leaves: the stashed ones, and its weights where they are."""
+        w_leaves, stashed = jax.tree.leaves(self._at(ws, i)), iter(stashed)
+        return [next(stashed) if j is None else w_leaves[j] for j in self.shared]
 
     def forward(self, ws, ks, x):
         """-> (y, res): res [L, ...] per residual leaf, the weights left out."""
-        return jax.lax.scan(self._forward_one, x, (ws, ks))
+        def one(x, i_k):
+            i, k = i_k
+            y, pull = jax.vjp(lambda w, x: self.layer(w, k, x), self._at(ws, i), x)
+            return y, [a for a, j in zip(jax.tree.leaves(pull), self.shared) if j is None]
+        return jax.lax.scan(one, x, (jnp.arange(self.n), ks))
 
     def backward(self, ws, res, g):
-        """The fused backward from `forward`'s residuals: -> (dx, d ws)."""
-        def one(g, w_res):
-            (dw, dx) = jax.tree.unflatten(self.pull_tree, self._leaves(*w_res))(g)
+        """The fused backward from `forward`'s residuals: -> (dx, d ws like ws)."""
+        def one(g, i_res):
+            dw, dx = jax.tree.unflatten(self.pull_tree, self._leaves(ws, *i_res))(g)
             return dx, dw
-        return jax.lax.scan(one, g, (ws, res), reverse=True)
-
-    def _leaves(self, w, stashed):
-        """One layer's pullback leaves: the stashed ones, and its weights where they are."""
-        w_leaves, stashed = jax.tree.leaves(w), iter(stashed)
-        return [next(stashed) if j is None else w_leaves[j] for j in self.shared]
+        dx, dws = jax.lax.scan(one, g, (jnp.arange(self.n), res), reverse=True)
+        return dx, self._stacked(dws)
 
     def input_grads(self, ws, res, g):
         """B: -> (dx, kept), kept [L, ...] per value W reads."""
-        def one(g, w_res):
-            (dx,), saved = self.halves.first(self._leaves(*w_res), g)
+        def one(g, i_res):
+            (dx,), saved = self.halves.first(self._leaves(ws, *i_res), g)
             return dx, [a for a, j in zip(saved, self.from_weights) if j is None]
-        return jax.lax.scan(one, g, (ws, res), reverse=True)
+        return jax.lax.scan(one, g, (jnp.arange(self.n), res), reverse=True)
 
     def weight_grads(self, ws, kept):
         """W: -> d ws, like ws."""
-        def one(_, w_kept):
-            w_leaves, kept = jax.tree.leaves(w_kept[0]), iter(w_kept[1])
+        def one(_, i_kept):
+            i, kept = i_kept
+            w_leaves, kept = jax.tree.leaves(self._at(ws, i)), iter(kept)
             return None, self.halves.second([next(kept) if j is None else w_leaves[j] for j in self.from_weights])
-        _, dws = jax.lax.scan(one, None, (ws, kept))
-        return jax.tree.unflatten(self.weights, dws)
+        _, dws = jax.lax.scan(one, None, (jnp.arange(self.n), kept))
+        return self._stacked(jax.tree.unflatten(self.weights, dws))
