@@ -16,7 +16,7 @@ import gpu  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_runs  # noqa: E402
 
-from support.processes import own_devices_env
+from support.processes import own_devices_env  # noqa: E402
 
 TINY = [("model.dtype", "float32"), ("model.num_layers", "1")]  # the fastest compile on CPU
 

@@ -252,7 +252,7 @@ def test_windows_cover_any_sizes_with_a_static_count():
     sizes; the count is static: rows // w + g rounded up to a multiple of g, with w =
     rows / (4 g), so the windows hold 1.25 x the rows and g windows more at most."""
     from meshtrain.models import moe_dropless
-    rows, g = 1000, 8
+    rows = 1000
     rng = np.random.default_rng(0)
     for sizes_g in ([125] * 8, [1000] + [0] * 7, [0] * 7 + [999], list(np.diff(np.sort(rng.integers(0, 901, 9))))):
         w, group, first, owned = moe_dropless.windows(jnp.asarray(sizes_g, jnp.int32), rows)

@@ -43,7 +43,8 @@ from meshtrain.models.stack import is_matrix
 from meshtrain.parallel import compression, grad_reduce, momentum_compression, offload as offload_lib
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
-from meshtrain.parallel.pipeline import scan as pipeline, schedule_1f1b as pipeline_1f1b
+from meshtrain.parallel.pipeline import schedule_1f1b as pipeline_1f1b, schedule_zb as pipeline_zb
+from meshtrain.parallel.pipeline import stages as pipeline_stages
 from meshtrain.step import loss as loss_lib, programs, tasks
 from meshtrain.step.state import ModelDef, TrainState
 from meshtrain.step.tasks.task import is_field
@@ -129,7 +130,7 @@ def forward_parts(model: ModelDef, layout: Layout, mesh: Mesh,
     pins = grad_reduce.grads_pins(layout, mesh, blocks_axes, 1 if model.pipeline is None else 2)
     run_layers = None
     if model.pipeline is not None:
-        run_layers = pipeline.make_runner(model.pipeline, layout, mesh, blocks_axes,
+        run_layers = pipeline_stages.make_runner(model.pipeline, layout, mesh, blocks_axes,
                                           scan_layers=model.cfg.scan_layers, grads_pins=pins)
     elif pins is not None:
         run_layers = grad_reduce.sequential_runner(pins, constrain, scan=model.cfg.scan_layers)
@@ -143,8 +144,8 @@ def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task
     task's metrics ({name: []}) and the stats the forward pass leaves (updated when
     `train`), over chunks of loss_chunk positions when that is below T (step/loss.py; 0:
     whole). The forward takes its parts from forward_parts: pipelined when model.pipeline
-    is set. Under a 1F1B schedule the loss is the same and its gradient comes from the
-    tick loop (parallel/pipeline/schedule_1f1b.py), with no metrics (a pipelined model has
+    is set. Under a 1F1B or ZB schedule the loss is the same and its gradient comes from the
+    tick loop (parallel/pipeline/schedule_1f1b.py, schedule_zb.py), with no metrics (a pipelined model has
     neither statistics nor auxiliary losses)."""
     task = tasks.for_family(model.task) if task is None else task
     constrain, cast, run_layers = forward_parts(model, layout, mesh, offload)
@@ -157,12 +158,13 @@ def make_objective(model: ModelDef, layout: Layout, mesh: Mesh, task: tasks.Task
     if model.pipeline is None or not model.pipeline.one_f_one_b:
         return objective
     blocks_axes = model.axes[model.stacked]
-    plan = pipeline.stage_plan(model.pipeline, layout, mesh, blocks_axes,
-                               grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
+    plan = pipeline_stages.stage_plan(model.pipeline, layout, mesh, blocks_axes,
+                                      grad_reduce.grads_pins(layout, mesh, blocks_axes, 2))
     loss_fn = pipeline_1f1b.make_loss_fn(model, plan, lambda params, batch, key: objective(params, {}, batch, key)[0],
                                          constrain=constrain, cast=cast,
                                          head_loss=functools.partial(loss_lib.head_loss, loss_chunk=loss_chunk),
-                                         documents=getattr(task, "documents", None))
+                                         documents=getattr(task, "documents", None),
+                                         loop=pipeline_zb.ZeroBubbleLoop if model.pipeline.schedule == "zb" else None)
     return lambda params, stats, batch, key, train=True: (loss_fn(params, batch, key), ({}, stats))
 
 

@@ -60,7 +60,7 @@ from meshtrain.models import family, stack
 from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import Layout
-from meshtrain.parallel.pipeline.scan import StagePlan
+from meshtrain.parallel.pipeline.stages import StagePlan
 from meshtrain.parallel.pipeline.split_backward import LayerSplit
 from meshtrain.parallel.pipeline.ticks import backward_items, forward_items, segments, stash_slots
 
@@ -101,7 +101,7 @@ class Schedule:
     what one configuration fixes (the model, the stage plan, the head's layout and specs)."""
 
     def __init__(self, model, plan: StagePlan, *, constrain: Constrain, cast: Callable, head_loss: Callable,
-                 documents: Callable | None = None):
+                 documents: Callable | None = None, loop: type | None = None):
         pipe = plan.pipe
         if not family.implements(model.family.module, family.PipelineEnds):
             raise UserError(
@@ -110,6 +110,7 @@ class Schedule:
                 f"tick loop runs apart. Use pipeline.schedule={'circular' if pipe.repeats > 1 else 'gpipe'}, "
                 f"or give the family those two methods.")
         self.model, self.plan, self.pipe, self.mesh = model, plan, pipe, plan.mesh
+        self.loop = loop or TickLoop  # or a subclass: schedule_zb.ZeroBubbleLoop
         # head_loss(bound model, h [B, T, D], w, targets [B, T], weights, constrain, layout, mesh) -> mean:
         # the step's loss after the last block (step/loss.py), which the schedule runs on every stage.
         self.constrain, self.cast, self.head_loss = constrain, cast, head_loss
@@ -128,10 +129,7 @@ class Schedule:
         return self.plan.sharding(self.plan.shard, *self.head_layout.spec(axes, "activations"))
 
     def __call__(self, params, tokens_bt1, key):
-        if self.pipe.schedule == "zb":
-            from meshtrain.parallel.pipeline.schedule_zb import ZeroBubbleLoop
-            return ZeroBubbleLoop(self, params, tokens_bt1, key).run()
-        return TickLoop(self, params, tokens_bt1, key).run()
+        return self.loop(self, params, tokens_bt1, key).run()
 
 
 class TickLoop:
@@ -331,11 +329,12 @@ class TickLoop:
 
 
 def make_loss_fn(model, plan: StagePlan, forward_loss: Callable, *, constrain: Constrain,
-                 cast: Callable, head_loss: Callable, documents: Callable | None = None) -> Callable:
+                 cast: Callable, head_loss: Callable, documents: Callable | None = None,
+                 loop: type | None = None) -> Callable:
     """loss_fn(params, tokens [B, T+1], key) -> mean loss: `forward_loss` (the forward-only
     ticks) when no gradient is taken, the tick loop's loss and gradients under autodiff."""
     loss_and_grads = Schedule(model, plan, constrain=constrain, cast=cast, head_loss=head_loss,
-                              documents=documents)
+                              documents=documents, loop=loop)
 
     @jax.custom_vjp
     def loss_fn(params, tokens, key):
