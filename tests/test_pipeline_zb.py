@@ -76,6 +76,11 @@ def test_idle_share_by_tick_is_the_formula(s, m, v):
     assert ticks.idle_share(zb) == pytest.approx(2 * (s - 1) / (3 * v * m + 2 * (s - 1)), abs=1e-12)
     assert ticks.idle_share(one) == pytest.approx(one.bubble, abs=1e-12)
     assert zb.bubble == pytest.approx(ticks.idle_share(zb), abs=1e-12)
+    # The lockstep lower bound for any placement of the chunks (docs/pipeline.md, ZBV): the
+    # (S-1)th hop's stage starts its vM forwards S-1 ticks late, the backwards end S-1
+    # ticks apart likewise, and W takes vM ticks; zb's ticks with each slot are exactly those.
+    with_slot = {k: sum(b - a for a, b, kinds in ticks.segments(zb) if k in kinds) for k in "fbw"}
+    assert with_slot == {"f": v * m + s - 1, "b": v * m + s - 1, "w": v * m}
 
 
 def test_the_issue_figures():

@@ -189,4 +189,5 @@ def describe(pipe: Pipeline) -> str:
     warm, steady, cool = phases(pipe)
     return (f"{head}, {warm + steady + cool} ticks ({warm} warm-up, {steady} steady, {cool} cool-down), "
             f"{bubble}; stage 0 keeps {in_flight(pipe)[0]} of {pipe.repeats * pipe.microbatches} items "
-            f"(stash={pipe.stash})")
+            f"(stash={pipe.stash})" + (f", W's inputs for {weight_stash_slots(pipe)} (split={pipe.split})"
+                                       if pipe.schedule == "zb" else ""))
