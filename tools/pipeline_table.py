@@ -20,7 +20,7 @@ import dataclasses
 from meshtrain import config as config_lib
 from meshtrain.planner import analytic, hardware
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb")
 STAGES = (1, 2, 4, 8)
 ROWS_PER_DEVICE = 32
 MICROBATCHES_PER_STAGE = 4
@@ -47,6 +47,8 @@ class Row:
     kept: int           # items (microbatches through the stage) stage 0 keeps at once
     state: float        # bytes per device: params + gradients + optimizer
     activations: float
+    idle: float = 0.0   # the step's idle share (Pipeline.bubble)
+    weight_stash: float = 0.0  # of the activations, zb's W stash
 
     @property
     def total(self) -> float:
@@ -63,7 +65,8 @@ def rows(schedules=SCHEDULES, stages=STAGES) -> list[Row]:
             memory = analytic.memory(exp, hw)
             acct = analytic.pipeline_activations(exp, hw)
             state = memory["params"] + memory["gradients"] + memory["optimizer"]
-            out.append(Row(schedule, s, acct.microbatches, acct.kept[0], state, memory["activations"]))
+            out.append(Row(schedule, s, acct.microbatches, acct.kept[0], state, memory["activations"], acct.bubble,
+                           acct.parts.get("weight stash", 0.0)))
     return out
 
 
@@ -74,11 +77,12 @@ def markdown(table: list[Row] | None = None) -> str:
     table = rows() if table is None else table
     first = {r.schedule: r.total for r in table if r.stages == 1}
     plain = first.get("gpipe")
-    lines = ["| schedule | S | M | microbatches kept (stage 0) | params + grads + optimizer | activations | total "
-             "| its S = 1 / this | plain (gpipe, S = 1) / this |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| schedule | S | M | idle | microbatches kept (stage 0) | params + grads + optimizer | activations "
+             "(of them W's stash) | total | its S = 1 / this | plain (gpipe, S = 1) / this |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table:
         ratios = [f"{base / r.total:.2f}x" if base else "-" for base in (first.get(r.schedule), plain)]
-        lines.append(f"| {r.schedule} | {r.stages} | {r.microbatches} | {r.kept} | {r.state / GIB:.2f} | "
-                     f"{r.activations / GIB:.2f} | {r.total / GIB:.2f} | " + " | ".join(ratios) + " |")
+        w = f" ({r.weight_stash / GIB:.2f})" if r.weight_stash else ""
+        lines.append(f"| {r.schedule} | {r.stages} | {r.microbatches} | {r.idle:.1%} | {r.kept} | {r.state / GIB:.2f} | "
+                     f"{r.activations / GIB:.2f}{w} | {r.total / GIB:.2f} | " + " | ".join(ratios) + " |")
     return "\n".join(lines) + "\n"
