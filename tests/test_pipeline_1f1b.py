@@ -114,15 +114,13 @@ CASES = {  # name: (config, overrides, layers)
     "llama_dp2_pp2_tp2_interleaved": ("llama_tiny_pp2_dp4", {
         "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
         "pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
-    # ZB-H1 (test_pipeline_zb.py), each layout once, both stashes and both splits among them
-    "gpt2_pp2_dp4_zb": ("gpt2_tiny_pp2_dp4", {"pipeline.schedule": "zb"}, 2),
+    # ZB-H1 (test_pipeline_zb.py): each layout, stash, split and family, ZeRO-2 and v = 2
+    # among four cases (gpt2_tiny_pp2_dp4 under zb is test_dropout_masks_are_gpipes')
     "gpt2_pp4_dp2_zb_residuals": ("gpt2_tiny_pp4_dp2", {"pipeline.schedule": "zb", "pipeline.stash": "residuals"}, 4),
     "gpt2_dp2_pp2_tp2_zb_two_vjps": ("gpt2_tiny_dp2_pp2_tp2", {"pipeline.schedule": "zb", "pipeline.split": "two_vjps"},
                                      2),
-    "llama_pp2_dp4_zb_two_vjps_residuals": ("llama_tiny_pp2_dp4", {
-        "pipeline.schedule": "zb", "pipeline.split": "two_vjps", "pipeline.stash": "residuals"}, 2),
-    "llama_zero2_zb_residuals": ("llama_tiny_pp2_dp4", {"layout": "zero2_pp", "pipeline.schedule": "zb",
-                                                        "pipeline.stash": "residuals"}, 2),
+    "llama_zero2_zb_two_vjps_residuals": ("llama_tiny_pp2_dp4", {
+        "layout": "zero2_pp", "pipeline.schedule": "zb", "pipeline.split": "two_vjps", "pipeline.stash": "residuals"}, 2),
     "llama_dp2_pp2_tp2_zb_v2": ("llama_tiny_pp2_dp4", {
         "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
         "pipeline.schedule": "zb", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
