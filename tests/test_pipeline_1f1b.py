@@ -27,7 +27,8 @@ from meshtrain.train import main
 
 GOLDEN = Path(__file__).parent / "golden"
 TABLES = {"ticks_1f1b.txt": Pipeline(4, 6, schedule="1f1b"),
-          "ticks_interleaved.txt": Pipeline(4, 4, 2, schedule="interleaved")}
+          "ticks_interleaved.txt": Pipeline(4, 4, 2, schedule="interleaved"),
+          "ticks_zb.txt": Pipeline(4, 6, schedule="zb"), "ticks_zb_v2.txt": Pipeline(2, 4, 2, schedule="zb")}
 
 
 @pytest.mark.parametrize("name", TABLES)
