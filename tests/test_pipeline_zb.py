@@ -122,7 +122,7 @@ def test_a_gpt2_layer_splits_into_b_without_weight_dots_and_w(gpt2_layer):
     def flops(fn, *args):
         return hlo_flops.dot_flops(jax.jit(fn).lower(*args).compile())
     fused = flops(lambda res, g: jax.tree.leaves(split.backward(ws, res, g)), res, g)
-    dx, kept = split.input_grads(ws, res, g)
+    dx, dw_b, kept = split.input_grads(ws, res, g)
     b, w = flops(lambda res, g: split.input_grads(ws, res, g), res, g), flops(lambda kept: split.weight_grads(ws, kept),
                                                                              kept)
     assert b + w == pytest.approx(fused, rel=0.01)
@@ -135,7 +135,12 @@ def test_a_gpt2_layer_splits_into_b_without_weight_dots_and_w(gpt2_layer):
     want_dw, want_dx = jax.vjp(lambda ws, x: jax.lax.scan(lambda h, w: (layer(w, None, h), None), x, ws)[0], ws, x)[1](g)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 split.weight_grads(ws, kept), want_dw)
+                 split.tree(dw_b, split.weight_grads(ws, kept)), want_dw)
+    # B makes the gradients no matmul needs (the biases and the norms' scales, a reduction
+    # each of values W would otherwise keep), W the four weight matrices'.
+    in_w = {"/".join(str(k.key) for k in path) for (path, _), b in
+            zip(jax.tree_util.tree_flatten_with_path(ws)[0], split.in_b) if not b}
+    assert in_w == {"attn/w_qkv", "attn/w_out", "mlp/w_fc", "mlp/w_proj"}
 
 
 def test_a_step_runs_s_minus_1_fewer_w_than_1f1b():

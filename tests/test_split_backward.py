@@ -81,8 +81,9 @@ def test_a_scanned_chunk_splits_per_layer(case):
     layer = lambda w, k, x: block(w, x)  # noqa: E731
     split = sb.LayerSplit(layer, ws, None, x)
     y, res = jax.jit(split.forward)(ws, None, x)
-    dx, kept = jax.jit(split.input_grads)(ws, res, g)
-    dws = jax.jit(split.weight_grads)(ws, kept)
+    dx, dws_b, kept = jax.jit(split.input_grads)(ws, res, g)
+    dws = split.tree(dws_b, jax.jit(split.weight_grads)(ws, kept))
+    assert dws_b == [None, None]  # both weights' gradients are matmuls: W's
     np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), dws, want_dws)

@@ -267,14 +267,17 @@ class TickLoop:
         return self.add_dw(carry, dw, i)
 
     def add_dw(self, carry: Carry, dw, i) -> Carry:
-        """d_w [.., S, v, Lc, ...] += dw [.., S, Lc, ...] at each stage's chunk i."""
+        """d_w [.., S, v, Lc, ...] += dw [.., S, Lc, ...] at each stage's chunk i; dw like
+        the weights, or their flat list with None where there is nothing to add."""
         plan, vmap = self.sched.plan, self.sched.stage_vmap
 
         def add(acc, d):
             def one(acc_s, d_s, i):
                 return (acc_s.at[:, i] if plan.copies else acc_s.at[i]).add(d_s.astype(acc_s.dtype))
-            return jax.vmap(one, (plan.w_axis, 0, 0), plan.w_axis, **vmap)(acc, d, i)
-        return carry._replace(d_w=jax.tree.map(add, carry.d_w, dw))
+            return acc if d is None else jax.vmap(one, (plan.w_axis, 0, 0), plan.w_axis, **vmap)(acc, d, i)
+        acc, tree = jax.tree.flatten(carry.d_w)
+        parts = dw if isinstance(dw, list) else tree.flatten_up_to(dw)
+        return carry._replace(d_w=tree.unflatten([add(a, d) for a, d in zip(acc, parts)]))
 
     # -- the loop -------------------------------------------------------------------------
 

@@ -44,22 +44,22 @@ class ZeroBubbleLoop(TickLoop):
         return y, items if self.by_layer or self.sched.pipe.stash == "inputs" else [*items, x]
 
     def bwd_one(self, w, k, i, m, items, g):
-        """B: -> (what W needs, dx)."""
+        """B: -> ((the weight gradients B made, or None; what W needs), dx)."""
         plan, stash = self.sched.plan, self.sched.pipe.stash
         wi, g_rows = plan.select(w, i), plan.rows(g)
         if self.by_layer:
             layers, k_m = self.layers(wi, k, m, g_rows)
             res = layers.forward(wi, k_m, plan.rows(items[0]))[1] if stash == "inputs" else items
-            dx, kept = layers.input_grads(wi, res, g_rows)
-            return kept, plan.unrows(dx)
+            dx, dw, kept = layers.input_grads(wi, res, g_rows)
+            return (dw, kept), plan.unrows(dx)
         if stash == "inputs":
             x, (dx,) = items[0], jax.vjp(lambda x: self.chunk(wi, k, m, x), items[0])[1](g)
         else:  # the fused pullback, its weight gradients unused
             x, dx = items[-1], plan.unrows(self.layers(wi, k, m, g_rows)[0].backward(wi, items[:-1], g_rows)[0])
-        return [x, g], dx
+        return (None, [x, g]), dx
 
     def w_one(self, w, k, i, m, kept):
-        """W: -> d chunk weights, like the chunk's."""
+        """W: -> d chunk weights, like the chunk's (or their flat list, None where B made them)."""
         plan = self.sched.plan
         wi = plan.select(w, i)
         if not self.by_layer:
@@ -71,8 +71,12 @@ class ZeroBubbleLoop(TickLoop):
 
     # -- the slots ------------------------------------------------------------------------
 
-    def keep_weight_part(self, carry: Carry, kept, t_now, valid, i) -> Carry:
-        """B's values for W, kept in slot u mod K_w of each stage's weight stash."""
+    def keep_weight_part(self, carry: Carry, weight_part, t_now, valid, i) -> Carry:
+        """The weight gradients B made, added up; B's values for W, kept in slot u mod K_w of
+        each stage's weight stash."""
+        dw, kept = weight_part
+        if dw is not None:  # zeros where the slot was idle (g = 0)
+            carry = self.add_dw(carry, dw, i)
         slot = backward_u(self.sched.pipe, t_now, jnp) % self.k_weight
 
         def store(stash_s, valid, slot, item):
@@ -106,6 +110,6 @@ class ZeroBubbleLoop(TickLoop):
         carry = super().start()
         sched, plan, s = self.sched, self.sched.plan, self.sched.pipe.stages
         first = jnp.zeros(s, int)
-        kept, _ = jax.eval_shape(lambda: jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **sched.stage_vmap)(
+        (_, kept), _ = jax.eval_shape(lambda: jax.vmap(self.bwd_one, (plan.w_axis, 0, 0, 0, 0, 0), **sched.stage_vmap)(
             self.weights, self.stage_keys(first), first, first, [a[:, 0, 0] for a in carry.stash], carry.fwd))
         return carry._replace(w_stash=[stash_zeros(plan, (s, self.k_weight, *a.shape[1:]), a.dtype) for a in kept])

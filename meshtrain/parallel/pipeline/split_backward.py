@@ -6,14 +6,16 @@ zero-bubble schedules need them (Qi et al. 2023, arXiv 2401.10241; docs/pipeline
     dx, saved = b(g)          # B: the cotangent chain to x
     dw = w(saved)             # W: later, from what B saved
 
-A function is traced once to a jaxpr; B keeps the equations its outputs need, W the others
-that the rest need, reading what B computed (`saved`: B's values and the inputs W reads)
-instead of computing it again. Two VJPs (one for dx, one for dw) would trace the same split
-with the cotangent chain in both: 5 matmuls instead of 4 on a residual MLP block.
+A function is traced once to a jaxpr (jitted bodies and remat inlined); B keeps the
+equations its outputs need, W the others that the rest need, reading what B computed
+(`saved`: B's values and the inputs W reads) instead of computing it again. Two VJPs (one
+for dx, one for dw) would trace the same split with the cotangent chain in both: 5
+matmuls instead of 4 on a residual MLP block.
 
-A chunk of layers under `lax.scan` transposes to one scan equation that yields both halves,
-so `chunk_backward` splits per layer instead: a forward scan that keeps each layer's input,
-a reverse scan of B that emits W's values, and a scan of W.
+A chunk of layers under `lax.scan` transposes to one scan equation that yields both
+halves, so `LayerSplit` runs a chunk one layer at a time: a forward scan keeping each
+layer's residuals but its weights, a reverse scan of B that keeps W's values (and makes
+the weight gradients no matmul needs: biases, norm scales), and a scan of W.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Split(NamedTuple):
     saved_avals: list
     saved_inputs: list
     eqns: tuple[int, int]
+    mask: list  # per output, whether the first half computes it (`first`, or moved there)
 
 
 # Equations that call a jaxpr inline: a jitted function or a remat'd layer inside the
@@ -74,15 +77,23 @@ def _needed(eqns, outvars) -> list[int]:
     return keep[::-1]
 
 
-def split(fn: Callable, *args, first: Sequence[bool]) -> Split:
+def split(fn: Callable, *args, first: Sequence[bool], matmul_free_first: bool = False) -> Split:
     """fn(*args) -> a flat list or tuple of arrays; `first` marks the outputs the first half
-    computes. Traced once at `args` (arrays or ShapeDtypeStructs, any pytrees)."""
+    computes. Traced once at `args` (arrays or ShapeDtypeStructs, any pytrees).
+    `matmul_free_first`: an output the second half would compute without a matmul moves to
+    the first (a norm's scale gradient: a reduction over values the second half would
+    otherwise have to be handed)."""
     flat, in_tree = jax.tree.flatten(args)
     traced = jax.make_jaxpr(lambda *leaves: list(fn(*jax.tree.unflatten(in_tree, leaves))))(*flat)
     closed = jax.make_jaxpr(lambda *leaves: _inline(traced.jaxpr, traced.consts, *leaves))(*flat)
     jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
     if len(first) != len(jaxpr.outvars):
         raise ValueError(f"split: `first` marks {len(first)} outputs, the function has {len(jaxpr.outvars)}")
+    first = list(first)
+    if matmul_free_first:
+        done = set(_needed(eqns, [v for v, f in zip(jaxpr.outvars, first) if f]))
+        first = [f or not any(eqns[i].primitive.name == "dot_general" for i in _needed(eqns, [v]) if i not in done)
+                 for v, f in zip(jaxpr.outvars, first)]
     outs_a = [v for v, f in zip(jaxpr.outvars, first) if f]
     outs_b = [v for v, f in zip(jaxpr.outvars, first) if not f]
     in_a = _needed(eqns, outs_a)
@@ -109,7 +120,7 @@ def split(fn: Callable, *args, first: Sequence[bool]) -> Split:
         return list(run_b(*kept))
 
     return Split(first_half, second_half, [v.aval for v in saved], [position.get(v) for v in saved],
-                 (len(in_a), len(in_b)))
+                 (len(in_a), len(in_b)), first)
 
 
 def split_pullback(pull, g) -> tuple[Callable, Callable]:
@@ -163,9 +174,16 @@ class LayerSplit:
 
     @functools.cached_property
     def halves(self) -> Split:
+        """The pullback's outputs (d weights..., dx) cut: B computes dx and the weight
+        gradients that need no matmul (norm scales), W the rest."""
         n_dw = self.weights.num_leaves
         return split(lambda res, g: jax.tree.leaves(jax.tree.unflatten(self.pull_tree, res)(g)),
-                     self.res_avals, self.x1, first=[False] * n_dw + [True])
+                     self.res_avals, self.x1, first=[False] * n_dw + [True], matmul_free_first=True)
+
+    @functools.cached_property
+    def in_b(self) -> list[bool]:
+        """Per weight leaf, whether B computes its gradient."""
+        return self.halves.mask[:-1]
 
     @functools.cached_property
     def from_weights(self) -> list:
@@ -173,12 +191,16 @@ class LayerSplit:
         not kept in W's stash), or None."""
         return [None if p is None or p >= len(self.res_avals) else self.shared[p] for p in self.halves.saved_inputs]
 
+    def tree(self, *parts):
+        """Flat lists of weight gradients with None where another half has it -> like ws."""
+        return jax.tree.unflatten(self.weights, [next(d for d in ds if d is not None) for ds in zip(*parts)])
+
     def _at(self, ws, i):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, self.axis, keepdims=False), ws)
 
-    def _stacked(self, dws):
-        """[L, ...] per leaf, as scans stack them -> like ws."""
-        return jax.tree.unflatten(self.weights, [jnp.moveaxis(d, 0, self.axis) for d in jax.tree.leaves(dws)])
+    def _stacked(self, dws: list) -> list:
+        """[L, ...] per leaf, as scans stack them -> the layer dim where ws has it."""
+        return [None if d is None else jnp.moveaxis(d, 0, self.axis) for d in dws]
 
     def _leaves(self, ws, i, stashed):
         """Layer i's pullback leaves: the stashed ones, and its weights where they are."""
@@ -199,20 +221,24 @@ class LayerSplit:
             dw, dx = jax.tree.unflatten(self.pull_tree, self._leaves(ws, *i_res))(g)
             return dx, dw
         dx, dws = jax.lax.scan(one, g, (jnp.arange(self.n), res), reverse=True)
-        return dx, self._stacked(dws)
+        return dx, jax.tree.unflatten(self.weights, self._stacked(jax.tree.leaves(dws)))
 
     def input_grads(self, ws, res, g):
-        """B: -> (dx, kept), kept [L, ...] per value W reads."""
+        """B: -> (dx, d weights B computes (a flat list, None where W does), kept: [L, ...]
+        per value W reads)."""
         def one(g, i_res):
-            (dx,), saved = self.halves.first(self._leaves(ws, *i_res), g)
-            return dx, [a for a, j in zip(saved, self.from_weights) if j is None]
-        return jax.lax.scan(one, g, (jnp.arange(self.n), res), reverse=True)
+            outs, saved = self.halves.first(self._leaves(ws, *i_res), g)
+            return outs[-1], (outs[:-1], [a for a, j in zip(saved, self.from_weights) if j is None])
+        dx, (dws, kept) = jax.lax.scan(one, g, (jnp.arange(self.n), res), reverse=True)
+        dws = iter(dws)
+        return dx, self._stacked([next(dws) if b else None for b in self.in_b]), kept
 
     def weight_grads(self, ws, kept):
-        """W: -> d ws, like ws."""
+        """W: -> d weights, a flat list with None where B computed them (`tree` joins them)."""
         def one(_, i_kept):
             i, kept = i_kept
             w_leaves, kept = jax.tree.leaves(self._at(ws, i)), iter(kept)
             return None, self.halves.second([next(kept) if j is None else w_leaves[j] for j in self.from_weights])
         _, dws = jax.lax.scan(one, None, (jnp.arange(self.n), kept))
-        return self._stacked(jax.tree.unflatten(self.weights, dws))
+        dws = iter(dws)
+        return self._stacked([None if b else next(dws) for b in self.in_b])
