@@ -119,7 +119,7 @@ stage() {
         step scan_fusion 120 python3 benchmarks/gpu.py --models gpt2_small --remat none --steps 20 \
         --repeats 3 --warmup 5 --overhead-pairs 0 --out "$OUT/gpu_scan_fusion.json" ;;
     tests_jax)
-      local files="tests/test_pipeline.py tests/test_pipeline_1f1b.py tests/test_planner_pipeline.py"
+      local files="tests/test_pipeline.py tests/test_pipeline_1f1b.py tests/test_pipeline_zb.py tests/test_planner_pipeline.py"
       JAX_PLATFORMS=cpu step tests_jax "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files
       XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_experimental_ynn_fusion_type=" JAX_PLATFORMS=cpu \
         step tests_jax_no_ynn "$TEST_SECONDS" python3 -m pytest -q -n 16 -p no:cacheprovider $files ;;

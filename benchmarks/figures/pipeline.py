@@ -2,10 +2,10 @@
 
 python benchmarks/figures/pipeline.py [--stages 4] [--microbatches 4,8,16,32] [--repeats 1,2]
                                 [--layers 8] [--batch 64] [--no_cost_analysis]
-python benchmarks/figures/pipeline.py --schedules [--pairs 10]     # gpt2_tiny, the four schedules timed
+python benchmarks/figures/pipeline.py --schedules [--pairs 10]     # gpt2_tiny, the five schedules timed
 python benchmarks/figures/pipeline.py --schedules --compile_only   # + gpt2_medium and Llama 3 8B, 32 devices
 
-`--schedules` compares gpipe, circular, 1f1b and interleaved side by side, each 1F1B
+`--schedules` compares gpipe, circular, 1f1b, interleaved and zb side by side, each 1F1B
 schedule with both stashes (docs/pipeline.md): compiled peak memory and temp memory per
 device, matmul FLOPs per device (loop trip counts included), the idle share of the
 ticks from the tick tables, and the step time relative to gpipe, timed in alternating
@@ -91,6 +91,9 @@ SCHEDULES = {  # label: overrides (on top of the config's own)
     "interleaved r=2, inputs": {"pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.stash": "inputs"},
     "interleaved r=2, residuals": {"pipeline.schedule": "interleaved", "pipeline.repeats": 2,
                                    "pipeline.stash": "residuals"},
+    "zb, stash inputs": {"pipeline.schedule": "zb", "pipeline.repeats": 1, "pipeline.stash": "inputs"},
+    "zb, stash residuals": {"pipeline.schedule": "zb", "pipeline.repeats": 1, "pipeline.stash": "residuals"},
+    "zb r=2, residuals": {"pipeline.schedule": "zb", "pipeline.repeats": 2, "pipeline.stash": "residuals"},
 }
 
 
@@ -149,7 +152,7 @@ def compare_schedules(args) -> None:
                                                "train.batch_size": 64}, list(SCHEDULES), args.pairs)
     print("\n".join([header, rule, *rows]), flush=True)
     if args.compile_only:
-        labels = ["gpipe", "1f1b, stash inputs", "1f1b, stash residuals"]
+        labels = ["gpipe", "1f1b, stash inputs", "1f1b, stash residuals", "zb, stash residuals"]
         for name, base in (("gpt2_medium_dp2_pp4_tp4", {}), ("llama3_8b_pp4_fsdp2_tp4", {})):
             print(f"{name} (32 devices, compile only)")
             print("\n".join([header, rule, *schedule_rows(name, base, labels)]), flush=True)
