@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from meshtrain import config as config_lib
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo_flops
 from meshtrain.run.experiment import Experiment
 from meshtrain.runlog import metrics
 from meshtrain.step import train_step as step_lib
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         secs, mem = time.perf_counter() - t0, metrics.memory_report(compiled)
         c = exp.model.cfg
         logits = exp.cfg.train.batch_size * c.seq_len * c.padded_vocab_size * 4
-        rows.append((chunk, mem["temp"], mem["peak_estimate"], secs, logits, hlo.dot_flops(compiled)))
+        rows.append((chunk, mem["temp"], mem["peak_estimate"], secs, logits, hlo_flops.dot_flops(compiled)))
     b, c = exp.cfg.train.batch_size, exp.model.cfg
     print(f"{args.config} on 1 device, {b} x {c.seq_len} tokens, compute {c.dtype}, vocab "
           f"{c.padded_vocab_size}: one [B, T, V] float32 array is {rows[0][4] / 2**20:,.0f} MiB")

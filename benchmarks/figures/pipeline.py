@@ -20,7 +20,7 @@ compiles the train step of a GPT-2 tiny with `--layers` layers on a `stage:S` me
 of fake CPU devices and compares the work all S devices execute with the useful work:
 
     formula            (S - 1) / (r*M + S - 1)
-    matmul bubble      (E - U) / (E - U_head)   from matmul FLOPs (meshtrain.planner.hlo.dot_flops,
+    matmul bubble      (E - U) / (E - U_head)   from matmul FLOPs (meshtrain.planner.hlo_flops.dot_flops,
                        loop trip counts included): E = per-device x S, pipelined;
                        U = one-stage program, same M and r (no bubble); U_head = the
                        matmuls outside the layers (unpipelined step at L and L/2 layers)
@@ -54,10 +54,10 @@ jax.config.update("jax_num_cpu_devices", 32 if "--compile_only" in sys.argv else
 import jax.numpy as jnp  # noqa: E402
 
 from meshtrain import config as config_lib, mesh as mesh_lib  # noqa: E402
-from meshtrain.planner import hlo
+from meshtrain.planner import hlo, hlo_flops  # noqa: E402
 from meshtrain.run.experiment import Experiment  # noqa: E402
-from meshtrain.runlog import metrics
-from meshtrain.step import train_step as step_lib
+from meshtrain.runlog import metrics  # noqa: E402
+from meshtrain.step import train_step as step_lib  # noqa: E402
 
 
 def make_config(layers: int, batch: int, mesh: str, layout: str, m: int = 0, r: int = 1):
@@ -117,7 +117,7 @@ def schedule_rows(name: str, base: dict, labels, time_pairs: int = 0) -> list[st
                 if pipe.one_f_one_b else f"{pipe.microbatches} of {pipe.microbatches}")
         built[label] = exp
         rows.append([label, f"{pipe.bubble:.1%}", kept, f"{mem['temp'] / 2**20:,.1f}",
-                     f"{mem['peak_estimate'] / 2**20:,.1f}", f"{hlo.dot_flops(compiled) / 1e9:,.2f}",
+                     f"{mem['peak_estimate'] / 2**20:,.1f}", f"{hlo_flops.dot_flops(compiled) / 1e9:,.2f}",
                      f"{compile_s:.0f} s"])
         print(" | ".join(rows[-1]), flush=True)
     times = {label: [] for label in labels}
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> None:
 
     def unpipelined(layers):
         exp = Experiment.build(make_config(layers, args.batch, "data:1", "dp"), devices=one)
-        return hlo.dot_flops(exp.compile()), flops(exp, unroll=False)
+        return hlo_flops.dot_flops(exp.compile()), flops(exp, unroll=False)
     (d_full, c_full), (d_half, c_half) = unpipelined(args.layers), unpipelined(args.layers // 2)
     d_head, c_head = d_full - 2 * (d_full - d_half), c_full - 2 * (c_full - c_half)
     print(f"unpipelined step (1 device): {d_full:.4e} matmul flops, {1 - d_head / d_full:.1%} of "
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> None:
             exp = Experiment.build(make_config(args.layers, args.batch, f"stage:{s}", "dp_pp", m, r),
                                    devices=jax.devices()[:s])
             compiled = exp.compile()
-            d_exec, d_useful = hlo.dot_flops(compiled) * s, hlo.dot_flops(one_stage.compile())
+            d_exec, d_useful = hlo_flops.dot_flops(compiled) * s, hlo_flops.dot_flops(one_stage.compile())
             c_exec, c_useful = ((float("nan"),) * 2 if args.no_cost_analysis else
                                 (flops(exp, unroll=True) * s, flops(one_stage, unroll=True)))
             peak = metrics.memory_report(compiled)["peak_estimate"] / 2**20
