@@ -122,6 +122,10 @@ CASES = {  # name: (config, overrides, layers)
                                      2),
     "llama_zero2_zb_two_vjps_residuals": ("llama_tiny_pp2_dp4", {
         "layout": "zero2_pp", "pipeline.schedule": "zb", "pipeline.split": "two_vjps", "pipeline.stash": "residuals"}, 2),
+    # ring attention's custom VJP inside each layer's pullback: B and W split around it
+    "llama_dp2_pp2_cp2_ring_zb": ("llama_tiny_pp2_dp4", {
+        "mesh.shape": "data:2,stage:2,context:2", "layout": "dp_pp_cp", "model.context_attention": "ring",
+        "pipeline.schedule": "zb"}, 2),
     "llama_dp2_pp2_tp2_zb_v2": ("llama_tiny_pp2_dp4", {
         "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
         "pipeline.schedule": "zb", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
