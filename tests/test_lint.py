@@ -178,6 +178,19 @@ def test_pipeline_bubble(name, overrides, fixed):
     assert run_lint(cfg) == []  # validates, and no finding left
 
 
+def test_pipeline_bubble_under_zb_and_zb_named_under_1f1b():
+    """zb's idle share is 2(S-1)/(3rM+2(S-1)): S=4, M=2 idles 50%, and the fix is the
+    smallest M with rM >= 2(S-1) = 6 that divides the batch, 8; a 1f1b run over the line
+    hears what zb idles at its M."""
+    cfg = configured("gpt2_tiny_pp4_dp2", **{"pipeline.schedule": "zb", "pipeline.microbatches": 2})
+    f = only(run_lint(cfg), "pipeline-bubble")
+    assert "2(S-1)/(3rM+2(S-1)) = 6/12 = 50.0%" in f.what and "with M=8 it is 6/30 = 20.0%" in f.cost
+    assert dict(apply(cfg, f.fix)) == {"pipeline.microbatches": "8"} and run_lint(cfg) == []
+    one = only(run_lint(configured("gpt2_tiny_pp4_dp2", **{"pipeline.schedule": "1f1b", "pipeline.microbatches": 8})),
+               "pipeline-bubble")
+    assert "--config.pipeline.schedule=zb (ZB-H1, weight gradients in the idle ticks) idles 20.0% at M=8" in one.cost
+
+
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_bubble_covers_the_old_few_microbatches_warning(m):
     cfg = configured("gpt2_tiny_pp4_dp2", **{"pipeline.microbatches": m, "train.batch_size": 48})
