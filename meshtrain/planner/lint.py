@@ -28,6 +28,7 @@ from meshtrain import config as config_lib, mesh as mesh_lib, models
 from meshtrain.errors import GiB, UserError, mib
 from meshtrain.mesh import AXES
 from meshtrain.parallel import layouts, sequence
+from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.planner import analytic, bounds, hardware as hardware_lib, lint_experts, roofline
 from meshtrain.runlog import metrics
 from meshtrain.planner.findings import (Finding, Run, axes_text, batch_multiple, fix_overrides, mesh_text, named_axes,
@@ -276,8 +277,9 @@ def _bubble(run: Run) -> list[Finding]:
     m, r = p.microbatches, (p.repeats if p.schedule in ("circular", "interleaved", "zb") else 1)
     if s <= 1 or m <= 0 or r < 1:
         return []
-    zb = lambda m: 2 * (s - 1) / (3 * r * m + 2 * (s - 1))  # noqa: E731  (Pipeline.bubble)
-    bubble = zb(m) if p.schedule == "zb" else (s - 1) / (r * m + s - 1)
+    def idle(m, schedule=p.schedule):  # Pipeline.bubble, the one formula of each schedule
+        return Pipeline(s, m, r, schedule=schedule).bubble
+    bubble = idle(m)
     if bubble <= BUBBLE_LIMIT:
         return []
     step = s if r > 1 else 1
@@ -297,12 +299,12 @@ def _bubble(run: Run) -> list[Finding]:
     sign = "<" if m < s else "with"
     if p.schedule == "zb":
         formula = f"2(S-1)/(3rM+2(S-1)) = {2 * (s - 1)}/{3 * r * m + 2 * (s - 1)}"
-        after, other = f"{2 * (s - 1)}/{3 * r * new + 2 * (s - 1)} = {zb(new):.1%}", ""
+        after, other = f"{2 * (s - 1)}/{3 * r * new + 2 * (s - 1)} = {idle(new):.1%}", ""
     else:
         formula = f"(S-1)/(r*M+S-1) = {s - 1}/{r * m + s - 1}"
-        after = f"{s - 1}/{r * new + s - 1} = {(s - 1) / (r * new + s - 1):.1%}"
+        after = f"{s - 1}/{r * new + s - 1} = {idle(new):.1%}"
         other = (f"; {override('pipeline.schedule', 'zb')} (ZB-H1, weight gradients in the idle ticks) idles "
-                 f"{zb(m):.1%} at M={m}" if p.schedule in ("1f1b", "interleaved", "gpipe") else "")
+                 f"{idle(m, 'zb'):.1%} at M={m}" if p.schedule in ("1f1b", "interleaved", "gpipe") else "")
     return [Finding("pipeline-bubble", "warning",
                     f"pipeline.microbatches={m} {sign} stage={s}: the bubble {formula} = {bubble:.1%} of the "
                     f"pipelined work is idle, over {BUBBLE_LIMIT:.0%}",

@@ -157,10 +157,9 @@ class TickLoop:
 
         (self.inputs, self.weights, self.head), self.prepare_vjp = jax.vjp(prepare, params)
         self.keys = plan.keys(k_layers, params[stacked])
-        self.make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
-        self.documents = constrain.documents
-        self.chunk = plan.chunk_fn(self.make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
-        self.layer_at = plan.layer_fn(self.make_layer, documents=constrain.documents)
+        make_layer, _ = layer_maker(getattr(model.bind(params), stacked), model.cfg.remat)
+        self.chunk = plan.chunk_fn(make_layer, scan_layers=model.cfg.scan_layers, documents=constrain.documents)
+        self.layer_at = plan.layer_fn(make_layer, documents=constrain.documents)
         # embed_tokens put the positions in the layout's storage order (context parallelism,
         # parallel/sequence.py); the targets and their weights follow them.
         micro = lambda a: None if a is None else plan.microbatches(stack.stored(a, sched.constrain))  # noqa: E731

@@ -110,26 +110,55 @@ class StagePlan:
         """chunk(w, k, m, x [mb, T, D]) -> y: one stage's chunk of Lc layers on microbatch m,
         with w its weights (copies [n, Lc, ...] or shared [Lc, ...]) and k [Lc] its keys;
         microbatch m's layers see its rows of the batch's `documents` (models/documents.py)."""
-        n, shard = self.n_shards, self.shard
-        micro_docs = jax.tree.map(self.microbatches, documents)
-        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
+        docs_at, shard_layer = self._shard_parts(make_layer, documents)
 
-        def shard_fn(w, k, x, shard_index, docs):  # one stage, one batch shard: x [mb/n, T, D]
-            layer = make_layer(Constrain(self.inner, self.mesh, docs))
-            run_one = layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
+        def shard_fn(w, k, shard_index, docs, x):  # one stage, one batch shard: x [mb/n, T, D]
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, shard_index)
-            return run_stack(run_one, w, x, k, scan=scan_layers)
+            return run_stack(shard_layer(docs), w, x, k, scan=scan_layers)
 
         def chunk(w, k, m, x):
             if k is not None:
                 k = jax.vmap(jax.random.fold_in, (0, None))(k, m)
-            docs = jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
-                                micro_docs)
-            y = jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
-                w, k, self.rows(x), jnp.arange(n), docs)
-            return self.unrows(y)
+            return self.unrows(self._over_shards(shard_fn, w, k, docs_at(m), self.rows(x)))
         return chunk
+
+    def layer_fn(self, make_layer, documents=None) -> Callable:
+        """-> at(m) -> layer(w, k, x [n, mb/n, T, D]) -> like x: one layer of a stage's chunk
+        on microbatch m, every batch shard at once (split_backward.LayerSplit's layer), w one
+        layer's weights (copies [n, ...] or shared), k its key folded with m, or None. The
+        same keys, documents and ZeRO-2 pins as chunk_fn's."""
+        docs_at, shard_layer = self._shard_parts(make_layer, documents)
+
+        def shard_fn(w, k, shard_index, docs, x):
+            return shard_layer(docs)(x, w, None if k is None else jax.random.fold_in(k, shard_index))
+
+        def at(m):
+            docs = docs_at(m)
+            return lambda w, k, x: self._over_shards(shard_fn, w, k, docs, x)
+        return at
+
+    def _shard_parts(self, make_layer, documents):
+        """-> (docs_at(m): microbatch m's rows of `documents` per batch shard, [n, mb/n, ...];
+        shard_layer(docs): one shard's layer(x, params, key), its weight gradients pinned
+        under ZeRO-2 (grads_pins))."""
+        micro_docs = jax.tree.map(self.microbatches, documents)
+        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
+
+        def docs_at(m):
+            return jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
+                                micro_docs)
+
+        def shard_layer(docs):
+            layer = make_layer(Constrain(self.inner, self.mesh, docs))
+            return layer if pinned is None else (lambda x, params, k: layer(x, pinned(params), k))
+        return docs_at, shard_layer
+
+    def _over_shards(self, shard_fn, w, k, docs, x):
+        """shard_fn(w, k, shard index, docs, x) on every batch shard at once: w copies [n, ...]
+        split over them or shared, x and docs [n, ...], k the same for all."""
+        return jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=self.shard)(
+            w, k, jnp.arange(self.n_shards), docs, x)
 
     def rows(self, x):
         """[mb, ...] -> [n, mb/n, ...]: a microbatch's rows per batch shard."""
@@ -137,30 +166,6 @@ class StagePlan:
 
     def unrows(self, x):
         return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-    def layer_fn(self, make_layer, documents=None) -> Callable:
-        """-> at(m) -> layer(w, k, x [n, mb/n, T, D]) -> like x: one layer of a stage's chunk
-        on microbatch m, every batch shard at once (split_backward.LayerSplit's layer), w one
-        layer's weights (copies [n, ...] or shared), k its key folded with m, or None. The
-        same keys, documents and ZeRO-2 pins as chunk_fn's."""
-        n, shard = self.n_shards, self.shard
-        micro_docs = jax.tree.map(self.microbatches, documents)
-        pinned = None if self.grads_pins is None else grad_reduce.pinned_in_backward(self.grads_pins)
-
-        def at(m):
-            docs = jax.tree.map(lambda a: self.rows(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False)),
-                                micro_docs)
-
-            def shard_fn(w, k, shard_index, docs, x):
-                layer = make_layer(Constrain(self.inner, self.mesh, docs))
-                return layer(x, w if pinned is None else pinned(w),
-                             None if k is None else jax.random.fold_in(k, shard_index))
-
-            def layer(w, k, x):
-                return jax.vmap(shard_fn, (0 if self.copies else None, None, 0, 0, 0), spmd_axis_name=shard)(
-                    w, k, jnp.arange(n), docs, x)
-            return layer
-        return at
 
     @property
     def layer_axis(self) -> int:
