@@ -79,7 +79,7 @@ class Pipeline:
     @property
     def bubble(self) -> float:
         """Fraction of the pipelined work that is idle (wasted in this SPMD form); under zb
-        with F = B = W (pipeline_ticks.idle_share counts it tick by tick)."""
+        with F = B = W (tests/test_pipeline_zb.py counts it tick by tick)."""
         if self.schedule == "zb":
             return 2 * (self.stages - 1) / (3 * self.repeats * self.microbatches + 2 * (self.stages - 1))
         return (self.stages - 1) / self.ticks

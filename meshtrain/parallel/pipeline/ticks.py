@@ -49,7 +49,7 @@ import numpy as np
 from meshtrain.parallel.pipeline.scan import Pipeline, schedule as forward_items
 
 __all__ = ["forward_items", "backward_items", "weight_items", "phases", "segments", "in_flight", "stash_slots",
-           "weight_stash_slots", "idle_share", "tick_table", "describe"]
+           "weight_stash_slots", "tick_table", "describe"]
 
 
 def _backward_order(pipe: Pipeline, u, xp):
@@ -94,14 +94,6 @@ def segments(pipe: Pipeline) -> list[tuple[int, int, str]]:
     cuts = sorted({t for span in spans.values() for t in span})
     runs = [(a, b, "".join(k for k, (lo, hi) in spans.items() if lo <= a < hi)) for a, b in zip(cuts, cuts[1:])]
     return [r for r in runs if r[2]]
-
-
-def idle_share(pipe: Pipeline) -> float:
-    """The share of a stage's step that is idle, counting F = B = W: a forward slot 1, a
-    backward slot 2 (B and W) under 1f1b/interleaved, 1 (B) under zb, a weight slot 1."""
-    cost = {"f": 1, "b": 1 if pipe.schedule == "zb" else 2, "w": 1}
-    total = sum((b - a) * sum(cost[k] for k in kinds) for a, b, kinds in segments(pipe))
-    return 1 - 3 * pipe.repeats * pipe.microbatches / total
 
 
 def phases(pipe: Pipeline) -> tuple[int, int, int]:
