@@ -77,10 +77,10 @@ def make_config():
 
 @pytest.fixture(scope="session")
 def gpt2_tiny_one_device():
-    """gpt2_tiny_dp8 trained 20 steps of support.training.TOKENS on one device: (losses
-    [20], first-step gradients), the
-    reference of the GPT-2 layout tests in several files (built once per xdist worker); its
+    """gpt2_tiny_dp8 trained support.training.STEPS steps of its COMPARED runs on one device:
+    (losses [STEPS], first-step gradients), the reference of the GPT-2 layout tests in
+    several files (built once per xdist worker); its
     gradients from a plain jax.grad program, not read off the step as the layouts' are."""
-    from support.training import TOKENS, devices_for, losses_and_grads
-    return losses_and_grads(configured("gpt2_tiny_dp8", **TOKENS, **{"mesh.shape": "data:1"}),
+    from support.training import COMPARED, devices_for, losses_and_grads
+    return losses_and_grads(configured("gpt2_tiny_dp8", **COMPARED, **{"mesh.shape": "data:1"}),
                             devices=devices_for("data:1"))

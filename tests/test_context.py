@@ -1,6 +1,7 @@
 """Long sequences: sequence parallelism (length:tensor outside attention and MLP) and context
 parallelism (length:context everywhere, attention by all-gather or a load-balanced ring)
-change how a step is split, never what it computes: 20 float32 steps equal one device.
+change how a step is split, never what it computes: float32 steps (support.training.STEPS)
+equal one device.
 """
 
 import jax
@@ -12,13 +13,13 @@ from meshtrain.parallel import sequence
 from meshtrain.parallel.layouts import get
 from meshtrain.run.experiment import Experiment, check_config
 from support.configs import configured
-from support.training import ROWS, TOKENS, assert_equal_training, devices_for, run
+from support.training import COMPARED, FULL_LR, ROWS, assert_equal_training, devices_for, run
 
 # Llama tiny at its own 128 positions (the issue that added this test asked for 512; the
 # split does not depend on the length): under context:4 the ring's zigzag still cuts each
 # sequence into 8 chunks of 16, two a device, and 4 chunks of the loss (32 positions, 8
 # from each context device) keep the chunked loss's share-per-piece exercised.
-LLAMA = {"model.seq_len": 128, "train.loss_chunk": 32, **ROWS}
+LLAMA = {"model.seq_len": 128, "train.loss_chunk": 32, **ROWS, **FULL_LR}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def llama_reference():
     ("dp_cp", "context:2", "ring"),
 ])
 def test_gpt2_tiny_matches_one_device(layout, mesh, kind, gpt2_reference):
-    got = run("gpt2_tiny_dp8", {**TOKENS, "layout": layout, "model.context_attention": kind}, mesh)
+    got = run("gpt2_tiny_dp8", {**COMPARED, "layout": layout, "model.context_attention": kind}, mesh)
     assert_equal_training(f"gpt2 {layout} {mesh} {kind}", got, gpt2_reference)
 
 
@@ -62,7 +63,7 @@ def test_llama_tiny_matches_one_device(layout, mesh, kind, llama_reference):
 def test_context_inside_pipeline_stages(schedule, gpt2_reference):
     """`context` and `stage` combine: the stages' attention runs the ring per stage, and
     1F1B's loss reads its targets in the layout's order (5 steps)."""
-    over = {**TOKENS, "layout": "dp_pp_cp", "model.context_attention": "ring", "pipeline.schedule": schedule,
+    over = {**COMPARED, "layout": "dp_pp_cp", "model.context_attention": "ring", "pipeline.schedule": schedule,
             "pipeline.microbatches": 2, "train.loss_chunk": 32}
     got = run("gpt2_tiny_dp8", over, "stage:2,context:2,data:2", steps=5)
     ref_losses, _ = gpt2_reference
@@ -72,7 +73,7 @@ def test_context_inside_pipeline_stages(schedule, gpt2_reference):
 def test_context_beside_fsdp(gpt2_reference):
     """fsdp_cp: weights stored over fsdp, gathered per layer, sequences split over context
     (5 steps)."""
-    got = run("gpt2_tiny_dp8", {**TOKENS, "layout": "fsdp_cp", "model.context_attention": "ring"}, "fsdp:2,context:4",
+    got = run("gpt2_tiny_dp8", {**COMPARED, "layout": "fsdp_cp", "model.context_attention": "ring"}, "fsdp:2,context:4",
               steps=5)
     np.testing.assert_allclose(got[0], gpt2_reference[0][:5], rtol=1e-5)
 

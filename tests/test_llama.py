@@ -27,7 +27,7 @@ from meshtrain.parallel.hook import Constrain
 from meshtrain.run.experiment import analysis_options
 from meshtrain.step.state import abstract_model, param_shardings
 
-from support.training import TOKENS as ROWS_OF_64, assert_same_training, losses_and_grads, trained
+from support.training import COMPARED, assert_same_training, losses_and_grads, trained
 
 
 def cfg_for(size, **kw):
@@ -212,13 +212,13 @@ LAYOUTS = ["llama_tiny_dp8", "llama_tiny_fsdp8", "llama_tiny_dp2_tp4", "llama_ti
 
 @pytest.fixture(scope="module")
 def one_device():
-    cfg = config_lib.load("llama_tiny_dp8", ROWS_OF_64.items())
+    cfg = config_lib.load("llama_tiny_dp8", COMPARED.items())
     return losses_and_grads(cfg, devices=jax.devices()[:1], mesh_shape="data:1")
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_one_device(name, make_config, one_device):
-    assert_same_training(name, trained(make_config(name, **ROWS_OF_64)), one_device)
+    assert_same_training(name, trained(make_config(name, **COMPARED)), one_device)
 
 
 # Hugging Face's implementation as the reference: RoPE (rotate_half), Llama 3 scaling,

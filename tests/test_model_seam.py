@@ -93,7 +93,7 @@ def toy_config(mesh: str, layout: str, pipeline_microbatches: int):
     c.model.vocab_multiple = 8
     c.pipeline.microbatches = pipeline_microbatches
     c.train.update(batch_size=16, eval_every=0, loss_chunk=8)  # 4 chunks of the 32 positions
-    c.optim.update(lr=1e-2, warmup_steps=2)
+    c.optim.update(lr=1e-2, warmup_steps=0)  # support.training.FULL_LR
     return c
 
 

@@ -12,13 +12,19 @@ from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
 from support.configs import configured
 
-STEPS = 20
+# The layout comparisons train STEPS steps at the full learning rate from the first
+# (FULL_LR: no warm-up): each step then moves the weights as far as a step in mid-run, so
+# five test a layout's update as hard as twenty of a 30-step warm-up did, whose first
+# steps barely move them (gpt2, llama and mixtral tiny fall 0.38-0.53 in five steps at
+# full lr, 0.02-0.05 in the warm-up's first five, 0.59-0.74 in its first twenty).
+STEPS = 5
+FULL_LR = {"optim.warmup_steps": "0"}
 # A run of this many steps or fewer compiles with the analysis options (LLVM -O0): the
 # compile is 3x faster and each step 2.5x slower, so it pays up to about 7 steps
 # (gpt2_tiny_dp8 and llama_tiny's ring: O1 compile 1.5 / 5.9 CPU-s, a step 0.11 / 0.22;
 # -O0 0.5 / 1.8, a step 0.3 / 0.57; docs/testing.md).
 ANALYSIS_STEPS = 5
-# The 20-step layout comparisons (test_equivalence, test_context, test_llama) train 16 rows a
+# The layout comparisons (test_equivalence, test_context, test_llama) train 16 rows a
 # step, not the tiny configs' 32: a step's CPU is in proportion to its rows on this host
 # (gpt2_tiny_dp8 115 -> 61 CPU-ms, llama_tiny's ring 234 -> 120) and the split of each row
 # is what they compare. Every data replica still gets whole rows (16 / 8 = 2 on data:8).
@@ -28,6 +34,10 @@ ROWS = {"train.batch_size": "16"}
 # so the comparisons check the same splits at half the tokens a step. Both sides of every
 # comparison take it (conftest's one-device reference included).
 TOKENS = {**ROWS, "model.seq_len": "64"}
+# A language model's layout comparison: TOKENS at the full learning rate. (Not every run of
+# TOKENS: a test comparing parameters after a few steps keeps the warm-up, as Adam's
+# m / sqrt(v) turns float32 rounding in near-zero gradients into updates of lr's size.)
+COMPARED = {**TOKENS, **FULL_LR}
 TOKEN_FLAGS = [f"--config.{k}={v}" for k, v in TOKENS.items()]  # the same, for a command line
 
 # XLA:CPU's emitters as users get them. The suite compiles with the classic loop emitters
@@ -98,11 +108,12 @@ def loss_and_grads(cfg, devices=None, mesh_shape=None):
 
 def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     """Loss of each of `steps` steps, and the gradients at step 1 from a plain jax.grad
-    program (_gradients)."""
+    program (_gradients). Up to ANALYSIS_STEPS steps, compiled with the analysis options."""
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
     state = exp.init_state()
     _, grads = _gradients(exp, state.params, exp.put_batch(next(exp.train_batches())))
-    return np.array([float(metrics["loss"]) for _, metrics in stepped(exp, steps, state)]), grads
+    step = exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
+    return np.array([float(metrics["loss"]) for _, metrics in stepped(exp, steps, state, step)]), grads
 
 
 def trained(cfg, steps=STEPS, devices=None):
@@ -127,7 +138,7 @@ def assert_same_training(name, result, reference):
     (losses, grads), (ref_losses, ref_grads) = result, reference
     rel = np.abs(losses - ref_losses) / np.abs(ref_losses)
     assert rel.max() < 1e-4, f"{name}: loss sequence differs, max rel diff {rel.max():.2e}"
-    assert losses[-1] < losses[0] - 0.5, f"{name}: the model should be learning over 20 steps"
+    assert losses[-1] < losses[0] - 0.3, f"{name}: the model should be learning, {losses[0]:.3f} -> {losses[-1]:.3f}"
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6), grads, ref_grads)
 
 
