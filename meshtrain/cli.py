@@ -31,6 +31,7 @@ own (config.override), so they behave alike in every command. docs/architecture.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import textwrap
 
@@ -205,5 +206,10 @@ def main(execute, parser: Parser, argv: list[str] | None, prog: str | None = Non
     `prog` names the command as the console script calls it."""
     if prog:
         parser.prog = prog
+    # A command traces and lowers its programs, allocating millions of small objects; at
+    # Python's default gen0 threshold (700) the collector's passes over the heap of JAX,
+    # Flax and Orbax took about 7% of a short run (gpt2_tiny_dp8, 3 steps, cache warm:
+    # 3.3 -> 3.1 s wall, 3 runs each), at the same peak memory.
+    gc.set_threshold(10_000, 10, 10)
     return run_command(lambda a: run(execute, parser, a), sys.argv[1:] if argv is None else argv,
                        parser.prog, ended)

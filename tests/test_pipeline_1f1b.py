@@ -133,25 +133,28 @@ CASES = {  # name: (config, overrides, layers)
 
 
 @pytest.fixture(scope="module")
-def references():
-    """The unpipelined model on one device, per (family, layer count)."""
+def reference():
+    """reference(config name, layers): the unpipelined model on one device, computed when a
+    case first asks for its (family, layer count) on this xdist worker (the cases of this
+    module are spread over both)."""
     out = {}
-    for name, overrides, layers in CASES.values():
-        family = config_lib.load(name).model.name
-        if (family, layers) not in out:
-            out[(family, layers)] = loss_and_grads(
-                config(name, **{"model.num_layers": layers, "layout": "dp", "pipeline.microbatches": 0,
-                                "train.loss_chunk": overrides.get("train.loss_chunk", 256)}),
-                devices=jax.devices()[:1], mesh_shape="data:1")
-    return out
+
+    def get(name, layers):
+        key = (config_lib.load(name).model.name, layers)
+        if key not in out:
+            out[key] = loss_and_grads(config(name, **{"model.num_layers": layers, "layout": "dp",
+                                                      "pipeline.microbatches": 0, "train.loss_chunk": 256}),
+                                      devices=jax.devices()[:1], mesh_shape="data:1")
+        return out[key]
+    return get
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_1f1b_loss_and_grads_match_unpipelined(case, references):
+def test_1f1b_loss_and_grads_match_unpipelined(case, reference):
     name, overrides, layers = CASES[case]
     cfg = config(name, **{"pipeline.schedule": "1f1b", "model.num_layers": layers, **overrides})
     loss, grads = loss_and_grads(cfg)
-    ref_loss, ref_grads = references[(cfg.model.name, layers)]
+    ref_loss, ref_grads = reference(name, layers)
     assert abs(loss - ref_loss) / ref_loss < 1e-5, (loss, ref_loss)
     jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(r).max()),
                  grads, ref_grads)
