@@ -21,8 +21,13 @@ if "MESHTRAIN_TEST_JAX_CACHE" not in os.environ:
 if os.environ["MESHTRAIN_TEST_JAX_CACHE"] != "off":
     os.environ.update({
         "JAX_COMPILATION_CACHE_DIR": os.environ["MESHTRAIN_TEST_JAX_CACHE"],
-        # Every program, however quick to compile: the suite compiles thousands of small ones.
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        # Programs that took 0.2 s or more to compile: the steps, inits and evals that files
+        # and subprocesses share. Not the thousands of eager ops and small kernels below it,
+        # whose entries cost more to write than they save: under the file lock below a put
+        # took about 26 ms beside a 34 ms compile (450 eager ops: 15.5 s uncached, 27.3 s
+        # cached), and five unit-test files ran 85-90 s with every program cached, 77-78 s
+        # from 0.2 s (428 entries against 90); three CLI-process files 90-94 s, 80-83 s.
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
         # A size limit turns on the cache's file lock, so no process reads an entry another
         # is still writing (the limit itself is far above what the suite writes).
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
