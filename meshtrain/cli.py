@@ -38,6 +38,13 @@ import textwrap
 from meshtrain import config as config_lib
 from meshtrain.errors import UserError, run_command
 
+# Python's cyclic collector for a command (and the test processes): gen0 at 10,000
+# allocations, not 700. Tracing and lowering allocate millions of small objects, and at 700
+# the collector's passes over the heap of JAX, Flax and Orbax took about 7% of a short run
+# (gpt2_tiny_dp8, 3 steps, cache warm: 3.3 -> 3.1 s wall, 3 runs each), at the same peak
+# memory.
+GC_THRESHOLDS = (10_000, 10, 10)
+
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults after each flag's help; the description's own line breaks kept."""
@@ -206,10 +213,6 @@ def main(execute, parser: Parser, argv: list[str] | None, prog: str | None = Non
     `prog` names the command as the console script calls it."""
     if prog:
         parser.prog = prog
-    # A command traces and lowers its programs, allocating millions of small objects; at
-    # Python's default gen0 threshold (700) the collector's passes over the heap of JAX,
-    # Flax and Orbax took about 7% of a short run (gpt2_tiny_dp8, 3 steps, cache warm:
-    # 3.3 -> 3.1 s wall, 3 runs each), at the same peak memory.
-    gc.set_threshold(10_000, 10, 10)
+    gc.set_threshold(*GC_THRESHOLDS)
     return run_command(lambda a: run(execute, parser, a), sys.argv[1:] if argv is None else argv,
                        parser.prog, ended)

@@ -58,12 +58,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# Python's cyclic collector at a gen0 threshold of 10,000 allocations, not 700: tracing and
-# lowering a step allocates millions of small objects, and at 700 the collector's full
-# passes over the heap (JAX, Flax, Orbax and the test modules) took 5-6% of a compile-bound
+# The commands' collector thresholds (cli.GC_THRESHOLDS) in the test processes too: at
+# Python's default the collector's full passes over the heap took 5-6% of a compile-bound
 # file's time (test_equivalence + test_pipeline in one process: 18 full passes, 4.1 s of
-# 66 s; at 10,000: 1 pass, 0.7 s, the same peak memory). Only the test processes take it.
-gc.set_threshold(10_000, 10, 10)
+# 66 s; at 10,000: 1 pass, 0.7 s, the same peak memory).
+from meshtrain.cli import GC_THRESHOLDS  # noqa: E402
+
+gc.set_threshold(*GC_THRESHOLDS)
 
 # train.trackers=wandb runs in W&B's offline mode in every test and every process a test
 # starts (they inherit this environment): no test reaches the network.

@@ -1,7 +1,7 @@
 """Expert parallelism changes where experts run, never what they compute: Mixtral tiny
-trains float32 steps (support.training.STEPS) equal to one device under expert, expert x data x tensor and fsdp
-layouts, dropless and with capacity buffers (which drop per sequence, so a layout never
-changes which tokens drop).
+trains float32 steps (support.training.STEPS) equal to one device under expert, expert x
+data x tensor and fsdp layouts, dropless and with capacity buffers (which drop per
+sequence, so a layout never changes which tokens drop).
 
 Every run here is 16 rows of 32 positions (the tiny config's 32 of 128): still two rows
 a device on 8 devices and 512 tokens routed over 4 experts a step, an eighth of the

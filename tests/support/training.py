@@ -95,6 +95,12 @@ def stepped(exp, n, state=None, step=None):
         yield state, metrics
 
 
+def step_for(exp, steps):
+    """The train step a run of `steps` steps takes: compiled with the analysis options up
+    to ANALYSIS_STEPS, else exp.train_step (None, stepped's default)."""
+    return exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
+
+
 def loss_curve(exp, n, step=None) -> np.ndarray:
     """The loss of each of `n` steps from a fresh initial state (`stepped`)."""
     return np.array([float(m["loss"]) for _, m in stepped(exp, n, step=step)])
@@ -112,8 +118,8 @@ def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
     state = exp.init_state()
     _, grads = _gradients(exp, state.params, exp.put_batch(next(exp.train_batches())))
-    step = exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
-    return np.array([float(metrics["loss"]) for _, metrics in stepped(exp, steps, state, step)]), grads
+    losses = [float(metrics["loss"]) for _, metrics in stepped(exp, steps, state, step_for(exp, steps))]
+    return np.array(losses), grads
 
 
 def trained(cfg, steps=STEPS, devices=None):
@@ -124,8 +130,7 @@ def trained(cfg, steps=STEPS, devices=None):
     assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
     exp = Experiment.build(cfg, devices=devices)
     losses, grads = [], None
-    step = exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
-    for state, metrics in stepped(exp, steps, step=step):
+    for state, metrics in stepped(exp, steps, step=step_for(exp, steps)):
         losses.append(float(metrics["loss"]))
         if grads is None:
             grads = step_1_gradients(exp, state, float(metrics["grad_norm"]))
