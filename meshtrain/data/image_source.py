@@ -20,6 +20,7 @@ reads it or when.
   anything else: a TFDS ArrayRecord dataset (meshtrain/data/image_records.py).
 """
 
+import functools
 import hashlib
 import json
 
@@ -177,7 +178,12 @@ def upscale(images: np.ndarray, size: int) -> np.ndarray:
     return np.einsum("ih,nhw,jw->nij", a, images, a)
 
 
-def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -> ImageSource:
+@functools.lru_cache(maxsize=4)
+def digits_pixels(image_size: int, channels: int) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+    """scikit-learn's digits at `image_size`, read-only and built once per process (0.2
+    CPU-s each, and every experiment on them builds its source): uint8 [1797, size,
+    size, channels] images, int32 [1797] labels, {"train", "test"} indices, and each
+    split's pixel_stats."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -190,6 +196,14 @@ def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -
     images = np.repeat(pixels[..., None], channels, axis=-1)  # grey to every channel
     labels = d.target.astype(np.int32)
     parts = dict(zip(("train", "test"), digits_split(labels)))
+    stats = {name: pixel_stats(images[rows]) for name, rows in parts.items()}
+    for table in (images, labels, *parts.values(), *(a for pair in stats.values() for a in pair)):
+        table.flags.writeable = False
+    return images, labels, parts, stats
+
+
+def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -> ImageSource:
+    images, labels, parts, stats = digits_pixels(image_size, channels)
     split, eval_split = data_cfg.get("split") or "train", data_cfg.get("eval_split") or "test"
     for s in (split, eval_split):
         if s not in parts:
@@ -208,6 +222,6 @@ def make_digits_source(data_cfg, *, image_size: int, channels: int, seed: int) -
         name="digits", num_classes=10, image_size=image_size, channels=channels, seed=seed,
         augment=augment, crop_scale=data_cfg.get("crop_scale", 0.08), splits=[split, eval_split],
         train=train_rows, evals=_Rows(images[parts[eval_split]], labels[parts[eval_split]]),
-        read=read, mean_std=pixel_stats(train_rows.images),
+        read=read, mean_std=stats[split],
         info={"source": "sklearn.datasets.load_digits",
               "mean_std_from": "the training split"})

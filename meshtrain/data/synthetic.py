@@ -16,6 +16,8 @@ Records: window n of a stream is an int32 array of seq_len + 1 tokens, a functio
 of (seed, stream, n) only, so batches do not depend on batch size or process count.
 """
 
+import functools
+
 import grain
 import numpy as np
 
@@ -218,9 +220,21 @@ def _row_entropy(p: np.ndarray) -> np.ndarray:
     return -(p * np.log(safe)).sum(axis=1)
 
 
+@functools.lru_cache(maxsize=4)
+def shared_chain(vocab_size: int, seed: int) -> MarkovChain:
+    """MarkovChain(vocab_size, seed), built once per process and read-only: every
+    experiment of a search, a lint or a notebook builds its source, and the stationary
+    distribution of a large vocabulary is most of an abstract build (GPT-2's 50257
+    symbols 0.2 CPU-s, Llama 3's 128256 0.6)."""
+    chain = MarkovChain(vocab_size, seed)
+    for table in (chain.succ, chain.cum, chain.probs, chain.pi, chain.cum_pi):
+        table.flags.writeable = False
+    return chain
+
+
 def make_synthetic_source(*, vocab_size: int, seq_len: int, seed: int) -> DataSource:
     """A DataSource of Markov-chain windows; train and eval use disjoint streams."""
-    chain = MarkovChain(vocab_size, seed)
+    chain = shared_chain(vocab_size, seed)
     # Window n of a stream is its own draw, so the stream order is the identity.
     ids = grain.MapDataset.range(2**62)
     return DataSource(
