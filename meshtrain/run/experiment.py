@@ -180,6 +180,9 @@ def _model_vocab(m: ml_collections.ConfigDict, source, kind: str) -> int:
 # (measured on GPT-2, Llama and Mixtral tiny; docs/planner.md).
 ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                     "xla_cpu_use_fusion_emitters": False}
+# And a step run this many times at most (`plan --verify`; not `train`, whose resumed runs would
+# differ in last bits): -O1 1.5 CPU-s + 0.11 a step, -O0 0.5 + 0.3 (gpt2_tiny_dp8; docs/testing.md).
+SHORT_RUN_STEPS = 5
 
 
 # The init program runs once. On CPU the analysis options compile it about 2x faster (0.3-0.5
@@ -360,15 +363,12 @@ class Experiment:
 
     def compile(self, analysis: bool = False):
         """AOT-compiles the train step from shapes alone (nothing allocated). `analysis`:
-        a step only read (its HLO, buffers, collectives, FLOPs), never run: on CPU it
-        compiles with analysis_options(), 2-4x faster."""
+        a step only read (its HLO, buffers, collectives, FLOPs) or run SHORT_RUN_STEPS
+        times at most: on CPU it compiles with analysis_options(), 2-4x faster."""
         options = analysis_options() if analysis and self.on_cpu else None
         if isinstance(self.train_step, programs.Programs):
             return self.train_step.compile(self.abstract_state(), self.abstract_batch(), options)
-        lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
-        if analysis and self.on_cpu:
-            return lowered.compile(analysis_options())
-        return lowered.compile()
+        return self.train_step.lower(self.abstract_state(), self.abstract_batch()).compile(options)
 
     def abstract_batch(self):
         """The batch as ShapeDtypeStructs with their shardings, for compiling."""

@@ -159,8 +159,8 @@ def cpu_devices(count: int) -> list:
 class _Run:
     """One side of the comparison: an experiment, its compiled step and its state."""
 
-    def __init__(self, cfg, devices, params, say, what: str):
-        from meshtrain.run.experiment import Experiment
+    def __init__(self, cfg, devices, params, say, what: str, steps: int):
+        from meshtrain.run.experiment import Experiment, SHORT_RUN_STEPS
         self.exp = exp = Experiment.build(cfg, devices=devices)
         state = exp.init_state()
         if params is not None:  # the reference's values, laid out the layout's way
@@ -169,7 +169,7 @@ class _Run:
                                                                           exp.model.pipeline)}
             state = state.replace(params=jax.device_put(params, exp.shardings.params))
         start = time.perf_counter()
-        self.step = exp.compile()
+        self.step = exp.compile(analysis=steps <= SHORT_RUN_STEPS)
         self.compile_s = time.perf_counter() - start
         say(f"verify: compiled {what} in {self.compile_s:.1f}s")
         self.state = state
@@ -247,9 +247,9 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
     ref_cfg = reference(small)
     try:
         say("verify: compiling the one-device reference ...")
-        ref = _Run(ref_cfg, devices[:1], None, say, "the one-device reference")
+        ref = _Run(ref_cfg, devices[:1], None, say, "the one-device reference", steps)
         say(f"verify: compiling the layout's train step on {count} devices ...")
-        sharded = _Run(small, devices, ref.params(), say, "the layout's train step")
+        sharded = _Run(small, devices, ref.params(), say, "the layout's train step", steps)
     except UserError as e:
         raise UserError(f"The shrunk model ({_describe_dims(dims)}) does not fit the layout: {e}") from None
     say(f"verify: running {steps} step(s) on each")

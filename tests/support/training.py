@@ -7,7 +7,7 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.parallel.pipeline import scan as pipeline
-from meshtrain.run.experiment import analysis_options, Experiment, known_options
+from meshtrain.run.experiment import analysis_options, Experiment, known_options, SHORT_RUN_STEPS
 from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
 from support.configs import configured
@@ -19,11 +19,9 @@ from support.configs import configured
 # full lr, 0.02-0.05 in the warm-up's first five, 0.59-0.74 in its first twenty).
 STEPS = 5
 FULL_LR = {"optim.warmup_steps": "0"}
-# A run of this many steps or fewer compiles with the analysis options (LLVM -O0): the
-# compile is 3x faster and each step 2.5x slower, so it pays up to about 7 steps
-# (gpt2_tiny_dp8 and llama_tiny's ring: O1 compile 1.5 / 5.9 CPU-s, a step 0.11 / 0.22;
-# -O0 0.5 / 1.8, a step 0.3 / 0.57; docs/testing.md).
-ANALYSIS_STEPS = 5
+# A run of this many steps or fewer compiles with the analysis options (LLVM -O0), as
+# `plan --verify` does (experiment.SHORT_RUN_STEPS: where it pays, and why not `train`).
+ANALYSIS_STEPS = SHORT_RUN_STEPS
 # The layout comparisons (test_equivalence, test_context, test_llama) train 16 rows a
 # step, not the tiny configs' 32: a step's CPU is in proportion to its rows on this host
 # (gpt2_tiny_dp8 115 -> 61 CPU-ms, llama_tiny's ring 234 -> 120) and the split of each row
