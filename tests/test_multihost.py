@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from meshtrain import mesh as mesh_lib
+from meshtrain.cluster import liveness
 from meshtrain.planner import hlo
 from meshtrain.run.experiment import Experiment
 from meshtrain.train import main
@@ -307,6 +308,9 @@ def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
             "--config.distributed.heartbeat_timeout=4"]
     procs = processes(2, args, tmp_path)
     wait_for(lambda: logged(tmp_path / "p0.txt", 3), what="step 3")
+    # Process 1's finished steps reach process 0 in a beat sent at most PROGRESS_PERIOD after
+    # they change, read within half a period: frozen sooner, it was last heard before any.
+    time.sleep(2 * liveness.PROGRESS_PERIOD)
     procs[1].send_signal(signal.SIGSTOP)
     frozen = time.monotonic()
     try:
