@@ -159,8 +159,8 @@ def cpu_devices(count: int) -> list:
 class _Run:
     """One side of the comparison: an experiment, its compiled step and its state."""
 
-    def __init__(self, cfg, devices, params, say, what: str, steps: int):
-        from meshtrain.run.experiment import Experiment, SHORT_RUN_STEPS
+    def __init__(self, cfg, devices, params, say, what: str, analysis: bool):
+        from meshtrain.run.experiment import Experiment
         self.exp = exp = Experiment.build(cfg, devices=devices)
         state = exp.init_state()
         if params is not None:  # the reference's values, laid out the layout's way
@@ -169,7 +169,7 @@ class _Run:
                                                                           exp.model.pipeline)}
             state = state.replace(params=jax.device_put(params, exp.shardings.params))
         start = time.perf_counter()
-        self.step = exp.compile(analysis=steps <= SHORT_RUN_STEPS)
+        self.step = exp.compile(analysis=analysis)
         self.compile_s = time.perf_counter() - start
         say(f"verify: compiled {what} in {self.compile_s:.1f}s")
         self.state = state
@@ -232,7 +232,7 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
     """Verifies `cfg`'s layout on its mesh against one device; -> the result (`render` prints
     it; result["ok"] is the verdict). The backend must not have started with fewer CPU
     devices than the mesh (the command simulates them first)."""
-    from meshtrain.run.experiment import abstract_mesh, check_config
+    from meshtrain.run.experiment import abstract_mesh, check_config, SHORT_RUN_STEPS
     wall = time.perf_counter()
     shape = mesh_shape(cfg)
     check_config(cfg, abstract_mesh(shape))  # the layout parses and the real model divides
@@ -245,11 +245,12 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
         f"{cfg.layout if cfg.layout == rules else f'{cfg.layout} ({rules})'}")
     say(f"verify: shrunk to {_describe_dims(dims)}; float32, dropout off, synthetic data, no warm-up")
     ref_cfg = reference(small)
+    short = steps <= SHORT_RUN_STEPS  # both compile with the analysis options (experiment.py)
     try:
         say("verify: compiling the one-device reference ...")
-        ref = _Run(ref_cfg, devices[:1], None, say, "the one-device reference", steps)
+        ref = _Run(ref_cfg, devices[:1], None, say, "the one-device reference", short)
         say(f"verify: compiling the layout's train step on {count} devices ...")
-        sharded = _Run(small, devices, ref.params(), say, "the layout's train step", steps)
+        sharded = _Run(small, devices, ref.params(), say, "the layout's train step", short)
     except UserError as e:
         raise UserError(f"The shrunk model ({_describe_dims(dims)}) does not fit the layout: {e}") from None
     say(f"verify: running {steps} step(s) on each")

@@ -19,9 +19,6 @@ from support.configs import configured
 # full lr, 0.02-0.05 in the warm-up's first five, 0.59-0.74 in its first twenty).
 STEPS = 5
 FULL_LR = {"optim.warmup_steps": "0"}
-# A run of this many steps or fewer compiles with the analysis options (LLVM -O0), as
-# `plan --verify` does (experiment.SHORT_RUN_STEPS: where it pays, and why not `train`).
-ANALYSIS_STEPS = SHORT_RUN_STEPS
 # The layout comparisons (test_equivalence, test_context, test_llama) train 16 rows a
 # step, not the tiny configs' 32: a step's CPU is in proportion to its rows on this host
 # (gpt2_tiny_dp8 115 -> 61 CPU-ms, llama_tiny's ring 234 -> 120) and the split of each row
@@ -95,8 +92,9 @@ def stepped(exp, n, state=None, step=None):
 
 def step_for(exp, steps):
     """The train step a run of `steps` steps takes: compiled with the analysis options up
-    to ANALYSIS_STEPS, else exp.train_step (None, stepped's default)."""
-    return exp.compile(analysis=True) if steps <= ANALYSIS_STEPS else None
+    to experiment.SHORT_RUN_STEPS (LLVM -O0, as `plan --verify` does: where it pays, and why
+    not `train`), else exp.train_step (None, stepped's default)."""
+    return exp.compile(analysis=True) if steps <= SHORT_RUN_STEPS else None
 
 
 def loss_curve(exp, n, step=None) -> np.ndarray:
@@ -112,7 +110,7 @@ def loss_and_grads(cfg, devices=None, mesh_shape=None):
 
 def losses_and_grads(cfg, devices=None, mesh_shape=None, steps=STEPS):
     """Loss of each of `steps` steps, and the gradients at step 1 from a plain jax.grad
-    program (_gradients). Up to ANALYSIS_STEPS steps, compiled with the analysis options."""
+    program (_gradients). Up to SHORT_RUN_STEPS steps, compiled with the analysis options."""
     exp = Experiment.build(cfg, devices=devices, mesh_shape=mesh_shape)
     state = exp.init_state()
     _, grads = _gradients(exp, state.params, exp.put_batch(next(exp.train_batches())))
@@ -124,7 +122,7 @@ def trained(cfg, steps=STEPS, devices=None):
     """(loss of each of `steps` steps, step 1's gradients) of `cfg` on its own mesh (or
     `devices`), as losses_and_grads gives them, read off the train step alone: one program
     compiled, not a gradient program beside it (run/verify.py's step_1_gradients, as --verify
-    reads them). Up to ANALYSIS_STEPS steps, compiled with the analysis options."""
+    reads them). Up to SHORT_RUN_STEPS steps, compiled with the analysis options."""
     assert cfg.optim.name == "adamw", "step 1's gradients are read from Adam's first moment"
     exp = Experiment.build(cfg, devices=devices)
     losses, grads = [], None
