@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import ml_collections
@@ -91,6 +92,16 @@ def test_doc_separator_makes_documents(tmp_path):
     train = np.concatenate([ds["train"][k]["tokens"] for k in range(len(ds["train"]))])
     assert (train == 256).sum() == meta["num_documents"]["train"]
     assert b"\n\n" not in bytes(train[train < 256].astype(np.uint8))  # separators dropped
+
+
+def test_prepare_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+    """TFDS's DatasetInfo makes a temporary directory it never removes when it looks for a
+    dataset's published statistics; a written dataset has none to look for."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert _prepare(tmp_path, "--tokenizer=byte", text=CORPUS[:2000]) == 0
+    assert list(scratch.iterdir()) == []
 
 
 def test_bpe_trained_by_prepare(tmp_path):
