@@ -2,7 +2,7 @@
 step and reduces the accumulated gradients once; "each" (XLA left to itself) gathers them
 in every microbatch. What each sends is read from the compiled HLO (hlo.collective_table,
 loop trip counts included); "once" changes no loss. Steps are compiled with the planner's
-analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile), also
+analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile), also
 those run: a few steps of a tiny model, where slower code costs nothing.
 """
 

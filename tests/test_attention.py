@@ -2,7 +2,7 @@
 
 cuDNN cannot run on CPU, so its selection is checked against simulated platforms; XLA's
 attention is compared with jax.nn.dot_product_attention. Those programs run once, so they
-compile with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x
+compile with the planner's analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO, 3x
 faster to compile, slower code).
 """
 
@@ -12,7 +12,8 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.models.attention import Platform, choose
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 
 from support.residuals import saved
 

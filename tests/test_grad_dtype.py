@@ -4,7 +4,7 @@ nothing else.
 Bytes come from the compiled HLO (hlo.collective_table, which counts the CPU's widened
 bfloat16 collectives at 16 bits, as a GPU sends them). The steps, read and then run for a
 few steps of a tiny model, compile with the planner's analysis options
-(experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile, slower code).
+(compile_options.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile, slower code).
 """
 
 import jax

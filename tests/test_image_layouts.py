@@ -4,7 +4,7 @@ data replicas) under data, ZeRO-1, FSDP, channel tensor parallelism and spatial
 partitioning, against the same config on one device, in float32.
 
 Each layout's train step compiles with the planner's analysis options
-(experiment.ANALYSIS_OPTIONS): the same partitioned HLO, collectives included, with
+(compile_options.ANALYSIS_OPTIONS): the same partitioned HLO, collectives included, with
 LLVM's optimisations and XLA:CPU's fusion emitters off. Compiling is most of each test
 (3.3 -> 0.5 s of CPU for VGG tiny under fsdp_tp); the 20 tiny steps run 0.7 s slower."""
 

@@ -22,7 +22,7 @@ from meshtrain.models.hook import UNSHARDED
 from meshtrain.parallel import layouts
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.layouts import VOCABULARY
-from meshtrain.run.experiment import analysis_options
+from meshtrain.run.compile_options import analysis_options
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}
 

@@ -3,7 +3,7 @@ grouped-query attention (also under tensor parallelism), every tiny layout again
 device, and Hugging Face's LlamaForCausalLM as the numerical reference.
 
 The tests' own forward, backward and decoding programs run jitted, one program each rather
-than one per op, compiled with the planner's analysis options (experiment.ANALYSIS_OPTIONS:
+than one per op, compiled with the planner's analysis options (compile_options.ANALYSIS_OPTIONS:
 the same HLO, 3x faster to compile): they run a few times on the tiny model, where slower
 code costs nothing."""
 
@@ -24,7 +24,7 @@ from meshtrain.models.llama import Llama, RopeScaling, inverse_frequencies, num_
 from meshtrain.models.sizes import LLAMA_SIZES
 from meshtrain.parallel import layouts
 from meshtrain.parallel.hook import Constrain
-from meshtrain.run.experiment import analysis_options
+from meshtrain.run.compile_options import analysis_options
 from meshtrain.step.state import abstract_model, param_shardings
 
 from support.training import COMPARED, assert_same_training, losses_and_grads, trained

@@ -4,7 +4,7 @@ table's gradient and the same matmuls, less temp memory, and the config check.
 
 Models are the tiny ones at T = 64 in chunks of 16 (4 chunks), 8 rows on 8 fake devices.
 The programs the tests build are run once or only read, so they compile with the planner's
-analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile)."""
+analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO, 3x faster to compile)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,8 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 from meshtrain.step import loss as loss_lib, train_step as step_lib
 
 T, CHUNK = 64, 16

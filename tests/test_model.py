@@ -1,7 +1,7 @@
 """GPT-2: parameter counts against the closed form, and forward-pass invariants.
 
 The forward and backward passes run jitted, one program each rather than one per op, and
-compiled with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO,
+compiled with the planner's analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO,
 3x faster to compile): they run once on the tiny model, where slower code costs nothing."""
 
 import dataclasses
@@ -17,7 +17,7 @@ from meshtrain import config as config_lib
 from meshtrain.models import model_config
 from meshtrain.models.gpt2 import GPT2, num_params
 from meshtrain.models.sizes import GPT2_SIZES
-from meshtrain.run.experiment import analysis_options
+from meshtrain.run.compile_options import analysis_options
 from meshtrain.step.state import abstract_model
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain import config as config_lib, mesh as mesh_lib
 from meshtrain.parallel import layouts
-from meshtrain.run.experiment import analysis_options
+from meshtrain.run.compile_options import analysis_options
 from meshtrain.step import optim, state as state_lib
 
 # A params tree with logical axes: an embedding, a stacked block (matrix, bias, norm scale),
@@ -55,7 +55,7 @@ def arrays(seed):
 def run(tx, params, grads, shard=None, opt_shard=None):
     """STEPS updates of `params` by `grads` (a list), jitted with the given shardings (None:
     on one device); -> the params after each step. Both programs run a few times on a few
-    KB, so they compile with the planner's analysis options (experiment.ANALYSIS_OPTIONS:
+    KB, so they compile with the planner's analysis options (compile_options.ANALYSIS_OPTIONS:
     the same HLO, 3x faster to compile, slower code)."""
     if shard is None:
         dev = jax.devices()[0]

@@ -11,7 +11,8 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.models.hook import UNSHARDED
 from meshtrain.parallel.pipeline import scan as pipeline
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 from meshtrain.step import train_step as step_lib
 from meshtrain.step.tasks import LanguageModelling
 from support.configs import configured

@@ -3,7 +3,7 @@ unpipelined model (loss and gradients) for S in {1, 2, 4}, r in {1, 2}, with ten
 and FSDP layouts and remat; FSDP weights gathered and gradients reduced once per step.
 
 The programs the tests build are only read (their HLO) or run once on a tiny model, so they
-compile with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO,
+compile with the planner's analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO,
 LLVM's optimisations and XLA:CPU's fusion emitters off, 3x faster to compile)."""
 
 import itertools
@@ -15,7 +15,8 @@ import pytest
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.parallel.pipeline.scan import Pipeline
 from meshtrain.planner import hlo, hlo_flops
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 from meshtrain.step import train_step as step_lib
 
 from support.training import loss_and_grads

@@ -2,7 +2,7 @@
 against the unpipelined model, across layouts, stash modes, keys and checkpoints.
 
 Programs run once or only read compile with the planner's analysis options
-(experiment.ANALYSIS_OPTIONS, as test_pipeline's loss_and_grads does): the same HLO, 3x
+(compile_options.ANALYSIS_OPTIONS, as test_pipeline's loss_and_grads does): the same HLO, 3x
 faster to compile."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from support.training import ROWS, loss_and_grads
 from meshtrain import config as config_lib
 from meshtrain.parallel.pipeline import ticks
 from meshtrain.parallel.pipeline.scan import Pipeline
-from meshtrain.run.experiment import analysis_options, Experiment
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 from meshtrain.step import train_step as step_lib
 from meshtrain.train import main
 

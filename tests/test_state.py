@@ -18,7 +18,7 @@ def test_init_creates_arrays_in_their_shards(make_config):
 
 def test_init_is_deterministic_and_layout_independent(make_config):
     """On CPU a model this small inits from a program compiled with the analysis options
-    (experiment.QUICK_INIT_PARAMS), on one device as on eight."""
+    (compile_options.QUICK_INIT_PARAMS), on one device as on eight."""
     exps = [Experiment.build(make_config(name)) for name in ("gpt2_tiny_dp2_tp4", "gpt2_tiny_dp8")]
     exps.append(Experiment.build(make_config("gpt2_tiny_dp8", **{"mesh.shape": "data:1"}), devices=jax.devices()[:1]))
     assert all(exp._quick_init() for exp in exps)

@@ -258,7 +258,7 @@ def test_a_compile_option_this_jaxlib_lacks_is_left_out_of_the_analysis_compile(
     """JAX 0.11 retired xla_cpu_use_fusion_emitters, and one unknown option fails a whole
     compile ("No such compile option"): known_options keeps the rest, and the analysis
     compile takes only what this jaxlib has."""
-    from meshtrain.run.experiment import ANALYSIS_OPTIONS, analysis_options, known_options
+    from meshtrain.run.compile_options import ANALYSIS_OPTIONS, analysis_options, known_options
     import jax
     asked = {"xla_cpu_no_such_option": False, "xla_backend_optimization_level": 0}
     assert known_options(asked) == {"xla_backend_optimization_level": 0}
@@ -272,11 +272,11 @@ def test_the_planners_fast_compile_flags_leave_out_what_this_jaxlib_lacks(monkey
     """`meshtrain plan` puts the analysis options into XLA_FLAGS before JAX starts; an option
     this jaxlib lacks would abort the process there, so it is parsed first and left out."""
     from meshtrain import planner
-    from meshtrain.run import experiment
+    from meshtrain.run import compile_options
     monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setitem(experiment.ANALYSIS_OPTIONS, "xla_cpu_no_such_option", False)
+    monkeypatch.setitem(compile_options.ANALYSIS_OPTIONS, "xla_cpu_no_such_option", False)
     added = planner.fast_compile()
-    assert added == {k: str(v).lower() for k, v in experiment.ANALYSIS_OPTIONS.items() if k != "xla_cpu_no_such_option"}
+    assert added == {k: str(v).lower() for k, v in compile_options.ANALYSIS_OPTIONS.items() if k != "xla_cpu_no_such_option"}
     flags = os.environ["XLA_FLAGS"]
     assert "--xla_backend_optimization_level=0" in flags and "no_such_option" not in flags
     assert planner.fast_compile() == {}  # set already: nothing parsed or added again

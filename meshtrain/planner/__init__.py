@@ -27,13 +27,13 @@ HLO reader tests/support/sequence_parallel.py.
 
 
 def fast_compile() -> dict[str, str]:
-    """Puts the analysis compile options (experiment.ANALYSIS_OPTIONS: the planner reads the
+    """Puts the analysis compile options (compile_options.ANALYSIS_OPTIONS: the planner reads the
     partitioned HLO, its buffers and collectives, never runs the machine code) into XLA_FLAGS,
     for every compile of this process and the processes it starts, those this jaxlib knows
     and XLA_FLAGS does not set already (xla_flags.add_known: an unknown flag would
     abort the process; JAX 0.11 has no xla_cpu_use_fusion_emitters). For a process that only
     plans (`meshtrain plan`, the notebooks); call before JAX starts its backend; returns the
     flags added. Experiment.compile(analysis=True) uses the same options for one compile."""
-    from meshtrain.run.experiment import ANALYSIS_OPTIONS
+    from meshtrain.run.compile_options import ANALYSIS_OPTIONS
     from meshtrain.xla_flags import add_known
     return add_known({k: str(v).lower() for k, v in ANALYSIS_OPTIONS.items()})

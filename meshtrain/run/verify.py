@@ -232,7 +232,8 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
     """Verifies `cfg`'s layout on its mesh against one device; -> the result (`render` prints
     it; result["ok"] is the verdict). The backend must not have started with fewer CPU
     devices than the mesh (the command simulates them first)."""
-    from meshtrain.run.experiment import abstract_mesh, check_config, SHORT_RUN_STEPS
+    from meshtrain.run.compile_options import SHORT_RUN_STEPS
+    from meshtrain.run.experiment import abstract_mesh, check_config
     wall = time.perf_counter()
     shape = mesh_shape(cfg)
     check_config(cfg, abstract_mesh(shape))  # the layout parses and the real model divides
@@ -245,7 +246,7 @@ def run(name: str, cfg: ml_collections.ConfigDict, steps: int = 3, say: Callable
         f"{cfg.layout if cfg.layout == rules else f'{cfg.layout} ({rules})'}")
     say(f"verify: shrunk to {_describe_dims(dims)}; float32, dropout off, synthetic data, no warm-up")
     ref_cfg = reference(small)
-    short = steps <= SHORT_RUN_STEPS  # both compile with the analysis options (experiment.py)
+    short = steps <= SHORT_RUN_STEPS  # both compile with the analysis options (compile_options.py)
     try:
         say("verify: compiling the one-device reference ...")
         ref = _Run(ref_cfg, devices[:1], None, say, "the one-device reference", short)

@@ -7,7 +7,8 @@ import pytest
 
 from meshtrain import config as config_lib, tree_paths
 from meshtrain.checkpoints import init_from, reading
-from meshtrain.run.experiment import Experiment, analysis_options
+from meshtrain.run.compile_options import analysis_options
+from meshtrain.run.experiment import Experiment
 from meshtrain.step import state as state_lib
 from support import hf_models
 

@@ -7,7 +7,8 @@ import pytest
 
 from meshtrain.errors import UserError
 from meshtrain.parallel.pipeline import scan as pipeline
-from meshtrain.run.experiment import analysis_options, Experiment, known_options, SHORT_RUN_STEPS
+from meshtrain.run.compile_options import analysis_options, known_options, SHORT_RUN_STEPS
+from meshtrain.run.experiment import Experiment
 from meshtrain.run.verify import step_1_gradients
 from meshtrain.step import train_step as step_lib
 from support.configs import configured
@@ -65,7 +66,7 @@ def assert_refused(name: str, overrides: dict, words: list[str]) -> None:
 def _gradients(exp, params, batch) -> tuple[float, dict]:
     """(loss, gradients) of `batch` by a plain jax.grad program, on the host; a pipelined
     model's gradients put back in model layer order. The program runs once, so it compiles
-    with the planner's analysis options (experiment.ANALYSIS_OPTIONS: the same HLO, 3x
+    with the planner's analysis options (compile_options.ANALYSIS_OPTIONS: the same HLO, 3x
     faster to compile, slower code)."""
     objective = step_lib.make_objective(exp.model, exp.layout, exp.mesh)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: objective(p, {}, b, None)[0]),
@@ -92,7 +93,7 @@ def stepped(exp, n, state=None, step=None):
 
 def step_for(exp, steps):
     """The train step a run of `steps` steps takes: compiled with the analysis options up
-    to experiment.SHORT_RUN_STEPS (LLVM -O0, as `plan --verify` does: where it pays, and why
+    to compile_options.SHORT_RUN_STEPS (LLVM -O0, as `plan --verify` does: where it pays, and why
     not `train`), else exp.train_step (None, stepped's default)."""
     return exp.compile(analysis=True) if steps <= SHORT_RUN_STEPS else None
 
