@@ -199,6 +199,20 @@ def test_parallelism_lives_in_one_room_above_the_models():
     assert not outside, f"parallelism outside meshtrain/parallel/: {outside}"
 
 
+PLANNER_LINES = 4_000
+
+
+def test_the_planner_stays_within_its_line_budget():
+    """The planner writes each fact once (issue 54 took it from 4,560 lines, and verify and
+    the memory probe out of it, to under 4,000): a formula written twice, or a docstring
+    copied from docs/planner.md, shows here first."""
+    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / "planner").glob("*.py"))
+    assert lines <= PLANNER_LINES, (
+        f"meshtrain/planner/*.py is {lines:,} lines, over its {PLANNER_LINES:,}: ask an existing "
+        f"formula (planner/analytic.py, bounds.py) before writing one, and point to docs/ "
+        f"instead of repeating it")
+
+
 def test_models_own_no_mesh():
     """The models receive the hook (models/hook.py), whose implementation on a mesh is
     parallel/hook.py: no model file imports jax.sharding, calls shard_map itself, or

@@ -222,7 +222,7 @@ def pipeline_activations(exp, hw=None, dtype: str | None = None):
     stream = mb * t * embed_dim(m) * jnp.dtype(cfg.dtype).itemsize / pieces  # one [mb, T, D]
     vocab, vocab_axes = split_over(exp.layout, exp.mesh.shape, "vocab")
     # 1F1B's loss head runs on every tick, its vocabulary split over stage too where it
-    # divides (pipeline_1f1b.head_layout)
+    # divides (schedule_1f1b.head_layout)
     over_stage = "stage" not in vocab_axes and cfg.padded_vocab_size % (vocab * pipe.stages) == 0
     head_vocab = vocab * (pipe.stages if over_stage else 1)
     no_scores = dataclasses.replace(cfg, attention="cudnn")  # W reads no attention probabilities

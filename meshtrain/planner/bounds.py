@@ -188,7 +188,7 @@ def _gradients(exp, add) -> None:
         elif gather and m.pipeline is not None and not leaf.stacked:
             # the embedding and head under a pipeline (split over stage, fsdp): run once per
             # accumulation microbatch outside the ticks; backward reuses the forward's gather.
-            # 1F1B's head splits vocab over stage as stored (pipeline_1f1b.head_layout).
+            # 1F1B's head splits vocab over stage as stored (schedule_1f1b.head_layout).
             if m.pipeline.one_f_one_b and leaf.axes == ("embed", "vocab"):
                 gather = [a for a in gather if a != "stage"]
             if not gather:

@@ -1,38 +1,15 @@
 """Activation memory of a pipelined step per schedule, by the formulas: the pipeline part
 of planner/analytic.py's `activations`, from numbers analytic works out.
 
-Per device, with S stages, M microbatches, v chunks per stage (pipeline.repeats: 1 for
-gpipe and 1f1b), a chunk of L/(v S) layers, an *item* = one microbatch through one chunk,
-R(n) = the bytes one layer keeps for its backward pass for n rows at model.remat
-(Family.layer_activation_bytes) and X = one [mb, T, D] activation in the compute dtype:
-
-    gpipe, circular     autodiff through the forward ticks keeps every item of the stage:
-                        L/S x R(M mb)                       (all M microbatches)
-    1f1b, interleaved   stage s keeps K_s items between their forward and backward slots
-                        (pipeline_ticks.in_flight), in a stash of v x K slots
-                        (K = pipeline_ticks.stash_slots); and the embedded microbatches
-                        the loop reads, [M, mb, T, D], with their gradient:
-      stash=inputs        v K X + L/(v S) x R(mb) + 4 X + 2 M X   (chunk inputs; one item's
-                                                            residuals, recomputed; the send
-                                                            buffers; the inputs and gradient)
-      stash=residuals     v K x L/(v S) x R(mb) + 4 X + 2 M X
-    zb                  as 1f1b, and W's stash: each item's weight-gradient inputs from its
-                        B to its W, K_w = S items (pipeline_ticks.weight_stash_slots) of
-                        L/(v S) x R_W(mb), R_W = R at remat none less the attention
-                        probabilities (every matmul's input and its output's cotangent)
-    every schedule      + one layer's full activations of one microbatch when model.remat
-                          recomputes (the backward redoes one layer at a time)
-                        + the loss head: gpipe/circular run it after the pipeline on the
-                          device's rows with the vocabulary split as the layout says;
-                          1f1b/interleaved on each tick on one microbatch with the
-                          vocabulary split over stage too where the padded vocabulary
-                          divides (pipeline_1f1b.head_layout; analytic computes both)
-
-K_0 = min(M, 2S - 1) for 1f1b, not the textbook S - s: the stages run in lockstep
-(docs/planner.md, "Pipeline schedules", derives it and names what the formula leaves out:
-gpipe's own loop buffers). The bubble is (S-1)/(v M + S - 1) for every schedule but zb's
-2 (S-1)/(3 v M + 2 (S-1)) (Pipeline.bubble); stash=inputs runs 4/3 of the layers' FLOPs
-(LAYER_FLOPS).
+Per device, with S stages, M microbatches, v chunks per stage, an *item* = one microbatch
+through one chunk of L/(v S) layers, R(n) = the bytes one layer keeps for its backward pass
+for n rows at model.remat and X = one [mb, T, D] activation in the compute dtype: gpipe and
+circular keep every item, L/S x R(M mb); 1f1b and interleaved K_s items of stage s
+(pipeline_ticks.in_flight) in v K slots (pipeline_ticks.stash_slots), as chunk inputs
+(v K X, one item's residuals recomputed) or residuals (v K x L/(v S) x R(mb)), plus
+4 X of send buffers and 2 M X of embedded microbatches and their gradient; zb adds W's
+stash, S items of L/(v S) x R_W(mb) (pipeline_ticks.weight_stash_slots). The table, the
+loss head's share and why K_0 is min(M, 2S - 1): docs/planner.md, "Pipeline schedules".
 """
 
 from __future__ import annotations
