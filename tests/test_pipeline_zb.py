@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from support.configs import configured as config
+from meshtrain.models import family_of
 from meshtrain.models.stack import layer_maker
 from meshtrain.parallel.hook import Constrain
 from meshtrain.parallel.pipeline import split_backward, ticks
@@ -93,18 +94,22 @@ WIDE = {"model.embed_dim": 256, "model.mlp_dim": 1024, "model.seq_len": 32, "pip
         "train.batch_size": 32, "pipeline.stash": "residuals"}  # matmuls wide enough to be the step's
 
 
-@pytest.fixture(scope="module")
-def gpt2_layer():
-    """One GPT-2 block of the WIDE config: layer(w, k, x) as the tick loop splits it, its
-    weights, and an input [2, T, D]."""
-    exp = Experiment.build(config("gpt2_tiny_dp8", **{k: v for k, v in WIDE.items() if k.startswith("model.")}),
-                           devices=jax.devices()[:1], mesh_shape="data:1")
+def one_layer(name: str, **overrides):
+    """One block of config `name` on one device: (its model config, layer(w, k, x) as the
+    tick loop splits it, its weights, an input [2, T, D])."""
+    exp = Experiment.build(config(name, **overrides), devices=jax.devices()[:1], mesh_shape="data:1")
     bound = exp.model.bind(exp.init_state().params)
     make_layer, stacked = layer_maker(getattr(bound, exp.model.stacked), "none")
     layer = make_layer(Constrain(exp.layout.without("data"), exp.mesh))
     ws = jax.tree.map(lambda a: a[:1], stacked)
-    x = jax.random.normal(jax.random.key(0), (2, 32, 256))
-    return (lambda w, k, x: layer(x, w, k)), ws, x
+    x = jax.random.normal(jax.random.key(0), (2, exp.model.cfg.seq_len, exp.model.cfg.embed_dim))
+    return exp.model.cfg, (lambda w, k, x: layer(x, w, k)), ws, x
+
+
+@pytest.fixture(scope="module")
+def gpt2_layer():
+    """One GPT-2 block of the WIDE config (model config, layer, weights, input)."""
+    return one_layer("gpt2_tiny_dp8", **{k: v for k, v in WIDE.items() if k.startswith("model.")})
 
 
 def dot_shapes(jaxpr) -> list[tuple]:
@@ -123,7 +128,7 @@ def dot_shapes(jaxpr) -> list[tuple]:
 def test_a_gpt2_layer_splits_into_b_without_weight_dots_and_w(gpt2_layer):
     """B and W of one block have the fused pullback's matmul FLOPs (within 1%); W is the four
     weight matrices' gradients, 2 x tokens x their size, and B holds none of them."""
-    layer, ws, x = gpt2_layer
+    _, layer, ws, x = gpt2_layer
     split = split_backward.LayerSplit(layer, ws, None, x)
     _, res = split.forward(ws, None, x)
     g = jnp.ones_like(x)
@@ -150,6 +155,19 @@ def test_a_gpt2_layer_splits_into_b_without_weight_dots_and_w(gpt2_layer):
     in_w = {"/".join(str(k.key) for k in path) for (path, _), b in
             zip(jax.tree_util.tree_flatten_with_path(ws)[0], split.in_b) if not b}
     assert in_w == {"attn/w_qkv", "attn/w_out", "mlp/w_fc", "mlp/w_proj"}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_w_stash_holds_what_the_familys_formula_counts(name, gpt2_layer):
+    """What B hands W for one layer (the traced split's kept values) is the family's
+    weight_input_bytes to the byte: GPT-2's 8D + 2F a token, Llama's 6D + 3F + 2KE (the
+    planner's zb weight stash; a family the zb schedule can run must give one to register)."""
+    cfg, layer, ws, x = gpt2_layer if name == "gpt2" else one_layer("llama_tiny_fsdp8", **{"model.seq_len": 32})
+    split = split_backward.LayerSplit(layer, ws, None, x)
+    _, res = split.forward(ws, None, x)
+    kept = jax.eval_shape(lambda res, g: split.input_grads(ws, res, g)[2], res, jnp.ones_like(x))
+    traced = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kept))
+    assert traced == family_of(cfg).weight_input_bytes(cfg, x.shape[0] * x.shape[1], 1)
 
 
 def test_a_step_runs_s_minus_1_fewer_w_than_1f1b():

@@ -42,6 +42,10 @@ A family gives:
               each keyword is passed only when above 1 (and `expert`, the devices a mixture
               of experts' `experts` is split over, only to a family with experts): the
               planner's analytic activation memory (meshtrain/planner/analytic.py)
+  weight_input_bytes  with embed_tokens and head: (cfg, tokens, tensor) -> bytes one layer's
+              weight-gradient pass reads, its weight matrices' inputs and their outputs'
+              cotangents, what the zb schedule keeps from an item's B to its W
+              (planner/pipeline_memory.py)
   num_params  the closed-form parameter count (unpadded vocabulary)
   active_params  optional: the parameters one token passes through, where fewer than
               num_params (a mixture of experts routes each token through k of X experts);
@@ -155,6 +159,7 @@ class Family:
     flops_per_example: Callable[[Any], float] | None = None
     check: Callable[[Any], None] | None = None
     layer_activation_bytes: Callable[..., float] | None = None
+    weight_input_bytes: Callable[..., float] | None = None
     convs: Callable[[Any], list] | None = None
     active_params: Callable[[Any], int] | None = None
     pipelines: bool = True
@@ -203,6 +208,9 @@ def register(family: Family) -> Family:
         for size, dims in family.sizes.items():
             if field not in dims:
                 raise ValueError(f"model family {family.name!r}: size {size!r} has no {field!r}")
+    if family.pipelines and implements(family.module, PipelineEnds) and family.weight_input_bytes is None:
+        raise ValueError(f"model family {family.name!r} runs under the zb schedule (embed_tokens and head) "
+                         f"but gives no weight_input_bytes, its W stash's bytes")
     _FAMILIES[family.name] = family
     return family
 

@@ -277,6 +277,18 @@ def layer_activation_bytes(cfg: GPT2Config, tokens: int, tensor: int, remat: str
                                      split=split, scores=scores, tensor=tensor, sp=sp)
 
 
+def weight_input_bytes(cfg: GPT2Config, tokens: int, tensor: int) -> float:
+    """Bytes one block's weight gradients read (per-token elements, compute dtype): the
+    inputs of the four matrices, the two LayerNorms' outputs whole (2 D), the attention
+    output and the MLP hidden after GELU split (D + F), and the cotangents of their
+    outputs, the two projections' on the stream (2 D), q, k, v's and the MLP hidden's
+    before GELU split (3 D + F): 8 D + 2 F. The biases' and the norms' gradients need no
+    matmul and are made in B (parallel/pipeline/split_backward.py)."""
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, stream=2 * d, whole=2 * d,
+                                     split=4 * d + 2 * f, scores=0, tensor=tensor)
+
+
 def tagged_elements(cfg: GPT2Config) -> dict[str, tuple[float, float]]:
     """Per token, each tagged activation's elements (whole, split over tensor): the qkv
     projection [3, H, E] and the MLP's first matmul [F] split by heads and mlp, the two
@@ -299,7 +311,8 @@ def _check(cfg: GPT2Config) -> None:
 
 FAMILY = family.register(family.Family(
     name="gpt2", config=GPT2Config, module=GPT2, sizes=sizes.GPT2_SIZES,
-    activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
+    activations=activations, layer_activation_bytes=layer_activation_bytes,
+    weight_input_bytes=weight_input_bytes, num_params=num_params,
     flops_per_token=flops_per_token, tagged_elements=tagged_elements,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "head_dim": "model.embed_dim / model.num_heads", "mlp": "model.mlp_dim"},

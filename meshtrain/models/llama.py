@@ -311,6 +311,18 @@ def layer_activation_bytes(cfg: LlamaConfig, tokens: int, tensor: int, remat: st
                                      split=split, scores=scores, tensor=tensor, sp=sp)
 
 
+def weight_input_bytes(cfg: LlamaConfig, tokens: int, tensor: int) -> float:
+    """Bytes one block's weight gradients read (per-token elements, compute dtype): the
+    inputs of its seven matrices, the two RMSNorms' outputs whole (2 D; q, k and v share
+    one, gate and up the other), the attention output and the SwiGLU product split
+    (D + F), and the cotangents of their outputs, the two projections' on the stream
+    (2 D), q's, gate's and up's split (D + 2 F), k's and v's at the kv heads, whole as
+    save_dots keeps them (2 K E): 6 D + 3 F + 2 K E."""
+    d, f, kv = cfg.embed_dim, cfg.mlp_dim, cfg.num_kv_heads * cfg.head_dim
+    return family.korthikanti_bytes(tokens, jnp.dtype(cfg.dtype).itemsize, stream=2 * d, whole=2 * d + 2 * kv,
+                                     split=2 * d + 3 * f, scores=0, tensor=tensor)
+
+
 def flops_per_token(cfg: LlamaConfig) -> float:
     """Training FLOPs per token: 6 N_matmul + 6 L D T (llm.c's accounting for attention).
 
@@ -371,7 +383,8 @@ def tagged_elements(cfg: LlamaConfig) -> dict[str, tuple[float, float]]:
 
 FAMILY = family.register(family.Family(
     name="llama", config=LlamaConfig, module=Llama, sizes=sizes.LLAMA_SIZES,
-    activations=activations, layer_activation_bytes=layer_activation_bytes, num_params=num_params,
+    activations=activations, layer_activation_bytes=layer_activation_bytes,
+    weight_input_bytes=weight_input_bytes, num_params=num_params,
     flops_per_token=flops_per_token, tagged_elements=tagged_elements,
     size_keys={"length": "model.seq_len", "embed": "model.embed_dim", "heads": "model.num_heads",
                "kv_heads": "model.num_kv_heads", "head_dim": "model.embed_dim / model.num_heads",

@@ -225,11 +225,11 @@ def pipeline_activations(exp, hw=None, dtype: str | None = None):
     # divides (schedule_1f1b.head_layout)
     over_stage = "stage" not in vocab_axes and cfg.padded_vocab_size % (vocab * pipe.stages) == 0
     head_vocab = vocab * (pipe.stages if over_stage else 1)
-    no_scores = dataclasses.replace(cfg, attention="cudnn")  # W reads no attention probabilities
+    w_reads = m.family.weight_input_bytes
     return pipeline_memory.account(
         pipe, cfg.num_layers, lambda rows: per_layer(cfg, rows * t, b["tensor"], cfg.remat), recompute, mb,
         stream, _head(exp, cfg, b["rows"], vocab), _head(exp, cfg, mb, head_vocab),
-        weight_inputs=lambda rows: per_layer(no_scores, rows * t, b["tensor"], "none"))
+        weight_inputs=w_reads and (lambda rows: w_reads(cfg, rows * t, b["tensor"])))
 
 
 def activation_traffic(exp, hw=None) -> float | None:
