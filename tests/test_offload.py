@@ -32,12 +32,14 @@ STEPS = 5
 MIB = 2**20
 HOST = "pinned_host"
 # (config, train.offload) pairs, each trained beside the same config without offload.
-CASES = [("gpt2_tiny_dp8", "opt_state"), ("gpt2_tiny_dp8", "params"), ("gpt2_tiny_fsdp8", "opt_state,params"),
+CASES = [("gpt2_tiny_dp8", "opt_state"), ("gpt2_tiny_dp8", "params"), ("gpt2_tiny_fsdp8:clip", "opt_state,params"),
          ("llama_tiny_fsdp8", "opt_state,params"), ("gpt2_tiny_pp2_dp4", "opt_state"),
          ("gpt2_tiny_dp8:accum", "opt_state,params"), ("gpt2_tiny_dp8:lamb", "opt_state,params")]
-# A case's name: a config, and after ":" a variant of it: two microbatches a step, or LAMB
-# (whose per-layer trust ratio the streamed update sees one layer at a time).
-VARIANTS = {"accum": {"train.grad_accum_steps": "2"}, "lamb": {"optim.name": "lamb"}}
+# A case's name: a config, and after ":" a variant of it: two microbatches a step, LAMB
+# (whose per-layer trust ratio the streamed update sees one layer at a time), or a gradient
+# clip that acts on every step (the norms are 0.8-1.1; the streamed update clips each layer
+# by the whole step's norm).
+VARIANTS = {"accum": {"train.grad_accum_steps": "2"}, "lamb": {"optim.name": "lamb"}, "clip": {"optim.grad_clip": "0.5"}}
 
 
 def build(name, offload="", **overrides):

@@ -184,6 +184,23 @@ def test_sgd_is_pytorch_sgd_with_coupled_decay():
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=RTOL, atol=RTOL), got[step], p)
 
 
+def test_the_clip_takes_the_norm_it_is_given_and_is_optaxs_without_one():
+    """The step passes the norm it logs, so a streamed update (one layer at a time) clips by
+    the whole step's norm; without one the clip is optax's, bit for bit, state and all."""
+    grads = arrays(1)
+    ours, theirs = optim.clip_by_global_norm(0.5), optax.clip_by_global_norm(0.5)
+    state = ours.init(grads)
+    assert jax.tree.structure(state) == jax.tree.structure(theirs.init(grads))  # checkpoints unchanged
+    want, _ = theirs.update(grads, theirs.init(grads))
+    got, _ = ours.update(grads, state)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    one_layer = {"w": grads["blocks"]["w"]}  # its own norm is not the step's
+    got, _ = ours.update(one_layer, state, global_norm=jnp.float32(2.0))
+    np.testing.assert_array_equal(got["w"], grads["blocks"]["w"] / np.float32(2.0) * np.float32(0.5))
+    got, _ = ours.update(one_layer, state, global_norm=jnp.float32(0.25))  # under the clip: untouched
+    np.testing.assert_array_equal(got["w"], grads["blocks"]["w"])
+
+
 def test_decay_mask_by_logical_role():
     """Matrices, embeddings and conv kernels are decayed; biases and norm scales are not,
     stacked or not (the layers/stage axes do not count)."""

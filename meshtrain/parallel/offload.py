@@ -230,22 +230,19 @@ def _stacked_squares(leaves: list, shardings: list, streamed: bool) -> list:
 
 
 def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, *, stacked: str,
-                    offload: Offload, clip: float, norm: jax.Array, good: jax.Array | None):
+                    offload: Offload, norm: jax.Array, good: jax.Array | None):
     """-> (params, opt_state) after `tx`'s update, with only about one layer's parameters,
     gradients and optimizer state on the device at a time: the stacked layers' leaves one
     layer at a time in a scan (each slice fetched, updated, and put back where it is
     stored), the rest fetched whole. `tx` is elementwise per leaf but for its gradient
-    clip, applied first here from the global `norm` as optax's clip_by_global_norm does
-    (the clip inside `tx` then sees partial norms below `clip` and does nothing); per-layer
+    clip, which takes the whole step's `norm` (optim.clip_by_global_norm); per-layer
     trust ratios (LARS, LAMB) see one layer as they would see its slice. `good`: keep the
     old values where False (train.nonfinite=skip)."""
     pmarks = _param_marks(params, stacked)
     omarks = optax.tree_map_params(tx, lambda _, m: m, opt_state, pmarks, transform_non_params=lambda _: _OTHER)
 
     def update(g, o, p):
-        if clip:
-            g = jax.tree.map(lambda x: jnp.where(norm < clip, x, x / norm * clip), g)
-        updates, new_o = tx.update(g, o, p)
+        updates, new_o = tx.update(g, o, p, global_norm=norm)
         new_p = optax.apply_updates(p, updates)
         if good is not None:
             new_p, new_o = jax.tree.map(lambda old, new: jnp.where(good, new, old), (p, o), (new_p, new_o))

@@ -258,8 +258,7 @@ class Experiment:
                     batch_shardings=batch_sharding)
         train_step = (rounds.make_rounds(model, inner_tx, schedule, layout, mesh, shardings, plan.params, dil,
                                          **same) if dil else step_lib.make_train_step(model, tx, schedule, layout, mesh, shardings, grad_shardings,
-                                                           reduction=reduction, offload=offload,
-                                                           grad_clip=cfg.optim.grad_clip, **same))
+                                                           reduction=reduction, offload=offload, **same))
         eval_step = step_lib.make_eval_step(model, layout, mesh, shardings.params, t.loss_chunk,
                                             task, shardings.stats, batch_sharding, offload)
         return cls(cfg, mesh, layout, model, tx, schedule, shardings, grad_shardings, source,

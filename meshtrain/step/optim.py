@@ -218,6 +218,23 @@ def _transform(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree,
                        optax.scale_by_learning_rate(lr))
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm, taking the norm as `update(..., global_norm=n)` where the
+    caller has it: the train step passes the norm it logs (one sum of squares a leaf,
+    train_step.norm_and_nonfinite), so an update that sees one layer at a time
+    (offload.streamed_update) clips exactly as the whole step does, and the norm is not
+    summed twice. Two sums of the same squares in different orders differ in the last bit,
+    which put the two updates 1 ulp apart whenever the clip acted. Without `global_norm`
+    (DiLoCo's per-replica inner steps) it is optax's. Its state is optax's (EmptyState):
+    checkpoints do not change."""
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        keep = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree,
          freeze_variance_at: int | None = None) -> optax.GradientTransformation:
     """optim.name following the `lr` schedule (see `schedule`), after clipping the global
@@ -227,6 +244,6 @@ def make(o: ml_collections.ConfigDict, lr: optax.Schedule, axes_tree,
     check_config(o)
     parts = []
     if o.grad_clip and o.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(o.grad_clip))
+        parts.append(clip_by_global_norm(o.grad_clip))
     parts.append(_transform(o, lr, axes_tree, freeze_variance_at))
     return optax.chain(*parts)

@@ -262,8 +262,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     layout: Layout, mesh: Mesh, shardings: TrainState, grad_shardings, *,
                     grad_accum_steps: int = 1, nonfinite: str = "crash", loss_chunk: int = 0,
                     reduction: grad_reduce.Reduction = grad_reduce.Reduction(), task: tasks.Task | None = None,
-                    batch_shardings=None, offload: offload_lib.Offload = offload_lib.Offload(),
-                    grad_clip: float = 0.0) -> Callable:
+                    batch_shardings=None, offload: offload_lib.Offload = offload_lib.Offload()) -> Callable:
     """Returns the jitted step. The keywords are the train.* keys of the same names
     (experiment.py passes them); `reduction` is train.grad_dtype's and train.accum_gather's
     (grad_reduce.Reduction.of, "auto" decided before).
@@ -287,8 +286,9 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     `batch_shardings` defaults to token rows' (batch_sharding); train.compress_momentum's
     warm-up is a program of its own (programs.Phased). `offload`: what
     train.offload keeps in host memory (`shardings` say so too: parallel/offload.py); the
-    update then streams the stacked layers one at a time (offload.streamed_update, which
-    applies optim.grad_clip = `grad_clip` itself) and the output shardings put it back.
+    update then streams the stacked layers one at a time (offload.streamed_update) and the
+    output shardings put it back. `tx`'s gradient clip (optim.clip_by_global_norm) is given
+    the norm the metrics log, on every path.
     """
     task = tasks.for_family(model.task) if task is None else task
     batches = batch_sharding(layout, mesh) if batch_shardings is None else batch_shardings
@@ -316,11 +316,11 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
             if streams:  # the stacked layers' update one layer at a time, from and to host memory
                 params, opt_state = offload_lib.streamed_update(
                     tx, grads, state.opt_state, state.params, stacked=model.stacked, offload=offload,
-                    clip=grad_clip, norm=grad_norm, good=good)
+                    norm=grad_norm, good=good)
             else:  # offloaded optimizer state (a pipeline's, or a model's without a layer stack) fetched
                 # whole; params offload always streams (offload.check_model refuses it elsewhere)
                 old = (state.params, offload_lib.fetch(state.opt_state) if offload.opt_state else state.opt_state)
-                updates, opt_state = tx.update(grads, old[1], old[0])
+                updates, opt_state = tx.update(grads, old[1], old[0], global_norm=grad_norm)
                 params = optax.apply_updates(old[0], updates)
                 if good is not None:
                     params, opt_state = jax.tree.map(lambda o, new: jnp.where(good, new, o), old, (params, opt_state))
