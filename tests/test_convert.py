@@ -93,15 +93,37 @@ def test_the_tokenizer_follows_the_model(tmp_path):
     assert theirs("hello mesh", add_special_tokens=False)["input_ids"] == tok.encode("hello mesh").tolist()
 
 
-def test_a_tiktoken_tokenizer_model_is_read_offline(tmp_path):
+TIKTOKEN_RANKS = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the"]
+
+
+def tiktoken_tokenizer(directory):
+    """Meta's tokenizer.model format (a "base64 rank" line a token), a tiny vocabulary."""
     import base64
-    ranks = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the"]
-    (tmp_path / "tokenizer.model").write_text(
-        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    (directory / "tokenizer.model").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(TIKTOKEN_RANKS)))
     from meshtrain.data.tokenizers import make_tokenizer
-    tok = make_tokenizer(f"hf:{tmp_path}")
-    assert tok.vocab_size == len(ranks) + 256 and tok.eot_id == len(ranks) + 1  # <|end_of_text|>
+    return make_tokenizer(f"hf:{directory}")
+
+
+def test_a_tiktoken_tokenizer_model_is_read_offline(tmp_path):
+    tok = tiktoken_tokenizer(tmp_path)
+    assert tok.vocab_size == len(TIKTOKEN_RANKS) + 256 and tok.eot_id == len(TIKTOKEN_RANKS) + 1  # <|end_of_text|>
     assert tok.decode(tok.encode("the theme")) == "the theme"
+
+
+def test_a_llama_3_converted_from_its_tokenizer_model_sees_begin_of_text_first_in_a_prompt(tmp_path):
+    """A checkpoint converted with Meta's tokenizer.model (no tokenizer.json, so no
+    post-processor) encodes prompts with <|begin_of_text|> first, as Meta's reference
+    (bos=True) and the tokenizer.json transformers converts it to do; a run from scratch
+    with the same tokenizer (prompt_special_tokens false) does not."""
+    from meshtrain import sample
+    from meshtrain.sampling import sources
+    tok = tiktoken_tokenizer(tmp_path)
+    bos = len(TIKTOKEN_RANKS)  # Llama 3's first special token
+    plain = tok.encode("the theme").tolist()
+    assert sample.encode_prompt("the theme", sources.prompt_tokenizer(tok, True), 1024) == [bos, *plain]
+    assert sample.encode_prompt("", sources.prompt_tokenizer(tok, True), 1024) == [bos]
+    assert sample.encode_prompt("the theme", sources.prompt_tokenizer(tok, False), 1024) == plain
 
 
 # --- errors: one paragraph naming what is wrong and what is supported ------------------

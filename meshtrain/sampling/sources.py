@@ -198,10 +198,11 @@ def checkpoint_tokenizer(src):
 
 
 def prompt_tokenizer(tok, special_tokens: bool):
-    """`tok`, encoding prompts with its post-processor's special tokens where the checkpoint
-    says so (init_from.prompt_special_tokens) and it has a post-processor (a tokenizer.json)."""
-    from meshtrain.data.hf_tokenizer import HFTokenizer
-    return PromptTokenizer(tok) if special_tokens and isinstance(tok, HFTokenizer) else tok
+    """`tok`, encoding prompts with the special tokens its model was trained to see first
+    where the checkpoint says so (init_from.prompt_special_tokens): a tokenizer.json's
+    post-processor's, or Llama 3's BOS for Meta's tokenizer.model."""
+    from meshtrain.data.hf_tokenizer import HFTokenizer, TiktokenTokenizer
+    return PromptTokenizer(tok) if special_tokens and isinstance(tok, (HFTokenizer, TiktokenTokenizer)) else tok
 
 
 def step_meta(where: pathlib.Path) -> dict:
@@ -212,7 +213,8 @@ def step_meta(where: pathlib.Path) -> dict:
 class PromptTokenizer:
     """A Hugging Face model's tokenizer.json that encodes with the special tokens its
     post-processor adds (Llama's BOS first; none for GPT-2), as transformers'
-    `tokenizer(text)` does: the model was trained on text that starts so. Training data
+    `tokenizer(text)` does, or Meta's Llama 3 tokenizer.model with <|begin_of_text|> first:
+    the model was trained on text that starts so. Training data
     is tokenized without them (docs/huggingface.md), but a run trained from such a model
     samples so too (init_from.prompt_special_tokens); everything else is the tokenizer's."""
 
@@ -224,7 +226,12 @@ class PromptTokenizer:
 
     def encode(self, text: str):
         import numpy as np
-        return np.asarray(self.tok.hf.encode(text, add_special_tokens=True).ids, np.int32)
+        if hasattr(self.tok, "hf"):
+            return np.asarray(self.tok.hf.encode(text, add_special_tokens=True).ids, np.int32)
+        # Meta's tokenizer.model has no post-processor: its reference encodes a completion's
+        # prompt with bos=True, and the tokenizer.json transformers converts it to prepends
+        # <|begin_of_text|> (a TemplateProcessing), so the model has always seen it first.
+        return np.concatenate([[self.tok.special["<|begin_of_text|>"]], self.tok.encode(text)]).astype(np.int32)
 
 
 def check_source(flags: dict) -> None:
