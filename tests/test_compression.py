@@ -3,6 +3,7 @@ bytes over the compressed axis against a float32 reduction, the feedback buffers
 bookkeeping, training close to the float32 reduction, an exact resume with the buffers
 in the checkpoint, and what cannot compress refused with the fix."""
 
+import re
 import types
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel import compression
+from meshtrain.parallel import compression, grad_reduce
 from meshtrain.planner import analytic, bounds, hlo, roofline
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
@@ -28,11 +29,14 @@ def build(kind="none", name="gpt2_tiny_dp8", **overrides):
 
 def data_bytes(exp) -> tuple[dict, object]:
     """({"all": bytes each device sends over `data` per step, "across": those of groups that
-    cross the two nodes}, the compiled step)."""
+    cross the two nodes, "phases": those of their all-to-alls and all-gathers (the
+    compressed phases, without the loss's 4-byte all-reduce)}, the compiled step)."""
     compiled = exp.compile(analysis=True)
     rows = [r for r in hlo.collective_table(compiled, exp.mesh, roofline.node_of_position(exp.mesh, 8, exp.dcn))
             if r["mesh_axes"] == ("data",)]
-    return {"all": sum(r["bytes"] for r in rows), "across": sum(r["bytes"] for r in rows if r["nodes"] > 1)}, compiled
+    across = [r for r in rows if r["nodes"] > 1]
+    return {"all": sum(r["bytes"] for r in rows), "across": sum(r["bytes"] for r in across),
+            "phases": sum(r["bytes"] for r in across if r["kind"] != "all-reduce")}, compiled
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,23 @@ def test_compressed_bytes_across_the_nodes_are_a_quarter_and_a_thirtysecond(runs
         assert across / two_level == pytest.approx(share + 1 / compression.BLOCK[kind], rel=0.03)  # module docstring
     # Inside the node the bucket goes in float32: the data axis as a whole sends about as much.
     assert runs["int8"][0]["all"] > 0.8 * runs["none"][0]["all"]
+
+
+def test_the_start_up_line_gives_the_compiled_bytes_between_nodes(runs):
+    """`meshtrain train` says how the gradients meet (grad_reduce.describe): the kind, the
+    axis, the nodes and the bytes a device sends between them a step, which are what
+    compiles, and their share of float32's."""
+    for kind in ("int8", "onebit"):
+        exp = runs[kind][3]
+        _, replicas = exp.reduction.axes(exp.layout, exp.mesh, exp.shardings.params, 1, False)
+        line = grad_reduce.describe(exp.reduction, replicas, dict(exp.mesh.shape))
+        said = re.fullmatch(rf"gradients: {kind} over data across 2 nodes, error feedback on: ([\d,]+) bytes a "
+                            rf"device a step between nodes, ([\d.]+) of float32's", line)
+        assert said, line
+        assert int(said[1].replace(",", "")) == runs[kind][0]["phases"]
+        assert float(said[2]) == pytest.approx(0.25 + 1 / 2048 if kind == "int8" else 1 / 32 + 1 / 64, abs=1e-3)
+    exp = runs["none"][3]
+    assert grad_reduce.describe(exp.reduction, (), dict(exp.mesh.shape)) is None  # XLA's reduction: nothing to say
 
 
 @pytest.mark.parametrize("kind", ["int8", "onebit"])

@@ -298,6 +298,8 @@ def test_two_processes_as_two_nodes_train_over_a_slow_link_and_a_kill_9_relaunch
     done = local_sh(2, *args[:1], f"--workdir={w}", *args[1:])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from step 5" in done.stdout
+    assert ("gradients: onebit over data across 2 nodes, error feedback on: " if "onebit" in scheme else
+            "gradients: DiLoCo, 2 islands (4 data replicas each): 3 inner steps a round") in done.stdout
     assert "error feedback starts from zero" not in done.stderr and "starts a new round" not in done.stderr
     assert_same_losses(losses(w), losses(tmp_path / "one"))
 

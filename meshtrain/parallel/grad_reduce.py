@@ -122,6 +122,43 @@ def state_shapes(reduction: Reduction, dil, inner_tx, param_shapes, param_shardi
     return compression.state_shapes(reduction.compression, mesh)
 
 
+def describe(reduction: Reduction, replicas: tuple[str, ...], mesh_shape: dict[str, int],
+             dil: diloco.Diloco | None = None) -> str | None:
+    """The start-up line on how the replicas' gradients meet where a key changed it from
+    XLA's reduction in the backward's dtype (train.grad_dtype, train.grad_compression,
+    train.compress_momentum, diloco.every); None where none did. `replicas`: the axes the
+    step reduces over by hand (Reduction.axes). A compression's bytes are its two phases'
+    between nodes (compression.wire, what the planner counts), against the same values in
+    float32, which a cluster's two-level reduction would send."""
+    if dil is not None:
+        each = f"{dil.per_island} data replica{'s' if dil.per_island > 1 else ''} each"
+        line = (f"DiLoCo, {dil.islands} islands ({each}): {dil.every} inner steps a "
+                f"round with no collective between islands, then an outer Nesterov step (lr {dil.outer_lr:g}, "
+                f"momentum {dil.outer_momentum:g})")
+        if dil.fragments > 1:
+            line += f", the layers in {dil.fragments} fragments meeting in turn"
+        if dil.compress != "none":
+            line += f", the pseudo-gradient {dil.compress} between islands"
+        return f"gradients: {line}"
+    comp = reduction.compression
+    if comp is None:
+        if reduction.dtype and replicas:
+            return f"gradients: reduced over {'+'.join(replicas)} in {reduction.dtype}, once a step"
+        return None
+    cut = comp.cut
+    between = sum(nbytes for _, axes, nbytes, _, in_node in compression.wire(comp, mesh_shape, replicas)
+                  if axes == comp.axes and not in_node)
+    float32 = 2 * (cut.k - 1) * 4 * cut.m
+    unit = "nodes" if comp.nodes > 1 else "positions"
+    where = f"across {cut.k} nodes" if comp.nodes > 1 else f"between all {cut.k} positions (no mesh.dcn)"
+    line = (f"gradients: {comp.kind} over {'+'.join(comp.axes)} {where}, error feedback "
+            f"{'on' if comp.feedback else 'off'}: {between:,.0f} bytes a device a step between {unit}, "
+            f"{between / float32:.3f} of float32's")
+    if comp.momentum is not None:
+        line += f"; the momentum compressed (1-bit Adam's form) after {comp.momentum.warmup} exact steps"
+    return line
+
+
 def replicas_by_hand(layout: Layout, mesh: Mesh, param_shardings, microbatches: int, gather: str) -> tuple[str, ...]:
     """The replica axes a reduction by hand sums over (those train.accum_gather=once
     gathers the params over included)."""
