@@ -129,13 +129,13 @@ def build(cfg, workdir: str | None, launch, cluster, source: str, xla_line: str)
 
 
 def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
-    """The start-up lines: devices, processes, mesh and layout, nodes, model, pipeline, and
-    how the gradients meet where a key changed it (grad_reduce.describe).
+    """The start-up lines: devices, processes, mesh and layout, nodes, model, pipeline, how
+    the gradients meet where a key changed it (grad_reduce.describe), and host offload.
     -> device id -> node, for the collectives report."""
     import jax
 
     from meshtrain import models  # here: flax, which `--help` never needs
-    from meshtrain.parallel import grad_reduce, sequence
+    from meshtrain.parallel import grad_reduce, offload, sequence
     from meshtrain.parallel.pipeline import ticks as pipeline_ticks
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
@@ -164,6 +164,8 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     gradients = grad_reduce.describe(exp.reduction, replicas, dict(exp.mesh.shape), exp.diloco)
     if gradients:
         say(gradients)
+    if exp.offload:
+        say(exp.offload.describe(offload.streams(exp.offload, exp.model)))
     return node
 
 

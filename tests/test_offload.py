@@ -216,6 +216,15 @@ def test_a_backend_without_host_memory_is_refused_naming_what_asked_for_it():
     offload.check_devices(offload.Offload(), "save_dots", [device])  # nothing asked: nothing to check
 
 
+def test_the_start_up_line_says_what_lives_on_the_host_and_how_it_comes_back():
+    both = offload.Offload.of(types.SimpleNamespace(offload="opt_state,params"))
+    assert both.describe(True) == (
+        "offload: opt_state, params in host memory (pinned_host) between steps; each stacked layer's parameters "
+        "come to the device inside the layer scan; the update takes one layer at a time")
+    assert offload.Offload(opt_state=True).describe(False) == (
+        "offload: opt_state in host memory (pinned_host) between steps; the update fetches the state whole")
+
+
 def test_the_memory_check_counts_the_offloaded_state_against_the_hosts_ram(capsys):
     """Simulated devices: the step and the offloaded state share the host's RAM; the device
     peak alone fits, with the host share it does not, and no compute lever is offered."""

@@ -72,6 +72,13 @@ class Offload:
     def names(self) -> tuple[str, ...]:
         return tuple(n for n in NAMES if getattr(self, n))
 
+    def describe(self, streams: bool) -> str:
+        """The start-up line: what lives in host memory between steps and how the step
+        brings it to the device (`streams`: the update one layer at a time, streams())."""
+        how = ["each stacked layer's parameters come to the device inside the layer scan"] if self.params else []
+        how.append("the update takes one layer at a time" if streams else "the update fetches the state whole")
+        return f"offload: {', '.join(self.names)} in host memory ({HOST}) between steps; {'; '.join(how)}"
+
     def state_shardings(self, shardings):
         """A TrainState of NamedShardings with the offloaded parts' memory kind set to HOST."""
         return shardings.replace(**{n: to_host(getattr(shardings, n)) for n in self.names})
