@@ -241,7 +241,7 @@ def killed(tmp_path_factory) -> SimpleNamespace:
     args = [f"--config={TINY}", ONE_DEVICE_EACH, f"--workdir={w}", *RUN, "--config.checkpoint.every=5",
             "--config.distributed.heartbeat_timeout=4"]
     procs = processes(2, args, d)
-    wait_for(lambda: logged(d / "p0.txt", 12), what="step 12")
+    wait_for(lambda: logged(d / "p0.txt", 12), what="step 12", procs=procs)
     procs[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     status = procs[0].wait(timeout=60)
@@ -289,7 +289,7 @@ def test_two_processes_as_two_nodes_train_over_a_slow_link_and_a_kill_9_relaunch
     procs = processes(2, [*args, f"--workdir={w}", "--config.checkpoint.every=5"], tmp_path,
                       fault={"kind": "hold", "step": 8, "until": str(tmp_path / "never")})
     try:
-        wait_for(lambda: steps_on_disk(w) == [5], what="step 5's checkpoint, committed")
+        wait_for(lambda: steps_on_disk(w) == [5], what="step 5's checkpoint, committed", procs=procs)
     finally:
         for p in procs:
             p.send_signal(signal.SIGKILL)
@@ -309,7 +309,7 @@ def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path):
     args = [f"--config={TINY}", ONE_DEVICE_EACH, "--config.train.steps=300", "--config.train.log_every=1",
             "--config.distributed.heartbeat_timeout=4"]
     procs = processes(2, args, tmp_path)
-    wait_for(lambda: logged(tmp_path / "p0.txt", 3), what="step 3")
+    wait_for(lambda: logged(tmp_path / "p0.txt", 3), what="step 3", procs=procs)
     # Process 1's finished steps reach process 0 in a beat sent at most PROGRESS_PERIOD after
     # they change, read within half a period: frozen sooner, it was last heard before any.
     time.sleep(2 * liveness.PROGRESS_PERIOD)
@@ -335,7 +335,7 @@ def test_kill_9_of_process_0_through_local_sh_stops_everything(tmp_path):
                               cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = script.stderr.readline()
     pids = [int(p) for p in first.split("(pids ")[1].split(")")[0].split()]
-    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3")
+    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3", procs=[script])
     subprocess.run(["kill", "-9", str(pids[0])], check=True)
     killed = time.monotonic()
     assert script.wait(timeout=60) == 137  # the worst status: process 0's SIGKILL
@@ -409,7 +409,7 @@ def test_local_sh_ctrl_c_saves_one_step_on_every_process_and_exits_0(tmp_path):
                                "--config.checkpoint.every=0"],
                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               preexec_fn=as_from_a_terminal)
-    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3")
+    wait_for(lambda: logged(w / "logs" / "process_0.log", 3), what="step 3", procs=[script])
     script.send_signal(signal.SIGINT)
     out, err = script.communicate(timeout=120)
     assert script.returncode == 0, err[-3000:]

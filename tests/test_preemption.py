@@ -24,9 +24,11 @@ RUN = ["--config=gpt2_tiny_dp8", "--config.train.log_every=1", "--config.train.e
 
 def start(workdir, *extra, env=None, log="out.txt"):
     out = open(workdir.parent / f"{workdir.name}-{log}", "a")
-    return subprocess.Popen([sys.executable, "-m", "meshtrain.train", *RUN, *extra, f"--workdir={workdir}"],
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.train", *RUN, *extra, f"--workdir={workdir}"],
                             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    proc.log = pathlib.Path(out.name)  # what wait_for quotes when it ends first
+    return proc
 
 
 def output(workdir, log="out.txt") -> str:
@@ -51,7 +53,7 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_the_restart_resumes_there(tm
     # Saves every 3 steps as well, so the signal may land while a save is in flight.
     args = ["--config.train.steps=40", "--config.checkpoint.every=3", "--config.checkpoint.keep=0"]
     p = start(w, *args)
-    wait_for(lambda: logged(w, 5), what="step 5")
+    wait_for(lambda: logged(w, 5), what="step 5", procs=[p])
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=120) == 0, output(w)
     out = output(w)
@@ -76,7 +78,7 @@ def test_ctrl_c_saves_at_the_next_step_and_the_rerun_continues_one_metrics_file(
     w = tmp_path / "w"
     args = ["--config.train.steps=30"]  # checkpoint.every=1000: only Ctrl-C saves before the end
     p = start(w, *args)
-    wait_for(lambda: logged(w, 5), what="step 5")
+    wait_for(lambda: logged(w, 5), what="step 5", procs=[p])
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=120) == 0, output(w)
     out = output(w)
@@ -95,9 +97,9 @@ def test_ctrl_c_saves_at_the_next_step_and_the_rerun_continues_one_metrics_file(
 def test_a_second_ctrl_c_quits_at_once_and_says_what_it_lost(tmp_path):
     w = tmp_path / "w"
     p = start(w, "--config.train.steps=3000")  # long enough that the first Ctrl-C is still saving
-    wait_for(lambda: logged(w, 3), what="step 3")
+    wait_for(lambda: logged(w, 3), what="step 3", procs=[p])
     p.send_signal(signal.SIGINT)
-    wait_for(lambda: "Ctrl-C: saving at the next step" in output(w), what="the first Ctrl-C")
+    wait_for(lambda: "Ctrl-C: saving at the next step" in output(w), what="the first Ctrl-C", procs=[p])
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=60) == 130, output(w)
     out = output(w)
@@ -131,8 +133,8 @@ def test_kill_9_at_any_moment_resumes_from_the_last_committed_step(tmp_path, ref
     for kill in range(2):
         p = start(w, *args, log=f"run{kill}.txt")
         if kill:  # each start resumes from the last step committed before the kill
-            wait_for(lambda: f"resuming from step {last}" in output(w, f"run{kill}.txt"), what="resume")
-        wait_for(lambda: logged(w, last + 3, f"run{kill}.txt"), what=f"step {last + 3}")
+            wait_for(lambda: f"resuming from step {last}" in output(w, f"run{kill}.txt"), what="resume", procs=[p])
+        wait_for(lambda: logged(w, last + 3, f"run{kill}.txt"), what=f"step {last + 3}", procs=[p])
         # Kill while a save is in flight: its tmp directory exists until Orbax renames it.
         wait_for(saving, what="a save in flight")
         p.send_signal(signal.SIGKILL)
@@ -171,7 +173,7 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_on_both(tmp_path):
                 for i in range(2)]
 
     procs = launch("p")
-    wait_for(lambda: logged(w, 5, "p0.txt"), what="step 5")
+    wait_for(lambda: logged(w, 5, "p0.txt"), what="step 5", procs=procs)
     procs[1].send_signal(signal.SIGTERM)  # only process 1 hears it
     assert [p.wait(timeout=180) for p in procs] == [0, 0], output(w, "p0.txt") + output(w, "p1.txt")
     stopped = int(output(w, "p0.txt").split("preempted (SIGTERM) at step ")[1].split(":")[0])

@@ -46,7 +46,9 @@ def trainer(args, log: pathlib.Path, env=None, fault: dict | None = None) -> sub
     out = open(log, "a")
     run = [str(ROOT / "tests" / "fault_run.py")] if fault else ["-m", "meshtrain.train"]
     env = {**ENV, **(env or {}), **({"MESHTRAIN_TEST_FAULT": json.dumps(fault)} if fault else {})}
-    return subprocess.Popen([sys.executable, *run, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    proc = subprocess.Popen([sys.executable, *run, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    proc.log = log  # what wait_for quotes when the process ends first
+    return proc
 
 
 def processes(n: int, args, logs: pathlib.Path, port: int | None = None,
@@ -63,9 +65,18 @@ def local_sh(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(predicate, timeout=180.0, what="condition"):
+def wait_for(predicate, timeout=180.0, what="condition", procs=()):
+    """Polls `predicate` until it holds; fails after `timeout` s, or as soon as one of `procs`
+    (Popen) has ended without it holding, with its status and its log's last lines (a
+    trainer's), instead of waiting out the timeout for a process that can no longer do it."""
     deadline = time.monotonic() + timeout
     while not predicate():
+        for proc in procs:
+            if proc.poll() is not None and not predicate():
+                log = getattr(proc, "log", None)
+                tail = "\n".join(log.read_text().splitlines()[-15:]) if log is not None and log.exists() else ""
+                raise AssertionError(f"waiting for {what}: pid {proc.pid} ended with status {proc.returncode} "
+                                     f"first{': ' + chr(10) + tail if tail else ''}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
