@@ -130,12 +130,12 @@ def build(cfg, workdir: str | None, launch, cluster, source: str, xla_line: str)
 
 def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     """The start-up lines: devices, processes, mesh and layout, nodes, model, pipeline, how
-    the gradients meet where a key changed it (grad_reduce.describe), and host offload.
+    the gradients meet where a key changed it (Experiment.gradients_line), and host offload.
     -> device id -> node, for the collectives report."""
     import jax
 
     from meshtrain import models  # here: flax, which `--help` never needs
-    from meshtrain.parallel import grad_reduce, offload, sequence
+    from meshtrain.parallel import offload, sequence
     from meshtrain.parallel.pipeline import ticks as pipeline_ticks
 
     say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({source})")
@@ -159,9 +159,7 @@ def describe(exp, launch, cluster, source: str, say) -> dict[int, int]:
     pipe = exp.model.pipeline
     if pipe is not None:
         say(f"pipeline: {pipeline_ticks.describe(pipe)}")
-    _, replicas = exp.reduction.axes(exp.layout, exp.mesh, exp.shardings.params, exp.cfg.train.grad_accum_steps,
-                                     bool(exp.model.stats_shapes))
-    gradients = grad_reduce.describe(exp.reduction, replicas, dict(exp.mesh.shape), exp.diloco)
+    gradients = exp.gradients_line()
     if gradients:
         say(gradients)
     if exp.offload:

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.errors import UserError
-from meshtrain.parallel import compression, grad_reduce
+from meshtrain.parallel import compression
 from meshtrain.planner import analytic, bounds, hlo, roofline
 from meshtrain.run.experiment import Experiment
 from support.configs import configured
@@ -69,20 +69,17 @@ def test_compressed_bytes_across_the_nodes_are_a_quarter_and_a_thirtysecond(runs
 
 
 def test_the_start_up_line_gives_the_compiled_bytes_between_nodes(runs):
-    """`meshtrain train` says how the gradients meet (grad_reduce.describe): the kind, the
+    """`meshtrain train` says how the gradients meet (Experiment.gradients_line): the kind, the
     axis, the nodes and the bytes a device sends between them a step, which are what
     compiles, and their share of float32's."""
     for kind in ("int8", "onebit"):
-        exp = runs[kind][3]
-        _, replicas = exp.reduction.axes(exp.layout, exp.mesh, exp.shardings.params, 1, False)
-        line = grad_reduce.describe(exp.reduction, replicas, dict(exp.mesh.shape))
+        line = runs[kind][3].gradients_line()
         said = re.fullmatch(rf"gradients: {kind} over data across 2 nodes, error feedback on: ([\d,]+) bytes a "
                             rf"device a step between nodes, ([\d.]+) of float32's", line)
         assert said, line
         assert int(said[1].replace(",", "")) == runs[kind][0]["phases"]
         assert float(said[2]) == pytest.approx(0.25 + 1 / 2048 if kind == "int8" else 1 / 32 + 1 / 64, abs=1e-3)
-    exp = runs["none"][3]
-    assert grad_reduce.describe(exp.reduction, (), dict(exp.mesh.shape)) is None  # XLA's reduction: nothing to say
+    assert runs["none"][3].gradients_line() is None  # XLA's reduction: nothing to say
 
 
 @pytest.mark.parametrize("kind", ["int8", "onebit"])

@@ -149,8 +149,8 @@ def describe(reduction: Reduction, replicas: tuple[str, ...], mesh_shape: dict[s
     between = sum(nbytes for _, axes, nbytes, _, in_node in compression.wire(comp, mesh_shape, replicas)
                   if axes == comp.axes and not in_node)
     float32 = 2 * (cut.k - 1) * 4 * cut.m
-    unit = "nodes" if comp.nodes > 1 else "positions"
-    where = f"across {cut.k} nodes" if comp.nodes > 1 else f"between all {cut.k} positions (no mesh.dcn)"
+    where, unit = ((f"across {cut.k} nodes", "nodes") if comp.nodes > 1 else
+                   (f"between all {cut.k} positions (no mesh.dcn)", "positions"))
     line = (f"gradients: {comp.kind} over {'+'.join(comp.axes)} {where}, error feedback "
             f"{'on' if comp.feedback else 'off'}: {between:,.0f} bytes a device a step between {unit}, "
             f"{between / float32:.3f} of float32's")

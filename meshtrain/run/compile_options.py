@@ -1,9 +1,6 @@
 """How a program compiles when it is only read, or run a few steps: the compiler options,
-and the thresholds that choose them (docs/testing.md, "Analysis compiles").
-
-XLA renames and retires its debug options between releases, and one it does not know fails
-the whole compile, so every option set here passes through `known_options` first.
-"""
+as this jaxlib takes them (`known_options`), and the thresholds that choose them
+(docs/testing.md, "Analysis compiles")."""
 
 from __future__ import annotations
 

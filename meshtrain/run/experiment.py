@@ -265,6 +265,13 @@ class Experiment:
                    train_step, eval_step, batch_sharding, task, dcn, inputs.init, accum, why, offload, reduction,
                    dil, inner_tx)
 
+    def gradients_line(self) -> str | None:
+        """The start-up line on how the replicas' gradients meet (grad_reduce.describe), or
+        None where no key changed it."""
+        _, replicas = self.reduction.axes(self.layout, self.mesh, self.shardings.params,
+                                          self.cfg.train.grad_accum_steps, bool(self.model.stats_shapes))
+        return grad_reduce.describe(self.reduction, replicas, dict(self.mesh.shape), self.diloco)
+
     @property
     def batch_fields(self):
         """The task's batch at train.batch_size rows: a pytree of tasks.Field."""

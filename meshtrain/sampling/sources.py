@@ -231,7 +231,8 @@ class PromptTokenizer:
         # Meta's tokenizer.model has no post-processor: its reference encodes a completion's
         # prompt with bos=True, and the tokenizer.json transformers converts it to prepends
         # <|begin_of_text|> (a TemplateProcessing), so the model has always seen it first.
-        return np.concatenate([[self.tok.special["<|begin_of_text|>"]], self.tok.encode(text)]).astype(np.int32)
+        from meshtrain.data.hf_tokenizer import special_id
+        return np.concatenate([[special_id(self.tok, "<|begin_of_text|>")], self.tok.encode(text)]).astype(np.int32)
 
 
 def check_source(flags: dict) -> None:

@@ -75,8 +75,8 @@ def wait_for(predicate, timeout=180.0, what="condition", procs=()):
             if proc.poll() is not None and not predicate():
                 log = getattr(proc, "log", None)
                 tail = "\n".join(log.read_text().splitlines()[-15:]) if log is not None and log.exists() else ""
-                raise AssertionError(f"waiting for {what}: pid {proc.pid} ended with status {proc.returncode} "
-                                     f"first{': ' + chr(10) + tail if tail else ''}")
+                said = f"waiting for {what}: pid {proc.pid} ended with status {proc.returncode} first"
+                raise AssertionError(f"{said}:\n{tail}" if tail else said)
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
