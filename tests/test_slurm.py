@@ -312,7 +312,10 @@ def test_time_limit_requeues_and_resumes_like_an_unbroken_run(time_limit_job):
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, job_log, log0[-3000:])
     restarts = int(info["Restarts"])
     assert restarts >= 1, f"the run fit into one allocation (its first run trains at 1.5 s a step)\n{job_log}"
-    assert job_log.count("time limit: asking every task to save") == restarts, job_log
+    # The last run may be warned as it takes its last steps (a slow host): it ends, and the
+    # script says so instead of requeueing (test_a_run_that_ends_as_the_time_limit_warning...).
+    ended_when_warned = "the run reached its end as the time limit came: nothing to requeue" in job_log
+    assert job_log.count("time limit: asking every task to save") == restarts + ended_when_warned, job_log
     assert job_log.count("time limit: requeueing") == restarts, job_log
     assert f"(restart {restarts})" in job_log and "srun exited with status 0" in job_log
     # Every stop saved a step, and the next run resumed from it and went past it.
