@@ -3,6 +3,8 @@ at lr 1 is data parallelism; an inner step sends nothing across nodes and a roun
 what the formula says; a resume mid-round is exact, and one that cannot take the round
 starts a new one from the outer params; what cannot train apart is refused with the fix."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,11 @@ def test_an_inner_step_sends_nothing_across_nodes_and_a_round_what_the_formula_s
         got = sum(r["bytes"] for r in outer if (r["kind"], r["mesh_axes"], r["nodes"] == 1) == (kind, axes, in_node))
         assert got == pytest.approx(nbytes, rel=0.01), (kind, got, nbytes)
     assert sum(r["bytes"] for r in outer) == pytest.approx(sum(w[2] for w in diloco.wire(exp.diloco, local)), rel=0.01)
+    # `meshtrain train`'s start-up line says the bytes a round sends between the islands.
+    said = re.search(r": ([\d,]+) bytes a device a round between islands \(([\d,]+) a step\)$", exp.gradients_line())
+    between = [int(said[i].replace(",", "")) for i in (1, 2)]
+    assert between[0] == pytest.approx(sum(r["bytes"] for r in outer if r["nodes"] > 1), rel=0.01)
+    assert between[1] == round(between[0] / 2)
     # Between rounds the islands part; at a round's end every replica holds the outer params.
     state = history[-1][0]
     for outer_p, rows in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.comm["params"])):

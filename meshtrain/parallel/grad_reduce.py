@@ -123,13 +123,15 @@ def state_shapes(reduction: Reduction, dil, inner_tx, param_shapes, param_shardi
 
 
 def describe(reduction: Reduction, replicas: tuple[str, ...], mesh_shape: dict[str, int],
-             dil: diloco.Diloco | None = None) -> str | None:
+             dil: diloco.Diloco | None = None, local_values: int = 0) -> str | None:
     """The start-up line on how the replicas' gradients meet where a key changed it from
     XLA's reduction in the backward's dtype (train.grad_dtype, train.grad_compression,
     train.compress_momentum, diloco.every); None where none did. `replicas`: the axes the
     step reduces over by hand (Reduction.axes). A compression's bytes are its two phases'
     between nodes (compression.wire, what the planner counts), against the same values in
-    float32, which a cluster's two-level reduction would send."""
+    float32, which a cluster's two-level reduction would send; DiLoCo's, its outer steps'
+    between islands over a round (diloco.wire of `local_values`, one device's values of a
+    replica's params: every fragment meets once a round)."""
     if dil is not None:
         each = f"{dil.per_island} data replica{'s' if dil.per_island > 1 else ''} each"
         line = (f"DiLoCo, {dil.islands} islands ({each}): {dil.every} inner steps a "
@@ -139,7 +141,9 @@ def describe(reduction: Reduction, replicas: tuple[str, ...], mesh_shape: dict[s
             line += f", the layers in {dil.fragments} fragments meeting in turn"
         if dil.compress != "none":
             line += f", the pseudo-gradient {dil.compress} between islands"
-        return f"gradients: {line}"
+        between = sum(nbytes for _, _, nbytes, _, in_node in diloco.wire(dil, local_values) if not in_node)
+        return (f"gradients: {line}: {between:,.0f} bytes a device a round between islands "
+                f"({between / dil.every:,.0f} a step)")
     comp = reduction.compression
     if comp is None:
         if reduction.dtype and replicas:
