@@ -74,8 +74,7 @@ def test_an_inner_step_sends_nothing_across_nodes_and_a_round_what_the_formula_s
     # ... which the plan report times on the node's links, not the network
     assert not any(r["crosses_nodes"] for r in roofline.place(inner, exp.mesh, node_of))
     outer = hlo.collective_table(compiled.outer[0], exp.mesh, node_of)
-    local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
-                                   [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)
+    local = diloco.local_values(exp.model.shapes, exp.shardings.params, exp.mesh)
     for kind, axes, nbytes, _, in_node in diloco.wire(exp.diloco, local):
         got = sum(r["bytes"] for r in outer if (r["kind"], r["mesh_axes"], r["nodes"] == 1) == (kind, axes, in_node))
         assert got == pytest.approx(nbytes, rel=0.01), (kind, got, nbytes)
@@ -124,8 +123,7 @@ def test_the_pseudo_gradient_in_int8_sends_a_quarter_across_nodes_and_trains_ali
     node_of = roofline.node_of_position(exp.mesh, 4, exp.dcn)
     across = [sum(r["bytes"] for r in hlo.collective_table(c.outer[0], e.mesh, node_of) if r["nodes"] > 1)
               for e, c in ((exp, compiled), (exp8, compiled8))]
-    local = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)],
-                                   [s.spec for s in jax.tree.leaves(exp.shardings.params)], exp.mesh)
+    local = diloco.local_values(exp.model.shapes, exp.shardings.params, exp.mesh)
     assert across[1] == pytest.approx(sum(w[2] for w in diloco.wire(exp8.diloco, local) if not w[4]), rel=0.01)
     assert 0.24 < across[1] / across[0] <= 0.27
     assert [r for r in hlo.collective_table(compiled8.inner, exp8.mesh, node_of) if r["nodes"] > 1] == []
@@ -218,7 +216,7 @@ def test_streaming_fragments_meet_in_turn_and_each_sends_its_share(rounds):
         across = sum(r["bytes"] for r in hlo.collective_table(program, exp.mesh, node_of) if r["nodes"] > 1)
         assert across == pytest.approx(sum(w[2] for w in diloco.wire(exp.diloco, local) if not w[4]), rel=0.01)
         sent.append(across)
-    full = compression.local_size([s.shape for s in jax.tree.leaves(exp.model.shapes)], specs, exp.mesh)
+    full = diloco.local_values(exp.model.shapes, exp.shardings.params, exp.mesh)
     assert sum(sent) == pytest.approx(sum(w[2] for w in diloco.wire(whole.diloco, full) if not w[4]), rel=0.01)
     assert max(sent) < 0.75 * sum(sent)
     history = [jax.device_get(x) for x in stepped(exp, 2, step=compiled)]

@@ -154,6 +154,13 @@ def resolve(c, train, layout, mesh_shape: dict[str, int], dcn: dict[str, int] | 
                   c.fragments)
 
 
+def local_values(param_shapes, param_shardings, mesh: Mesh) -> int:
+    """One device's values of a replica's params: what an outer step reduces (`wire`'s
+    `local_values`)."""
+    return compression.local_size([s.shape for s in jax.tree.leaves(param_shapes)],
+                                  [s.spec for s in jax.tree.leaves(param_shardings)], mesh)
+
+
 def stack_of(stacked: str | None, param_shapes, param_shardings) -> tuple:
     """`resolve`'s `stack`: (the stacked layers' params key, their count, their shardings)."""
     if stacked is None:

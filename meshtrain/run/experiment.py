@@ -29,7 +29,7 @@ from meshtrain.errors import UserError
 from meshtrain.models import documents
 from meshtrain.parallel import layouts
 from meshtrain.parallel import sequence
-from meshtrain.parallel import compression, diloco as diloco_lib, grad_reduce, momentum_compression, offload as offload_lib
+from meshtrain.parallel import diloco as diloco_lib, grad_reduce, momentum_compression, offload as offload_lib
 from meshtrain.parallel.layouts import Layout
 from meshtrain.parallel.pipeline import scan as pipeline
 from meshtrain.run import loop
@@ -270,9 +270,8 @@ class Experiment:
         None where no key changed it."""
         _, replicas = self.reduction.axes(self.layout, self.mesh, self.shardings.params,
                                           self.cfg.train.grad_accum_steps, bool(self.model.stats_shapes))
-        local = 0 if self.diloco is None else compression.local_size(
-            [s.shape for s in jax.tree.leaves(self.model.shapes)],
-            [s.spec for s in jax.tree.leaves(self.shardings.params)], self.mesh)
+        local = 0 if self.diloco is None else diloco_lib.local_values(self.model.shapes, self.shardings.params,
+                                                                        self.mesh)
         return grad_reduce.describe(self.reduction, replicas, dict(self.mesh.shape), self.diloco, local)
 
     @property
