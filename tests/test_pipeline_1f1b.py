@@ -105,17 +105,16 @@ def test_interleaved_stash_slots_never_collide():
 
 
 CASES = {  # name: (config, overrides, layers)
+    # Each schedule, stash, split, layout and family in some case, not every combination.
     # gpt2_tiny_pp2_dp4 under 1f1b and zb is test_dropout_masks_are_gpipes' (GPipe's loss and
-    # gradients, which test_pipeline matches to the unpipelined model's)
-    "gpt2_pp4_dp2": ("gpt2_tiny_pp4_dp2", {}, 4),
+    # gradients, which test_pipeline matches to the unpipelined model's); S = 4 at one chunk
+    # a stage is gpt2_pp4_dp2_zb_residuals' (zb's F and B slots are 1f1b's); tensor
+    # parallelism and Llama at v = 2 are llama_dp2_pp2_tp2_zb_v2's.
     "gpt2_pp4_dp2_interleaved": ("gpt2_tiny_pp4_dp2_circular", {"pipeline.schedule": "interleaved"}, 8),
     "gpt2_dp2_pp2_tp2_residuals": ("gpt2_tiny_dp2_pp2_tp2", {"pipeline.stash": "residuals"}, 2),
     "gpt2_fsdp_in_stages": ("gpt2_tiny_pp2_dp4", {"mesh.shape": "stage:2,fsdp:4", "layout": "fsdp_pp",
                                                   "train.loss_chunk": 64}, 2),
     "llama_zero2_residuals": ("llama_tiny_pp2_dp4", {"layout": "zero2_pp", "pipeline.stash": "residuals"}, 2),
-    "llama_dp2_pp2_tp2_interleaved": ("llama_tiny_pp2_dp4", {
-        "mesh.shape": "data:2,stage:2,tensor:2", "layout": "dp_pp_tp", "model.num_layers": 4,
-        "pipeline.schedule": "interleaved", "pipeline.repeats": 2, "pipeline.microbatches": 4}, 4),
     # ZB-H1 (test_pipeline_zb.py): each layout, stash, split and family, ZeRO-2 and v = 2
     # among four cases
     "gpt2_pp4_dp2_zb_residuals": ("gpt2_tiny_pp4_dp2", {"pipeline.schedule": "zb", "pipeline.stash": "residuals"}, 4),
@@ -136,8 +135,7 @@ CASES = {  # name: (config, overrides, layers)
 @pytest.fixture(scope="module")
 def reference():
     """reference(config name, layers): the unpipelined model on one device, computed when a
-    case first asks for its (family, layer count) on this xdist worker (the cases of this
-    module are spread over both)."""
+    case first asks for its (family, layer count)."""
     out = {}
 
     def get(name, layers):
