@@ -108,20 +108,26 @@ def test_pipelined_loss_and_grads_match_unpipelined(case, make_config, reference
 
 
 def collectives_for(make_config, microbatches, **overrides):
-    cfg = make_config("gpt2_tiny_dp8", **{"pipeline.microbatches": microbatches, **overrides})
-    return hlo.collectives(Experiment.build(cfg).compile(analysis=True))
+    """(collectives by kind, {(kind, mesh axes): count}) of the compiled train step."""
+    exp = Experiment.build(make_config("gpt2_tiny_dp8", **{"pipeline.microbatches": microbatches, **overrides}))
+    compiled = exp.compile(analysis=True)
+    return hlo.collectives(compiled), {(r["kind"], r["mesh_axes"]): r["count"]
+                                       for r in hlo.collective_table(compiled, exp.mesh)}
 
 
-@pytest.mark.parametrize("mesh, layout", [("stage:2,fsdp:4", "fsdp_pp"), ("data:4,stage:2", "dp_pp")])
-def test_weights_gathered_and_grads_reduced_once_per_step(make_config, mesh, layout):
+def test_weights_gathered_and_grads_reduced_once_per_step(make_config):
     """Gathers and reductions do not grow with the number of microbatches (ticks);
-    only the stage-to-stage collective-permutes do: one per tick forward, two back."""
-    small, large = (collectives_for(make_config, m, **{"mesh.shape": mesh, "layout": layout,
-                                                       "model.num_layers": 4}) for m in (2, 4))
+    only the stage-to-stage collective-permutes do: one per tick forward, two back. On
+    data:2 x stage:2 x fsdp:2 one step holds what dp_pp and fsdp_pp each do: FSDP's weights
+    gathered, and the gradients reduced over data and over fsdp."""
+    (small, by_axes), (large, _) = (collectives_for(make_config, m, **{
+        "mesh.shape": "data:2,stage:2,fsdp:2", "layout": "fsdp_pp", "model.num_layers": 4}) for m in (2, 4))
     for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all"):
         assert (small[kind].count, small[kind].bytes) == (large[kind].count, large[kind].bytes), kind
-    if layout == "fsdp_pp":
-        assert small["all-gather"].count > 0
+    assert small["all-gather"].count > 0
+    reduced = {axis for (kind, axes), n in by_axes.items() if kind in ("all-reduce", "reduce-scatter") and n
+               for axis in axes}
+    assert {"data", "fsdp"} <= reduced, by_axes
     assert large["collective-permute"].count - small["collective-permute"].count == 3 * (4 - 2)
 
 
