@@ -32,7 +32,8 @@ LAYOUTS = {  # each layout family on 8 simulated devices
 # stack and dense head, ResNet's residual adds and projections), once beside data and once
 # beside FSDP; data parallelism, ZeRO-1 and FSDP shard the batch, the optimizer state and
 # the parameters whatever the model computes, so each runs on one (VGG's ZeRO-1 is its
-# data-parallel step with a sharded update). Every case synchronises BatchNorm over data.
+# data-parallel step with a sharded update). Every case splits the batch, so BatchNorm
+# synchronises its statistics in each.
 CASES = [("vgg_tiny", "zero1"), ("vgg_tiny", "fsdp_tp"), ("vgg_tiny", "dp_spatial"),
          ("resnet_tiny", "dp"), ("resnet_tiny", "fsdp"), ("resnet_tiny", "dp_tp"), ("resnet_tiny", "dp_spatial")]
 # SGD with momentum at a constant lr 0.2, no warm-up: both tiny models learn within 20
